@@ -1,0 +1,14 @@
+"""mamba3_step: the Mamba-3 MIMO decode step over paged state pools.
+
+``mamba3_step_fn`` runs the CuteDSL kernel on CUDA tensors and a PyTorch implementation
+of the same contract on CPU tensors. See README.md and SPEC (docs/design.md).
+"""
+
+from .spec import StepSpec, flagship_spec
+
+PAD_SLOT_ID = -1
+
+from .api import mamba3_step_fn  # noqa: E402
+
+__all__ = ["PAD_SLOT_ID", "StepSpec", "flagship_spec", "mamba3_step_fn"]
+__version__ = "0.1.0"

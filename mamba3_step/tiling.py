@@ -1,0 +1,114 @@
+"""Thread/tile layout arithmetic of the step kernel, in plain Python (no CuteDSL import).
+
+One CTA owns one (lane b, head h, D-tile) triple: a ``(tile_D, N)`` slab of the state. Its
+threads are laid out as a row-major grid of ``rows_per_pass x TPR`` threads over that slab:
+
+* each thread moves one 16-byte vector of ``VN = 16 / sizeof(state)`` consecutive N elements
+  per access (fp32: 4, bf16/fp16: 8), so every state load and store is a 16-byte access;
+* ``TPR = min(32, N / VN)`` consecutive lanes of a warp cover one row (threads per row);
+  when ``N / VN > 32`` each thread takes ``CPT`` vectors per row, ``TPR * VN`` apart, so a
+  warp instruction still touches one contiguous 512-byte span;
+* a warp covers ``RPW = 32 / TPR`` rows, the CTA ``rows_per_pass = num_warps * RPW`` rows,
+  and a thread owns ``rows_per_thread = tile_D / rows_per_pass`` rows, ``rows_per_pass`` apart.
+
+The per-row reduction ``y[r, d] = sum_n new_state[d, n] * C[r, n]`` is a butterfly over the
+TPR lanes of a row (``log2(TPR)`` shuffles) after each thread has summed its own VN * CPT
+elements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .spec import DTYPE_BYTES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, StepSpec
+
+VECTOR_BYTES = 16
+WARP = 32
+ALLOWED_NUM_WARPS = (1, 2, 4, 8, 16)
+#: the default num_warps aims at this many 32-bit state words held per thread
+TARGET_STATE_WORDS_PER_THREAD = 32
+
+
+@dataclass(frozen=True)
+class ThreadLayout:
+    VN: int  # state elements per 16-byte vector
+    TPR: int  # threads per state row
+    CPT: int  # 16-byte chunks per thread per row
+    RPW: int  # rows per warp per pass
+    rows_per_pass: int
+    rows_per_thread: int
+    num_threads: int
+    state_words_per_thread: int  # 32-bit registers the state fragment occupies
+
+
+def thread_layout(dstate: int, tile_D: int, num_warps: int, state_dtype: str) -> ThreadLayout:
+    VN = VECTOR_BYTES // DTYPE_BYTES[state_dtype]
+    TPR = min(WARP, dstate // VN)
+    CPT = dstate // (TPR * VN)
+    RPW = WARP // TPR
+    rows_per_pass = num_warps * RPW
+    rows_per_thread = max(1, tile_D // rows_per_pass)
+    words = rows_per_thread * CPT * VN * DTYPE_BYTES[state_dtype] // 4
+    return ThreadLayout(VN, TPR, CPT, RPW, rows_per_pass, rows_per_thread, num_warps * WARP, words)
+
+
+def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str) -> tuple[int, int]:
+    """Per-configuration default ``(tile_D, num_warps)``.
+
+    ``tile_D = headdim``: one CTA owns a whole (lane, head), which is what makes
+    update_kv_state race-free and keeps the B/C staging cost paid once per (lane, head).
+    ``num_warps`` is the smallest power of two in [4, 16] that keeps the state fragment at
+    about 32 registers per thread (up to 64 for the 128 KB slab of D=128, N=256, fp32),
+    leaving room for the row's coefficients under a 128-register budget; it is lowered if
+    the CTA would have more rows per pass than the tile has rows.
+    """
+    tile_D = headdim
+    slab_bytes = tile_D * dstate * DTYPE_BYTES[state_dtype]
+    want = slab_bytes // (WARP * 4 * TARGET_STATE_WORDS_PER_THREAD)
+    num_warps = 4
+    while num_warps < want and num_warps < 16:
+        num_warps *= 2
+    while num_warps > 1 and thread_layout(dstate, tile_D, num_warps, state_dtype).rows_per_pass > tile_D:
+        num_warps //= 2
+    return tile_D, num_warps
+
+
+def tiling_problem(spec: StepSpec) -> str | None:
+    """Why ``spec``'s (tile_D, num_warps) cannot be compiled, or None when it can."""
+    if spec.num_warps not in ALLOWED_NUM_WARPS:
+        return f"num_warps must be one of {ALLOWED_NUM_WARPS}, got {spec.num_warps}"
+    if spec.tile_D <= 0 or spec.tile_D & (spec.tile_D - 1) or spec.headdim % spec.tile_D:
+        return (
+            f"tile_D must be a power of two dividing headdim={spec.headdim}, got {spec.tile_D}"
+        )
+    lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype)
+    if lay.rows_per_pass > spec.tile_D:
+        return (
+            f"tile_D={spec.tile_D} is smaller than the {lay.rows_per_pass} rows that "
+            f"num_warps={spec.num_warps} cover in one pass (N={spec.dstate}, "
+            f"{spec.state_dtype} state); use tile_D >= {lay.rows_per_pass} or fewer warps"
+        )
+    if lay.state_words_per_thread > 64:
+        return (
+            f"tile_D={spec.tile_D}, num_warps={spec.num_warps} would hold "
+            f"{lay.state_words_per_thread} state registers per thread (at most 64): "
+            "use more warps or a smaller tile_D"
+        )
+    if spec.update_kv_state and spec.tile_D < spec.headdim:
+        return (
+            f"update_kv_state needs tile_D >= headdim (one CTA per (lane, head) owns the "
+            f"B/x row), got tile_D={spec.tile_D} < headdim={spec.headdim}"
+        )
+    return None
+
+
+def shape_problem(dstate: int, headdim: int, mimo: int) -> str | None:
+    """Why (N, D, R) is unsupported, listing what is, or None."""
+    bad = []
+    if dstate not in SUPPORTED_N:
+        bad.append(f"N (dstate) must be one of {SUPPORTED_N}, got {dstate}")
+    if headdim not in SUPPORTED_D:
+        bad.append(f"D (headdim) must be one of {SUPPORTED_D}, got {headdim}")
+    if mimo not in SUPPORTED_R:
+        bad.append(f"R (mimo rank) must be one of {SUPPORTED_R}, got {mimo}")
+    return "; ".join(bad) or None
