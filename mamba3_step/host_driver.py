@@ -31,12 +31,25 @@ from .kernel import Mamba3StepKernel, kernel_arguments
 from .spec import StepSpec
 
 
+class HostStages(Mamba3StepKernel):
+    """The kernel's stages with the one cross-thread step replaced for a serial host loop."""
+
+    @cute.jit
+    def row_fence(self):
+        pass  # threads run one after another: nothing to order
+
+    @cute.jit
+    def reduce_row(self, partial: Float32, sY: cute.Tensor, r: int, d: Int32, tidx: Int32):
+        # stands in for the butterfly shuffle: threads run in order, so accumulate
+        sY[r, d] = sY[r, d] + partial
+
+
 class HostDriver:
     def __init__(self, spec: StepSpec):
-        self.k = Mamba3StepKernel(spec)
+        self.k = HostStages(spec)
         self.spec = spec
         self.nt = self.k.num_threads
-        self.rows_per_thread = self.k.layout.rows_per_thread
+        self.row_groups = self.k.layout.row_groups
         self.R = spec.mimo
         self.tile_D = spec.tile_D
         self.n_dtiles = spec.headdim // spec.tile_D
@@ -91,23 +104,17 @@ class HostDriver:
                         for r in cutlass.range(self.R):
                             for d in cutlass.range(self.tile_D):
                                 sY[r, d] = Float32(0.0)
-                        for tidx in cutlass.range(self.nt):
-                            tiled_copy, tSgS, tScS = self.k.partition_state(mState, src, h, dtile, tidx)
-                            tSrS = cute.make_fragment_like(tSgS)
-                            cute.copy(tiled_copy, tSgS, tSrS)
-                            tYrY = cute.make_rmem_tensor(
-                                cute.make_layout((self.R, self.rows_per_thread), stride=(self.rows_per_thread, 1)),
-                                Float32,
-                            )
-                            self.k.update_rows(tSrS, tScS, tYrY, sB, sBs, sC, sX, sXs, sXproj, alpha, beta, gamma)
-                            if dst_live:
-                                mRowsWritten[b] = dst
-                                self.k.store_state(tiled_copy, tSrS, mState, mStateOut, dst, h, dtile, tidx)
-                            # host stand-in for the shuffle reduction (reduce_rows_to_smem)
-                            for i in cutlass.range_constexpr(self.rows_per_thread):
-                                d = tScS[0, i, 0][0]
-                                for r in cutlass.range_constexpr(self.R):
-                                    sY[r, d] = sY[r, d] + tYrY[r, i]
+                        for g in cutlass.range_constexpr(self.row_groups):
+                            for tidx in cutlass.range(self.nt):
+                                tiled_copy = self.k.state_tiled_copy()
+                                tSgS, tScS = self.k.partition_state(tiled_copy, mState, src, h, dtile, g, tidx)
+                                tSrS = cute.make_fragment_like(tSgS)
+                                cute.copy(tiled_copy, tSgS, tSrS)
+                                self.k.update_rows(tSrS, tScS, sB, sBs, sC, sX, sXs, sXproj, sY, alpha, beta,
+                                                   gamma, tidx)
+                                if dst_live:
+                                    mRowsWritten[b] = dst
+                                    self.k.store_state(tiled_copy, tSrS, mState, mStateOut, dst, h, dtile, g, tidx)
                         # -- barrier --
                         for tidx in cutlass.range(self.nt):
                             self.k.epilogue(sY, sX, sXproj, mDskip, mZ, mZproj, mOutproj, mOut, b, h, dtile, tidx, self.nt)
@@ -141,3 +148,31 @@ def run_on_host(spec: StepSpec, **tensors) -> dict:
     driver = HostDriver(spec)
     driver(*cargs, *[_cute(s) for s in scratch], _cute(rows_read), _cute(rows_written))
     return {"rows_read": rows_read, "rows_written": rows_written}
+
+
+def host_step_fn(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj=None, state_out=None, out=None,
+                 z=None, zproj=None, *, state_batch_indices=None, dst_state_batch_indices=None, null_slot_id=None,
+                 update_kv_state=False, tile_D=None, num_warps=None, validate_indices=False):
+    """``mamba3_step_fn``'s contract on CPU tensors, computed by the kernel's own stages.
+
+    Same arguments, validation and in-place effects as :func:`mamba3_step.mamba3_step_fn`;
+    the work is done by :func:`run_on_host`. A test instrument: slow, for small shapes.
+    """
+    from .validation import check_indices, check_step_inputs
+
+    tensors = dict(state=state, Bstate=Bstate, Xstate=Xstate, A=A, B=B, C=C, D=D, x=x, dt=dt, trap=trap,
+                   xproj=xproj, outproj=outproj, state_out=state_out, out=out, z=z, zproj=zproj)
+    spec = check_step_inputs(**tensors, state_batch_indices=state_batch_indices,
+                             dst_state_batch_indices=dst_state_batch_indices, null_slot_id=null_slot_id,
+                             update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
+    if out is None:
+        shape = (x.shape[0], x.shape[1], x.shape[2]) if outproj is not None else \
+            (x.shape[0], xproj.shape[0], x.shape[1], x.shape[2])
+        tensors["out"] = out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    if validate_indices:
+        check_indices(state_batch_indices, dst_state_batch_indices, state.shape[0], null_slot_id)
+    run_on_host(spec, **tensors, state_batch_indices=state_batch_indices,
+                dst_state_batch_indices=dst_state_batch_indices, null_slot_id=null_slot_id)
+    return out

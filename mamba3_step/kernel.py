@@ -13,8 +13,10 @@ the same code runs in the kernel (one CTA, one thread each) and in the host driv
                                               -> (tile_D,) / (R, tile_D) fp32 (shared memory)
 3. :meth:`Mamba3StepKernel.store_kv_state`   update_kv_state: staged B / x -> Bstate / Xstate[dst]
 4. :meth:`Mamba3StepKernel.update_rows`      a thread's state fragment -> new state (in place)
-                                              and its partial y[r, d] sums over its N elements
-5. (GPU only) butterfly shuffle of the partials over the TPR lanes of a row -> sY (R, tile_D)
+                                              and its partial y[r, d] sums over its N elements,
+   :meth:`Mamba3StepKernel.reduce_row`       (GPU only) completed by a butterfly shuffle over
+                                              the TPR lanes of the row -> sY (R, tile_D)
+5. :meth:`Mamba3StepKernel.store_state`      16-byte stores of the new state to row dst
 6. :meth:`Mamba3StepKernel.epilogue`         y + D * xr, z gate, outproj -> out
    :meth:`Mamba3StepKernel.zero_out`         padding lanes: out = 0, nothing else
 
@@ -29,6 +31,7 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
 
 from .spec import StepSpec
 from .tiling import thread_layout, tiling_problem
@@ -54,7 +57,7 @@ class Mamba3StepKernel:
         self.D = spec.headdim
         self.R = spec.mimo
         self.tile_D = spec.tile_D
-        lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype)
+        lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo)
         self.layout = lay
         self.num_threads = lay.num_threads
         self.state_dtype = CUTLASS_DTYPES[spec.state_dtype]
@@ -67,6 +70,7 @@ class Mamba3StepKernel:
         self.has_z = spec.has_z
         self.has_outproj = spec.has_outproj
         self.has_state_out = spec.has_state_out
+        self.group_rows = lay.rows_per_pass * lay.rows_per_group  # tile rows in one row group
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -146,8 +150,9 @@ class Mamba3StepKernel:
                 Float32, cute.make_layout((self.R, self.tile_D), stride=(self.tile_D, 1)), 16
             )
 
-            # Issue the state loads first: they are the bytes that matter.
-            tiled_copy, tSgS, tScS = self.partition_state(mState, src, h, dtile, tidx)
+            # Issue the first row group's state loads first: they are the bytes that matter.
+            tiled_copy = self.state_tiled_copy()
+            tSgS, tScS = self.partition_state(tiled_copy, mState, src, h, dtile, 0, tidx)
             tSrS = cute.make_fragment_like(tSgS)
             cute.copy(tiled_copy, tSgS, tSrS)
 
@@ -161,14 +166,14 @@ class Mamba3StepKernel:
                     self.store_kv_state(mBstate, mXstate, sB, sX, dst, h, dtile, tidx)
 
             alpha, beta, gamma = self.decay_coefficients(mA, mDt, mTrap, b, h)
-            tYrY = cute.make_rmem_tensor(
-                cute.make_layout((self.R, self.layout.rows_per_thread), stride=(self.layout.rows_per_thread, 1)),
-                Float32,
-            )
-            self.update_rows(tSrS, tScS, tYrY, sB, sBs, sC, sX, sXs, sXproj, alpha, beta, gamma)
-            if dst_live:
-                self.store_state(tiled_copy, tSrS, mState, mStateOut, dst, h, dtile, tidx)
-            self.reduce_rows_to_smem(tYrY, tScS, sY, tidx)
+            for g in cutlass.range_constexpr(self.layout.row_groups):
+                if const_expr(g > 0):
+                    tSgS, tScS = self.partition_state(tiled_copy, mState, src, h, dtile, g, tidx)
+                    tSrS = cute.make_fragment_like(tSgS)
+                    cute.copy(tiled_copy, tSgS, tSrS)
+                self.update_rows(tSrS, tScS, sB, sBs, sC, sX, sXs, sXproj, sY, alpha, beta, gamma, tidx)
+                if dst_live:
+                    self.store_state(tiled_copy, tSrS, mState, mStateOut, dst, h, dtile, g, tidx)
             cute.arch.barrier()
             self.epilogue(
                 sY, sX, sXproj, mDskip, mZ, mZproj, mOutproj, mOut, b, h, dtile, tidx, self.num_threads
@@ -224,23 +229,25 @@ class Mamba3StepKernel:
         return cute.make_tiled_copy_tv(atom, thr_layout, val_layout)
 
     @cute.jit
-    def state_tile(self, mState: cute.Tensor, row: Int32, h: Int32, dtile: Int32) -> cute.Tensor:
-        """The ``(tile_D, N)`` slab of ``mState[row, h]`` this CTA owns (64-bit offsets)."""
+    def state_tile(self, mState: cute.Tensor, row: Int32, h: Int32, dtile: Int32, g: int) -> cute.Tensor:
+        """Row group ``g`` of the ``(tile_D, N)`` slab of ``mState[row, h]`` this CTA owns:
+        ``(rows_per_pass * rows_per_group, N)``. Offsets are 64-bit (64-bit strides)."""
         gS = mState[row, h, None, None]  # (D, N)
-        return cute.local_tile(gS, (self.tile_D, self.N), (dtile, 0))  # (tile_D, N)
+        gT = cute.local_tile(gS, (self.tile_D, self.N), (dtile, 0))  # (tile_D, N)
+        return cute.local_tile(gT, (self.group_rows, self.N), (g, 0))
 
     @cute.jit
-    def partition_state(self, mState: cute.Tensor, row: Int32, h: Int32, dtile: Int32, tidx: Int32):
-        """Thread ``tidx``'s view of its slab: (tiled_copy, tSgS, tScS).
+    def partition_state(self, tiled_copy: cute.TiledCopy, mState: cute.Tensor, row: Int32, h: Int32,
+                        dtile: Int32, g: int, tidx: Int32):
+        """Thread ``tidx``'s view of row group ``g`` of its slab: ``(tSgS, tScS)``.
 
-        ``tSgS`` (VN, rows_per_thread, CPT) are the state elements it moves; ``tScS`` the
-        matching (d, n) coordinates inside the tile.
+        ``tSgS`` (VN, rows_per_group, CPT) are the state elements it moves; ``tScS`` the
+        matching (d, n) coordinates inside the (tile_D, N) tile.
         """
-        tiled_copy = self.state_tiled_copy()
         thr_copy = tiled_copy.get_slice(tidx)
-        gS = self.state_tile(mState, row, h, dtile)
-        cS = cute.make_identity_tensor((self.tile_D, self.N))
-        return tiled_copy, thr_copy.partition_S(gS), thr_copy.partition_S(cS)
+        gS = self.state_tile(mState, row, h, dtile, g)
+        cS = cute.local_tile(cute.make_identity_tensor((self.tile_D, self.N)), (self.group_rows, self.N), (g, 0))
+        return thr_copy.partition_S(gS), thr_copy.partition_S(cS)
 
     @cute.jit
     def stage_operands(
@@ -319,75 +326,98 @@ class Mamba3StepKernel:
     @cute.jit
     def update_rows(
         self,
-        tSrS: cute.Tensor,  # (VN, rows_per_thread, CPT) state dtype, registers: in -> out
-        tScS: cute.Tensor,  # (VN, rows_per_thread, CPT) (d, n) coordinates in the tile
-        tYrY: cute.Tensor,  # (R, rows_per_thread) fp32 out: this thread's partial y sums
+        tSrS: cute.Tensor,  # (VN, rows_per_group, CPT) state dtype, registers: in -> out
+        tScS: cute.Tensor,  # (VN, rows_per_group, CPT) (d, n) coordinates in the tile
         sB: cute.Tensor,  # (R, N) fp32
         sBs: cute.Tensor,  # (R, N) fp32
         sC: cute.Tensor,  # (R, N) fp32
         sX: cute.Tensor,  # (tile_D,) fp32
         sXs: cute.Tensor,  # (tile_D,) fp32
         sXproj: cute.Tensor,  # (R, tile_D) fp32
+        sY: cute.Tensor,  # (R, tile_D) fp32 out: sum_n new[d, n] C[r, n]
         alpha: Float32,
         beta: Float32,
         gamma: Float32,
+        tidx: Int32,
     ):
-        """Per-thread state update (SPEC.md math, fp32 accumulation).
+        """Per-thread state update (SPEC.md math, fp32 accumulation), one owned row at a time.
 
         ``new[d, n] = alpha s[d, n] + sum_r (gamma xr[r, d]) B[r, n] + (beta xsr[r, d]) Bs[r, n]``
-        is written back into ``tSrS`` (rounded to the state dtype) and
-        ``tYrY[r, i] = sum over the thread's n of new[d, n] * C[r, n]`` (unrounded new).
+        (summed in r order) is written back into ``tSrS`` rounded to the state dtype; then
+        for each r the thread's partial ``sum_n new[d, n] C[r, n]`` (unrounded new) goes
+        to :meth:`reduce_row`, which completes the sum over the row's TPR threads. Working
+        on one row and one r at a time keeps only ``VN * CPT + 3`` fp32 values live beside
+        the state fragment, whatever R is.
         """
         lay = self.layout
-        for i in cutlass.range_constexpr(lay.rows_per_thread):
+        for i in cutlass.range_constexpr(lay.rows_per_group):
+            if const_expr(lay.fence_rows and i > 0):
+                self.row_fence()
             d = tScS[0, i, 0][0]
             xd = sX[d] * gamma
             xsd = sXs[d] * beta
-            u = [xd * sXproj[r, d] for r in range(self.R)]
-            v = [xsd * sXproj[r, d] for r in range(self.R)]
-            y = [Float32(0.0) for _ in range(self.R)]
+            tNrN = cute.make_rmem_tensor(cute.make_layout((lay.VN, lay.CPT), stride=(1, lay.VN)), Float32)
             for c in cutlass.range_constexpr(lay.CPT):
                 for e in cutlass.range_constexpr(lay.VN):
-                    n = tScS[e, i, c][1]
-                    s = alpha * tSrS[e, i, c].to(Float32)
-                    for r in cutlass.range_constexpr(self.R):
-                        s = s + u[r] * sB[r, n] + v[r] * sBs[r, n]
-                    tSrS[e, i, c] = s.to(self.state_dtype)
-                    for r in cutlass.range_constexpr(self.R):
-                        y[r] = y[r] + s * sC[r, n]
+                    tNrN[e, c] = alpha * tSrS[e, i, c].to(Float32)
             for r in cutlass.range_constexpr(self.R):
-                tYrY[r, i] = y[r]
+                if const_expr(lay.fence_rows):
+                    self.row_fence()
+                u = xd * sXproj[r, d]
+                v = xsd * sXproj[r, d]
+                for c in cutlass.range_constexpr(lay.CPT):
+                    for e in cutlass.range_constexpr(lay.VN):
+                        n = tScS[e, i, c][1]
+                        tNrN[e, c] = tNrN[e, c] + u * sB[r, n] + v * sBs[r, n]
+            for c in cutlass.range_constexpr(lay.CPT):
+                for e in cutlass.range_constexpr(lay.VN):
+                    tSrS[e, i, c] = tNrN[e, c].to(self.state_dtype)
+            for r in cutlass.range_constexpr(self.R):
+                if const_expr(lay.fence_rows):
+                    self.row_fence()
+                acc = Float32(0.0)
+                for c in cutlass.range_constexpr(lay.CPT):
+                    for e in cutlass.range_constexpr(lay.VN):
+                        acc = acc + tNrN[e, c] * sC[r, tScS[e, i, c][1]]
+                self.reduce_row(acc, sY, r, d, tidx)
+
+    @cute.jit
+    def row_fence(self):
+        """GPU only: a compiler-level memory clobber between rows (an empty volatile asm, no
+        instruction), so B/Bs/C are re-read from shared memory instead of being cached in
+        registers across rows (``ThreadLayout.fence_rows``). Host: no-op."""
+        llvm.inline_asm(None, [], "", "~{memory}", has_side_effects=True, is_align_stack=False,
+                        asm_dialect=llvm.AsmDialect.AD_ATT)
+
+    @cute.jit
+    def reduce_row(self, partial: Float32, sY: cute.Tensor, r: int, d: Int32, tidx: Int32):
+        """GPU only: butterfly-sum ``partial`` over the TPR lanes of the row; one lane stores
+        it to ``sY[r, d]``. (The host driver overrides this with a plain accumulation.)"""
+        total = cute.arch.warp_reduction_sum(partial, threads_in_group=self.layout.TPR)
+        if tidx % self.layout.TPR == 0:
+            sY[r, d] = total
 
     @cute.jit
     def store_state(
         self,
         tiled_copy: cute.TiledCopy,
-        tSrS: cute.Tensor,  # (VN, rows_per_thread, CPT) new state
+        tSrS: cute.Tensor,  # (VN, rows_per_group, CPT) new state
         mState: cute.Tensor,  # (P, H, D, N)
         mStateOut: Optional[cute.Tensor],  # (B, H, D, N)
         dst: Int32,
         h: Int32,
         dtile: Int32,
+        g: int,
         tidx: Int32,
     ):
-        """16-byte stores of the thread's new state to row ``dst`` (or ``state_out``)."""
+        """16-byte stores of the thread's new state (row group ``g``) to row ``dst`` (or
+        ``state_out``)."""
         target = mState
         if const_expr(self.has_state_out):
             target = mStateOut
         thr_copy = tiled_copy.get_slice(tidx)
-        tSgD = thr_copy.partition_D(self.state_tile(target, dst, h, dtile))
+        tSgD = thr_copy.partition_D(self.state_tile(target, dst, h, dtile, g))
         cute.copy(tiled_copy, tSrS, tSgD)
-
-    @cute.jit
-    def reduce_rows_to_smem(self, tYrY: cute.Tensor, tScS: cute.Tensor, sY: cute.Tensor, tidx: Int32):
-        """GPU only: butterfly-sum the partials over the TPR lanes of each row -> sY (R, tile_D)."""
-        lay = self.layout
-        for i in cutlass.range_constexpr(lay.rows_per_thread):
-            d = tScS[0, i, 0][0]
-            for r in cutlass.range_constexpr(self.R):
-                total = cute.arch.warp_reduction_sum(tYrY[r, i], threads_in_group=lay.TPR)
-                if tidx % lay.TPR == 0:
-                    sY[r, d] = total
 
     @cute.jit
     def epilogue(
@@ -456,7 +486,7 @@ def fake_arguments(spec: StepSpec) -> list:
     sym, sym64 = cute.sym_int, cute.sym_int64
     st, kv, xt, pj = (CUTLASS_DTYPES[n] for n in (spec.state_dtype, spec.kv_dtype, spec.x_dtype, spec.proj_dtype))
     N, D, R = spec.dstate, spec.headdim, spec.mimo
-    VN = thread_layout(N, spec.tile_D, spec.num_warps, spec.state_dtype).VN
+    VN = thread_layout(N, spec.tile_D, spec.num_warps, spec.state_dtype, R).VN
     batch, pool, heads = sym(), sym(), sym()
 
     def state_like(rows):  # (rows, H, D, N)

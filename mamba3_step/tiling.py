@@ -38,10 +38,28 @@ class ThreadLayout:
     rows_per_pass: int
     rows_per_thread: int
     num_threads: int
-    state_words_per_thread: int  # 32-bit registers the state fragment occupies
+    state_words_per_thread: int  # 32-bit registers the whole state share of a thread occupies
+    row_groups: int  # the thread's rows are loaded/updated/stored in this many groups
+    rows_per_group: int
+    fence_rows: bool  # a warp barrier between rows stops the compiler caching B/Bs/C rows
 
 
-def thread_layout(dstate: int, tile_D: int, num_warps: int, state_dtype: str) -> ThreadLayout:
+#: a row group holds at most this many 32-bit state words per thread in registers
+MAX_GROUP_WORDS = 32
+#: above this many fp32 values of B, Bstate and C per thread, rows are fenced (see ThreadLayout)
+MAX_CACHED_OPERAND_WORDS = 48
+
+
+def thread_layout(dstate: int, tile_D: int, num_warps: int, state_dtype: str, mimo: int = 1) -> ThreadLayout:
+    """The thread layout of one specialisation (see the module docstring).
+
+    A thread's rows are processed in ``row_groups`` groups of ``rows_per_group`` rows so that
+    at most ``MAX_GROUP_WORDS`` state registers are live at once; within a group all loads
+    are issued before any math. The B, Bstate and C values a thread needs are the same for
+    all its rows, and the compiler likes to keep them in registers across rows (``3 * R *
+    VN * CPT`` fp32 values); past ``MAX_CACHED_OPERAND_WORDS`` that costs spills, so
+    ``fence_rows`` puts a warp barrier between rows and they are re-read from shared memory.
+    """
     VN = VECTOR_BYTES // DTYPE_BYTES[state_dtype]
     TPR = min(WARP, dstate // VN)
     CPT = dstate // (TPR * VN)
@@ -49,7 +67,12 @@ def thread_layout(dstate: int, tile_D: int, num_warps: int, state_dtype: str) ->
     rows_per_pass = num_warps * RPW
     rows_per_thread = max(1, tile_D // rows_per_pass)
     words = rows_per_thread * CPT * VN * DTYPE_BYTES[state_dtype] // 4
-    return ThreadLayout(VN, TPR, CPT, RPW, rows_per_pass, rows_per_thread, num_warps * WARP, words)
+    row_groups = 1
+    while words // row_groups > MAX_GROUP_WORDS and rows_per_thread % (2 * row_groups) == 0:
+        row_groups *= 2
+    fence_rows = 3 * mimo * VN * CPT > MAX_CACHED_OPERAND_WORDS
+    return ThreadLayout(VN, TPR, CPT, RPW, rows_per_pass, rows_per_thread, num_warps * WARP, words,
+                        row_groups, rows_per_thread // row_groups, fence_rows)
 
 
 def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str) -> tuple[int, int]:
@@ -81,7 +104,7 @@ def tiling_problem(spec: StepSpec) -> str | None:
         return (
             f"tile_D must be a power of two dividing headdim={spec.headdim}, got {spec.tile_D}"
         )
-    lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype)
+    lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo)
     if lay.rows_per_pass > spec.tile_D:
         return (
             f"tile_D={spec.tile_D} is smaller than the {lay.rows_per_pass} rows that "

@@ -1,0 +1,192 @@
+"""How many bytes one decode step must move through HBM, and what that costs in time.
+
+Letters (SPEC.md): B batch lanes, P pool rows, H heads, D head dim, N state size (dstate),
+R MIMO rank.
+
+The model counts *compulsory* traffic: every byte a step must read or write at least once,
+each counted once (a tensor read by several CTAs, e.g. ``xproj``, is counted once: L2
+serves the repeats). A kernel that reaches HBM bandwidth on these bytes is as fast as the
+step can be; ``predicted_seconds`` divides by the bandwidth. It is a model, not a
+measurement (``bench/gpu_bench.py`` measures).
+
+Per step, with ``Bl`` live lanes (all ``B`` lanes unless ``live_lanes`` says otherwise) and
+``sb``, ``kb``, ``xb``, ``pb`` the byte sizes of the state, B/C/Bstate, x/z/Xstate/out and
+projection dtypes:
+
+=============================  ===================================  ===========================
+entry                          bytes                                 note
+=============================  ===================================  ===========================
+``state``                      2 * Bl * H * D * N * sb              read row src, write row dst
+``Bstate``                     Bl * R * H * N * kb  (x2 with kv)    read (+ write B into dst)
+``Xstate``                     Bl * H * D * xb      (x2 with kv)    read (+ write x into dst)
+``B``, ``C``                   Bl * R * H * N * kb each
+``x``                          Bl * H * D * xb
+``z``                          Bl * H * D * xb                      with z only
+``out``                        B * H * D * xb  (outproj)            every lane writes out
+                               B * R * H * D * xb (no outproj)      (padding lanes: zeros)
+``A``, ``dt``, ``trap``        Bl * H * 4 each
+``D``                          H * 4                                once per step
+``xproj``, ``zproj``,          R * H * D * pb each                  once per step; zproj with
+``outproj``                                                          z, outproj with outproj
+``state_batch_indices``        B * 4                                pool mode
+``dst_state_batch_indices``    B * 4                                pool mode with dst
+=============================  ===================================  ===========================
+
+"with kv" means ``update_kv_state``. A padding lane (pool mode) reads its index and writes
+zeros to ``out``; it moves nothing else.
+
+``mode="gather_scatter"`` is what a server does without pool indexing: gather the batch's
+rows out of the pool into dense tensors, run the dense kernel, scatter the new state
+(and with ``update_kv_state`` the new B/x rows) back. On top of the dense kernel's bytes
+(entries prefixed ``kernel:``) it moves, per gathered/scattered tensor, one read and one
+write of every row (``gather:state`` = 2 * B * H * D * N * sb, ...) plus the index vector
+each gather/scatter reads (``gather/scatter indices`` = 4 * B per operation). For the
+fp32 state this is the "three reads and writes of the largest tensor" of SPEC.md: gather,
+kernel, scatter.
+"""
+
+from __future__ import annotations
+
+from .spec import DTYPE_BYTES, StepSpec
+
+__all__ = [
+    "MODES",
+    "HBM_BANDWIDTH",
+    "bytes_per_step",
+    "predicted_seconds",
+    "predicted_speedup",
+]
+
+MODES = ("pool", "gather_scatter", "dense")
+
+#: Peak HBM bandwidth in bytes/s, from NVIDIA's datasheets:
+#: H100 SXM5 80 GB (HBM3): 3.35 TB/s  -- "NVIDIA H100 Tensor Core GPU" datasheet;
+#: H200 SXM 141 GB (HBM3e): 4.8 TB/s  -- "NVIDIA H200 Tensor Core GPU" datasheet;
+#: GH200 with 96 GB HBM3: 4.0 TB/s    -- "NVIDIA GH200 Grace Hopper Superchip" datasheet
+#: (the 144 GB HBM3e version lists 4.9 TB/s).
+HBM_BANDWIDTH = {
+    "H100": 3.35e12,
+    "H200": 4.8e12,
+    "GH200": 4.0e12,
+}
+
+_F32 = 4
+_I32 = 4
+
+
+def _check(spec: StepSpec, batch: int, heads: int, live_lanes, mode: str) -> int:
+    if not isinstance(spec, StepSpec):
+        raise TypeError(f"spec must be a StepSpec, got {type(spec).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    for name, v in (("batch", batch), ("heads", heads)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    if live_lanes is None:
+        return batch
+    if not isinstance(live_lanes, int) or isinstance(live_lanes, bool) or not 0 <= live_lanes <= batch:
+        raise ValueError(f"live_lanes must be an int in [0, batch={batch}], got {live_lanes!r}")
+    if mode != "pool" and live_lanes != batch:
+        raise ValueError(
+            f"live_lanes (padding lanes) exist in pool mode only; mode={mode!r} needs "
+            f"live_lanes == batch={batch}, got {live_lanes}"
+        )
+    return live_lanes
+
+
+def _kernel_bytes(spec: StepSpec, batch: int, live: int, heads: int, pool: bool) -> dict:
+    """Per-tensor bytes of one launch of the step kernel (dense or pool mode)."""
+    N, D, R, H = spec.dstate, spec.headdim, spec.mimo, heads
+    sb = DTYPE_BYTES[spec.state_dtype]
+    kb = DTYPE_BYTES[spec.kv_dtype]
+    xb = DTYPE_BYTES[spec.x_dtype]
+    pb = DTYPE_BYTES[spec.proj_dtype]
+    kv = 2 if spec.update_kv_state else 1
+    out = {
+        "state": 2 * live * H * D * N * sb,
+        "Bstate": kv * live * R * H * N * kb,
+        "Xstate": kv * live * H * D * xb,
+        "B": live * R * H * N * kb,
+        "C": live * R * H * N * kb,
+        "x": live * H * D * xb,
+        "z": live * H * D * xb if spec.has_z else 0,
+        "out": batch * H * D * xb if spec.has_outproj else batch * R * H * D * xb,
+        "A": live * H * _F32,
+        "dt": live * H * _F32,
+        "trap": live * H * _F32,
+        "D": H * _F32,
+        "xproj": R * H * D * pb,
+        "zproj": R * H * D * pb if spec.has_z else 0,
+        "outproj": R * H * D * pb if spec.has_outproj else 0,
+        "state_batch_indices": batch * _I32 if pool else 0,
+        "dst_state_batch_indices": batch * _I32 if pool and spec.has_dst else 0,
+    }
+    return out
+
+
+def bytes_per_step(
+    spec: StepSpec,
+    batch: int,
+    heads: int,
+    live_lanes: int | None = None,
+    mode: str | None = None,
+) -> dict:
+    """Bytes one decode step moves, per tensor and in total (see the module docstring).
+
+    Args:
+        spec: the specialisation (dims, dtypes, ``update_kv_state``, ``has_z``,
+            ``has_outproj``, ``has_dst``).
+        batch: B, lanes in the step.
+        heads: H.
+        live_lanes: lanes that are not padding (pool mode only; default ``batch``).
+        mode: ``"pool"``, ``"gather_scatter"`` or ``"dense"``; default ``"pool"`` when
+            ``spec.pool`` else ``"dense"``. It overrides ``spec.pool``.
+
+    Returns:
+        ``{entry: bytes, ..., "total": bytes}`` (ints). Pool and dense modes name the
+        tensors (``"state"``, ``"Bstate"``, ...); gather_scatter prefixes the dense
+        kernel's entries with ``"kernel:"`` and adds ``"gather:<t>"``, ``"scatter:<t>"``
+        and ``"gather/scatter indices"``. Entries that do not apply are 0.
+    """
+    if mode is None:
+        mode = "pool" if getattr(spec, "pool", False) else "dense"
+    live = _check(spec, batch, heads, live_lanes, mode)
+    if mode in ("pool", "dense"):
+        out = _kernel_bytes(spec, batch, live, heads, pool=(mode == "pool"))
+    else:
+        N, D, R, H = spec.dstate, spec.headdim, spec.mimo, heads
+        sb = DTYPE_BYTES[spec.state_dtype]
+        kb = DTYPE_BYTES[spec.kv_dtype]
+        xb = DTYPE_BYTES[spec.x_dtype]
+        rows = {
+            "state": batch * H * D * N * sb,
+            "Bstate": batch * R * H * N * kb,
+            "Xstate": batch * H * D * xb,
+        }
+        scattered = ("state", "Bstate", "Xstate") if spec.update_kv_state else ("state",)
+        out = {}
+        for t in ("state", "Bstate", "Xstate"):
+            out[f"gather:{t}"] = 2 * rows[t]  # read pool rows, write dense copies
+        for k, v in _kernel_bytes(spec, batch, batch, heads, pool=False).items():
+            out[f"kernel:{k}"] = v
+        for t in ("state", "Bstate", "Xstate"):
+            out[f"scatter:{t}"] = 2 * rows[t] if t in scattered else 0  # read dense, write pool
+        out["gather/scatter indices"] = (3 + len(scattered)) * batch * _I32
+    out["total"] = sum(out.values())
+    return out
+
+
+def predicted_seconds(total_bytes: int, gpu: str = "H100") -> float:
+    """``total_bytes`` / peak HBM bandwidth of ``gpu`` (a key of :data:`HBM_BANDWIDTH`):
+    the time of a kernel that moves those bytes at full bandwidth (a lower bound)."""
+    if gpu not in HBM_BANDWIDTH:
+        raise ValueError(f"gpu must be one of {tuple(HBM_BANDWIDTH)}, got {gpu!r}")
+    return total_bytes / HBM_BANDWIDTH[gpu]
+
+
+def predicted_speedup(spec: StepSpec, batch: int, heads: int) -> float:
+    """Modelled speed-up of pool mode over gather -> dense -> scatter: the ratio of their
+    bytes (both at the same bandwidth; launch overheads are not modelled)."""
+    pool = bytes_per_step(spec, batch, heads, mode="pool")["total"]
+    gs = bytes_per_step(spec, batch, heads, mode="gather_scatter")["total"]
+    return gs / pool if pool else float("nan")
