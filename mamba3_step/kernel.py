@@ -137,7 +137,7 @@ class Mamba3StepKernel:
 
         src, dst, src_live, dst_live = self.select_rows(mSrcIdx, mDstIdx, null_slot, mState.shape[0], b)
         if src_live:
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             sB = smem.allocate_tensor(Float32, cute.make_layout((self.R, self.N), stride=(self.N, 1)), 16)
             sBs = smem.allocate_tensor(Float32, cute.make_layout((self.R, self.N), stride=(self.N, 1)), 16)
             sC = smem.allocate_tensor(Float32, cute.make_layout((self.R, self.N), stride=(self.N, 1)), 16)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One command for a GPU machine: the whole GPU test suite, then the GPU benchmark.
+# Usage (from the repo root, after installing the package):  bash bench/gpu_all.sh
+# Writes logs and results under bench/results/. Budget: under 10 minutes on one H100.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p bench/results
+python - <<'PY' || { echo "no CUDA device: nothing to run"; exit 1; }
+import torch, sys
+sys.exit(0 if torch.cuda.is_available() else 1)
+PY
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee bench/results/gpu.txt
+date -u +"%Y-%m-%dT%H:%M:%SZ" | tee -a bench/results/gpu.txt
+start=$(date +%s)
+python -m pytest -q tests/gpu 2>&1 | tee bench/results/gpu_tests.log
+tests_rc=${PIPESTATUS[0]}
+echo "GPU tests: exit ${tests_rc} after $(( $(date +%s) - start )) s"
+python bench/gpu_bench.py 2>&1 | tee bench/results/gpu_bench.log
+bench_rc=${PIPESTATUS[0]}
+echo "GPU tests exit ${tests_rc}, benchmark exit ${bench_rc}, total $(( $(date +%s) - start )) s"
+exit $(( tests_rc != 0 || bench_rc != 0 ))

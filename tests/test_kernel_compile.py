@@ -1,0 +1,143 @@
+"""The kernel compiles for sm_90a and sm_100a, and what the compiler made of it is checked.
+
+No GPU needed: ``cute.compile`` runs on the CPU and the cubin is read back from the compiled
+object (mamba3_step.inspect). For every configuration compiled: zero stack and spill bytes, a
+register count the launch can have, every state load and store a 16-byte access (fp32 and
+16-bit states alike: VN elements per vector), and in pool mode no pool access before the
+padding branch. The flagship (pool mode with update_kv_state) fits in 128 registers.
+
+The default run compiles a covering set (every N, D, R, dtype and mode flag at least once);
+``--full-matrix`` compiles the cross product.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from mamba3_step.inspect import kernel_facts, parse_sass
+from mamba3_step.kernel import compile_step_kernel
+from mamba3_step.spec import (KV_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, StepSpec,
+                              flagship_spec)
+from mamba3_step.tiling import thread_layout
+
+ARCHS = ("sm_90a", "sm_100a")
+
+# Every N, D, R, state/kv/x/proj dtype and mode flag appears at least once.
+COVERING = {
+    "flagship-pool-kv": flagship_spec(),
+    "flagship-dense": flagship_spec(pool=False, update_kv_state=False),
+    "N32-D32-R1-bf16state-dense-noz-noout": StepSpec(
+        32, 32, 1, "bfloat16", "float16", "float16", "float32", has_z=False, has_outproj=False),
+    "N64-D128-R2-fp16state-pool-dst-kv-noout": StepSpec(
+        64, 128, 2, "float16", "float32", "float32", "float16", pool=True, has_dst=True,
+        update_kv_state=True, has_outproj=False),
+    "N256-D128-R8-fp32-dense-stateout-noz": StepSpec(
+        256, 128, 8, "float32", "float32", "bfloat16", "bfloat16", has_state_out=True, has_z=False),
+    "N256-D32-R8-bf16state-pool-dst": StepSpec(
+        256, 32, 8, "bfloat16", "bfloat16", "bfloat16", "bfloat16", pool=True, has_dst=True),
+    "N32-D64-R4-tileD32-pool": StepSpec(
+        32, 64, 4, "float32", "bfloat16", "bfloat16", "bfloat16", tile_D=32, num_warps=2, pool=True),
+}
+
+
+def _full_matrix():
+    specs = {}
+    for N, D, R, sd, kv in itertools.product(SUPPORTED_N, SUPPORTED_D, SUPPORTED_R, STATE_DTYPES, KV_DTYPES):
+        specs[f"N{N}-D{D}-R{R}-{sd}-{kv}-pool-dst-kv"] = StepSpec(
+            N, D, R, sd, kv, kv, "bfloat16", pool=True, has_dst=True, update_kv_state=True)
+    for dst, kv, z, o in itertools.product((False, True), repeat=4):
+        specs[f"flagship-pool-dst{dst:d}-kv{kv:d}-z{z:d}-o{o:d}"] = flagship_spec(
+            has_dst=dst, update_kv_state=kv, has_z=z, has_outproj=o)
+    for so, kv, z, o in itertools.product((False, True), repeat=4):
+        specs[f"flagship-dense-so{so:d}-kv{kv:d}-z{z:d}-o{o:d}"] = flagship_spec(
+            pool=False, has_state_out=so, update_kv_state=kv, has_z=z, has_outproj=o)
+    return specs
+
+
+_CACHE: dict = {}
+
+
+def facts_for(spec: StepSpec, arch: str):
+    key = (spec.with_default_tiling(), arch)
+    if key not in _CACHE:
+        _CACHE[key] = kernel_facts(compile_step_kernel(key[0], arch))
+    return _CACHE[key]
+
+
+def check_compiler_facts(spec: StepSpec, arch: str) -> None:
+    spec = spec.with_default_tiling()
+    f = facts_for(spec, arch)
+    lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo)
+    where = f"{spec.key()} @ {arch}"
+    assert f.stack_bytes == 0, f"{where}: {f.stack_bytes} stack bytes"
+    assert f.spill_bytes == 0, f"{where}: {f.spill_bytes} spill bytes"
+    assert f.threads == lay.num_threads, where
+    assert f.registers * f.threads <= 65536 and f.registers <= 255, f"{where}: {f.registers} registers"
+    # The state is the only 16-byte global traffic: one LDG.128 and one STG.128 per vector a thread owns.
+    vectors = lay.rows_per_thread * lay.CPT
+    assert f.count("LDG", 128) == vectors, (where, f.sass)
+    assert f.count("STG", 128) == vectors, (where, f.sass)
+    assert f.count("LDG", 64) == 0 and f.count("STG", 64) == 0, where
+    if spec.pool:
+        check_padding_guard(f.sass_text, where)
+
+
+def check_padding_guard(sass_text: str, where: str) -> None:
+    """Pool mode: the first thing the kernel does with global memory is read the index; a
+    predicated branch/exit (the padding predicate) comes before any pool load or any store."""
+    ins = parse_sass(sass_text)
+    first_guard = next(i for i, x in enumerate(ins) if x.opcode in ("BRA", "EXIT") and x.predicated)
+    global_before = [x for x in ins[:first_guard] if x.opcode in ("LDG", "STG", "LDGSTS", "ATOMG", "RED")]
+    assert global_before, f"{where}: no index load before the padding branch"
+    assert all(x.opcode == "LDG" and x.width == 32 for x in global_before), (
+        f"{where}: global accesses other than the 32-bit index loads before the padding branch: "
+        f"{[(x.opcode, x.width) for x in global_before]}")
+    assert len(global_before) <= 2, f"{where}: more than src/dst index loads before the padding branch"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", list(COVERING))
+def test_compiles_with_clean_compiler_facts(name, arch):
+    check_compiler_facts(COVERING[name], arch)
+
+
+def test_covering_set_covers_every_supported_value():
+    specs = [s.with_default_tiling() for s in COVERING.values()]
+    for field, values in [("dstate", SUPPORTED_N), ("headdim", SUPPORTED_D), ("mimo", SUPPORTED_R),
+                          ("state_dtype", STATE_DTYPES), ("kv_dtype", KV_DTYPES), ("x_dtype", KV_DTYPES),
+                          ("proj_dtype", STATE_DTYPES)]:
+        assert {getattr(s, field) for s in specs} >= set(values), field
+    for flag in ("pool", "has_dst", "update_kv_state", "has_z", "has_outproj", "has_state_out"):
+        assert {getattr(s, flag) for s in specs} == {False, True}, flag
+    assert any(s.tile_D < s.headdim for s in specs)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_flagship_fits_128_registers(arch):
+    f = facts_for(flagship_spec(), arch)
+    assert f.registers <= 128, f.registers
+
+
+def test_padding_path_issues_no_state_traffic():
+    """The padding lanes' exit path (after the guard) writes out with 16-bit stores only: the
+    flagship's pool kernel has exactly one block of STG.128s (the live path)."""
+    f = facts_for(flagship_spec(), "sm_90a")
+    ins = parse_sass(f.sass_text)
+    guard = next(i for i, x in enumerate(ins) if x.opcode in ("BRA", "EXIT") and x.predicated)
+    assert all(x.opcode != "LDG" or x.width == 32 for x in ins[:guard])
+
+
+@pytest.mark.full_matrix
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", list(_full_matrix()))
+def test_full_matrix_compiles_with_clean_compiler_facts(name, arch):
+    check_compiler_facts(_full_matrix()[name], arch)
+
+
+def test_unsupported_tiling_is_refused_with_a_reason():
+    with pytest.raises(ValueError, match="tile_D"):
+        compile_step_kernel(flagship_spec(tile_D=32), "sm_90a")  # update_kv_state needs tile_D >= D
+    with pytest.raises(ValueError, match="num_warps"):
+        compile_step_kernel(flagship_spec(num_warps=3), "sm_90a")
