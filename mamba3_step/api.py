@@ -1,0 +1,157 @@
+"""The public entry point: :func:`mamba3_step_fn`."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .reference import mamba3_step_reference
+from .validation import check_indices, check_step_inputs
+
+__all__ = ["mamba3_step_fn"]
+
+_warned_no_kernel = False
+
+
+def mamba3_step_fn(
+    state: torch.Tensor,
+    Bstate: torch.Tensor,
+    Xstate: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    trap: torch.Tensor,
+    xproj: torch.Tensor,
+    outproj: torch.Tensor | None = None,
+    state_out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    zproj: torch.Tensor | None = None,
+    *,
+    state_batch_indices: torch.Tensor | None = None,
+    dst_state_batch_indices: torch.Tensor | None = None,
+    null_slot_id: int | None = None,
+    update_kv_state: bool = False,
+    tile_D: int | None = None,
+    num_warps: int | None = None,
+    validate_indices: bool = False,
+) -> torch.Tensor:
+    """One Mamba-3 MIMO decode step, dense or over a pool of recurrent-state rows.
+
+    Letters: B batch lanes (taken from ``x``), P pool rows, H heads, D head dim, N state
+    size (dstate), R MIMO rank. ``rows`` below is P in pool mode and B in dense mode.
+
+    ==========================  ======================  ================================
+    argument                    shape                   dtype
+    ==========================  ======================  ================================
+    state (in place)            (rows, H, D, N)         float32, bfloat16 or float16
+    Bstate (previous B)         (rows, R, H, N)         same as B
+    Xstate (previous x)         (rows, H, D)            same as x
+    A, dt, trap                 (B, H)                  float32
+    B, C                        (B, R, H, N)            bfloat16, float16 or float32
+    D                           (H,)                    float32
+    x, z (z optional)           (B, H, D)               bfloat16, float16 or float32
+    xproj, zproj, outproj       (R, H, D)               one dtype: float32, bfloat16, float16
+    state_out (dense only)      (B, H, D, N)            same as state
+    out (optional)              (B, H, D) with outproj, same as x
+                                else (B, R, H, D)
+    state_batch_indices         (B,)                    int32
+    dst_state_batch_indices     (B,)                    int32
+    ==========================  ======================  ================================
+
+    Math per lane and head (accumulated in float32): see SPEC.md or
+    :func:`mamba3_step.reference.step_math`.
+
+    Dense mode (``state_batch_indices`` None): lane b uses row b of ``state``/``Bstate``/
+    ``Xstate``. The new state is written to ``state_out`` if given, else into ``state``.
+
+    Pool mode (``state_batch_indices`` given): lane b reads row ``src = state_batch_indices[b]``
+    and writes the new state to row ``dst = dst_state_batch_indices[b]`` (default ``src``).
+    A lane whose ``src`` is negative, ``>= P`` or equal to ``null_slot_id`` is padding: its
+    ``out`` is written as zeros and it reads and writes no pool row. A live lane whose ``dst``
+    is padding computes ``out`` and writes no row. ``P`` is independent of ``B``. Live lanes
+    must not share a ``dst``, and no lane's ``dst`` may be another live lane's ``src`` (a
+    race; unchecked unless ``validate_indices=True``).
+
+    In-place effects: the new state goes to ``state`` (rows ``dst`` in pool mode, all rows in
+    dense mode) or ``state_out``; ``out`` is overwritten; with ``update_kv_state=True`` this
+    step's ``B`` and ``x`` are stored (cast) into the same rows of ``Bstate`` and ``Xstate``,
+    after the step has read the old ones. Nothing else is written.
+
+    Args:
+        null_slot_id: a pool row reserved as the null block (pool mode only), or None.
+        update_kv_state: store this step's B/x into Bstate/Xstate. Needs ``tile_D >= D``
+            (ValueError otherwise; the tile is never changed silently).
+        tile_D, num_warps: kernel tiling (CUDA only); None picks the per-configuration
+            default (``tile_D = D``). ``tile_D`` must be a power of two dividing D;
+            ``num_warps`` one of 1, 2, 4, 8, 16.
+        validate_indices: check index values first (range, duplicate destinations,
+            destination/source overlap). It synchronises the device and raises RuntimeError
+            under CUDA-graph capture; leave it False on the hot path.
+
+    Constraints: N in {32, 64, 128, 256}, D in {32, 64, 128}, R in {1, 2, 4, 8}; all tensors on
+    one device; every innermost stride 1; ``state``/``state_out`` 16-byte aligned (base and
+    every outer stride); B <= 2**31 - 1 and H <= 65535. ``B == 0`` returns ``out`` without
+    launching anything.
+
+    Devices: CUDA tensors run the CuteDSL kernel (on the current stream; no allocation except
+    ``out`` when it is None, no synchronisation unless ``validate_indices``). CPU tensors run
+    the PyTorch implementation of the same contract (:mod:`mamba3_step.reference`) in float32.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        TypeError, ValueError: invalid inputs, naming the argument
+            (:func:`mamba3_step.validation.check_step_inputs`).
+    """
+    spec = check_step_inputs(
+        state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
+        state_batch_indices=state_batch_indices,
+        dst_state_batch_indices=dst_state_batch_indices,
+        null_slot_id=null_slot_id,
+        update_kv_state=update_kv_state,
+        tile_D=tile_D,
+        num_warps=num_warps,
+    )
+    if out is None:
+        nb, H, Dh = x.shape
+        shape = (nb, H, Dh) if outproj is not None else (nb, xproj.shape[0], H, Dh)
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    if validate_indices and state_batch_indices is not None:
+        check_indices(state_batch_indices, dst_state_batch_indices, state.shape[0], null_slot_id)
+
+    tensors = dict(
+        state=state, Bstate=Bstate, Xstate=Xstate, A=A, B=B, C=C, D=D, x=x, dt=dt, trap=trap,
+        xproj=xproj, outproj=outproj, state_out=state_out, out=out, z=z, zproj=zproj,
+        state_batch_indices=state_batch_indices,
+        dst_state_batch_indices=dst_state_batch_indices,
+        null_slot_id=null_slot_id,
+    )
+    if x.is_cuda:
+        try:
+            from .kernel import launch_step
+        except ImportError:
+            # The CuteDSL kernel module is not available (not yet wired in, or its compiler
+            # stack is missing): run the PyTorch implementation on the device instead, so the
+            # contract still holds. It allocates and is not CUDA-graph safe.
+            global _warned_no_kernel
+            if not _warned_no_kernel:
+                warnings.warn(
+                    "mamba3_step: the CuteDSL kernel could not be imported; CUDA tensors run the "
+                    "PyTorch reference implementation instead",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                _warned_no_kernel = True
+        else:
+            launch_step(spec, **tensors)
+            return out
+    mamba3_step_reference(**tensors, update_kv_state=update_kv_state, compute_dtype=torch.float32)
+    return out

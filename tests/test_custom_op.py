@@ -1,0 +1,139 @@
+"""torch.ops.mamba3_step.step: schema (mutated tensors), fake impl, eager parity with
+mamba3_step_fn, and a toy layer under torch.compile(fullgraph=True) on CPU (same bytes as eager).
+
+Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mamba3_step.ops  # noqa: F401  (registers the op)
+from mamba3_step import mamba3_step_fn
+from mamba3_step.demo import bits_equal, poison_pool, random_layer_weights, random_step_inputs
+from mamba3_step.ops import mamba3_step_op
+from mamba3_step.serving import StatePool
+
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+H, D, N, R = 2, 32, 32, 2
+P, NB = 9, 5
+
+
+def _setup(seed, *, has_outproj=True, null_slot=False):
+    g = torch.Generator().manual_seed(seed)
+    pool = StatePool(1, P, H, D, N, R, reserve_null_slot=null_slot)
+    poison_pool(pool, g)
+    w = random_layer_weights(H, D, R, has_outproj=has_outproj, generator=g)
+    inp = random_step_inputs(NB, H, D, N, R, generator=g)
+    slots = torch.tensor([6, -1, 2, 0, 8], dtype=torch.int32)
+    dst = torch.tensor([4, 3, 2, 1, -1], dtype=torch.int32)
+    return pool, w, inp, slots, dst
+
+
+def test_schema_declares_mutated_tensors_and_returns_nothing():
+    schema = torch.ops.mamba3_step.step.default._schema
+    mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert mutated == {"state", "Bstate", "Xstate", "state_out", "out"}
+    assert len(schema.returns) == 0
+    by_name = {a.name: a for a in schema.arguments}
+    assert str(by_name["state_out"].type) == "Optional[Tensor]"
+    assert str(by_name["out"].type) == "Tensor"  # required: a custom op cannot return an input alias
+
+
+@pytest.mark.parametrize("has_outproj", [True, False])
+@pytest.mark.parametrize("with_dst", [False, True])
+def test_op_matches_mamba3_step_fn_bytes(has_outproj, with_dst):
+    pool, w, inp, slots, dst = _setup(1, has_outproj=has_outproj)
+    st, bs, xs = pool.layer_tensors(0)
+    ref_pool = [t.clone() for t in (st, bs, xs)]
+    kw = dict(state_batch_indices=slots, dst_state_batch_indices=dst if with_dst else None, update_kv_state=True)
+    args = (inp["A"], inp["B"], inp["C"], w["D"], inp["x"], inp["dt"], inp["trap"], w["xproj"], w["outproj"])
+    ref = mamba3_step_fn(*ref_pool, *args, z=inp["z"], zproj=w["zproj"], **kw)
+    out = mamba3_step_op(st, bs, xs, *args, z=inp["z"], zproj=w["zproj"], **kw)
+    assert bits_equal(out, ref)
+    for a, b in zip((st, bs, xs), ref_pool):
+        assert bits_equal(a, b)
+    # a caller-provided out is written in place and returned
+    out2 = torch.full_like(out, float("nan"))
+    st2 = [t.clone() for t in ref_pool]
+    got = mamba3_step_op(*st2, *args, None, out2, inp["z"], w["zproj"], **{**kw, "update_kv_state": False})
+    assert got is out2 and not torch.isnan(out2.float()).any()
+
+
+def test_op_dense_mode_with_state_out():
+    pool, w, inp, _, _ = _setup(2)
+    g = torch.Generator().manual_seed(3)
+    st = torch.randn(NB, H, D, N, generator=g)
+    bs = torch.randn(NB, R, H, N, generator=g).to(torch.bfloat16)
+    xs = torch.randn(NB, H, D, generator=g).to(torch.bfloat16)
+    args = (inp["A"], inp["B"], inp["C"], w["D"], inp["x"], inp["dt"], inp["trap"], w["xproj"], w["outproj"])
+    so_ref = torch.full_like(st, float("nan"))
+    ref = mamba3_step_fn(st.clone(), bs.clone(), xs.clone(), *args, so_ref, None, inp["z"], w["zproj"])
+    st0 = st.clone()
+    so = torch.full_like(st, float("nan"))
+    out = mamba3_step_op(st, bs, xs, *args, so, None, inp["z"], w["zproj"])
+    assert bits_equal(out, ref) and bits_equal(so, so_ref)
+    assert bits_equal(st, st0)  # state_out received the new state, state is untouched
+
+
+def test_opcheck_schema_and_fake():
+    pool, w, inp, slots, dst = _setup(4)
+    st, bs, xs = pool.layer_tensors(0)
+    out = torch.empty(NB, H, D, dtype=torch.bfloat16)
+    args = (st.clone(), bs.clone(), xs.clone(), inp["A"], inp["B"], inp["C"], w["D"], inp["x"], inp["dt"],
+            inp["trap"], w["xproj"], out, w["outproj"], None, inp["z"], w["zproj"], slots, dst, None, True,
+            None, None, False)
+    torch.library.opcheck(torch.ops.mamba3_step.step.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+class ToyLayer(torch.nn.Module):
+    """A Mamba-3 layer's decode step around the op: hidden -> x (exact ops), step, residual.
+
+    hidden (B, H*D) fp32 -> x (B, H, D) bf16; out (B, H, D) bf16 -> hidden + out.
+    Only correctly rounded element-wise ops surround the op, so eager and compiled
+    bytes must agree exactly.
+    """
+
+    def __init__(self, w):
+        super().__init__()
+        for k, v in w.items():
+            self.register_buffer(k, v)
+
+    def forward(self, state, Bstate, Xstate, slots, hidden, A, dt, trap, B, C, z):
+        n = hidden.shape[0]
+        x = (hidden * 0.5).to(torch.bfloat16).view(n, H, D)
+        out = mamba3_step_op(state, Bstate, Xstate, A, B, C, self.D, x, dt, trap, self.xproj, self.outproj,
+                             z=z, zproj=self.zproj, state_batch_indices=slots, null_slot_id=0,
+                             update_kv_state=True)
+        return hidden + out.float().reshape(n, H * D)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_toy_layer_fullgraph_same_bytes_as_eager(backend):
+    torch._dynamo.reset()
+    pool, w, inp, _, _ = _setup(5, null_slot=True)
+    slots = torch.tensor([6, 0, 2, 7, 8], dtype=torch.int32)  # lane 1 is the null slot (padding)
+    layer = ToyLayer(w)
+    hidden = torch.randn(NB, H * D, generator=torch.Generator().manual_seed(6))
+    tail = (slots, hidden, inp["A"], inp["dt"], inp["trap"], inp["B"], inp["C"], inp["z"])
+
+    eager_pool = [t.clone() for t in pool.layer_tensors(0)]
+    before = [t.clone() for t in pool.layer_tensors(0)]
+    ref = layer(*eager_pool, *tail)
+
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    got = compiled(*pool.layer_tensors(0), *tail)  # the pool's own (view) tensors, mutated in place
+    assert bits_equal(got, ref)
+    for a, b, c in zip(pool.layer_tensors(0), eager_pool, before):
+        assert bits_equal(a, b)
+        assert not bits_equal(a, c)  # the step did write the live rows
+        assert bits_equal(a[[0, 1, 3, 4, 5]], c[[0, 1, 3, 4, 5]])  # null slot and unused rows untouched
+    # a second step through the compiled layer keeps matching (state carried in the pool)
+    ref2 = layer(*eager_pool, *tail)
+    got2 = compiled(*pool.layer_tensors(0), *tail)
+    assert bits_equal(got2, ref2)
+    for a, b in zip(pool.layer_tensors(0), eager_pool):
+        assert bits_equal(a, b)
