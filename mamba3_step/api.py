@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from .reference import mamba3_step_reference
 from .validation import check_indices, check_step_inputs
 
 __all__ = ["mamba3_step_fn"]
-
-_warned_no_kernel = False
 
 
 def mamba3_step_fn(
@@ -135,23 +131,9 @@ def mamba3_step_fn(
         null_slot_id=null_slot_id,
     )
     if x.is_cuda:
-        try:
-            from .kernel import launch_step
-        except ImportError:
-            # The CuteDSL kernel module is not available (not yet wired in, or its compiler
-            # stack is missing): run the PyTorch implementation on the device instead, so the
-            # contract still holds. It allocates and is not CUDA-graph safe.
-            global _warned_no_kernel
-            if not _warned_no_kernel:
-                warnings.warn(
-                    "mamba3_step: the CuteDSL kernel could not be imported; CUDA tensors run the "
-                    "PyTorch reference implementation instead",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                _warned_no_kernel = True
-        else:
-            launch_step(spec, **tensors)
-            return out
+        from .kernel import launch_step  # the CuteDSL kernel; compiled once per specialisation
+
+        launch_step(spec, **tensors)
+        return out
     mamba3_step_reference(**tensors, update_kv_state=update_kv_state, compute_dtype=torch.float32)
     return out
