@@ -13,6 +13,7 @@ The default run compiles a covering set (every N, D, R, dtype and mode flag at l
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
@@ -120,13 +121,35 @@ def test_flagship_fits_128_registers(arch):
     assert f.registers <= 128, f.registers
 
 
-def test_padding_path_issues_no_state_traffic():
-    """The padding lanes' exit path (after the guard) writes out with 16-bit stores only: the
-    flagship's pool kernel has exactly one block of STG.128s (the live path)."""
-    f = facts_for(flagship_spec(), "sm_90a")
-    ins = parse_sass(f.sass_text)
-    guard = next(i for i, x in enumerate(ins) if x.opcode in ("BRA", "EXIT") and x.predicated)
-    assert all(x.opcode != "LDG" or x.width == 32 for x in ins[:guard])
+def padding_path(sass_text: str) -> list[str]:
+    """The instructions of the padding lanes' path: from the target of the first predicated
+    branch (the padding guard) to the next EXIT."""
+    lines = sass_text.splitlines()
+    guard = next(i for i, ln in enumerate(lines) if re.search(r"@!?U?P\d\s+BRA\b", ln))
+    target = re.search(r"`?\((\.L_x_\d+)\)", lines[guard]).group(1)
+    start = next(i for i, ln in enumerate(lines) if ln.strip() == f"{target}:")
+    path = []
+    for ln in lines[start + 1:]:
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?);", ln)
+        if m:
+            path.append(m.group(1).strip())
+            if re.search(r"\bEXIT\b", m.group(1)) and not m.group(1).lstrip().startswith("@"):
+                break
+    return path
+
+
+@pytest.mark.parametrize("spec", [flagship_spec(), flagship_spec(has_dst=True, has_outproj=False)],
+                         ids=["flagship", "dst-no-outproj"])
+def test_padding_path_issues_no_pool_traffic(spec):
+    """Padding lanes branch to a path that only stores zeros to out: no loads, no 16-byte
+    (state) stores, nothing but 16-bit out stores of the zero register."""
+    f = facts_for(spec, "sm_90a")
+    path = padding_path(f.sass_text)
+    assert path, "no padding path found"
+    memory = [ins for ins in path if re.search(r"\b(LDG|STG|LDGSTS|ATOMG|RED|LDS|STS)\b", ins)]
+    assert memory, "the padding path writes out"
+    for ins in memory:
+        assert re.search(r"\bSTG\.E\.U16\b.*RZ$", ins), f"unexpected memory access on the padding path: {ins}"
 
 
 @pytest.mark.full_matrix

@@ -1,0 +1,686 @@
+"""GPU benchmark: pool mode vs gather -> dense -> scatter vs dense mode, measured.
+
+    python bench/gpu_bench.py [--batches 1,2,4,...,512] [--heads 48] [--out DIR] [--no-graph] [--no-plot]
+
+Without a CUDA device it prints "no CUDA device: GPU benchmark not run" and exits 0.
+
+What it does, at the flagship configuration (N=128, D=64, R=4, fp32 state, bf16 B/C/x/z and
+projections, z and outproj, ``update_kv_state`` as a server runs it), for every batch size:
+
+1. Correctness first. On fresh random data it runs pool mode, gather -> dense -> scatter and
+   dense mode through ``mamba3_step.mamba3_step_fn`` (the CuteDSL kernel), and checks
+   (a) pool mode is bit-identical to gather -> dense -> scatter (out, and every row of
+   state / Bstate / Xstate, untouched rows included); (b) pool and dense mode agree with the
+   PyTorch path (``mamba3_step.reference.mamba3_step_reference``): the kernel's error
+   against a float64 evaluation is at most twice PyTorch float32's, plus one unit in the last
+   place of the output dtype; B/x rows stored by update_kv_state are exact; rows no lane
+   writes are bit-for-bit unchanged; (c) a CUDA-graph replay of each mode gives the same bits
+   as the eager call. If any check fails it prints what failed and **no timing**, and exits 1.
+2. Timing, with CUDA events: eager calls and CUDA-graph replay, cycling through several input
+   sets (distinct pool rows and per-lane tensors) so that one round touches at least 4x the
+   L2 cache and small batches are not served from L2.
+3. The device-to-device copy bandwidth of the same GPU, measured in the same run
+   (``Tensor.copy_`` of 1 GiB, read + write bytes), as the practical ceiling.
+
+Reports microseconds per step, GB/s (the bytes of ``mamba3_step.bytes_model`` -- compulsory
+bytes of the mode -- divided by the measured time) and percent of the copy bandwidth, as a
+table, ``gpu_bench.json`` and ``gpu_bench.png`` in ``bench/results/`` (or ``--out``).
+Designed to finish in well under 5 minutes on one H100 (a guard stops timing at 270 s).
+
+``--device cpu`` runs the same plumbing on CPU tensors (the PyTorch path, perf_counter timing,
+no graphs): a smoke test of this script, not a benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _util  # noqa: E402  (also puts the repository on sys.path)
+
+import torch  # noqa: E402
+
+from mamba3_step.bytes_model import bytes_per_step  # noqa: E402
+from mamba3_step.spec import FLAGSHIP_HEADS, flagship_spec  # noqa: E402
+
+NO_CUDA_MESSAGE = "no CUDA device: GPU benchmark not run"
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+MODES = ("pool", "gather_scatter", "dense")
+MODE_LABELS = {"pool": "pool", "gather_scatter": "gather->dense->scatter", "dense": "dense"}
+TIME_GUARD_S = 270.0
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CorrectnessError(RuntimeError):
+    """A result failed the benchmark's own correctness check; nothing is reported."""
+
+
+class GraphUnavailable(RuntimeError):
+    """CUDA-graph capture or replay raised: graph timings are skipped, eager ones go on."""
+
+
+def _step_fn():
+    from mamba3_step import mamba3_step_fn
+
+    return mamba3_step_fn
+
+
+def _reference_fn():
+    from mamba3_step.reference import mamba3_step_reference
+
+    return mamba3_step_reference
+
+
+# ------------------------------------------------------------------------------ input sets
+def n_sets(bytes_per_set: int, l2_bytes: int, max_sets: int, min_sets: int = 2) -> int:
+    """How many distinct input sets one timing round cycles through: enough that a round
+    touches at least 4x the L2 cache, at least ``min_sets`` and at most ``max_sets``."""
+    if bytes_per_set <= 0:
+        raise ValueError(f"bytes_per_set must be positive, got {bytes_per_set}")
+    want = math.ceil(4 * l2_bytes / bytes_per_set)
+    return max(1, min(max_sets, max(min_sets, want)))
+
+
+def make_shared(spec, heads: int, device, gen: torch.Generator) -> dict:
+    """Per-step tensors every lane shares: D (H,) fp32 and the (R, H, D) projections."""
+    R, D = spec.mimo, spec.headdim
+    pd = TORCH_DTYPES[spec.proj_dtype]
+
+    def proj():
+        return (torch.randn(R, heads, D, generator=gen) * 0.5 + 1.0).to(pd).to(device)
+
+    return {
+        "D": torch.randn(heads, generator=gen).to(device),
+        "xproj": proj(),
+        "zproj": proj() if spec.has_z else None,
+        "outproj": proj() if spec.has_outproj else None,
+    }
+
+
+def make_lanes(spec, batch: int, heads: int, device, gen: torch.Generator) -> dict:
+    """Per-lane tensors of one step: A/dt/trap (B, H) fp32, B/C (B, R, H, N), x/z (B, H, D)
+    and a preallocated ``out``; random, never zeros."""
+    R, D, N = spec.mimo, spec.headdim, spec.dstate
+    kd, xd = TORCH_DTYPES[spec.kv_dtype], TORCH_DTYPES[spec.x_dtype]
+
+    def rnd(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    def uni(lo, hi):
+        return (torch.rand(batch, heads, generator=gen) * (hi - lo) + lo).to(device)
+
+    out_shape = (batch, heads, D) if spec.has_outproj else (batch, R, heads, D)
+    return {
+        "A": uni(-1.5, -0.5), "dt": uni(0.01, 0.51), "trap": uni(0.0, 1.0),
+        "B": rnd(batch, R, heads, N, dtype=kd), "C": rnd(batch, R, heads, N, dtype=kd),
+        "x": rnd(batch, heads, D, dtype=xd),
+        "z": rnd(batch, heads, D, dtype=xd) if spec.has_z else None,
+        "out": torch.empty(out_shape, dtype=xd, device=device),
+    }
+
+
+def make_pool(spec, rows: int, heads: int, device, gen: torch.Generator) -> dict:
+    """state (rows, H, D, N), Bstate (rows, R, H, N), Xstate (rows, H, D), random."""
+    R, D, N = spec.mimo, spec.headdim, spec.dstate
+    sd = TORCH_DTYPES[spec.state_dtype]
+    kd, xd = TORCH_DTYPES[spec.kv_dtype], TORCH_DTYPES[spec.x_dtype]
+    state = torch.empty(rows, heads, D, N, dtype=sd, device=device)
+    chunk = max(1, (1 << 26) // max(1, heads * D * N))  # fill in pieces: bounded host memory
+    for r0 in range(0, rows, chunk):
+        r1 = min(rows, r0 + chunk)
+        state[r0:r1] = torch.randn(r1 - r0, heads, D, N, generator=gen).to(sd).to(device)
+    return {
+        "state": state,
+        "Bstate": torch.randn(rows, R, heads, N, generator=gen).to(kd).to(device),
+        "Xstate": torch.randn(rows, heads, D, generator=gen).to(xd).to(device),
+    }
+
+
+# ------------------------------------------------------------------------------ the three paths
+def pool_step(step_fn, spec, pool: dict, shared: dict, lanes: dict, idx: torch.Tensor):
+    """Pool mode: one launch over the pool, rows ``idx`` (B,) int32, in place."""
+    return step_fn(
+        pool["state"], pool["Bstate"], pool["Xstate"], lanes["A"], lanes["B"], lanes["C"],
+        shared["D"], lanes["x"], lanes["dt"], lanes["trap"], shared["xproj"], shared["outproj"],
+        None, lanes["out"], lanes["z"], shared["zproj"],
+        state_batch_indices=idx, update_kv_state=spec.update_kv_state,
+    )
+
+
+def dense_step(step_fn, spec, dense: dict, shared: dict, lanes: dict):
+    """Dense mode: lane b uses row b of ``dense``'s (B, ...) tensors, in place."""
+    return step_fn(
+        dense["state"], dense["Bstate"], dense["Xstate"], lanes["A"], lanes["B"], lanes["C"],
+        shared["D"], lanes["x"], lanes["dt"], lanes["trap"], shared["xproj"], shared["outproj"],
+        None, lanes["out"], lanes["z"], shared["zproj"],
+        update_kv_state=spec.update_kv_state,
+    )
+
+
+def gather_scatter_step(step_fn, spec, pool: dict, scratch: dict, shared: dict, lanes: dict,
+                        idx64: torch.Tensor):
+    """What a server does without pool indexing: gather rows ``idx64`` (B,) int64 of the pool
+    into ``scratch`` (dense (B, ...) buffers), dense step, scatter the new rows back (state,
+    and Bstate/Xstate with update_kv_state). Allocation-free, graph-capturable."""
+    for k in ("state", "Bstate", "Xstate"):
+        torch.index_select(pool[k], 0, idx64, out=scratch[k])
+    out = dense_step(step_fn, spec, scratch, shared, lanes)
+    pool["state"].index_copy_(0, idx64, scratch["state"])
+    if spec.update_kv_state:
+        pool["Bstate"].index_copy_(0, idx64, scratch["Bstate"])
+        pool["Xstate"].index_copy_(0, idx64, scratch["Xstate"])
+    return out
+
+
+# ------------------------------------------------------------------------------ correctness
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    view = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.contiguous().view(view) if t.is_floating_point() else t
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (NaN-safe)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def within_reference(name: str, got: torch.Tensor, ref32: torch.Tensor, ref64: torch.Tensor) -> str | None:
+    """None when ``got`` is as close to the float64 evaluation as PyTorch float32 is (at most
+    twice its max error plus one ulp of ``got``'s dtype at the largest magnitude), else a
+    message. Non-finite values fail."""
+    g, r32, r64 = got.double(), ref32.double(), ref64.double()
+    if not torch.isfinite(g).all():
+        return f"{name}: {int((~torch.isfinite(g)).sum())} non-finite values"
+    if g.numel() == 0:
+        return None
+    err = (g - r64).abs().max().item()
+    err32 = (r32 - r64).abs().max().item()
+    scale = r64.abs().max().item()
+    eps = torch.finfo(got.dtype).eps if got.is_floating_point() else 0.0
+    bound = 2 * err32 + eps * max(scale, 1e-30)
+    if err > bound:
+        return (f"{name}: max error vs float64 {err:.3e} > bound {bound:.3e} "
+                f"(PyTorch float32 error {err32:.3e}, |ref| <= {scale:.3e})")
+    return None
+
+
+def _clone(d: dict) -> dict:
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
+
+
+def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn=None,
+                graphs: bool = False, seed: int = 0) -> list[str]:
+    """Run every mode once on fresh random data and check it (see the module docstring).
+
+    Returns the list of failures (empty when all checks pass).
+    """
+    step_fn = step_fn or _step_fn()
+    reference_fn = reference_fn or _reference_fn()
+    gen = torch.Generator().manual_seed(1000 + seed)
+    P = 2 * batch + 3
+    pool0 = make_pool(spec, P, heads, device, gen)
+    shared = make_shared(spec, heads, device, gen)
+    lanes = make_lanes(spec, batch, heads, device, gen)
+    rows = torch.randperm(P, generator=gen)[:batch]
+    idx = rows.to(torch.int32).to(device)
+    idx64 = rows.to(device)
+    failures = []
+
+    # pool mode (the kernel)
+    pool_k = _clone(pool0)
+    lanes_k = _clone(lanes)
+    pool_step(step_fn, spec, pool_k, shared, lanes_k, idx)
+
+    # gather -> dense -> scatter (the kernel in dense mode): must be bit-identical
+    pool_g = _clone(pool0)
+    lanes_g = _clone(lanes)
+    scratch = {k: torch.empty((batch,) + tuple(v.shape[1:]), dtype=v.dtype, device=device)
+               for k, v in pool0.items()}
+    gather_scatter_step(step_fn, spec, pool_g, scratch, shared, lanes_g, idx64)
+    if not bits_equal(lanes_k["out"], lanes_g["out"]):
+        failures.append(f"B={batch}: pool-mode out differs from gather->dense->scatter")
+    for k in ("state", "Bstate", "Xstate"):
+        if not bits_equal(pool_k[k], pool_g[k]):
+            failures.append(f"B={batch}: pool-mode {k} differs from gather->dense->scatter")
+
+    # the PyTorch path, float32 and float64
+    def run_reference(dtype):
+        p, ln = _clone(pool0), _clone(lanes)
+        reference_fn(
+            state=p["state"], Bstate=p["Bstate"], Xstate=p["Xstate"], A=ln["A"], B=ln["B"],
+            C=ln["C"], D=shared["D"], x=ln["x"], dt=ln["dt"], trap=ln["trap"],
+            xproj=shared["xproj"], outproj=shared["outproj"], out=ln["out"], z=ln["z"],
+            zproj=shared["zproj"], state_batch_indices=idx,
+            update_kv_state=spec.update_kv_state, compute_dtype=dtype,
+        )
+        return p, ln
+
+    def run_reference_wide():  # float64 result, not cast back to the storage dtypes
+        p = {k: v.clone().double() for k, v in pool0.items()}
+        ln = {k: (v.clone().double() if isinstance(v, torch.Tensor) else v) for k, v in lanes.items()}
+        sh = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in shared.items()}
+        reference_fn(
+            state=p["state"], Bstate=p["Bstate"], Xstate=p["Xstate"], A=ln["A"], B=ln["B"],
+            C=ln["C"], D=sh["D"], x=ln["x"], dt=ln["dt"], trap=ln["trap"],
+            xproj=sh["xproj"], outproj=sh["outproj"], out=ln["out"], z=ln["z"],
+            zproj=sh["zproj"], state_batch_indices=idx,
+            update_kv_state=spec.update_kv_state, compute_dtype=torch.float64,
+        )
+        return p, ln
+
+    p32, l32 = run_reference(torch.float32)
+    p64, l64 = run_reference_wide()
+    msg = within_reference(f"B={batch}: pool-mode out", lanes_k["out"], l32["out"], l64["out"])
+    if msg:
+        failures.append(msg)
+    msg = within_reference(f"B={batch}: pool-mode new state rows", pool_k["state"][idx64],
+                           p32["state"][idx64], p64["state"][idx64])
+    if msg:
+        failures.append(msg)
+    untouched = torch.ones(P, dtype=torch.bool, device=device)
+    untouched[idx64] = False
+    for k in ("state", "Bstate", "Xstate"):
+        if not bits_equal(pool_k[k][untouched], pool0[k][untouched]):
+            failures.append(f"B={batch}: pool mode changed {k} rows no lane writes")
+        if spec.update_kv_state and k != "state" and not bits_equal(pool_k[k][idx64], p32[k][idx64]):
+            failures.append(f"B={batch}: pool-mode {k} rows are not this step's "
+                            f"{'B' if k == 'Bstate' else 'x'} (update_kv_state)")
+
+    # dense mode (the kernel) against the PyTorch path
+    dense_k = {k: v[idx64].clone() for k, v in pool0.items()}
+    lanes_d = _clone(lanes)
+    dense_step(step_fn, spec, dense_k, shared, lanes_d)
+    msg = within_reference(f"B={batch}: dense-mode out", lanes_d["out"], l32["out"], l64["out"])
+    if msg:
+        failures.append(msg)
+    msg = within_reference(f"B={batch}: dense-mode new state", dense_k["state"],
+                           p32["state"][idx64], p64["state"][idx64])
+    if msg:
+        failures.append(msg)
+
+    # CUDA-graph replay computes the same bits as the eager call
+    if graphs and not failures:
+        try:
+            failures += _check_graphs(spec, batch, step_fn, pool0, lanes, shared, scratch, idx, idx64,
+                                      pool_k, lanes_k, dense_k, lanes_d)
+        except Exception as e:
+            raise GraphUnavailable(f"{type(e).__name__}: {e}") from e
+    return failures
+
+
+def _check_graphs(spec, batch, step_fn, pool0, lanes, shared, scratch, idx, idx64,
+                  pool_k, lanes_k, dense_k, lanes_d) -> list[str]:
+    """CUDA-graph replay of each mode on the check data gives the eager call's bits."""
+    failures = []
+    cases = {
+        "pool": (lambda p, ln: pool_step(step_fn, spec, p, shared, ln, idx), pool_k, lanes_k),
+        "gather_scatter": (lambda p, ln: gather_scatter_step(step_fn, spec, p, scratch, shared, ln, idx64),
+                           pool_k, lanes_k),
+    }
+    for mode, (fn, want_pool, want_lanes) in cases.items():
+        p, ln = _clone(pool0), _clone(lanes)
+        graph = capture(lambda: fn(p, ln), warmup_restore=lambda: _restore(p, pool0, ln, lanes))
+        _restore(p, pool0, ln, lanes)
+        graph.replay()
+        torch.cuda.synchronize()
+        if not (bits_equal(ln["out"], want_lanes["out"]) and all(
+                bits_equal(p[k], want_pool[k]) for k in p)):
+            failures.append(f"B={batch}: CUDA-graph replay of {mode} differs from the eager call")
+    d, ln = {k: v[idx64].clone() for k, v in pool0.items()}, _clone(lanes)
+    d0 = _clone(d)
+    graph = capture(lambda: dense_step(step_fn, spec, d, shared, ln),
+                    warmup_restore=lambda: _restore(d, d0, ln, lanes))
+    _restore(d, d0, ln, lanes)
+    graph.replay()
+    torch.cuda.synchronize()
+    if not (bits_equal(ln["out"], lanes_d["out"]) and bits_equal(d["state"], dense_k["state"])):
+        failures.append(f"B={batch}: CUDA-graph replay of dense differs from the eager call")
+    return failures
+
+
+def _restore(p: dict, p0: dict, ln: dict, ln0: dict) -> None:
+    for k in p:
+        p[k].copy_(p0[k])
+    for k in ln:
+        if isinstance(ln[k], torch.Tensor):
+            ln[k].copy_(ln0[k])
+
+
+# ------------------------------------------------------------------------------ timing
+def capture(fn, warmup_restore=None):
+    """A CUDA graph of ``fn()`` (warmed up on a side stream first, as capture requires)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    if warmup_restore is not None:
+        warmup_restore()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+class Timer:
+    """Seconds for ``n`` calls of ``fn``: CUDA events on a GPU, perf_counter on the CPU."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def __call__(self, fn, n: int) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(n):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return time.perf_counter() - t0
+
+
+def time_round(timer: Timer, round_fn, calls_per_round: int, target_s: float, reps: int = 3) -> float:
+    """Median seconds per call of ``round_fn`` (one call = ``calls_per_round`` steps), with as
+    many rounds per repetition as fit ``target_s`` (at least 2)."""
+    round_fn()  # warm-up
+    est = max(timer(round_fn, 1), 1e-7)
+    n = max(2, min(10_000, int(target_s / est)))
+    samples = [timer(round_fn, n) / (n * calls_per_round) for _ in range(reps)]
+    return statistics.median(samples)
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30, timer: Timer | None = None) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written per second)."""
+    timer = timer or Timer(device)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src.fill_(7)
+    dst = torch.empty_like(src)
+    t = time_round(timer, lambda: dst.copy_(src), 1, target_s=0.2 if timer.cuda else 0.05)
+    del src, dst
+    return 2 * nbytes / t
+
+
+def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dict, step_fn,
+                l2_bytes: int, graphs: bool, target_s: float, gen: torch.Generator) -> list[dict]:
+    """Time the three modes at one batch size; one row per (mode, eager|graph)."""
+    timer = Timer(device)
+    P = pool["state"].shape[0]
+    per_set = bytes_per_step(spec, batch, heads, mode="pool")["total"]
+    K = n_sets(per_set, l2_bytes, max_sets=max(1, P // batch))
+    perm = torch.randperm(P, generator=gen)[: K * batch].view(K, batch)
+    idx32 = [perm[k].to(torch.int32).to(device) for k in range(K)]
+    idx64 = [perm[k].to(device) for k in range(K)]
+    lanes = [make_lanes(spec, batch, heads, device, gen) for _ in range(K)]
+    # dense mode: set k uses pool rows [k*B, (k+1)*B) as its (B, ...) dense tensors (views)
+    dense = [{k: v[s * batch:(s + 1) * batch] for k, v in pool.items()} for s in range(K)]
+    scratch = {k: torch.empty((batch,) + tuple(v.shape[1:]), dtype=v.dtype, device=device)
+               for k, v in pool.items()}
+
+    def round_of(mode):
+        if mode == "pool":
+            calls = [lambda s=s: pool_step(step_fn, spec, pool, shared, lanes[s], idx32[s]) for s in range(K)]
+        elif mode == "gather_scatter":
+            calls = [lambda s=s: gather_scatter_step(step_fn, spec, pool, scratch, shared, lanes[s], idx64[s])
+                     for s in range(K)]
+        else:
+            calls = [lambda s=s: dense_step(step_fn, spec, dense[s], shared, lanes[s]) for s in range(K)]
+
+        def run_round():
+            for c in calls:
+                c()
+
+        return run_round
+
+    rows = []
+    for mode in MODES:
+        nbytes = bytes_per_step(spec, batch, heads, mode=mode)["total"]
+        kinds = ["eager"] + (["graph"] if graphs else [])
+        for kind in kinds:
+            row = {"mode": mode, "kind": kind, "batch": batch, "sets": K, "bytes": nbytes}
+            try:
+                fn = round_of(mode)
+                if kind == "graph":
+                    g = capture(fn)
+                    fn = g.replay
+                sec = time_round(timer, fn, K, target_s)
+                row.update(us=sec * 1e6, gbps=nbytes / sec / 1e9)
+            except Exception as e:  # a capture that fails is reported, the rest goes on
+                row["error"] = f"{type(e).__name__}: {e}"
+            rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------ output
+TABLE_COLUMNS = [
+    ("batch", "B", ">d"),
+    ("mode_label", "mode", "<"),
+    ("sets", "sets", ">d"),
+    ("mib", "MiB/step", ">.1f"),
+    ("us_eager", "eager us", ">.1f"),
+    ("gbps_eager", "GB/s", ">.0f"),
+    ("pct_copy_eager", "% copy", ">.1f"),
+    ("us_graph", "graph us", ">.1f"),
+    ("gbps_graph", "GB/s", ">.0f"),
+    ("pct_copy_graph", "% copy", ">.1f"),
+    ("speedup_pool", "pool speed-up", ">.2f"),
+]
+
+
+def table_rows(rows: list[dict], copy_bps: float) -> list[dict]:
+    """Merge eager/graph rows per (batch, mode); add % of copy bandwidth and pool mode's
+    speed-up over the mode (graph replay if measured, else eager)."""
+    merged: dict = {}
+    for r in rows:
+        m = merged.setdefault((r["batch"], r["mode"]), {
+            "batch": r["batch"], "mode": r["mode"], "mode_label": MODE_LABELS[r["mode"]],
+            "sets": r["sets"], "mib": r["bytes"] / 2**20, "bytes": r["bytes"],
+        })
+        if "us" in r:
+            m[f"us_{r['kind']}"] = r["us"]
+            m[f"gbps_{r['kind']}"] = r["gbps"]
+            if copy_bps:
+                m[f"pct_copy_{r['kind']}"] = 100 * r["gbps"] * 1e9 / copy_bps
+        if "error" in r:
+            m[f"error_{r['kind']}"] = r["error"]
+    out = list(merged.values())
+    for m in out:
+        pool = merged.get((m["batch"], "pool"), {})
+        for kind in ("graph", "eager"):
+            if f"us_{kind}" in m and f"us_{kind}" in pool:
+                m["speedup_pool"] = m[f"us_{kind}"] / pool[f"us_{kind}"]
+                break
+    return out
+
+
+def format_report(env: dict, copy_bps: float, trows: list[dict]) -> str:
+    lines = [
+        f"GPU benchmark (measured): {env.get('device', '?')}, {env.get('date_utc', '')}",
+        f"flagship configuration, H={env.get('heads')}, update_kv_state; device-to-device copy "
+        f"bandwidth measured in this run: {copy_bps / 1e9:.0f} GB/s (read + write)",
+        "GB/s = compulsory bytes of the mode (bytes_model) / measured time; 'sets' = input sets "
+        "cycled per round so a round touches >= 4x L2",
+        _util.format_table(trows, TABLE_COLUMNS),
+    ]
+    errors = [f"  B={r['batch']} {r['mode']} {k[6:]}: {v}" for r in trows for k, v in r.items()
+              if k.startswith("error_")]
+    if errors:
+        lines.append("not measured:\n" + "\n".join(errors))
+    return "\n".join(lines)
+
+
+def plot(trows: list[dict], copy_bps: float, title: str, path) -> bool:
+    plt = _util.pyplot()
+    if plt is None:
+        return False
+    from matplotlib.ticker import FixedLocator, FuncFormatter
+
+    colors = {"pool": "tab:green", "gather_scatter": "tab:red", "dense": "tab:blue"}
+    # pool and dense mode may nearly coincide: pool is drawn wide and translucent under dense
+    look = {"pool": dict(lw=4.0, alpha=0.45), "gather_scatter": dict(lw=1.6, marker="o", ms=3),
+            "dense": dict(lw=1.0, marker="x", ms=4)}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2))
+    xs_all = sorted({r["batch"] for r in trows})
+    for mode in MODES:
+        sub = sorted((r for r in trows if r["mode"] == mode), key=lambda r: r["batch"])
+        for kind, style in (("graph", "-"), ("eager", "--")):
+            pts = [(r["batch"], r[f"us_{kind}"]) for r in sub if f"us_{kind}" in r]
+            if pts:
+                ax1.plot(*zip(*pts), style, color=colors[mode], label=f"{MODE_LABELS[mode]}, {kind}",
+                         **look[mode])
+            pts = [(r["batch"], r[f"pct_copy_{kind}"]) for r in sub if f"pct_copy_{kind}" in r]
+            if pts:
+                ax2.plot(*zip(*pts), style, color=colors[mode], label=f"{MODE_LABELS[mode]}, {kind}",
+                         **look[mode])
+    ax1.set_xscale("log", base=2)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("batch B (lanes)")
+    ax1.set_ylabel("measured time per step (us, one layer)")
+    ax1.set_title(title, fontsize=10)
+    ax1.grid(True, which="both", alpha=0.3)
+    ax1.legend(fontsize=8)
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("batch B (lanes)")
+    ax2.set_ylabel("% of device-to-device copy bandwidth")
+    ax2.set_title(f"effective bandwidth (compulsory bytes / time); copy = {copy_bps / 1e9:.0f} GB/s",
+                  fontsize=10)
+    ax2.grid(True, which="both", alpha=0.3)
+    if ax2.get_legend_handles_labels()[0]:
+        ax2.legend(fontsize=8)
+    for ax in (ax1, ax2):
+        ax.xaxis.set_major_locator(FixedLocator(xs_all))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{int(v)}"))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ------------------------------------------------------------------------------ main
+def parse_batches(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--batches must be comma-separated ints, got {text!r}") from None
+    if not out or any(b < 1 for b in out):
+        raise ValueError(f"--batches must be positive ints, got {text!r}")
+    return out
+
+
+def run(args, step_fn=None, reference_fn=None) -> dict:
+    """Check, then time; returns the result dict. Raises CorrectnessError on a failed check."""
+    t_start = time.perf_counter()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    spec = flagship_spec()
+    step_fn = step_fn or _step_fn()
+    reference_fn = reference_fn or _reference_fn()
+    graphs = cuda and not args.no_graph
+    env = _util.environment()
+    env["heads"] = args.heads
+    if cuda:
+        props = torch.cuda.get_device_properties(device)
+        env["device"] = torch.cuda.get_device_name(device)
+        env["capability"] = "sm_%d%d" % torch.cuda.get_device_capability(device)
+        env["l2_bytes"] = int(getattr(props, "L2_cache_size", 50 << 20))
+        env["cuda"] = torch.version.cuda
+    else:
+        env["device"] = "cpu (smoke test of the benchmark's plumbing, not a benchmark)"
+        env["l2_bytes"] = 0
+
+    # 1. correctness, every batch, before any timing
+    failures = []
+    for batch in args.batches:
+        try:
+            failures += check_batch(spec, batch, args.heads, device, step_fn, reference_fn, graphs=graphs)
+        except GraphUnavailable as e:
+            env["graph_error"] = str(e)
+            graphs = False
+            failures += check_batch(spec, batch, args.heads, device, step_fn, reference_fn, graphs=False)
+    if failures:
+        raise CorrectnessError("\n".join(failures))
+    env["checks"] = ("pool == gather->dense->scatter bit for bit; pool and dense within PyTorch float32's "
+                     "error of a float64 evaluation; untouched rows unchanged"
+                     + ("; graph replay == eager" if graphs else ""))
+
+    # 2. copy bandwidth, 3. timing
+    copy_bps = copy_bandwidth(device, nbytes=(1 << 30) if cuda else (1 << 24))
+    gen = torch.Generator().manual_seed(7)
+    max_b = max(args.batches)
+    P = max(2 * max_b, 16)
+    pool = make_pool(spec, P, args.heads, device, gen)
+    shared = make_shared(spec, args.heads, device, gen)
+    rows, skipped = [], []
+    for batch in args.batches:
+        if time.perf_counter() - t_start > TIME_GUARD_S:
+            skipped.append(batch)
+            continue
+        rows += bench_batch(spec, batch, args.heads, device, pool=pool, shared=shared, step_fn=step_fn,
+                            l2_bytes=env["l2_bytes"], graphs=graphs, target_s=args.target_ms / 1e3, gen=gen)
+    env["seconds"] = round(time.perf_counter() - t_start, 1)
+    return {
+        "what": "measured on a GPU (CUDA events); GB/s use the compulsory bytes of mamba3_step.bytes_model",
+        "environment": env,
+        "spec": spec.as_dict(),
+        "copy_bandwidth_bytes_per_s": copy_bps,
+        "rows": rows,
+        "table": table_rows(rows, copy_bps),
+        "skipped_batches_time_guard": skipped,
+    }
+
+
+def main(argv: list[str] | None = None, step_fn=None, reference_fn=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
+    p.add_argument("--heads", type=int, default=FLAGSHIP_HEADS, help="H (default 48)")
+    p.add_argument("--out", default=None, help="output folder (default bench/results)")
+    p.add_argument("--no-graph", action="store_true", help="eager calls only")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--target-ms", type=float, default=60.0, help="time per measurement repetition")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cpu: smoke-test the plumbing on the PyTorch path (not a benchmark)")
+    args = p.parse_args(argv)
+    try:
+        args.batches = parse_batches(args.batches)
+    except ValueError as e:
+        p.error(str(e))
+    if args.heads < 1:
+        p.error(f"--heads must be >= 1, got {args.heads}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(NO_CUDA_MESSAGE)
+        return 0
+    try:
+        result = run(args, step_fn=step_fn, reference_fn=reference_fn)
+    except CorrectnessError as e:
+        print("correctness check FAILED against the PyTorch path; no timing is reported:\n" + str(e))
+        return 1
+    env = result["environment"]
+    print(format_report(env, result["copy_bandwidth_bytes_per_s"], result["table"]))
+    if "graph_error" in env:
+        print(f"CUDA-graph capture failed, graph replay not measured: {env['graph_error']}")
+    if result["skipped_batches_time_guard"]:
+        print(f"time guard ({TIME_GUARD_S:.0f} s) reached: batches {result['skipped_batches_time_guard']} not timed")
+    out = _util.results_dir(args.out)
+    print(f"wrote {_util.write_json(out / 'gpu_bench.json', result)}")
+    if not args.no_plot:
+        png = out / "gpu_bench.png"
+        title = f"{env['device']} ({env['date_utc']}), flagship H={args.heads}\nmeasured; solid = CUDA graph, dashed = eager"
+        if plot(result["table"], result["copy_bandwidth_bytes_per_s"], title, png):
+            print(f"wrote {png}")
+        else:
+            print("matplotlib not installed: no plot (pip install mamba3-step[bench])")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""bench/: the model benchmark's figures against an independent hand count, the static
+comparison on two real compiles, and the GPU benchmark's CPU-testable parts (no-CUDA exit,
+its correctness gate refusing to report, the set rotation, the table arithmetic)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from mamba3_step.bytes_model import bytes_per_step
+from mamba3_step.spec import flagship_spec
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+def _load(name):
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(BENCH, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+model_bench = _load("model_bench")
+static_bench = _load("static_bench")
+gpu_bench = _load("gpu_bench")
+
+
+def _hand_bytes(batch, heads, mode):
+    """The flagship's bytes per step, summed tensor by tensor from SPEC.md's shapes.
+    N=128, D=64, R=4; fp32 state; bf16 Bstate/B/C/x/z/Xstate/out/projections; update_kv_state."""
+    N, D, R, H, B = 128, 64, 4, heads, batch
+    state = B * H * D * N * 4
+    bstate = B * R * H * N * 2
+    xstate = B * H * D * 2
+    kernel = (
+        2 * state + 2 * bstate + 2 * xstate  # read old rows, write new state and this step's B/x
+        + 2 * (B * R * H * N * 2)  # B, C
+        + 2 * (B * H * D * 2)  # x, z
+        + B * H * D * 2  # out (with outproj)
+        + 3 * (B * H * 4) + H * 4  # A, dt, trap; D
+        + 3 * (R * H * D * 2)  # xproj, zproj, outproj
+    )
+    if mode == "dense":
+        return kernel
+    if mode == "pool":
+        return kernel + B * 4
+    # gather (read pool rows, write dense copies) and scatter (read dense, write pool rows) of
+    # all three state tensors, and an index read per gather / scatter
+    return kernel + 2 * 2 * (state + bstate + xstate) + 6 * B * 4
+
+
+# ----------------------------------------------------------------------------- model benchmark
+def test_model_bench_bytes_equal_hand_count(tmp_path, capsys):
+    rc = model_bench.main(["--out", str(tmp_path), "--no-plot"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert text.startswith("flagship (N=128 D=64 R=4, fp32 state), H=48")
+    payload = json.loads((tmp_path / "model_bench.json").read_text())
+    assert "modelled" in payload["what"]
+    flag = [r for r in payload["rows"] if r["config"].startswith("flagship (")]
+    assert [r["batch"] for r in flag] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    for r in flag:
+        for mode in ("pool", "gather_scatter", "dense"):
+            assert r[f"bytes_{mode}"] == _hand_bytes(r["batch"], 48, mode), (r["batch"], mode)
+            for gpu, bw in (("H100", 3.35e12), ("H200", 4.8e12), ("GH200", 4.0e12)):
+                assert r[f"us_{mode}_{gpu}"] == pytest.approx(r[f"bytes_{mode}"] / bw * 1e6, rel=1e-12)
+        assert r["speedup_pool_vs_gather_scatter"] == pytest.approx(
+            _hand_bytes(r["batch"], 48, "gather_scatter") / _hand_bytes(r["batch"], 48, "pool"), rel=1e-12)
+    # the printed table carries the same numbers (B=256 row, MiB with one decimal)
+    row256 = next(line for line in text.splitlines() if line.strip().startswith("256 "))
+    assert f"{_hand_bytes(256, 48, 'pool') / 2**20:.1f}" in row256.split()
+    assert f"{_hand_bytes(256, 48, 'gather_scatter') / 2**20:.1f}" in row256.split()
+    assert len(payload["configs"]) == len(model_bench.configurations()) >= 4
+
+
+def test_model_bench_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = model_bench.model_rows(batches=(1, 8, 64))
+    png = tmp_path / "m.png"
+    assert model_bench.plot(rows, png)
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+def test_format_table_alignment():
+    text = model_bench._util.format_table(
+        [{"a": 1, "b": 2.345, "c": "x"}, {"a": 100, "b": None, "c": "long"}],
+        [("a", "A", ">d"), ("b", "bee", ">.1f"), ("c", "C", "<")],
+    )
+    assert text.splitlines() == ["  A  bee  C", "---  ---  ----", "  1  2.3  x", "100    -  long"]
+
+
+# ----------------------------------------------------------------------------- static comparison
+def _kernel_and_nvdisasm():
+    try:
+        from mamba3_step.inspect import find_nvdisasm
+        from mamba3_step.kernel import compile_step_kernel  # noqa: F401
+    except Exception:
+        return False
+    return find_nvdisasm() is not None
+
+
+@pytest.mark.skipif(not _kernel_and_nvdisasm(), reason="kernel or nvdisasm unavailable")
+def test_static_bench_two_modes(capsys):
+    from mamba3_step.inspect import count_sass
+
+    specs = [("flagship", "dense", flagship_spec(pool=False, update_kv_state=False)),
+             ("flagship", "pool", flagship_spec(update_kv_state=False))]
+    rows = static_bench.measure(specs, "sm_90a")
+    assert [r.get("error") for r in rows] == [None, None]
+    dense, pool = rows
+    for r in rows:
+        assert r["spill_bytes"] == 0 and r["registers"] <= 128
+        assert r["total"] == sum(v for k, v in r["sass"].items() if k not in ("total", "NOP"))
+        assert r["stg128"] == count_sass(r["sass"], "STG", 128)
+        assert r["ldg_narrow"] == count_sass(r["sass"], "LDG") - count_sass(r["sass"], "LDG", 128)
+    assert dense["extra_vs_dense"] is None
+    assert pool["extra_vs_dense"] == pool["total"] - dense["total"]
+    text = static_bench.format_rows(rows)
+    assert "flagship" in text and f"{pool['extra_vs_dense']:+d}" in text
+
+
+def test_static_bench_plan_and_delta_arithmetic():
+    plan = static_bench.plan()
+    assert plan[0][:2] == ("flagship N=128 D=64 R=4 fp32", "dense")
+    assert len(plan) == len(static_bench.MODES) + 2 * (len(static_bench.CONFIGS) - 1)
+    assert all(s.tile_D and s.num_warps for _, _, s in plan)
+    rows = [{"config": "c", "mode": "dense", "total": 100}, {"config": "c", "mode": "dense+kv", "total": 110},
+            {"config": "c", "mode": "pool", "total": 104}, {"config": "c", "mode": "pool+kv", "total": 117},
+            {"config": "d", "mode": "dense", "total": 50}, {"config": "d", "mode": "pool+kv", "total": 58},
+            {"config": "e", "mode": "pool", "error": "x"}]
+    static_bench.add_pool_delta(rows)
+    assert [r["extra_vs_dense"] for r in rows] == [None, 10, 4, 7, None, 8, None]
+
+
+# ----------------------------------------------------------------------------- GPU benchmark, CPU parts
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists")
+def test_gpu_bench_without_cuda_says_so(tmp_path, capsys):
+    assert gpu_bench.main(["--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == "no CUDA device: GPU benchmark not run"
+    assert not (tmp_path / "gpu_bench.json").exists()
+
+
+CPU_ARGS = ["--device", "cpu", "--heads", "1", "--batches", "1,2", "--target-ms", "1", "--no-plot"]
+
+
+def test_gpu_bench_plumbing_on_cpu(tmp_path, capsys):
+    """The whole script on CPU tensors (PyTorch path, perf_counter): checks pass, every mode
+    is timed, and the table's GB/s are the bytes model's bytes over the measured time."""
+    assert gpu_bench.main(CPU_ARGS + ["--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "MiB/step" in text and "gather->dense->scatter" in text
+    result = json.loads((tmp_path / "gpu_bench.json").read_text())
+    rows = result["rows"]
+    assert {(r["batch"], r["mode"], r["kind"]) for r in rows} == {
+        (b, m, "eager") for b in (1, 2) for m in ("pool", "gather_scatter", "dense")}
+    for r in rows:
+        assert r["bytes"] == bytes_per_step(flagship_spec(), r["batch"], 1, mode=r["mode"])["total"]
+        assert r["us"] > 0 and r["gbps"] == pytest.approx(r["bytes"] / (r["us"] * 1e-6) / 1e9, rel=1e-9)
+    assert result["copy_bandwidth_bytes_per_s"] > 0
+    for t in result["table"]:
+        assert t["pct_copy_eager"] == pytest.approx(100 * t["gbps_eager"] * 1e9 / result["copy_bandwidth_bytes_per_s"])
+
+
+def _corrupt(what):
+    """A step function that runs the real one, then damages one thing."""
+    from mamba3_step import mamba3_step_fn
+
+    def step(*args, **kwargs):
+        out = mamba3_step_fn(*args, **kwargs)
+        pool_mode = kwargs.get("state_batch_indices") is not None
+        if what == "pool_out" and pool_mode:
+            out.view(-1)[0] += 0.5
+        elif what == "pool_untouched_row" and pool_mode:
+            state, idx = args[0], kwargs["state_batch_indices"].long()
+            free = [r for r in range(state.shape[0]) if r not in set(idx.tolist())]
+            state[free[0]].view(-1)[3] += 1.0
+        elif what == "dense_scale" and not pool_mode:
+            out.mul_(1.01)
+        return out
+
+    return step
+
+
+@pytest.mark.parametrize("what", ["pool_out", "pool_untouched_row", "dense_scale"])
+def test_gpu_bench_refuses_to_report_after_a_failed_check(what, tmp_path, capsys):
+    rc = gpu_bench.main(CPU_ARGS + ["--out", str(tmp_path)], step_fn=_corrupt(what))
+    assert rc == 1
+    text = capsys.readouterr().out
+    assert "correctness check FAILED" in text and "no timing is reported" in text
+    assert "MiB/step" not in text and " us" not in text
+    assert not (tmp_path / "gpu_bench.json").exists()
+
+
+def test_within_reference_bound():
+    r64 = torch.linspace(-3, 3, 101, dtype=torch.float64)
+    r32 = r64.float()
+    assert gpu_bench.within_reference("x", r32.clone(), r32, r64) is None
+    bad = r32.clone()
+    bad[7] += 1e-3
+    assert "max error" in gpu_bench.within_reference("x", bad, r32, r64)
+    nan = r32.clone()
+    nan[0] = float("nan")
+    assert "non-finite" in gpu_bench.within_reference("x", nan, r32, r64)
+    # bf16 output: one ulp at the largest magnitude (|3| -> ulp 2^-6) is allowed, four are not
+    b16 = r64.bfloat16()
+    assert gpu_bench.within_reference("y", b16, b16, r64) is None
+    near = b16.clone()
+    near[100] = near[100] + 2.0**-6
+    assert gpu_bench.within_reference("y", near, b16, r64) is None
+    far = b16.clone()
+    far[100] = far[100] + 4 * 2.0**-6
+    assert "max error" in gpu_bench.within_reference("y", far, b16, r64)
+
+
+def test_bits_equal_is_nan_safe():
+    a = torch.tensor([1.0, float("nan")])
+    assert gpu_bench.bits_equal(a, a.clone())
+    assert not gpu_bench.bits_equal(a, torch.tensor([1.0, 2.0]))
+    assert not gpu_bench.bits_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert not gpu_bench.bits_equal(a, a.double())
+
+
+def test_n_sets_covers_four_times_l2():
+    L2 = 50 * 2**20
+    assert gpu_bench.n_sets(3_000_000, L2, max_sets=1024) == 70  # ceil(4 * 52428800 / 3e6)
+    assert gpu_bench.n_sets(800 * 2**20, L2, max_sets=1024) == 2  # at least two sets
+    assert gpu_bench.n_sets(1000, L2, max_sets=64) == 64  # capped by the pool
+    assert gpu_bench.n_sets(1000, 0, max_sets=1) == 1
+    with pytest.raises(ValueError, match="bytes_per_set"):
+        gpu_bench.n_sets(0, L2, 8)
+
+
+def test_gather_scatter_step_matches_pool_step_on_cpu():
+    """The benchmark's gather -> dense -> scatter path gives pool mode's bits (PyTorch path)."""
+    spec = flagship_spec(dstate=32, headdim=32, mimo=2)
+    g = torch.Generator().manual_seed(3)
+    pool = gpu_bench.make_pool(spec, 9, 2, "cpu", g)
+    shared = gpu_bench.make_shared(spec, 2, "cpu", g)
+    lanes = gpu_bench.make_lanes(spec, 4, 2, "cpu", g)
+    idx = torch.tensor([5, 0, 8, 2])
+    from mamba3_step import mamba3_step_fn
+
+    p1 = {k: v.clone() for k, v in pool.items()}
+    l1 = {k: (v.clone() if v is not None else None) for k, v in lanes.items()}
+    gpu_bench.pool_step(mamba3_step_fn, spec, p1, shared, l1, idx.int())
+    p2 = {k: v.clone() for k, v in pool.items()}
+    l2 = {k: (v.clone() if v is not None else None) for k, v in lanes.items()}
+    scratch = {k: torch.empty((4,) + tuple(v.shape[1:]), dtype=v.dtype) for k, v in pool.items()}
+    gpu_bench.gather_scatter_step(mamba3_step_fn, spec, p2, scratch, shared, l2, idx)
+    assert gpu_bench.bits_equal(l1["out"], l2["out"])
+    for k in pool:
+        assert gpu_bench.bits_equal(p1[k], p2[k]), k
+        assert not gpu_bench.bits_equal(p1[k], pool[k]), k  # the rows were updated
+    untouched = [1, 3, 4, 6, 7]
+    for k in pool:
+        assert gpu_bench.bits_equal(p1[k][untouched], pool[k][untouched]), k
