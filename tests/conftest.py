@@ -72,6 +72,20 @@ def full_matrix(request) -> bool:
     return bool(request.config.getoption("--full-matrix"))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_kernel_cache(tmp_path_factory):
+    """Every test process uses its own kernel cache dir: no test writes to the user's cache."""
+    import os
+
+    old = os.environ.get("MAMBA3_STEP_CACHE_DIR")
+    os.environ["MAMBA3_STEP_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernel-cache"))
+    yield
+    if old is None:
+        os.environ.pop("MAMBA3_STEP_CACHE_DIR", None)
+    else:
+        os.environ["MAMBA3_STEP_CACHE_DIR"] = old
+
+
 # --------------------------------------------------------------------------- random inputs
 def _dtype(d) -> torch.dtype:
     return DTYPES[d] if isinstance(d, str) else d
