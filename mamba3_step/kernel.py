@@ -20,8 +20,8 @@ the same code runs in the kernel (one CTA, one thread each) and in the host driv
 6. :meth:`Mamba3StepKernel.epilogue`         y + D * xr, z gate, outproj -> out
    :meth:`Mamba3StepKernel.zero_out`         padding lanes: out = 0, nothing else
 
-Only the barrier, the shuffle reduction and shared-memory allocation are GPU-only
-(docs/design.md).
+Only the barriers, the shuffle reduction, the row fence (an empty asm) and shared-memory
+allocation are GPU-only (docs/design.md).
 """
 
 from __future__ import annotations
