@@ -561,18 +561,11 @@ def device_arch(device) -> str:
     return arch + "a" if major in (9, 10) else arch
 
 
-_LOCAL_CACHE: dict = {}
-
-
 def get_step_kernel(spec: StepSpec, arch: str):
-    """The compiled kernel for (spec, arch), through the compile cache when it exists."""
-    try:
-        from .compile_cache import get_compiled
-    except ImportError:  # pragma: no cover - compile_cache is part of the package
-        key = (spec, arch)
-        if key not in _LOCAL_CACHE:
-            _LOCAL_CACHE[key] = compile_step_kernel(spec, arch)
-        return _LOCAL_CACHE[key]
+    """The compiled kernel for (spec, arch): in-process dict, then the disk cache, then a compile
+    (:func:`mamba3_step.compile_cache.get_compiled`)."""
+    from .compile_cache import get_compiled
+
     return get_compiled(spec, arch)
 
 
