@@ -17,7 +17,7 @@ import re
 
 import pytest
 
-from mamba3_step.inspect import kernel_facts, parse_sass
+from mamba3_step.inspect import kernel_facts
 from mamba3_step.kernel import compile_step_kernel
 from mamba3_step.spec import (KV_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, StepSpec,
                               flagship_spec)
@@ -36,8 +36,10 @@ COVERING = {
         update_kv_state=True, has_outproj=False),
     "N256-D128-R8-fp32-dense-stateout-noz": StepSpec(
         256, 128, 8, "float32", "float32", "bfloat16", "bfloat16", has_state_out=True, has_z=False),
-    "N256-D32-R8-bf16state-pool-dst": StepSpec(
-        256, 32, 8, "bfloat16", "bfloat16", "bfloat16", "bfloat16", pool=True, has_dst=True),
+    # on sm_100a the padding guard of this one is a uniform-predicate operand (BRA.U !UP0, ...)
+    "N256-D32-R8-bf16state-pool-dst-kv": StepSpec(
+        256, 32, 8, "bfloat16", "bfloat16", "bfloat16", "bfloat16", pool=True, has_dst=True,
+        update_kv_state=True),
     "N32-D64-R4-tileD32-pool": StepSpec(
         32, 64, 4, "float32", "bfloat16", "bfloat16", "bfloat16", tile_D=32, num_warps=2, pool=True),
 }
@@ -85,17 +87,43 @@ def check_compiler_facts(spec: StepSpec, arch: str) -> None:
         check_padding_guard(f.sass_text, where)
 
 
+# One SASS instruction: optional guard predicate, opcode with modifiers, operands.
+_INSTR = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?P<guard>@!?U?P[0-9T]+\s+)?(?P<op>[A-Z][A-Z0-9_.]*)\s*(?P<args>[^;]*);")
+# A conditional branch or exit: a guard prefix (``@P0 BRA``) or a predicate operand (``BRA.U !UP0, target``).
+_COND_OPERAND = re.compile(r"^!?U?P\d+\s*,")
+
+
+def _instructions(sass_text: str) -> list[tuple[int, str, str, str]]:
+    """(line number, guard, opcode, operands) of every instruction of a listing."""
+    out = []
+    for i, line in enumerate(sass_text.splitlines()):
+        m = _INSTR.match(line)
+        if m:
+            out.append((i, (m.group("guard") or "").strip(), m.group("op"), m.group("args").strip()))
+    return out
+
+
+def _is_conditional_exit_or_branch(guard: str, op: str, args: str) -> bool:
+    if op.split(".")[0] not in ("BRA", "EXIT"):
+        return False
+    return (guard not in ("", "@PT", "@UPT")) or bool(_COND_OPERAND.match(args))
+
+
+def _first_guard(instrs) -> int:
+    return next(k for k, (_, g, op, args) in enumerate(instrs) if _is_conditional_exit_or_branch(g, op, args))
+
+
 def check_padding_guard(sass_text: str, where: str) -> None:
     """Pool mode: the first thing the kernel does with global memory is read the index; a
-    predicated branch/exit (the padding predicate) comes before any pool load or any store."""
-    ins = parse_sass(sass_text)
-    first_guard = next(i for i, x in enumerate(ins) if x.opcode in ("BRA", "EXIT") and x.predicated)
-    global_before = [x for x in ins[:first_guard] if x.opcode in ("LDG", "STG", "LDGSTS", "ATOMG", "RED")]
-    assert global_before, f"{where}: no index load before the padding branch"
-    assert all(x.opcode == "LDG" and x.width == 32 for x in global_before), (
-        f"{where}: global accesses other than the 32-bit index loads before the padding branch: "
-        f"{[(x.opcode, x.width) for x in global_before]}")
-    assert len(global_before) <= 2, f"{where}: more than src/dst index loads before the padding branch"
+    conditional branch/exit (the padding predicate) comes before any pool load or any store."""
+    instrs = _instructions(sass_text)
+    first = _first_guard(instrs)
+    before = [(op, args) for _, _, op, args in instrs[:first]
+              if op.split(".")[0] in ("LDG", "STG", "LDGSTS", "ATOMG", "RED")]
+    assert before, f"{where}: no index load before the padding branch"
+    assert all(op == "LDG.E" for op, _ in before), (
+        f"{where}: global accesses other than the 32-bit index loads before the padding branch: {before}")
+    assert len(before) <= 2, f"{where}: more than the src/dst index loads before the padding branch"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -122,34 +150,36 @@ def test_flagship_fits_128_registers(arch):
 
 
 def padding_path(sass_text: str) -> list[str]:
-    """The instructions of the padding lanes' path: from the target of the first predicated
-    branch (the padding guard) to the next EXIT."""
+    """The instructions of the padding lanes' path: from the target of the padding guard (the
+    first conditional branch) to the next unconditional EXIT."""
+    instrs = _instructions(sass_text)
+    _, _, op, args = instrs[_first_guard(instrs)]
+    assert op.startswith("BRA"), f"the padding guard is a {op}, not a branch"
+    target = re.search(r"\((\.L_x_\d+)\)", args).group(1)
     lines = sass_text.splitlines()
-    guard = next(i for i, ln in enumerate(lines) if re.search(r"@!?U?P\d\s+BRA\b", ln))
-    target = re.search(r"`?\((\.L_x_\d+)\)", lines[guard]).group(1)
     start = next(i for i, ln in enumerate(lines) if ln.strip() == f"{target}:")
     path = []
-    for ln in lines[start + 1:]:
-        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?);", ln)
-        if m:
-            path.append(m.group(1).strip())
-            if re.search(r"\bEXIT\b", m.group(1)) and not m.group(1).lstrip().startswith("@"):
-                break
+    for _, guard, op, args in (x for x in instrs if x[0] > start):
+        path.append(f"{guard} {op} {args}".strip())
+        if op == "EXIT" and not guard:
+            break
     return path
 
 
-@pytest.mark.parametrize("spec", [flagship_spec(), flagship_spec(has_dst=True, has_outproj=False)],
-                         ids=["flagship", "dst-no-outproj"])
-def test_padding_path_issues_no_pool_traffic(spec):
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("spec", [flagship_spec(), flagship_spec(has_dst=True, has_outproj=False),
+                                  COVERING["N256-D32-R8-bf16state-pool-dst-kv"]],
+                         ids=["flagship", "dst-no-outproj", "N256-D32-bf16"])
+def test_padding_path_issues_no_pool_traffic(spec, arch):
     """Padding lanes branch to a path that only stores zeros to out: no loads, no 16-byte
     (state) stores, nothing but 16-bit out stores of the zero register."""
-    f = facts_for(spec, "sm_90a")
+    f = facts_for(spec, arch)
     path = padding_path(f.sass_text)
     assert path, "no padding path found"
     memory = [ins for ins in path if re.search(r"\b(LDG|STG|LDGSTS|ATOMG|RED|LDS|STS)\b", ins)]
     assert memory, "the padding path writes out"
     for ins in memory:
-        assert re.search(r"\bSTG\.E\.U16\b.*RZ$", ins), f"unexpected memory access on the padding path: {ins}"
+        assert re.search(r"^STG\.E\.U16\b.*RZ$", ins), f"unexpected memory access on the padding path: {ins}"
 
 
 @pytest.mark.full_matrix
