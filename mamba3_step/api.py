@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import mamba3_step_reference
+from .reference import mamba3_step_reference, out_shape
 from .validation import check_indices, check_step_inputs
 
 __all__ = ["mamba3_step_fn"]
@@ -105,6 +105,35 @@ def mamba3_step_fn(
         TypeError, ValueError: invalid inputs, naming the argument
             (:func:`mamba3_step.validation.check_step_inputs`).
     """
+    spec, tensors = prepare_step(
+        state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
+        state_batch_indices=state_batch_indices, dst_state_batch_indices=dst_state_batch_indices,
+        null_slot_id=null_slot_id, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
+        validate_indices=validate_indices,
+    )
+    out = tensors["out"]
+    if x.shape[0] == 0:
+        return out
+    if x.is_cuda:
+        from .kernel import launch_step  # the CuteDSL kernel; compiled once per specialisation
+
+        launch_step(spec, **tensors)
+        return out
+    mamba3_step_reference(**tensors, update_kv_state=update_kv_state, compute_dtype=torch.float32)
+    return out
+
+
+def prepare_step(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj=None, state_out=None, out=None,
+                 z=None, zproj=None, *, state_batch_indices=None, dst_state_batch_indices=None,
+                 null_slot_id=None, update_kv_state=False, tile_D=None, num_warps=None,
+                 validate_indices=False):
+    """Everything :func:`mamba3_step_fn` does before the work itself, for every executor.
+
+    Validates the inputs (raising what :func:`mamba3_step_fn` documents), allocates ``out``
+    when it is None, and with ``validate_indices`` checks the indices (pool mode, ``B > 0``).
+    Returns ``(spec, tensors)``: the specialisation and the executor's keyword arguments
+    (``out`` set, ``null_slot_id`` included). With ``B == 0`` the caller returns ``out`` at once.
+    """
     spec = check_step_inputs(
         state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
         state_batch_indices=state_batch_indices,
@@ -115,14 +144,9 @@ def mamba3_step_fn(
         num_warps=num_warps,
     )
     if out is None:
-        nb, H, Dh = x.shape
-        shape = (nb, H, Dh) if outproj is not None else (nb, xproj.shape[0], H, Dh)
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    if x.shape[0] == 0:
-        return out
-    if validate_indices and state_batch_indices is not None:
+        out = torch.empty(out_shape(x, xproj, outproj is not None), dtype=x.dtype, device=x.device)
+    if validate_indices and state_batch_indices is not None and x.shape[0] > 0:
         check_indices(state_batch_indices, dst_state_batch_indices, state.shape[0], null_slot_id)
-
     tensors = dict(
         state=state, Bstate=Bstate, Xstate=Xstate, A=A, B=B, C=C, D=D, x=x, dt=dt, trap=trap,
         xproj=xproj, outproj=outproj, state_out=state_out, out=out, z=z, zproj=zproj,
@@ -130,10 +154,4 @@ def mamba3_step_fn(
         dst_state_batch_indices=dst_state_batch_indices,
         null_slot_id=null_slot_id,
     )
-    if x.is_cuda:
-        from .kernel import launch_step  # the CuteDSL kernel; compiled once per specialisation
-
-        launch_step(spec, **tensors)
-        return out
-    mamba3_step_reference(**tensors, update_kv_state=update_kv_state, compute_dtype=torch.float32)
-    return out
+    return spec, tensors

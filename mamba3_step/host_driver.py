@@ -158,21 +158,14 @@ def host_step_fn(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj=
     Same arguments, validation and in-place effects as :func:`mamba3_step.mamba3_step_fn`;
     the work is done by :func:`run_on_host`. A test instrument: slow, for small shapes.
     """
-    from .validation import check_indices, check_step_inputs
+    from .api import prepare_step
 
-    tensors = dict(state=state, Bstate=Bstate, Xstate=Xstate, A=A, B=B, C=C, D=D, x=x, dt=dt, trap=trap,
-                   xproj=xproj, outproj=outproj, state_out=state_out, out=out, z=z, zproj=zproj)
-    spec = check_step_inputs(**tensors, state_batch_indices=state_batch_indices,
-                             dst_state_batch_indices=dst_state_batch_indices, null_slot_id=null_slot_id,
-                             update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
-    if out is None:
-        shape = (x.shape[0], x.shape[1], x.shape[2]) if outproj is not None else \
-            (x.shape[0], xproj.shape[0], x.shape[1], x.shape[2])
-        tensors["out"] = out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    if x.shape[0] == 0:
-        return out
-    if validate_indices:
-        check_indices(state_batch_indices, dst_state_batch_indices, state.shape[0], null_slot_id)
-    run_on_host(spec, **tensors, state_batch_indices=state_batch_indices,
-                dst_state_batch_indices=dst_state_batch_indices, null_slot_id=null_slot_id)
-    return out
+    spec, tensors = prepare_step(
+        state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
+        state_batch_indices=state_batch_indices, dst_state_batch_indices=dst_state_batch_indices,
+        null_slot_id=null_slot_id, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
+        validate_indices=validate_indices,
+    )
+    if x.shape[0] > 0:
+        run_on_host(spec, **tensors)
+    return tensors["out"]

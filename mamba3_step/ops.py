@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from .api import mamba3_step_fn
+from .reference import out_shape
 
 __all__ = ["mamba3_step_op", "step"]
 
@@ -127,9 +128,7 @@ def mamba3_step_op(
     when it is None, and returns it. Safe to call inside ``torch.compile(fullgraph=True)``.
     """
     if out is None:
-        Bn, H, Dh = x.shape
-        shape = (Bn, H, Dh) if outproj is not None else (Bn, xproj.shape[0], H, Dh)
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        out = torch.empty(out_shape(x, xproj, outproj is not None), dtype=x.dtype, device=x.device)
     torch.ops.mamba3_step.step(
         state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, out, outproj, state_out, z, zproj,
         state_batch_indices, dst_state_batch_indices, null_slot_id, update_kv_state, tile_D,

@@ -132,7 +132,8 @@ def live_lane_mask(
     return live
 
 
-def _out_shape(x: torch.Tensor, xproj: torch.Tensor, has_outproj: bool) -> tuple[int, ...]:
+def out_shape(x: torch.Tensor, xproj: torch.Tensor, has_outproj: bool) -> tuple[int, ...]:
+    """Shape of ``out``: (B, H, D) with outproj, else (B, R, H, D); x (B, H, D), xproj (R, H, D)."""
     nb, H, D = x.shape
     return (nb, H, D) if has_outproj else (nb, xproj.shape[0], H, D)
 
@@ -189,7 +190,7 @@ def mamba3_step_reference(
     """
     nb = x.shape[0]
     if out is None:
-        out = torch.empty(_out_shape(x, xproj, outproj is not None), dtype=x.dtype, device=x.device)
+        out = torch.empty(out_shape(x, xproj, outproj is not None), dtype=x.dtype, device=x.device)
     if nb == 0:
         return out
 

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from .api import mamba3_step_fn
+from .reference import out_shape
 from .tiling import default_tiling
 
 PAD_SLOT_ID = -1  # the same value as mamba3_step.PAD_SLOT_ID
@@ -476,12 +477,10 @@ def gather_scatter_step(
     the kernel's ``update_kv_state``. Returns a fresh ``out``.
     """
     P = state.shape[0]
-    Bn = x.shape[0]
     live = lane_is_live(slots, P, null_slot_id)
     dst = slots if dst_slots is None else dst_slots
     write = live & (lane_is_live(dst, P, null_slot_id) if dst_slots is not None else live)
-    out_shape = (Bn,) + tuple(x.shape[1:]) if outproj is not None else (Bn, xproj.shape[0]) + tuple(x.shape[1:])
-    out = torch.zeros(out_shape, dtype=x.dtype, device=x.device)
+    out = torch.zeros(out_shape(x, xproj, outproj is not None), dtype=x.dtype, device=x.device)
     lanes = torch.nonzero(live).flatten()
     if lanes.numel() == 0:
         return out
@@ -626,8 +625,8 @@ class CudaGraphStepRunner:
             s["z"] = torch.zeros((bucket, H, Dh), dtype=p.x_dtype, device=dev)
         if self.with_dst:
             s["dst"] = torch.full((bucket,), p.pad_id, dtype=torch.int32, device=dev)
-        out_shape = (bucket, H, Dh) if self.outproj is not None else (bucket, R, H, Dh)
-        s["out"] = torch.zeros(out_shape, dtype=p.x_dtype, device=dev)
+        lane_shape = (bucket, H, Dh) if self.outproj is not None else (bucket, R, H, Dh)
+        s["out"] = torch.zeros(lane_shape, dtype=p.x_dtype, device=dev)
         return s
 
     def _run(self, s: dict[str, torch.Tensor]) -> torch.Tensor:
