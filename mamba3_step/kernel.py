@@ -97,16 +97,20 @@ class Mamba3StepKernel:
         null_slot: Int32,  # pool rows equal to this are padding (pass -1 for none)
         stream,
     ):
-        batch = mX.shape[0]
-        heads = mX.shape[1]
         self.kernel(
             mState, mBstate, mXstate, mA, mB, mC, mDskip, mX, mDt, mTrap, mXproj, mZproj,
             mOutproj, mZ, mOut, mStateOut, mSrcIdx, mDstIdx, null_slot,
         ).launch(
-            grid=(batch, heads, self.D // self.tile_D),
+            grid=self.grid(self.spec, mX.shape[0], mX.shape[1]),
             block=(self.num_threads, 1, 1),
             stream=stream,
         )
+
+    @staticmethod
+    def grid(spec: StepSpec, batch, heads) -> tuple:
+        """The launch grid ``(B, H, D / tile_D)``: one CTA per (lane, head, D-tile) slab
+        (also used by the PTX execution tier, which launches what the kernel launches)."""
+        return (batch, heads, spec.headdim // spec.tile_D)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel

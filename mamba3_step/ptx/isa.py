@@ -1,0 +1,80 @@
+"""The instruction table: every supported opcode's compiler, and how an instruction is decoded.
+
+An opcode family registers a *compiler* with :func:`handler`: it receives the decoded
+:class:`~mamba3_step.ptx.parse.Instruction` and the launch :class:`Context`, and returns a
+closure ``fn(frame, idx)`` that executes the instruction for the threads ``idx`` (guard
+already applied; see :mod:`mamba3_step.ptx.frame`). Compilers reject modifiers they do not
+implement with :class:`~mamba3_step.ptx.errors.UnsupportedInstruction`, so a kernel using
+one fails before it runs, never computes something else silently.
+
+The families live in :mod:`.isa_alu` (integer, float, conversion, comparison), :mod:`.isa_mem`
+(ld/st/cvta) and :mod:`.isa_warp` (shfl/vote/activemask). Control flow and barriers
+(``bra``, ``ret``/``exit``, ``bar.sync``) are the scheduler's (:mod:`.machine`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .errors import UnsupportedInstruction
+from .parse import Entry, Instruction
+
+HANDLERS: dict[str, Callable] = {}
+
+#: modifiers that only steer caches, ordering or scope: no effect on a sequential executor
+IGNORED_MODS = frozenset({
+    "ca", "cg", "cs", "lu", "cv", "wb", "wt", "nc", "volatile", "relaxed", "weak", "acquire", "release",
+    "cta", "gpu", "sys", "cluster", "aligned", "sync", "uni",
+    "L1::evict_normal", "L1::evict_unchanged", "L1::evict_first", "L1::evict_last", "L1::no_allocate",
+    "L2::evict_normal", "L2::evict_first", "L2::evict_last", "L2::64B", "L2::128B", "L2::256B",
+})
+
+#: control-flow and barrier opcodes the scheduler implements itself
+CONTROL = frozenset({"bra", "ret", "exit", "bar", "barrier"})
+
+
+@dataclass
+class Context:
+    """What compilers may need beyond the instruction: the entry and its launch parameters."""
+    entry: Entry
+    params: dict  # parameter name -> bytes
+
+
+def handler(*bases: str):
+    def register(fn):
+        for b in bases:
+            HANDLERS[b] = fn
+        return fn
+    return register
+
+
+def unsupported(ins: Instruction, why: str = "") -> UnsupportedInstruction:
+    extra = f" ({why})" if why else ""
+    return UnsupportedInstruction(f"PTX line {ins.line}: unsupported instruction `{ins.opcode}`{extra}: {ins.text}")
+
+
+def compile_instruction(ins: Instruction, ctx: Context):
+    """The closure for ``ins``; raises UnsupportedInstruction naming the opcode."""
+    fn = HANDLERS.get(ins.base)
+    if fn is None:
+        raise unsupported(ins, "no such opcode in the executor")
+    return fn(ins, ctx)
+
+
+def type_of(ins: Instruction) -> str:
+    """The instruction's data type: its last modifier (``add.rn.f32`` -> ``f32``)."""
+    return ins.mods[-1] if ins.mods else ""
+
+
+def mods_set(ins: Instruction) -> set:
+    return set(ins.mods)
+
+
+def check_mods(ins: Instruction, allowed: set) -> set:
+    """The instruction's modifiers minus ignorable ones; raises on one not in ``allowed``."""
+    mods = set(ins.mods) - IGNORED_MODS
+    bad = mods - allowed
+    if bad:
+        raise unsupported(ins, f"modifier(s) {sorted('.' + m for m in bad)} not implemented")
+    return mods

@@ -1,0 +1,295 @@
+"""The scheduler: SIMT execution of a whole grid, vectorised over threads and CTAs.
+
+Threads are kept in *groups*: sets of threads at the same program counter. The group with
+the lowest PC runs next, so threads that branched apart meet again at the first
+instruction both paths reach (the immediate post-dominator of structured code, which is
+what the compiler's layout makes every join) and are merged there; a loop's early
+leavers wait at the exit for the rest. This is "min-PC" reconvergence; it never runs a
+thread ahead of a barrier its CTA has not passed.
+
+* ``bra`` splits a group by its guard; ``bra.uni`` must be uniform per warp (checked).
+* ``ret``/``exit`` retire the executing threads.
+* ``bar.sync``/``barrier.sync`` park a group until no group can run; then every CTA with
+  parked threads must have *all* its threads parked at the same barrier id, warps not
+  split across barrier instructions, or :class:`~mamba3_step.ptx.errors.BarrierError`
+  names the CTA and the threads that never arrived (a hang on a GPU is an error here).
+* Everything else is an instruction closure from :mod:`mamba3_step.ptx.isa`.
+
+The grid runs in chunks of consecutive CTAs (bounded register-file memory); chunks run
+one after another, which is one of the orders a GPU may choose. Every executed
+instruction adds the number of warps of its group to that instruction's issue count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import isa_alu, isa_cvt, isa_mem, isa_warp  # noqa: F401  (register the opcode handlers)
+from .errors import BarrierError, PTXError, WarpSyncError
+from .frame import Frame, storage_of
+from .isa import Context, compile_instruction, unsupported
+from .memory import AccessLog, GlobalMemory, VarLayout
+from .parse import Entry, Imm, Module, Sym
+
+#: register-file bytes one chunk of CTAs may use (chunks hold at least one CTA)
+CHUNK_REGISTER_BYTES = 96 << 20
+
+
+@dataclass
+class _Op:
+    kind: str  # "op", "bra", "exit", "bar"
+    ins: object
+    fn: object = None
+    target: int = 0
+    uniform: bool = False
+    barrier: int = 0
+
+
+@dataclass(eq=False)
+class _Group:
+    pc: int
+    idx: object  # None = every thread of the chunk, else sorted int64 thread indices
+    warps: int
+    waiting: bool = False
+    barrier: int = -1
+
+
+@dataclass
+class RunResult:
+    """What one launch did: issue counts per instruction and the memory logs."""
+    entry: Entry
+    issued: np.ndarray  # warp-instructions issued per instruction index
+    log: AccessLog | None
+    shared_log: AccessLog | None  # shared accesses (addresses are per-CTA window offsets)
+    grid: tuple
+    block: tuple
+    chunks: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Program:
+    """An entry compiled against one launch's parameters: a closure per instruction."""
+
+    def __init__(self, module: Module, entry: Entry, params: dict):
+        self.module = module
+        self.entry = entry
+        ctx = Context(entry, params)
+        self.ops = [self._compile(ins, ctx) for ins in entry.instructions]
+
+    def _compile(self, ins, ctx) -> _Op:
+        base, mods = ins.base, ins.mods
+        if base == "bra":
+            (target,) = ins.operands
+            if not isinstance(target, Sym) or target.name not in self.entry.labels:
+                raise unsupported(ins, "branch target is not a label of this entry")
+            return _Op("bra", ins, target=self.entry.labels[target.name], uniform="uni" in mods)
+        if base in ("ret", "exit"):
+            return _Op("exit", ins)
+        if base in ("bar", "barrier") and "warp" not in mods:
+            return self._barrier(ins)
+        return _Op("op", ins, fn=compile_instruction(ins, ctx))
+
+    @staticmethod
+    def _barrier(ins) -> _Op:
+        rest = set(ins.mods) - {"sync", "aligned", "cta"}
+        if "sync" not in ins.mods or rest:
+            raise unsupported(ins, "only bar.sync / barrier.sync (no arrive/red)")
+        if ins.guard is not None:
+            raise unsupported(ins, "a predicated barrier")
+        if not ins.operands or not isinstance(ins.operands[0], Imm) or len(ins.operands) > 1:
+            raise unsupported(ins, "only an immediate barrier id without a thread count")
+        return _Op("bar", ins, barrier=int(ins.operands[0].value))
+
+
+def _guarded(F: Frame, idx, guard):
+    """Threads of ``idx`` whose guard holds: None (all of the chunk), or an index array."""
+    if guard is None:
+        return idx
+    reg, neg = guard
+    p = F.regs[reg.name]
+    pv = p if idx is None else p[idx]
+    if neg:
+        pv = ~pv
+    if idx is None:
+        return None if pv.all() else np.flatnonzero(pv)
+    return idx[pv]
+
+
+def _size(F: Frame, idx) -> int:
+    return F.n if idx is None else len(idx)
+
+
+def _warps(F: Frame, idx) -> int:
+    return F.n_warps if idx is None else int(np.unique(F.warp[idx]).size)
+
+
+def _minus(F: Frame, idx, sub):
+    full = F.threads(idx)
+    keep = np.ones(F.n, bool)
+    keep[F.threads(sub)] = False
+    return full[keep[full]]
+
+
+def _union(F: Frame, a, b):
+    if a is None or b is None:
+        return None
+    u = np.union1d(a, b)
+    return None if len(u) == F.n else u
+
+
+class Machine:
+    """Runs one compiled :class:`Program` over a grid (see the module docstring)."""
+
+    def __init__(self, program: Program, memory: GlobalMemory, params: dict, *, dynamic_smem: int = 0,
+                 record: bool = True, record_shared: bool = False):
+        self.program = program
+        self.entry = program.entry
+        self.memory = memory
+        self.params = params
+        self.layout = VarLayout.build(program.module.variables + self.entry.variables, dynamic_smem)
+        self.record = record
+        self.record_shared = record_shared
+
+    def run(self, grid: tuple, block: tuple) -> RunResult:
+        grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+        if self.entry.reqntid and tuple(self.entry.reqntid) != block:
+            raise PTXError(f".reqntid {self.entry.reqntid} of the entry does not match the launch block {block}")
+        nt = block[0] * block[1] * block[2]
+        n_cta = grid[0] * grid[1] * grid[2]
+        per_thread = sum(np.dtype(storage_of(t)).itemsize for t in self.entry.reg_types.values()) + 64
+        chunk = max(1, CHUNK_REGISTER_BYTES // max(1, per_thread * nt))
+        issued = np.zeros(len(self.program.ops), np.int64)
+        log = AccessLog() if self.record else None
+        shared_log = AccessLog() if self.record_shared else None
+        chunks = 0
+        with np.errstate(over="ignore"):
+            for first in range(0, n_cta, chunk):
+                F = Frame(self.entry, first_cta=first, n_cta=min(chunk, n_cta - first), grid=grid, block=block,
+                          memory=self.memory, layout=self.layout, params=self.params, log=log,
+                          log_shared=shared_log)
+                self._run_chunk(F, issued)
+                chunks += 1
+        return RunResult(self.entry, issued, log, shared_log, grid, block, chunks)
+
+    # ------------------------------------------------------------------ scheduling
+    def _run_chunk(self, F: Frame, issued: np.ndarray) -> None:
+        groups = [_Group(0, None, F.n_warps)]
+        ops = self.program.ops
+        while groups:
+            runnable = [g for g in groups if not g.waiting]
+            if not runnable:
+                groups = self._release(F, groups)
+                continue
+            g = min(runnable, key=lambda x: x.pc)
+            while True:
+                if g.pc >= len(ops):  # fell off the end: an implicit exit
+                    F.exited[F.threads(g.idx)] = True
+                    groups.remove(g)
+                    break
+                op = ops[g.pc]
+                issued[g.pc] += g.warps
+                F.serial += 1
+                switch = False
+                if op.kind == "op":
+                    eff = _guarded(F, g.idx, op.ins.guard)
+                    if eff is None or len(eff):
+                        op.fn(F, eff)
+                    g.pc += 1
+                elif op.kind == "bra":
+                    switch = self._branch(F, g, op, groups)
+                elif op.kind == "exit":
+                    eff = _guarded(F, g.idx, op.ins.guard)
+                    if eff is not None and not len(eff):
+                        g.pc += 1
+                    else:
+                        F.exited[F.threads(eff)] = True
+                        rest = None if eff is None else _minus(F, g.idx, eff)
+                        if rest is None or not len(rest):
+                            groups.remove(g)
+                            break
+                        g.idx, g.warps, g.pc = rest, _warps(F, rest), g.pc + 1
+                else:  # barrier
+                    g.waiting, g.barrier = True, op.barrier
+                    break
+                for other in groups:
+                    if other is not g and not other.waiting and other.pc == g.pc:
+                        g.idx = _union(F, g.idx, other.idx)
+                        g.warps = _warps(F, g.idx)
+                        groups.remove(other)
+                        break
+                if switch and any(o.pc < g.pc for o in groups if not o.waiting and o is not g):
+                    break
+
+    def _branch(self, F: Frame, g: _Group, op: _Op, groups: list) -> bool:
+        taken = _guarded(F, g.idx, op.ins.guard)
+        if op.uniform and op.ins.guard is not None:
+            self._check_uniform(F, g, op, taken)
+        if taken is None or (g.idx is not None and len(taken) == len(g.idx)):
+            g.pc = op.target
+        elif not len(taken):
+            g.pc += 1
+            return False
+        else:
+            rest = _minus(F, g.idx, taken)
+            groups.append(_Group(op.target, taken, _warps(F, taken)))
+            g.idx, g.warps = rest, _warps(F, rest)
+            g.pc += 1
+        return True
+
+    @staticmethod
+    def _check_uniform(F: Frame, g: _Group, op: _Op, taken) -> None:
+        threads = F.threads(g.idx)
+        took = np.zeros(F.n, bool)
+        took[F.threads(taken)] = True
+        w = F.warp[threads]
+        mixed = np.zeros(F.n_warps, np.int64)
+        np.add.at(mixed, w, took[threads].astype(np.int64) * 2 - 1)
+        counts = np.bincount(w, minlength=F.n_warps)
+        bad = np.abs(mixed[w]) != counts[w]
+        if bad.any():
+            cta, tid = F.who(int(threads[np.flatnonzero(bad)[0]]))
+            raise WarpSyncError("bra.uni with a condition that differs inside a warp", line=op.ins.line,
+                                instruction=op.ins.text, cta=cta, thread=tid)
+
+    def _release(self, F: Frame, groups: list) -> list:
+        """All runnable work is parked at barriers: check every CTA arrived whole, then release."""
+        parked = np.zeros(F.n, bool)
+        at_pc = np.full(F.n, -1, np.int64)
+        bar_id = np.full(F.n, -1, np.int64)
+        for g in groups:
+            t = F.threads(g.idx)
+            parked[t] = True
+            at_pc[t] = g.pc
+            bar_id[t] = g.barrier
+        ctas = np.unique(F.cta_local[parked])
+        for c in ctas:
+            members = np.arange(c * F.nt, (c + 1) * F.nt)
+            missing = members[~parked[members]]
+            line_ins = self.program.ops[int(at_pc[members[parked[members]][0]])].ins
+            if len(missing):
+                cta, tid = F.who(int(missing[0]))
+                state = "exited" if F.exited[missing[0]] else "never arrived"
+                raise BarrierError(
+                    f"{len(missing)} of the CTA's {F.nt} threads never reach this barrier (thread {tid} "
+                    f"{state}); on a GPU this hangs or is undefined", line=line_ins.line,
+                    instruction=line_ins.text, cta=cta, thread=tid)
+            ids = np.unique(bar_id[members])
+            if len(ids) > 1:
+                cta, tid = F.who(int(members[0]))
+                raise BarrierError(f"threads of one CTA wait at different barrier ids {ids.tolist()}: a deadlock",
+                                   line=line_ins.line, instruction=line_ins.text, cta=cta, thread=tid)
+            warp_pcs = at_pc[members].reshape(-1, min(32, F.nt)) if F.nt % 32 == 0 else at_pc[members][None, :]
+            split = (warp_pcs != warp_pcs[:, :1]).any(axis=1)
+            if split.any():
+                w = int(np.flatnonzero(split)[0])
+                cta, tid = F.who(int(members[w * 32]))
+                raise BarrierError("a warp reaches the aligned barrier at two different instructions",
+                                   line=line_ins.line, instruction=line_ins.text, cta=cta, thread=tid)
+        F.epoch += 1
+        merged: dict = {}
+        for g in groups:
+            pc = g.pc + 1
+            merged[pc] = g.idx if pc not in merged else _union(F, merged[pc], g.idx)
+        return [_Group(pc, idx, _warps(F, idx)) for pc, idx in merged.items()]
