@@ -4,9 +4,7 @@ Letters (SPEC.md): B batch lanes, P pool rows, H heads, D head dim, N state size
 In dense mode the "pool" tensors have B rows and lane b uses row b.
 
 Grid ``(B, H, D / tile_D)``; one CTA owns one (lane, head, D-tile) slab of the state. The
-device work is split into small ``@cute.jit`` stages that take ``tidx`` as an argument, so
-the same code runs in the kernel (one CTA, one thread each) and in the host driver
-(:mod:`mamba3_step.host_driver`, every thread in turn on CPU tensors):
+device work is split into small ``@cute.jit`` stages:
 
 1. :meth:`Mamba3StepKernel.select_rows`      lane -> (src, dst, src_live, dst_live)
 2. :meth:`Mamba3StepKernel.stage_operands`   B, Bstate, C -> (R, N) fp32; x, Xstate, xproj
@@ -14,14 +12,14 @@ the same code runs in the kernel (one CTA, one thread each) and in the host driv
 3. :meth:`Mamba3StepKernel.store_kv_state`   update_kv_state: staged B / x -> Bstate / Xstate[dst]
 4. :meth:`Mamba3StepKernel.update_rows`      a thread's state fragment -> new state (in place)
                                               and its partial y[r, d] sums over its N elements,
-   :meth:`Mamba3StepKernel.reduce_row`       (GPU only) completed by a butterfly shuffle over
-                                              the TPR lanes of the row -> sY (R, tile_D)
+   :meth:`Mamba3StepKernel.reduce_row`       completed by a butterfly shuffle over the TPR
+                                              lanes of the row -> sY (R, tile_D)
 5. :meth:`Mamba3StepKernel.store_state`      16-byte stores of the new state to row dst
 6. :meth:`Mamba3StepKernel.epilogue`         y + D * xr, z gate, outproj -> out
    :meth:`Mamba3StepKernel.zero_out`         padding lanes: out = 0, nothing else
 
-Only the barriers, the shuffle reduction, the row fence (an empty asm) and shared-memory
-allocation are GPU-only (docs/design.md).
+Without a GPU the compiled kernel is verified by executing its PTX on the CPU
+(:mod:`mamba3_step.ptx_tier`, docs/ptx-tier.md).
 """
 
 from __future__ import annotations
@@ -387,16 +385,16 @@ class Mamba3StepKernel:
 
     @cute.jit
     def row_fence(self):
-        """GPU only: a compiler-level memory clobber between rows (an empty volatile asm, no
+        """A compiler-level memory clobber between rows (an empty volatile asm, no
         instruction), so B/Bs/C are re-read from shared memory instead of being cached in
-        registers across rows (``ThreadLayout.fence_rows``). Host: no-op."""
+        registers across rows (``ThreadLayout.fence_rows``)."""
         llvm.inline_asm(None, [], "", "~{memory}", has_side_effects=True, is_align_stack=False,
                         asm_dialect=llvm.AsmDialect.AD_ATT)
 
     @cute.jit
     def reduce_row(self, partial: Float32, sY: cute.Tensor, r: int, d: Int32, tidx: Int32):
-        """GPU only: butterfly-sum ``partial`` over the TPR lanes of the row; one lane stores
-        it to ``sY[r, d]``. (The host driver overrides this with a plain accumulation.)"""
+        """Butterfly-sum ``partial`` over the TPR lanes of the row; one lane stores it to
+        ``sY[r, d]``."""
         total = cute.arch.warp_reduction_sum(partial, threads_in_group=self.layout.TPR)
         if tidx % self.layout.TPR == 0:
             sY[r, d] = total

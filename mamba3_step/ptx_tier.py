@@ -134,8 +134,10 @@ def run_step_ptx(spec: StepSpec, *, arch: str = "sm_90a", record: bool = True, r
         memory.add(name, t, writable=False)
     x = tensors["x"]
     grid = Mamba3StepKernel.grid(spec, x.shape[0], x.shape[1])
-    return ptx.run(k.module, grid=grid, block=k.block, params=params, memory=memory,
-                   dynamic_smem=k.dynamic_smem, record=record, record_shared=record_shared)
+    result = ptx.run(k.module, grid=grid, block=k.block, params=params, memory=memory,
+                     dynamic_smem=k.dynamic_smem, record=record, record_shared=record_shared)
+    result.extra["memory"] = memory
+    return result
 
 
 def ptx_step_fn(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj=None, state_out=None, out=None,

@@ -186,8 +186,9 @@ def cta_races(result: RunResult) -> list:
     b = bytes_.astype(np.int64)
     c = cta_of(result, a["thread"])[owner]
     wr = a["write"][owner]
-    order, starts = _group_runs(c, b)
+    order = np.lexsort((c, b))
     b, c, wr = b[order], c[order], wr[order]
+    starts = np.flatnonzero(np.append(True, b[1:] != b[:-1]))  # one run per byte
     big = np.iinfo(np.int64).max
     any_w = np.logical_or.reduceat(wr, starts)
     wmin = np.minimum.reduceat(np.where(wr, c, big), starts)

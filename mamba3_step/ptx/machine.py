@@ -183,6 +183,11 @@ class Machine:
                 groups = self._release(F, groups)
                 continue
             g = min(runnable, key=lambda x: x.pc)
+            for other in [o for o in runnable if o is not g and o.pc == g.pc]:  # meet at a join
+                g.idx = _union(F, g.idx, other.idx)
+                groups.remove(other)
+            if len(runnable) > 1:
+                g.warps = _warps(F, g.idx)
             while True:
                 if g.pc >= len(ops):  # fell off the end: an implicit exit
                     F.exited[F.threads(g.idx)] = True
@@ -213,12 +218,12 @@ class Machine:
                 else:  # barrier
                     g.waiting, g.barrier = True, op.barrier
                     break
-                for other in groups:
-                    if other is not g and not other.waiting and other.pc == g.pc:
-                        g.idx = _union(F, g.idx, other.idx)
-                        g.warps = _warps(F, g.idx)
-                        groups.remove(other)
-                        break
+                joined = [o for o in groups if o is not g and not o.waiting and o.pc == g.pc]
+                for other in joined:
+                    g.idx = _union(F, g.idx, other.idx)
+                    groups.remove(other)
+                if joined:
+                    g.warps = _warps(F, g.idx)
                 if switch and any(o.pc < g.pc for o in groups if not o.waiting and o is not g):
                     break
 
@@ -233,7 +238,13 @@ class Machine:
             return False
         else:
             rest = _minus(F, g.idx, taken)
-            groups.append(_Group(op.target, taken, _warps(F, taken)))
+            there = [o for o in groups if o.pc == op.target and not o.waiting]
+            if there:  # threads that branched there earlier: join them
+                o = there[0]
+                o.idx = _union(F, o.idx, taken)
+                o.warps = _warps(F, o.idx)
+            else:
+                groups.append(_Group(op.target, taken, _warps(F, taken)))
             g.idx, g.warps = rest, _warps(F, rest)
             g.pc += 1
         return True

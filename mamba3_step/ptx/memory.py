@@ -98,14 +98,14 @@ class GlobalMemory:
         """Where ``addr`` is relative to the regions (for fault messages)."""
         best = None
         for r in self.regions:
-            d = addr - r.end if addr >= r.end else r.start - addr if addr < r.start else 0
+            if r.start <= addr < r.end:
+                return f"inside {r.name} [{r.start:#x}, {r.end:#x}) but the access runs past its end"
+            d = addr - r.end if addr >= r.end else r.start - addr
             if best is None or d < best[0]:
                 best = (d, r)
         if best is None:
             return "no regions are registered"
         d, r = best
-        if d == 0:
-            return f"inside {r.name} [{r.start:#x}, {r.end:#x}) but the access runs past its end"
         side = "past the end of" if addr >= r.end else "before the start of"
         return f"{d} bytes {side} {r.name} [{r.start:#x}, {r.end:#x}), the nearest region"
 
