@@ -4,19 +4,22 @@ Letters (SPEC.md): B batch lanes, P pool rows, H heads, D head dim, N state size
 In dense mode the "pool" tensors have B rows and lane b uses row b.
 
 Grid ``(B, H, D / tile_D)``; one CTA owns one (lane, head, D-tile) slab of the state. The
-device work is split into small ``@cute.jit`` stages:
+device work is split into small ``@cute.jit`` stages (thread layout: :mod:`mamba3_step.tiling`):
 
-1. :meth:`Mamba3StepKernel.select_rows`      lane -> (src, dst, src_live, dst_live)
-2. :meth:`Mamba3StepKernel.stage_operands`   B, Bstate, C -> (R, N) fp32; x, Xstate, xproj
-                                              -> (tile_D,) / (R, tile_D) fp32 (shared memory)
-3. :meth:`Mamba3StepKernel.store_kv_state`   update_kv_state: staged B / x -> Bstate / Xstate[dst]
-4. :meth:`Mamba3StepKernel.update_rows`      a thread's state fragment -> new state (in place)
-                                              and its partial y[r, d] sums over its N elements,
-   :meth:`Mamba3StepKernel.reduce_row`       completed by a butterfly shuffle over the TPR
-                                              lanes of the row -> sY (R, tile_D)
-5. :meth:`Mamba3StepKernel.store_state`      16-byte stores of the new state to row dst
-6. :meth:`Mamba3StepKernel.epilogue`         y + D * xr, z gate, outproj -> out
-   :meth:`Mamba3StepKernel.zero_out`         padding lanes: out = 0, nothing else
+1. :meth:`Mamba3StepKernel.select_rows`     lane -> (src, dst, src_live, dst_live); padding
+                                             lanes go straight to :meth:`zero_out`
+2. :meth:`Mamba3StepKernel.load_state`      the thread's rows of the slab, 16-byte loads, issued
+                                             first (rows in the lane order of step 6)
+3. :meth:`Mamba3StepKernel.stage_operands`  B, Bstate, C -> (R, N) fp32 in shared memory, and per
+                                             tile row the coefficients u_r = gamma x xproj_r,
+                                             v_r = beta Xstate xproj_r, and x xproj_r
+4. :meth:`Mamba3StepKernel.store_kv_state`  update_kv_state: staged B / x -> Bstate / Xstate[dst]
+5. :meth:`Mamba3StepKernel.update_rows`     new state in registers, and the thread's partial
+                                             y[r, d] over its own columns
+6. :meth:`Mamba3StepKernel.reduce_rows`     partials completed over the row's lanes by a
+                                             transposed butterfly -> sY (R, tile_D)
+7. :meth:`Mamba3StepKernel.store_state`     16-byte stores of the new state to row dst
+8. :meth:`Mamba3StepKernel.epilogue`        y + D x xproj, z gate, outproj -> out
 
 Without a GPU the compiled kernel is verified by executing its PTX on the CPU
 (:mod:`mamba3_step.ptx_tier`, docs/ptx-tier.md).
@@ -44,6 +47,22 @@ CUTLASS_DTYPES = {
 KERNEL_SOURCES = ("kernel.py", "spec.py", "tiling.py")
 
 
+def reduction_plan(partials: int, lanes: int) -> tuple[list, int]:
+    """The shuffle rounds of :meth:`Mamba3StepKernel.reduce_rows` for ``partials`` values per
+    lane over ``lanes`` lanes (powers of two): ``[(mask, halving), ...]`` with descending masks,
+    and the mask bits of the plain (non-halving) rounds: lanes with those bits set hold
+    duplicates and do not store."""
+    plan, plain, count, m = [], 0, partials, lanes // 2
+    while m >= 1:
+        plan.append((m, count > 1))
+        if count > 1:
+            count //= 2
+        else:
+            plain |= m
+        m //= 2
+    return plan, plain
+
+
 class Mamba3StepKernel:
     """One specialisation of the step kernel (see :class:`~mamba3_step.spec.StepSpec`)."""
 
@@ -69,6 +88,10 @@ class Mamba3StepKernel:
         self.has_outproj = spec.has_outproj
         self.has_state_out = spec.has_state_out
         self.group_rows = lay.rows_per_pass * lay.rows_per_group  # tile rows in one row group
+        self.reduce_plan, self.reduce_plain_mask = reduction_plan(lay.partials_per_group, lay.TPR)
+        #: lanes sharing one row of the epilogue (each takes R / split ranks)
+        self.epilogue_split = max(1, min(self.R, lay.num_threads // self.tile_D, 32))
+        self.epilogue_masks = [1 << k for k in reversed(range(self.epilogue_split.bit_length() - 1))]
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -140,46 +163,49 @@ class Mamba3StepKernel:
         src, dst, src_live, dst_live = self.select_rows(mSrcIdx, mDstIdx, null_slot, mState.shape[0], b)
         if src_live:
             smem = cutlass.memory.SmemAllocator()
-            sB = smem.allocate_tensor(Float32, cute.make_layout((self.R, self.N), stride=(self.N, 1)), 16)
-            sBs = smem.allocate_tensor(Float32, cute.make_layout((self.R, self.N), stride=(self.N, 1)), 16)
-            sC = smem.allocate_tensor(Float32, cute.make_layout((self.R, self.N), stride=(self.N, 1)), 16)
-            sX = smem.allocate_tensor(Float32, cute.make_layout(self.tile_D), 16)
-            sXs = smem.allocate_tensor(Float32, cute.make_layout(self.tile_D), 16)
-            sXproj = smem.allocate_tensor(
-                Float32, cute.make_layout((self.R, self.tile_D), stride=(self.tile_D, 1)), 16
-            )
-            sY = smem.allocate_tensor(
-                Float32, cute.make_layout((self.R, self.tile_D), stride=(self.tile_D, 1)), 16
-            )
+            rn = cute.make_layout((self.R, self.N), stride=(self.N, 1))
+            rd = cute.make_layout((self.R, self.tile_D), stride=(self.tile_D, 1))
+            sB = smem.allocate_tensor(Float32, rn, 16)  # (R, N) this step's B
+            sBs = smem.allocate_tensor(Float32, rn, 16)  # (R, N) the previous B (Bstate row)
+            sC = smem.allocate_tensor(Float32, rn, 16)  # (R, N)
+            sX = smem.allocate_tensor(Float32, cute.make_layout(self.tile_D), 16)  # (tile_D,) x
+            sXr = smem.allocate_tensor(Float32, rd, 16)  # (R, tile_D) x * xproj
+            sUV = smem.allocate_tensor(  # (tile_D, 2R) row coefficients u_r = gamma xr, v_r = beta xsr
+                Float32, cute.make_layout((self.tile_D, 2 * self.R), stride=(2 * self.R, 1)), 16)
+            sY = smem.allocate_tensor(Float32, rd, 16)  # (R, tile_D) sum_n new * C
 
-            # Issue the first row group's state loads first: they are the bytes that matter.
-            tiled_copy = self.state_tiled_copy()
-            tSgS, tScS = self.partition_state(tiled_copy, mState, src, h, dtile, 0, tidx)
-            tSrS = cute.make_fragment_like(tSgS)
-            cute.copy(tiled_copy, tSgS, tSrS)
+            # Issue every state load first: they are the bytes that matter.
+            lane = tidx % self.layout.TPR
+            phi = self.lane_permutation(lane)
+            frags = []  # (state registers, tile rows) per row group, loaded up front with preload
+            for g in cutlass.range_constexpr(self.layout.row_groups if self.layout.preload else 1):
+                rows = self.thread_rows(tidx, phi, g)
+                frags.append((self.load_state(mState, src, h, dtile, rows, lane), rows))
 
-            self.stage_operands(
-                mBstate, mXstate, mB, mC, mX, mXproj, sB, sBs, sC, sX, sXs, sXproj, src, b, h, dtile, tidx
-            )
+            alpha, beta, gamma = self.decay_coefficients(mA, mDt, mTrap, b, h)
+            self.stage_operands(mBstate, mXstate, mB, mC, mX, mXproj, sB, sBs, sC, sX, sXr, sUV, beta, gamma,
+                                src, b, h, dtile, tidx)
             cute.arch.barrier()
             # Every read of the old Bstate/Xstate rows happened before the barrier.
             if const_expr(self.update_kv_state):
                 if dst_live:
                     self.store_kv_state(mBstate, mXstate, sB, sX, dst, h, dtile, tidx)
 
-            alpha, beta, gamma = self.decay_coefficients(mA, mDt, mTrap, b, h)
+            tOrB, tOrBs, tOrC = self.load_operands(sB, sBs, sC, lane, phi)
             for g in cutlass.range_constexpr(self.layout.row_groups):
-                if const_expr(g > 0):
-                    tSgS, tScS = self.partition_state(tiled_copy, mState, src, h, dtile, g, tidx)
-                    tSrS = cute.make_fragment_like(tSgS)
-                    cute.copy(tiled_copy, tSgS, tSrS)
-                self.update_rows(tSrS, tScS, sB, sBs, sC, sX, sXs, sXproj, sY, alpha, beta, gamma, tidx)
+                if const_expr(g >= len(frags)):  # without preload: this group's loads now
+                    rows = self.thread_rows(tidx, phi, g)
+                    frags.append((self.load_state(mState, src, h, dtile, rows, lane), rows))
+                tSrS, rows = frags[g]
+                part = self.update_rows(tSrS, rows, tOrB, tOrBs, tOrC, sB, sBs, sC, sUV, alpha, lane, phi)
+                self.reduce_rows(part, sY, tidx, phi, g)
                 if dst_live:
-                    self.store_state(tiled_copy, tSrS, mState, mStateOut, dst, h, dtile, g, tidx)
+                    target = mState
+                    if const_expr(self.has_state_out):
+                        target = mStateOut
+                    self.store_state(tSrS, target, dst, h, dtile, rows, lane)
             cute.arch.barrier()
-            self.epilogue(
-                sY, sX, sXproj, mDskip, mZ, mZproj, mOutproj, mOut, b, h, dtile, tidx, self.num_threads
-            )
+            self.epilogue(sY, sXr, mDskip, mZ, mZproj, mOutproj, mOut, b, h, dtile, tidx, self.num_threads)
         else:
             self.zero_out(mOut, b, h, dtile, tidx, self.num_threads)
 
@@ -221,35 +247,69 @@ class Mamba3StepKernel:
         gamma = trap * dt
         return alpha, beta, gamma
 
-    def state_tiled_copy(self):
-        """16-byte vector copies: thread t owns rows ``t // TPR + i * rows_per_pass`` and
-        the VN-element vectors ``(c * TPR + t % TPR) * VN`` of each of its rows."""
+    @cute.jit
+    def lane_permutation(self, lane: Int32) -> Int32:
+        """``phi``: which of a row group's ``rows x R`` partial sums this lane keeps at each
+        halving round of :meth:`reduce_rows`, as a permutation of slot indices (slot ``k``
+        of the lane holds partial ``k ^ phi``). Built from the lane bits the rounds use, so
+        every lane always keeps its *first* half and no selects are needed."""
+        lay = self.layout
+        K = lay.partials_per_group
+        if const_expr(K <= lay.TPR):
+            return (lane >> (lay.TPR.bit_length() - K.bit_length())) & (K - 1)
+        return (lane << (K.bit_length() - lay.TPR.bit_length())) & (K - 1)
+
+    @cute.jit
+    def thread_rows(self, tidx: Int32, phi: Int32, g: int) -> list:
+        """Tile rows of the thread's ``rows_per_group`` registers rows in group ``g``.
+
+        Thread ``t`` owns rows ``t // TPR + j * rows_per_pass`` (``j`` over the group); its
+        register row ``i`` holds ``j = i ^ (phi >> log2 R)``, the lane-dependent order the
+        reduction wants. A row's TPR lanes together still cover it exactly once, and each
+        lane's vectors stay 16-byte accesses.
+        """
+        lay = self.layout
+        rho = phi >> (self.R.bit_length() - 1)
+        base = g * self.group_rows + tidx // lay.TPR
+        rows = []
+        for i in cutlass.range_constexpr(lay.rows_per_group):
+            rows.append(base + (rho ^ i) * lay.rows_per_pass)
+        return rows
+
+    @cute.jit
+    def state_vector(self, mState: cute.Tensor, row: Int32, h: Int32, dtile: Int32, d: Int32, c: int,
+                     lane: Int32) -> cute.Tensor:
+        """The ``(VN,)`` 16-byte vector ``c`` of tile row ``d`` a lane moves: elements
+        ``(c * TPR + lane) * VN ...`` of ``mState[row, h, dtile * tile_D + d]``."""
+        gS = mState[row, h, None, None]  # (D, N); 64-bit offsets (64-bit strides)
+        gT = cute.local_tile(gS, (self.tile_D, self.N), (dtile, 0))  # (tile_D, N)
+        return cute.local_tile(gT[d, None], (self.layout.VN,), (c * self.layout.TPR + lane,))
+
+    @cute.jit
+    def load_state(self, mState: cute.Tensor, row: Int32, h: Int32, dtile: Int32, rows: list,
+                   lane: Int32) -> cute.Tensor:
+        """16-byte loads of the thread's rows ``rows`` of pool row ``row``: ``(VN, rows_per_group,
+        CPT)`` registers in the state dtype."""
         lay = self.layout
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.state_dtype, num_bits_per_copy=128)
-        thr_layout = cute.make_layout((lay.rows_per_pass, lay.TPR), stride=(lay.TPR, 1))
-        val_layout = cute.make_layout((1, lay.VN), stride=(lay.VN, 1))
-        return cute.make_tiled_copy_tv(atom, thr_layout, val_layout)
+        frag = cute.make_rmem_tensor(
+            cute.make_layout((lay.VN, lay.rows_per_group, lay.CPT), stride=(1, lay.VN, lay.VN * lay.rows_per_group)),
+            self.state_dtype)
+        for i in cutlass.range_constexpr(lay.rows_per_group):
+            for c in cutlass.range_constexpr(lay.CPT):
+                cute.copy(atom, self.state_vector(mState, row, h, dtile, rows[i], c, lane), frag[None, i, c])
+        return frag
 
     @cute.jit
-    def state_tile(self, mState: cute.Tensor, row: Int32, h: Int32, dtile: Int32, g: int) -> cute.Tensor:
-        """Row group ``g`` of the ``(tile_D, N)`` slab of ``mState[row, h]`` this CTA owns:
-        ``(rows_per_pass * rows_per_group, N)``. Offsets are 64-bit (64-bit strides)."""
-        gS = mState[row, h, None, None]  # (D, N)
-        gT = cute.local_tile(gS, (self.tile_D, self.N), (dtile, 0))  # (tile_D, N)
-        return cute.local_tile(gT, (self.group_rows, self.N), (g, 0))
-
-    @cute.jit
-    def partition_state(self, tiled_copy: cute.TiledCopy, mState: cute.Tensor, row: Int32, h: Int32,
-                        dtile: Int32, g: int, tidx: Int32):
-        """Thread ``tidx``'s view of row group ``g`` of its slab: ``(tSgS, tScS)``.
-
-        ``tSgS`` (VN, rows_per_group, CPT) are the state elements it moves; ``tScS`` the
-        matching (d, n) coordinates inside the (tile_D, N) tile.
-        """
-        thr_copy = tiled_copy.get_slice(tidx)
-        gS = self.state_tile(mState, row, h, dtile, g)
-        cS = cute.local_tile(cute.make_identity_tensor((self.tile_D, self.N)), (self.group_rows, self.N), (g, 0))
-        return thr_copy.partition_S(gS), thr_copy.partition_S(cS)
+    def store_state(self, frag: cute.Tensor, mTarget: cute.Tensor, row: Int32, h: Int32, dtile: Int32,
+                    rows: list, lane: Int32):
+        """16-byte stores of the thread's new state (``frag``, rows ``rows``) to row ``row`` of
+        ``mTarget`` (the pool, or ``state_out`` in dense mode)."""
+        lay = self.layout
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.state_dtype, num_bits_per_copy=128)
+        for i in cutlass.range_constexpr(lay.rows_per_group):
+            for c in cutlass.range_constexpr(lay.CPT):
+                cute.copy(atom, frag[None, i, c], self.state_vector(mTarget, row, h, dtile, rows[i], c, lane))
 
     @cute.jit
     def stage_operands(
@@ -264,35 +324,56 @@ class Mamba3StepKernel:
         sBs: cute.Tensor,  # (R, N) fp32
         sC: cute.Tensor,  # (R, N) fp32
         sX: cute.Tensor,  # (tile_D,) fp32
-        sXs: cute.Tensor,  # (tile_D,) fp32
-        sXproj: cute.Tensor,  # (R, tile_D) fp32
+        sXr: cute.Tensor,  # (R, tile_D) fp32 out: x * xproj
+        sUV: cute.Tensor,  # (tile_D, 2R) fp32 out: gamma * xr, beta * xs * xproj
+        beta: Float32,
+        gamma: Float32,
         src: Int32,
         b: Int32,
         h: Int32,
         dtile: Int32,
         tidx: Int32,
     ):
-        """Thread ``tidx``'s share of converting this (lane, head)'s small operands to fp32."""
+        """Thread ``tidx``'s share of the per-(lane, head) operands, converted to fp32.
+
+        B, Bstate and C rows go to shared memory as they are; for each tile row ``d`` and
+        rank ``r`` the coefficients of the state update are computed once per CTA:
+        ``xr = x xproj`` (kept for the epilogue's skip term), ``u = gamma xr`` and
+        ``v = beta (Xstate xproj)``, stored row-major ``(d, [u_0..u_R-1, v_0..v_R-1])`` so a
+        thread reads a row's 2R coefficients with vector loads.
+        """
+        self.stage_kv_row(mB, b, h, sB, tidx)
+        self.stage_kv_row(mC, b, h, sC, tidx)
+        self.stage_kv_row(mBstate, src, h, sBs, tidx)
+        RT = self.R * self.tile_D
+        d0 = dtile * self.tile_D
+        for k in cutlass.range_constexpr((RT + self.num_threads - 1) // self.num_threads):
+            i = tidx + k * self.num_threads
+            if i < RT:
+                d = i // self.R
+                r = i - d * self.R
+                xp = mXproj[r, h, d0 + d].to(Float32)
+                xd = mX[b, h, d0 + d].to(Float32)
+                xr = xd * xp
+                sXr[r, d] = xr
+                sUV[d, r] = gamma * xr
+                sUV[d, self.R + r] = beta * (mXstate[src, h, d0 + d].to(Float32) * xp)
+                if r == 0:
+                    sX[d] = xd
+
+    @cute.jit
+    def stage_kv_row(self, mT: cute.Tensor, row: Int32, h: Int32, sT: cute.Tensor, tidx: Int32):
+        """``mT[row, :, h, :]`` (R, N) in the kv dtype -> ``sT`` (R, N) fp32, element by element.
+
+        (16-byte loads of the bf16 rows were tried: the bf16 -> fp32 unpacking of a vector
+        costs more instructions than the scalar loads it saves, docs/performance.md.)"""
         RN = self.R * self.N
         for k in cutlass.range_constexpr((RN + self.num_threads - 1) // self.num_threads):
             i = tidx + k * self.num_threads
             if i < RN:
                 r = i // self.N
                 n = i - r * self.N
-                sB[r, n] = mB[b, r, h, n].to(Float32)
-                sC[r, n] = mC[b, r, h, n].to(Float32)
-                sBs[r, n] = mBstate[src, r, h, n].to(Float32)
-        RT = self.R * self.tile_D
-        d0 = dtile * self.tile_D
-        for k in cutlass.range_constexpr((RT + self.num_threads - 1) // self.num_threads):
-            i = tidx + k * self.num_threads
-            if i < RT:
-                r = i // self.tile_D
-                d = i - r * self.tile_D
-                sXproj[r, d] = mXproj[r, h, d0 + d].to(Float32)
-                if r == 0:
-                    sX[d] = mX[b, h, d0 + d].to(Float32)
-                    sXs[d] = mXstate[src, h, d0 + d].to(Float32)
+                sT[r, n] = mT[row, r, h, n].to(Float32)
 
     @cute.jit
     def store_kv_state(
@@ -325,108 +406,145 @@ class Mamba3StepKernel:
             if d < self.tile_D:
                 mXstate[dst, h, d0 + d] = sX[d].to(self.x_dtype)
 
+    def column(self, c: int, e: int, lane: Int32) -> Int32:
+        """State column of element ``e`` of the lane's vector ``c`` (the same in every row)."""
+        return (c * self.layout.TPR + lane) * self.layout.VN + e
+
+    @cute.jit
+    def load_operands(self, sB: cute.Tensor, sBs: cute.Tensor, sC: cute.Tensor, lane: Int32, phi: Int32):
+        """The B, Bstate and C values of the lane's columns, ``(R, VN, CPT)`` fp32 each, read
+        once from shared memory when they fit in registers (``cache_operands``), else None
+        (then :meth:`update_rows` reads them per row). C is read in the lane's rank order:
+        slot ``r`` holds rank ``r ^ (phi & (R - 1))`` (see :meth:`lane_permutation`)."""
+        lay = self.layout
+        if const_expr(not lay.cache_operands):
+            return None, None, None
+        shape = cute.make_layout((self.R, lay.VN, lay.CPT), stride=(lay.VN * lay.CPT, 1, lay.VN))
+        tOrB = cute.make_rmem_tensor(shape, Float32)
+        tOrBs = cute.make_rmem_tensor(shape, Float32)
+        tOrC = cute.make_rmem_tensor(shape, Float32)
+        sigma = phi & (self.R - 1)
+        for r in cutlass.range_constexpr(self.R):
+            for c in cutlass.range_constexpr(lay.CPT):
+                for e in cutlass.range_constexpr(lay.VN):
+                    n = self.column(c, e, lane)
+                    tOrB[r, e, c] = sB[r, n]
+                    tOrBs[r, e, c] = sBs[r, n]
+                    tOrC[r, e, c] = sC[r ^ sigma, n]
+        return tOrB, tOrBs, tOrC
+
     @cute.jit
     def update_rows(
         self,
         tSrS: cute.Tensor,  # (VN, rows_per_group, CPT) state dtype, registers: in -> out
-        tScS: cute.Tensor,  # (VN, rows_per_group, CPT) (d, n) coordinates in the tile
+        rows: list,  # tile row of each register row
+        tOrB: Optional[cute.Tensor],  # (R, VN, CPT) fp32 registers, or None (read sB per row)
+        tOrBs: Optional[cute.Tensor],  # (R, VN, CPT)
+        tOrC: Optional[cute.Tensor],  # (R, VN, CPT), ranks in the lane's order
         sB: cute.Tensor,  # (R, N) fp32
         sBs: cute.Tensor,  # (R, N) fp32
         sC: cute.Tensor,  # (R, N) fp32
-        sX: cute.Tensor,  # (tile_D,) fp32
-        sXs: cute.Tensor,  # (tile_D,) fp32
-        sXproj: cute.Tensor,  # (R, tile_D) fp32
-        sY: cute.Tensor,  # (R, tile_D) fp32 out: sum_n new[d, n] C[r, n]
+        sUV: cute.Tensor,  # (tile_D, 2R) fp32 row coefficients
         alpha: Float32,
-        beta: Float32,
-        gamma: Float32,
-        tidx: Int32,
-    ):
-        """Per-thread state update (SPEC.md math, fp32 accumulation), one owned row at a time.
+        lane: Int32,
+        phi: Int32,
+    ) -> cute.Tensor:
+        """Per-thread state update of one row group (math of docs/contract.md, fp32).
 
-        ``new[d, n] = alpha s[d, n] + sum_r (gamma xr[r, d]) B[r, n] + (beta xsr[r, d]) Bs[r, n]``
-        (summed in r order) is written back into ``tSrS`` rounded to the state dtype; then
-        for each r the thread's partial ``sum_n new[d, n] C[r, n]`` (unrounded new) goes
-        to :meth:`reduce_row`, which completes the sum over the row's TPR threads. Working
-        on one row and one r at a time keeps only ``VN * CPT + 3`` fp32 values live beside
-        the state fragment, whatever R is.
+        ``new[d, n] = alpha s[d, n] + sum_r u_r[d] B[r, n] + v_r[d] Bs[r, n]`` (summed in r
+        order) is written back into ``tSrS`` rounded to the state dtype; the unrounded new
+        value feeds the thread's partial ``y[r, d] = sum_n new[d, n] C[r, n]`` over its own
+        columns. Returns the partials, ``(rows_per_group * R,)`` fp32, slot ``i * R + r``
+        holding register row ``i`` and rank ``r ^ (phi & (R - 1))``.
         """
         lay = self.layout
+        R = self.R
+        sigma = phi & (R - 1)
+        part = cute.make_rmem_tensor(cute.make_layout(lay.partials_per_group), Float32)
         for i in cutlass.range_constexpr(lay.rows_per_group):
-            if const_expr(lay.fence_rows and i > 0):
-                self.row_fence()
-            d = tScS[0, i, 0][0]
-            xd = sX[d] * gamma
-            xsd = sXs[d] * beta
+            uv = cute.make_rmem_tensor(cute.make_layout(2 * R), Float32)
+            for k in cutlass.range_constexpr(2 * R):
+                uv[k] = sUV[rows[i], k]
             tNrN = cute.make_rmem_tensor(cute.make_layout((lay.VN, lay.CPT), stride=(1, lay.VN)), Float32)
             for c in cutlass.range_constexpr(lay.CPT):
                 for e in cutlass.range_constexpr(lay.VN):
                     tNrN[e, c] = alpha * tSrS[e, i, c].to(Float32)
-            for r in cutlass.range_constexpr(self.R):
-                if const_expr(lay.fence_rows):
-                    self.row_fence()
-                u = xd * sXproj[r, d]
-                v = xsd * sXproj[r, d]
+            for r in cutlass.range_constexpr(R):
+                if const_expr(not lay.cache_operands):
+                    self.row_fence()  # one rank's operands at a time in registers
                 for c in cutlass.range_constexpr(lay.CPT):
                     for e in cutlass.range_constexpr(lay.VN):
-                        n = tScS[e, i, c][1]
-                        tNrN[e, c] = tNrN[e, c] + u * sB[r, n] + v * sBs[r, n]
+                        if const_expr(lay.cache_operands):
+                            b_, bs_ = tOrB[r, e, c], tOrBs[r, e, c]
+                        else:
+                            n = self.column(c, e, lane)
+                            b_, bs_ = sB[r, n], sBs[r, n]
+                        tNrN[e, c] = tNrN[e, c] + uv[r] * b_ + uv[R + r] * bs_
             for c in cutlass.range_constexpr(lay.CPT):
                 for e in cutlass.range_constexpr(lay.VN):
                     tSrS[e, i, c] = tNrN[e, c].to(self.state_dtype)
-            for r in cutlass.range_constexpr(self.R):
-                if const_expr(lay.fence_rows):
+            for r in cutlass.range_constexpr(R):
+                if const_expr(not lay.cache_operands):
                     self.row_fence()
-                acc = Float32(0.0)
+                y = Float32(0.0)
                 for c in cutlass.range_constexpr(lay.CPT):
                     for e in cutlass.range_constexpr(lay.VN):
-                        acc = acc + tNrN[e, c] * sC[r, tScS[e, i, c][1]]
-                self.reduce_row(acc, sY, r, d, tidx)
+                        if const_expr(lay.cache_operands):
+                            y = y + tNrN[e, c] * tOrC[r, e, c]
+                        else:
+                            y = y + tNrN[e, c] * sC[r ^ sigma, self.column(c, e, lane)]
+                part[i * R + r] = y
+        return part
 
     @cute.jit
     def row_fence(self):
         """A compiler-level memory clobber between rows (an empty volatile asm, no
         instruction), so B/Bs/C are re-read from shared memory instead of being cached in
-        registers across rows (``ThreadLayout.fence_rows``)."""
+        registers across rows when they do not fit (``ThreadLayout.cache_operands``)."""
         llvm.inline_asm(None, [], "", "~{memory}", has_side_effects=True, is_align_stack=False,
                         asm_dialect=llvm.AsmDialect.AD_ATT)
 
     @cute.jit
-    def reduce_row(self, partial: Float32, sY: cute.Tensor, r: int, d: Int32, tidx: Int32):
-        """Butterfly-sum ``partial`` over the TPR lanes of the row; one lane stores it to
-        ``sY[r, d]``."""
-        total = cute.arch.warp_reduction_sum(partial, threads_in_group=self.layout.TPR)
-        if tidx % self.layout.TPR == 0:
-            sY[r, d] = total
+    def reduce_rows(self, part: cute.Tensor, sY: cute.Tensor, tidx: Int32, phi: Int32, g: int):
+        """Complete a row group's partial sums over the TPR lanes of each row; store them to sY.
 
-    @cute.jit
-    def store_state(
-        self,
-        tiled_copy: cute.TiledCopy,
-        tSrS: cute.Tensor,  # (VN, rows_per_group, CPT) new state
-        mState: cute.Tensor,  # (P, H, D, N)
-        mStateOut: Optional[cute.Tensor],  # (B, H, D, N)
-        dst: Int32,
-        h: Int32,
-        dtile: Int32,
-        g: int,
-        tidx: Int32,
-    ):
-        """16-byte stores of the thread's new state (row group ``g``) to row ``dst`` (or
-        ``state_out``)."""
-        target = mState
-        if const_expr(self.has_state_out):
-            target = mStateOut
-        thr_copy = tiled_copy.get_slice(tidx)
-        tSgD = thr_copy.partition_D(self.state_tile(target, dst, h, dtile, g))
-        cute.copy(tiled_copy, tSrS, tSgD)
+        Transposed butterfly: while a lane holds more than one value, the round with lane
+        mask ``m`` sends the second half of the lane's slots to its partner ``lane ^ m`` and
+        adds what arrives to the first half. Because the lane's slots are ordered by
+        ``phi`` (:meth:`lane_permutation`), the partner's second half holds the same
+        partials as the lane's first half, and ``K`` partials over TPR lanes cost ``K - 1``
+        shuffles and adds, with no selects. Once a lane holds one value the remaining rounds
+        are plain butterflies, after which only the lanes with those mask bits clear store.
+        Slot ``j`` left at the end is partial ``j ^ phi``: row ``(j ^ phi) // R``, rank
+        ``(j ^ phi) % R``.
+        """
+        lay = self.layout
+        vals = []
+        for k in cutlass.range_constexpr(lay.partials_per_group):
+            vals.append(part[k])
+        for step in cutlass.range_constexpr(len(self.reduce_plan)):
+            m, halving = self.reduce_plan[step]
+            if const_expr(halving):
+                half = len(vals) // 2
+                kept = []
+                for j in cutlass.range_constexpr(half):
+                    kept.append(vals[j] + cute.arch.shuffle_sync_bfly(vals[j + half], offset=m))
+                vals = kept
+            else:
+                vals = [vals[0] + cute.arch.shuffle_sync_bfly(vals[0], offset=m)]
+        lane = tidx % lay.TPR
+        row0 = g * self.group_rows + tidx // lay.TPR
+        log2r = self.R.bit_length() - 1
+        for j in cutlass.range_constexpr(len(vals)):
+            k = phi ^ j
+            if (lane & self.reduce_plain_mask) == 0:
+                sY[k & (self.R - 1), row0 + (k >> log2r) * lay.rows_per_pass] = vals[j]
 
     @cute.jit
     def epilogue(
         self,
         sY: cute.Tensor,  # (R, tile_D) fp32, sum_n new * C
-        sX: cute.Tensor,  # (tile_D,) fp32
-        sXproj: cute.Tensor,  # (R, tile_D) fp32
+        sXr: cute.Tensor,  # (R, tile_D) fp32, x * xproj
         mDskip: cute.Tensor,  # (H,)
         mZ: Optional[cute.Tensor],  # (B, H, D)
         mZproj: Optional[cute.Tensor],  # (R, H, D)
@@ -438,29 +556,42 @@ class Mamba3StepKernel:
         tidx: Int32,
         num_threads: int,
     ):
-        """``y = sY + D xr``; ``y *= silu(z zproj)``; ``out = sum_r y outproj`` (or out = y)."""
+        """``y = sY + D xr``; ``y *= silu(z zproj)``; ``out = sum_r y outproj`` (or out = y).
+
+        When the CTA has more threads than rows, ``epilogue_split`` adjacent lanes share a row
+        ``d``, each taking ``R / epilogue_split`` ranks; with outproj their partial sums are
+        combined by a butterfly over those lanes and the first one stores ``out``.
+        """
+        split = self.epilogue_split
+        ranks = self.R // split
         dskip = mDskip[h]
         d0 = dtile * self.tile_D
-        for k in cutlass.range_constexpr((self.tile_D + num_threads - 1) // num_threads):
-            d = tidx + k * num_threads
+        part = tidx % split
+        for k in cutlass.range_constexpr((self.tile_D * split + num_threads - 1) // num_threads):
+            d = (tidx + k * num_threads) // split
+            acc = Float32(0.0)
             if d < self.tile_D:
                 dg = d0 + d
-                xd = sX[d]
                 zd = Float32(0.0)
                 if const_expr(self.has_z):
                     zd = mZ[b, h, dg].to(Float32)
-                acc = Float32(0.0)
-                for r in cutlass.range_constexpr(self.R):
-                    y = sY[r, d] + dskip * (xd * sXproj[r, d])
+                for j in cutlass.range_constexpr(ranks):
+                    r = part * ranks + j
+                    y = sY[r, d] + dskip * sXr[r, d]
                     if const_expr(self.has_z):
-                        g = zd * mZproj[r, h, dg].to(Float32)
-                        y = y * (g / (Float32(1.0) + cute.math.exp(-g)))
+                        gz = zd * mZproj[r, h, dg].to(Float32)
+                        y = y * (gz * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-gz)))
                     if const_expr(self.has_outproj):
                         acc = acc + y * mOutproj[r, h, dg].to(Float32)
                     else:
                         mOut[b, r, h, dg] = y.to(self.x_dtype)
-                if const_expr(self.has_outproj):
-                    mOut[b, h, dg] = acc.to(self.x_dtype)
+            if const_expr(self.has_outproj):
+                # the lanes sharing a row are adjacent and agree on d < tile_D: every lane shuffles
+                for m in cutlass.range_constexpr(len(self.epilogue_masks)):
+                    acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=self.epilogue_masks[m])
+                if d < self.tile_D:
+                    if part == 0:
+                        mOut[b, h, d0 + d] = acc.to(self.x_dtype)
 
     @cute.jit
     def zero_out(self, mOut: cute.Tensor, b: Int32, h: Int32, dtile: Int32, tidx: Int32, num_threads: int):
@@ -492,12 +623,15 @@ def fake_arguments(spec: StepSpec) -> list:
     batch, pool, heads = sym(), sym(), sym()
 
     def state_like(rows):  # (rows, H, D, N)
-        return make(st, (rows, heads, D, N), stride=(sym64(divisibility=VN), sym64(divisibility=VN),
-                                                      sym64(divisibility=VN), 1), assumed_align=16)
+        # the row stride is 64-bit (a pool exceeds 2**31 elements); inside a row 32 bits suffice
+        # (validation.check_state_strides), which keeps per-vector address math 32-bit
+        return make(st, (rows, heads, D, N), stride=(sym64(divisibility=VN), sym(divisibility=VN),
+                                                      sym(divisibility=VN), 1), assumed_align=16)
 
-    def strided(dtype, shape):
-        return make(dtype, shape, stride=tuple(sym64() for _ in shape[:-1]) + (1,),
-                    assumed_align=dtype.width // 8)
+    def strided(dtype, shape):  # outermost stride 64-bit, the others 32-bit, innermost 1
+        inner = tuple(sym() for _ in shape[1:-1])
+        outer = (sym64(),) if len(shape) > 1 else ()
+        return make(dtype, shape, stride=outer + inner + (1,), assumed_align=dtype.width // 8)
 
     rows = pool if spec.pool else batch
     return [

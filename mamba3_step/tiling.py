@@ -11,9 +11,16 @@ threads are laid out as a row-major grid of ``rows_per_pass x TPR`` threads over
 * a warp covers ``RPW = 32 / TPR`` rows, the CTA ``rows_per_pass = num_warps * RPW`` rows,
   and a thread owns ``rows_per_thread = tile_D / rows_per_pass`` rows, ``rows_per_pass`` apart.
 
-The per-row reduction ``y[r, d] = sum_n new_state[d, n] * C[r, n]`` is a butterfly over the
-TPR lanes of a row (``log2(TPR)`` shuffles) after each thread has summed its own VN * CPT
-elements.
+A thread's columns are the same in every row it owns, so the B, Bstate and C values of
+those columns (``3 * R * VN * CPT`` fp32) are read from shared memory once and kept in
+registers (``cache_operands``) when that fits; otherwise they are re-read per row.
+
+The per-row output ``y[r, d] = sum_n new_state[d, n] * C[r, n]`` leaves each thread with
+``rows_per_group * R`` partial sums per row group. They are completed over the TPR lanes
+of a row by a *transposed* butterfly: in each shuffle round a lane sends half of its
+values and keeps the other half, so ``K`` partials over ``TPR`` lanes cost ``K - 1``
+shuffle/add pairs (plus two selects each) instead of ``K * log2(TPR)``, and each lane
+ends holding whole sums that it stores directly (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ VECTOR_BYTES = 16
 WARP = 32
 ALLOWED_NUM_WARPS = (1, 2, 4, 8, 16)
 #: the default num_warps aims at this many 32-bit state words held per thread
-TARGET_STATE_WORDS_PER_THREAD = 32
+TARGET_STATE_WORDS_PER_THREAD = 64
 
 
 @dataclass(frozen=True)
@@ -39,26 +46,31 @@ class ThreadLayout:
     rows_per_thread: int
     num_threads: int
     state_words_per_thread: int  # 32-bit registers the whole state share of a thread occupies
-    row_groups: int  # the thread's rows are loaded/updated/stored in this many groups
+    row_groups: int  # the thread's rows are reduced (and stored) in this many groups
     rows_per_group: int
-    fence_rows: bool  # a warp barrier between rows stops the compiler caching B/Bs/C rows
+    cache_operands: bool  # the thread's B/Bstate/C columns live in registers for all its rows
+    mimo: int  # R
+    preload: bool  # all row groups' state loads are issued up front (else group by group)
+
+    @property
+    def partials_per_group(self) -> int:
+        """Partial y sums a thread holds per row group: one per (row, rank)."""
+        return self.rows_per_group * self.mimo
 
 
-#: a row group holds at most this many 32-bit state words per thread in registers
-MAX_GROUP_WORDS = 32
-#: above this many fp32 values of B, Bstate and C per thread, rows are fenced (see ThreadLayout)
+#: a row group's partial sums (rows x R) a thread reduces at once, at most
+MAX_GROUP_PARTIALS = 32
+#: B, Bstate and C values of a thread's columns kept in registers, at most (fp32 words)
 MAX_CACHED_OPERAND_WORDS = 48
 
 
 def thread_layout(dstate: int, tile_D: int, num_warps: int, state_dtype: str, mimo: int = 1) -> ThreadLayout:
     """The thread layout of one specialisation (see the module docstring).
 
-    A thread's rows are processed in ``row_groups`` groups of ``rows_per_group`` rows so that
-    at most ``MAX_GROUP_WORDS`` state registers are live at once; within a group all loads
-    are issued before any math. The B, Bstate and C values a thread needs are the same for
-    all its rows, and the compiler likes to keep them in registers across rows (``3 * R *
-    VN * CPT`` fp32 values); past ``MAX_CACHED_OPERAND_WORDS`` that costs spills, so
-    ``fence_rows`` puts a warp barrier between rows and they are re-read from shared memory.
+    All ``rows_per_thread`` rows of a thread are loaded at once (at most 64 state words,
+    :func:`tiling_problem`); they are updated and reduced in ``row_groups`` groups of
+    ``rows_per_group`` rows whose ``rows_per_group * R`` partial sums fit
+    :data:`MAX_GROUP_PARTIALS` (a group is at least one row).
     """
     VN = VECTOR_BYTES // DTYPE_BYTES[state_dtype]
     TPR = min(WARP, dstate // VN)
@@ -67,12 +79,33 @@ def thread_layout(dstate: int, tile_D: int, num_warps: int, state_dtype: str, mi
     rows_per_pass = num_warps * RPW
     rows_per_thread = max(1, tile_D // rows_per_pass)
     words = rows_per_thread * CPT * VN * DTYPE_BYTES[state_dtype] // 4
-    row_groups = 1
-    while words // row_groups > MAX_GROUP_WORDS and rows_per_thread % (2 * row_groups) == 0:
-        row_groups *= 2
-    fence_rows = 3 * mimo * VN * CPT > MAX_CACHED_OPERAND_WORDS
+    cache = 3 * mimo * VN * CPT <= MAX_CACHED_OPERAND_WORDS
+    budget = min(MAX_REGISTERS, REGISTER_FILE // (num_warps * WARP)) - REGISTER_RESERVE
+    rows_per_group = rows_per_thread
+    while rows_per_group % 2 == 0 and (
+            rows_per_group * mimo > MAX_GROUP_PARTIALS
+            or _registers(words // (rows_per_thread // rows_per_group), rows_per_group * mimo, mimo, VN * CPT,
+                          cache) > budget):
+        rows_per_group //= 2
+    preload = _registers(words, rows_per_group * mimo, mimo, VN * CPT, cache) <= budget
     return ThreadLayout(VN, TPR, CPT, RPW, rows_per_pass, rows_per_thread, num_warps * WARP, words,
-                        row_groups, rows_per_thread // row_groups, fence_rows)
+                        rows_per_thread // rows_per_group, rows_per_group, cache, mimo, preload)
+
+
+#: registers of the SM's file, the per-thread maximum, and what a thread needs besides the
+#: state, operands and partials (addresses, indices, loop-invariant scalars): a coarse model
+#: used to keep every configuration free of spills (the compile tests check the result)
+REGISTER_FILE = 65536
+MAX_REGISTERS = 255
+REGISTER_RESERVE = 40
+
+
+def _registers(state_words: int, partials: int, mimo: int, elements: int, cache: bool) -> int:
+    """Registers a thread holds at once: state, partial sums, a row's 2R coefficients, the
+    row's fp32 accumulators, and B/Bstate/C of its columns (all ranks when cached, one rank
+    at a time otherwise)."""
+    operands = 3 * mimo * elements if cache else 3 * elements
+    return state_words + partials + 2 * mimo + elements + operands
 
 
 def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str) -> tuple[int, int]:
@@ -80,15 +113,15 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str) -> tu
 
     ``tile_D = headdim``: one CTA owns a whole (lane, head), which is what makes
     update_kv_state race-free and keeps the B/C staging cost paid once per (lane, head).
-    ``num_warps`` is the smallest power of two in [4, 16] that keeps the state fragment at
-    about 32 registers per thread (up to 64 for the 128 KB slab of D=128, N=256, fp32),
-    leaving room for the row's coefficients under a 128-register budget; it is lowered if
-    the CTA would have more rows per pass than the tile has rows.
+    ``num_warps`` is the smallest power of two in [1, 16] that keeps the state fragment at
+    about 64 registers per thread: few threads with many elements each, so the per-row and
+    per-thread overheads (coefficients, reductions, staging) are spread over more state;
+    it is lowered if the CTA would have more rows per pass than the tile has rows.
     """
     tile_D = headdim
     slab_bytes = tile_D * dstate * DTYPE_BYTES[state_dtype]
     want = slab_bytes // (WARP * 4 * TARGET_STATE_WORDS_PER_THREAD)
-    num_warps = 4
+    num_warps = 1
     while num_warps < want and num_warps < 16:
         num_warps *= 2
     while num_warps > 1 and thread_layout(dstate, tile_D, num_warps, state_dtype).rows_per_pass > tile_D:

@@ -192,7 +192,7 @@ def test_compile_counter_grows_for_each_static_change():
     # dense mode with state_out, user tiling, and another arch are specs of their own
     before = cc.COUNTERS.compiles
     cc.compile_for(**call_args(B=4, H=6, state_out=True), arch=ARCH)
-    cc.compile_for(**call_args(B=4, P=9, H=6), tile_D=64, num_warps=4, arch=ARCH)
+    cc.compile_for(**call_args(B=4, P=9, H=6), tile_D=64, num_warps=8, arch=ARCH)
     cc.compile_for(**call_args(B=4, P=9, H=6), arch="sm_100a")
     assert cc.COUNTERS.compiles == before + 3
     assert rec.specs[-1] == (base_spec, "sm_100a")
@@ -530,7 +530,7 @@ def test_precompile_cli_list_json(capsys):
     assert cc.COUNTERS.compiles == 0
     assert cc.cli_main(["--list", "--config", "flagship", "--mode", "dense", "--no-z"]) == 0
     text = capsys.readouterr().out
-    assert "N128 D64 R4 float32/bfloat16/bfloat16/bfloat16 tD64 w8 kv+outproj" in text
+    assert "N128 D64 R4 float32/bfloat16/bfloat16/bfloat16 tD64 w4 kv+outproj" in text
     with pytest.raises(SystemExit) as e:
         cc.cli_main(["--config", "48,64,4"])
     assert e.value.code == 2
