@@ -18,8 +18,8 @@ What each function guarantees (the executor's numerics, documented in docs/ptx-t
   ``mov`` are bit operations and keep the payload.
 * **Approximate instructions** (``ex2.approx``, ``lg2.approx``, ``rcp.approx``,
   ``rsqrt.approx``, ``sqrt.approx``, ``sin/cos/tanh.approx``, ``div.approx``/``.full``)
-  return the correctly rounded value of the exact function. PTX documents only an error
-  bound for them (e.g. ex2.approx.f32: at most 2 ulp), so a GPU may differ by that much.
+  return the correctly rounded value of the exact function. The PTX ISA documents only an
+  error bound for each of them, so a GPU may differ by up to that bound.
 """
 
 from __future__ import annotations
