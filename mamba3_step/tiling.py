@@ -20,9 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .spec import DTYPE_BYTES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, StepSpec
+from .contract import DTYPE_BYTES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, VECTOR_BYTES
 
-VECTOR_BYTES = 16
 WARP = 32
 ALLOWED_NUM_WARPS = (1, 2, 4, 8, 16)
 #: the default num_warps aims at this many 32-bit state words held per thread
@@ -96,8 +95,12 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str) -> tu
     return tile_D, num_warps
 
 
-def tiling_problem(spec: StepSpec) -> str | None:
-    """Why ``spec``'s (tile_D, num_warps) cannot be compiled, or None when it can."""
+def tiling_problem(spec) -> str | None:
+    """Why ``spec``'s (tile_D, num_warps) cannot be compiled, or None when it can.
+
+    ``spec`` is a :class:`~mamba3_step.spec.StepSpec` (read by attribute: this module sits below
+    ``spec``, which builds its default tiling from :func:`default_tiling`).
+    """
     if spec.num_warps not in ALLOWED_NUM_WARPS:
         return f"num_warps must be one of {ALLOWED_NUM_WARPS}, got {spec.num_warps}"
     if spec.tile_D <= 0 or spec.tile_D & (spec.tile_D - 1) or spec.headdim % spec.tile_D:
