@@ -21,65 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .contract import DTYPES
 from .serving import CudaGraphStepRunner, StatePool, choose_bucket, gather_scatter_step
+from .testing import bits_equal, lane_inputs, layer_weights, poison_pool
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-# ---- random inputs (also used by the tests) ------------------------------------------------
-def random_layer_weights(H, D, R, *, proj_dtype=torch.bfloat16, has_z=True, has_outproj=True, device="cpu", generator=None):
-    """One layer's weights: ``D`` ``(H,)`` fp32; ``xproj``/``zproj``/``outproj`` ``(R, H, D)``."""
-    g = generator
-
-    def rn(*shape, scale=1.0, dtype=torch.float32):
-        return (torch.randn(shape, generator=g) * scale).to(dtype).to(device)
-
-    return {
-        "D": rn(H),
-        "xproj": rn(R, H, D, scale=0.5, dtype=proj_dtype),
-        "zproj": rn(R, H, D, scale=0.5, dtype=proj_dtype) if has_z else None,
-        "outproj": rn(R, H, D, scale=0.5, dtype=proj_dtype) if has_outproj else None,
-    }
-
-
-def random_step_inputs(n, H, D, N, R, *, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16, has_z=True, device="cpu", generator=None):
-    """One step's per-lane inputs for ``n`` lanes.
-
-    ``A`` ``(n, H)`` fp32 negative; ``dt`` ``(n, H)`` fp32 in (0.01, 0.5); ``trap`` ``(n, H)``
-    fp32 in [0, 1]; ``B``, ``C`` ``(n, R, H, N)`` ``kv_dtype``; ``x``, ``z`` ``(n, H, D)`` ``x_dtype``.
-    """
-    g = generator
-
-    def rn(*shape, dtype=torch.float32, scale=1.0):
-        return (torch.randn(shape, generator=g) * scale).to(dtype).to(device)
-
-    def ru(*shape, lo=0.0, hi=1.0):
-        return (lo + (hi - lo) * torch.rand(shape, generator=g)).to(device)
-
-    return {
-        "A": -torch.exp(rn(n, H, scale=0.5)),
-        "dt": ru(n, H, lo=0.01, hi=0.5),
-        "trap": ru(n, H),
-        "B": rn(n, R, H, N, dtype=kv_dtype, scale=0.5),
-        "C": rn(n, R, H, N, dtype=kv_dtype, scale=0.5),
-        "x": rn(n, H, D, dtype=x_dtype),
-        "z": rn(n, H, D, dtype=x_dtype) if has_z else None,
-    }
-
-
-def poison_pool(pool: StatePool, generator=None) -> None:
-    """Fill every row of every layer (the null row and the scratch rows too) with random values."""
-    g = generator
-    for t in (pool._state, pool._Bstate, pool._Xstate):
-        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaN-safe): same shape, dtype and bytes."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    view = {4: torch.int32, 2: torch.int16, 1: torch.int8, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+_DTYPES = {name: d.torch for name, d in DTYPES.items()}
 
 
 # ---- the toy decode ----------------------------------------------------------------------
@@ -165,7 +111,7 @@ def run_toy_decode(
     poison_pool(pool, g)
     # the baseline's pool: plain tensors, same contents
     base = [tuple(t.clone() for t in pool.layer_tensors(l)) for l in range(layers)]
-    weights = [random_layer_weights(H, D, R, device=device, generator=g) for _ in range(layers)]
+    weights = [layer_weights(H, D, R, device=device, generator=g) for _ in range(layers)]
     runners = [
         CudaGraphStepRunner(pool, l, buckets=buckets, with_dst=True, use_cuda_graph=use_cuda_graph, **weights[l])
         for l in range(layers)
@@ -216,7 +162,7 @@ def run_toy_decode(
         x = None
         x_base = None
         for l in range(layers):
-            inp = random_step_inputs(n, H, D, N, R, kv_dtype=kv_dtype, x_dtype=x_dtype, device=device, generator=g)
+            inp = lane_inputs(n, H, D, N, R, kv_dtype=kv_dtype, x_dtype=x_dtype, device=device, generator=g)
             if l:
                 inp["x"], inp_base_x = x, x_base
             else:

@@ -245,8 +245,7 @@ res = dict(stats=cc.stats(), how=how, load_seconds=seconds, import_to_loaded=t2 
            cutlass_imported="cutlass" in sys.modules, type=type(fn).__name__)
 res["loaded_signature"] = cc._ffi_signature(fn)
 
-sys.path.insert(0, sys.argv[1])  # tests/: conftest's input factory
-from conftest import make_inputs
+from mamba3_step.testing import make_inputs
 from mamba3_step.kernel import kernel_arguments
 inp = make_inputs(B=3, P=5, H=2, D=64, N=128, R=4)
 inp["out"] = inp["x"].clone()
@@ -270,7 +269,7 @@ print("RESULT " + json.dumps(res))
 
 
 def _run_loader(root, *extra_args, **env):
-    r = subprocess.run([sys.executable, "-c", LOADER, str(REPO / "tests"), *extra_args],
+    r = subprocess.run([sys.executable, "-c", LOADER, *extra_args],
                        cwd=REPO, env=_env(root, **env), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]

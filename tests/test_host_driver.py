@@ -14,7 +14,7 @@ import cutlass
 import cutlass.cute as cute
 import pytest
 import torch
-from conftest import (PAD_KINDS, assert_bits_equal, build_pool_indices, check_pool_parity, clone_inputs,
+from helpers import (PAD_KINDS, assert_bits_equal, build_pool_indices, check_pool_parity, clone_inputs,
                       make_inputs, make_pool_indices)
 from cutlass import Int32
 from cutlass.cute.runtime import from_dlpack

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     assert_bits_equal,
     clone_inputs,
     make_inputs,

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import assert_bits_equal, clone_inputs, gather_dense_scatter, make_inputs
+from helpers import assert_bits_equal, clone_inputs, gather_dense_scatter, make_inputs
 
 from mamba3_step import StepSpec, mamba3_step_fn
 from mamba3_step.spec import SUPPORTED_D, SUPPORTED_N, SUPPORTED_R
