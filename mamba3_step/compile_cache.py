@@ -122,7 +122,7 @@ ENV_CACHE_DIR = "MAMBA3_STEP_CACHE_DIR"
 CACHE_FORMAT = 1
 #: files (relative to the package) whose text defines the compiled code; must equal
 #: ``mamba3_step.kernel.KERNEL_SOURCES`` (a test checks it, without this module importing cutlass)
-KERNEL_SOURCES = ("kernel.py", "spec.py", "tiling.py")
+KERNEL_SOURCES = ("kernel.py", "contract.py", "spec.py", "tensors.py", "tiling.py")
 #: the architecture used when no GPU is visible (the flagship serving target, H100/H200)
 DEFAULT_ARCH = "sm_90a"
 #: seconds a process waits for another process's lock on one entry before compiling anyway
@@ -246,7 +246,7 @@ def set_builder(builder: Optional[KernelBuilder]) -> None:
 def arch_from_capability(major: int, minor: int) -> str:
     """``sm_XY`` for a CUDA compute capability, ``a``-suffixed for sm_90 / sm_100 / sm_103.
 
-    Matches :func:`mamba3_step.kernel.device_arch` (the launcher's choice), so a precompiled
+    Matches :func:`mamba3_step.launch.device_arch` (the launcher's choice), so a precompiled
     entry is the one the launcher asks for.
     """
     arch = f"sm_{int(major)}{int(minor)}"
@@ -718,13 +718,15 @@ def compile_for(*args, arch: Optional[str] = None, **kwargs):
     Raises:
         TypeError / ValueError: as :func:`mamba3_step.validation.check_step_inputs` for bad inputs.
     """
+    from .tensors import StepTensors
     from .validation import check_step_inputs
 
     kwargs.pop("validate_indices", None)
-    spec = check_step_inputs(*args, **kwargs)
+    options = {k: kwargs.pop(k) for k in ("update_kv_state", "tile_D", "num_warps") if k in kwargs}
+    tensors = StepTensors(*args, **kwargs)
+    spec = check_step_inputs(tensors, **options)
     if arch is None:
-        x = kwargs.get("x", args[7] if len(args) > 7 else None)
-        device = getattr(x, "device", None)
+        device = getattr(tensors.x, "device", None)
         arch = current_arch(device) if device is not None and device.type == "cuda" else current_arch()
     return get_compiled(spec, arch)
 

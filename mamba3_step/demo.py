@@ -23,6 +23,8 @@ import torch
 
 from .contract import DTYPES
 from .serving import CudaGraphStepRunner, StatePool, choose_bucket, gather_scatter_step
+from .reference import step_math
+from .tensors import StepTensors
 from .testing import bits_equal, lane_inputs, layer_weights, poison_pool
 
 _DTYPES = {name: d.torch for name, d in DTYPES.items()}
@@ -191,12 +193,10 @@ def run_toy_decode(
                     parity = False
                     result.failures.append(f"step {step} layer {l}: {what} differs from the baseline")
             # float64 reference (and the float32 PyTorch computation, for scale)
-            from .reference import step_math
-
-            args = (*gathered, inp["A"], inp["B"], inp["C"], weights[l]["D"], inp["x"], inp["dt"], inp["trap"],
-                    weights[l]["xproj"], weights[l]["outproj"], inp["z"], weights[l]["zproj"])
-            _, y64 = step_math(*[a.cpu() if a is not None else None for a in args], compute_dtype=torch.float64)
-            _, y32 = step_math(*[a.cpu() if a is not None else None for a in args], compute_dtype=torch.float32)
+            cpu = StepTensors(*(t.cpu() for t in gathered), **{k: (None if v is None else v.cpu())
+                                                                for k, v in {**inp, **weights[l]}.items()})
+            _, y64 = step_math(cpu, compute_dtype=torch.float64)
+            _, y32 = step_math(cpu, compute_dtype=torch.float32)
             err = max(err, (out.cpu().double() - y64).abs().max().item())
             err32 = max(err32, (y32.to(out.dtype).double() - y64).abs().max().item())
             x, x_base = out, out_base

@@ -1,12 +1,11 @@
-"""The CuteDSL Mamba-3 MIMO decode-step kernel: class, compile function and launcher.
+"""The CuteDSL Mamba-3 MIMO decode-step kernel: the kernel class and its compile function.
 
-Letters (SPEC.md): B batch lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
-In dense mode the "pool" tensors have B rows and lane b uses row b.
+Letters (docs/contract.md): B batch lanes, P pool rows, H heads, D head dim, N state size,
+R MIMO rank. In dense mode the "pool" tensors have B rows and lane b uses row b.
 
 Grid ``(B, H, D / tile_D)``; one CTA owns one (lane, head, D-tile) slab of the state. The
 device work is split into small ``@cute.jit`` stages that take ``tidx`` as an argument, so
-the same code runs in the kernel (one CTA, one thread each) and in the host driver
-(:mod:`mamba3_step.host_driver`, every thread in turn on CPU tensors):
+that each stage can be exercised on its own:
 
 1. :meth:`Mamba3StepKernel.select_rows`      lane -> (src, dst, src_live, dst_live)
 2. :meth:`Mamba3StepKernel.stage_operands`   B, Bstate, C -> (R, N) fp32; x, Xstate, xproj
@@ -22,6 +21,13 @@ the same code runs in the kernel (one CTA, one thread each) and in the host driv
 
 Only the barriers, the shuffle reduction, the row fence (an empty asm) and shared-memory
 allocation are GPU-only (docs/design.md).
+
+Where this module sits: it imports cutlass, so the compile cache imports it only on a compile.
+Launching goes through :mod:`mamba3_step.launch` and the compile cache; the runtime argument
+order (:func:`kernel_arguments`) lives, free of cutlass, in :mod:`mamba3_step.tensors`.
+
+Length: over the ~450-line guide because the kernel class is one unit (its stages in launch
+order); splitting it across files would hide that order.
 """
 
 from __future__ import annotations
@@ -33,17 +39,18 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 
+from .contract import DTYPES
 from .spec import StepSpec
+from .tensors import kernel_arguments  # noqa: F401  (the runtime argument order; see its docstring)
 from .tiling import thread_layout, tiling_problem
 
-CUTLASS_DTYPES = {
-    "float32": cutlass.Float32,
-    "bfloat16": cutlass.BFloat16,
-    "float16": cutlass.Float16,
-}
+__all__ = ["CUTLASS_DTYPES", "Mamba3StepKernel", "compile_step_kernel", "fake_arguments", "kernel_arguments"]
+
+#: the contract's dtype table, as CuteDSL types
+CUTLASS_DTYPES = {name: getattr(cutlass, d.cutlass) for name, d in DTYPES.items()}
 
 #: source files whose text defines the compiled code (the disk cache fingerprints them)
-KERNEL_SOURCES = ("kernel.py", "spec.py", "tiling.py")
+KERNEL_SOURCES = ("kernel.py", "contract.py", "spec.py", "tensors.py", "tiling.py")
 
 
 class Mamba3StepKernel:
@@ -82,7 +89,7 @@ class Mamba3StepKernel:
         mA: cute.Tensor,  # (B, H) fp32
         mB: cute.Tensor,  # (B, R, H, N) kv dtype
         mC: cute.Tensor,  # (B, R, H, N) kv dtype
-        mDskip: cute.Tensor,  # (H,) fp32, SPEC's D (skip) parameter
+        mDskip: cute.Tensor,  # (H,) fp32, the contract's D (skip) parameter
         mX: cute.Tensor,  # (B, H, D) x dtype
         mDt: cute.Tensor,  # (B, H) fp32
         mTrap: cute.Tensor,  # (B, H) fp32
@@ -340,7 +347,7 @@ class Mamba3StepKernel:
         gamma: Float32,
         tidx: Int32,
     ):
-        """Per-thread state update (SPEC.md math, fp32 accumulation), one owned row at a time.
+        """Per-thread state update (docs/contract.md math, fp32 accumulation), one owned row at a time.
 
         ``new[d, n] = alpha s[d, n] + sum_r (gamma xr[r, d]) B[r, n] + (beta xsr[r, d]) Bs[r, n]``
         (summed in r order) is written back into ``tSrS`` rounded to the state dtype; then
@@ -392,7 +399,7 @@ class Mamba3StepKernel:
     @cute.jit
     def reduce_row(self, partial: Float32, sY: cute.Tensor, r: int, d: Int32, tidx: Int32):
         """GPU only: butterfly-sum ``partial`` over the TPR lanes of the row; one lane stores
-        it to ``sY[r, d]``. (The host driver overrides this with a plain accumulation.)"""
+        it to ``sY[r, d]``. (A host-side stand-in may override this with a plain accumulation.)"""
         total = cute.arch.warp_reduction_sum(partial, threads_in_group=self.layout.TPR)
         if tidx % self.layout.TPR == 0:
             sY[r, d] = total
@@ -533,48 +540,3 @@ def compile_step_kernel(spec: StepSpec, arch: str = "sm_90a", *, extra_options: 
         raise ValueError(problem)
     options = f"--enable-tvm-ffi --gpu-arch {arch} {extra_options}".strip()
     return cute.compile(Mamba3StepKernel(spec), *fake_arguments(spec), options=options)
-
-
-def kernel_arguments(spec: StepSpec, *, state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj=None,
-                     state_out=None, out, z=None, zproj=None, state_batch_indices=None,
-                     dst_state_batch_indices=None, null_slot_id=None) -> list:
-    """The compiled callable's runtime arguments, in order (no stream: tvm-ffi uses the current one)."""
-    return [
-        state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj,
-        zproj if spec.has_z else None,
-        outproj if spec.has_outproj else None,
-        z if spec.has_z else None,
-        out,
-        state_out if spec.has_state_out else None,
-        state_batch_indices if spec.pool else None,
-        dst_state_batch_indices if spec.has_dst else None,
-        -1 if null_slot_id is None else int(null_slot_id),
-    ]
-
-
-def device_arch(device) -> str:
-    """``sm_XY`` of a CUDA device, with the ``a`` suffix for sm_90 / sm_100 / sm_103."""
-    import torch
-
-    major, minor = torch.cuda.get_device_capability(device)
-    arch = f"sm_{major}{minor}"
-    return arch + "a" if major in (9, 10) else arch
-
-
-def get_step_kernel(spec: StepSpec, arch: str):
-    """The compiled kernel for (spec, arch): in-process dict, then the disk cache, then a compile
-    (:func:`mamba3_step.compile_cache.get_compiled`)."""
-    from .compile_cache import get_compiled
-
-    return get_compiled(spec, arch)
-
-
-def launch_step(spec: StepSpec, **tensors) -> None:
-    """Launch the step on the current CUDA stream: no allocation, no synchronisation.
-
-    ``tensors`` are :func:`mamba3_step.mamba3_step_fn`'s tensors (validated by it, ``out``
-    allocated), keyword by name; ``B == 0`` must not reach here.
-    """
-    fn = get_step_kernel(spec, device_arch(tensors["x"].device))
-    fn(*kernel_arguments(spec, **tensors))
-

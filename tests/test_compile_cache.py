@@ -246,10 +246,11 @@ res = dict(stats=cc.stats(), how=how, load_seconds=seconds, import_to_loaded=t2 
 res["loaded_signature"] = cc._ffi_signature(fn)
 
 from mamba3_step.testing import make_inputs
-from mamba3_step.kernel import kernel_arguments
+import torch
+from mamba3_step.tensors import StepTensors, kernel_arguments
 inp = make_inputs(B=3, P=5, H=2, D=64, N=128, R=4)
 inp["out"] = inp["x"].clone()
-args = kernel_arguments(spec, state_batch_indices=inp["x"].new_zeros(3, dtype=__import__("torch").int32), **inp)
+args = kernel_arguments(spec, StepTensors(**inp, state_batch_indices=inp["x"].new_zeros(3, dtype=torch.int32)))
 
 def call_error(f):
     try:
@@ -493,11 +494,11 @@ def test_read_only_cache_with_valid_entries_still_loads(monkeypatch, isolated_ca
 @pytest.mark.parametrize("cap,arch", [((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((10, 3), "sm_103a"),
                                       ((8, 9), "sm_89"), ((8, 0), "sm_80"), ((12, 0), "sm_120")])
 def test_current_arch_maps_capability_like_the_launcher(monkeypatch, cap, arch):
-    from mamba3_step import kernel
+    from mamba3_step import launch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
-    assert cc.current_arch() == arch == kernel.device_arch(torch.device("cuda", 0))
+    assert cc.current_arch() == arch == launch.device_arch(torch.device("cuda", 0))
 
 
 def test_current_arch_without_gpu(monkeypatch):

@@ -25,6 +25,7 @@ from mamba3_step.serving import (
     pad_lanes,
     pad_slots,
 )
+from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_, poison_pool
 
 H, D, N, R = 2, 32, 32, 2
@@ -321,9 +322,9 @@ def test_decode_hook_against_float64_reference():
     rows = s[live].long()
     st, bs, xs = before[1]
     sel = lambda t: t[live]  # noqa: E731
-    _, y64 = step_math(st[rows], bs[rows], xs[rows], sel(inp["A"]), sel(inp["B"]), sel(inp["C"]), w["D"],
-                       sel(inp["x"]), sel(inp["dt"]), sel(inp["trap"]), w["xproj"], w["outproj"], sel(inp["z"]),
-                       w["zproj"], compute_dtype=torch.float64)
+    _, y64 = step_math(StepTensors(st[rows], bs[rows], xs[rows], sel(inp["A"]), sel(inp["B"]), sel(inp["C"]),
+                                   w["D"], sel(inp["x"]), sel(inp["dt"]), sel(inp["trap"]), w["xproj"], w["outproj"],
+                                   z=sel(inp["z"]), zproj=w["zproj"]), compute_dtype=torch.float64)
     err = (out[live].double() - y64).abs()
     # bf16 output: one rounding of the output dtype relative to the value, plus fp32 noise
     assert (err <= 2 ** -8 * y64.abs() + 1e-4).all(), err.max()

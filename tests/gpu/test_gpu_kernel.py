@@ -25,6 +25,7 @@ from helpers import (PAD_KINDS, assert_bits_equal, check_pool_parity, clone_inpu
 
 from mamba3_step import mamba3_step_fn
 from mamba3_step.reference import mamba3_step_reference
+from mamba3_step.tensors import StepTensors
 
 pytestmark = [
     pytest.mark.gpu,
@@ -83,9 +84,9 @@ def _accuracy_case(B, P, shape, dtypes, seed):
     pool = dict(state_batch_indices=src)
     ref64 = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
              for k, v in clone_inputs(inputs).items()}
-    out64 = mamba3_step_reference(**ref64, **pool, compute_dtype=torch.float64)
+    out64 = mamba3_step_reference(StepTensors(**ref64, **pool), compute_dtype=torch.float64)
     t32 = clone_inputs(inputs)
-    out32 = mamba3_step_reference(**t32, **pool, compute_dtype=torch.float32)
+    out32 = mamba3_step_reference(StepTensors(**t32, **pool), compute_dtype=torch.float32)
     run = clone_inputs(inputs)
     out = mamba3_step_fn(**run, **pool)
     torch.cuda.synchronize()
