@@ -22,9 +22,12 @@ that each stage can be exercised on its own:
 Only the barriers, the shuffle reduction, the row fence (an empty asm) and shared-memory
 allocation are GPU-only (docs/design.md).
 
-Where this module sits: it imports cutlass, so the compile cache imports it only on a compile.
-Launching goes through :mod:`mamba3_step.launch` and the compile cache; the runtime argument
-order (:func:`kernel_arguments`) lives, free of cutlass, in :mod:`mamba3_step.tensors`.
+Where this module sits (docs/design.md, "Architecture"): it imports cutlass, so only the build
+layer (:mod:`mamba3_step.build`) imports it, on the first compile. Launching goes through
+:mod:`mamba3_step.launch` and the compile cache, which never import this module; the runtime
+argument order (:func:`kernel_arguments`) lives, free of cutlass, in :mod:`mamba3_step.tensors`.
+Whatever this module imports from the package is part of the disk cache's key
+(:func:`mamba3_step.build.kernel_sources`).
 
 Length: over the ~450-line guide because the kernel class is one unit (its stages in launch
 order); splitting it across files would hide that order.
@@ -48,9 +51,6 @@ __all__ = ["CUTLASS_DTYPES", "Mamba3StepKernel", "compile_step_kernel", "fake_ar
 
 #: the contract's dtype table, as CuteDSL types
 CUTLASS_DTYPES = {name: getattr(cutlass, d.cutlass) for name, d in DTYPES.items()}
-
-#: source files whose text defines the compiled code (the disk cache fingerprints them)
-KERNEL_SOURCES = ("kernel.py", "contract.py", "spec.py", "tensors.py", "tiling.py")
 
 
 class Mamba3StepKernel:
