@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import mamba3_step
-from mamba3_step import build
+from mamba3_step import build, cli
 from mamba3_step import compile_cache as cc
 from mamba3_step.compile_cache import front, key, store
 from mamba3_step.spec import StepSpec, flagship_spec
@@ -561,27 +561,25 @@ def test_precompile_config_parsing():
 
 
 def test_precompile_cli_list_json(capsys):
-    assert cc.cli_main(["--list", "--config", "all", "--arch", "sm_100a", "--json"]) == 0
+    assert cli.main(["precompile", "--list", "--config", "all", "--arch", "sm_100a", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["count"] == 48 and out["arch"] == "sm_100a"
     assert cc.COUNTERS.compiles == 0
-    assert cc.cli_main(["--list", "--config", "flagship", "--mode", "dense", "--no-z"]) == 0
+    assert cli.main(["precompile", "--list", "--config", "flagship", "--mode", "dense", "--no-z"]) == 0
     text = capsys.readouterr().out
     assert "N128 D64 R4 float32/bfloat16/bfloat16/bfloat16 tD64 w8 kv+outproj" in text
-    with pytest.raises(SystemExit) as e:
-        cc.cli_main(["--config", "48,64,4"])
-    assert e.value.code == 2
+    assert cli.main(["precompile", "--config", "48,64,4"]) == 2
     assert "N (dstate) must be one of" in capsys.readouterr().err
 
 
 def test_precompile_cli_compiles_then_loads(capsys, isolated_cache):
-    argv = ["--arch", ARCH, "--config", "32,32,1"]
-    assert cc.cli_main(argv + ["--json"]) == 0
+    argv = ["precompile", "--arch", ARCH, "--config", "32,32,1"]
+    assert cli.main(argv + ["--json"]) == 0
     first = json.loads(capsys.readouterr().out)
     (row,) = first["results"]
     assert row["how"] == "compiled" and row["spec"] == SMALL.key() and row["seconds"] > 0
     assert Path(row["entry"]) == _valid_entry(SMALL, isolated_cache)
     cc.reset_memory_cache()  # as a new process would
-    assert cc.cli_main(argv) == 0
+    assert cli.main(argv) == 0
     table = capsys.readouterr().out
     assert "N32 D32 R1" in table and "loaded" in table and "0 compiled, 1 loaded" in table

@@ -22,7 +22,6 @@ Public API
   ``memory_hits``, ``disk_writes`` and ``rebuilds`` (corrupt, truncated or stale entries).
 * :func:`precompile`, :func:`reset_memory_cache`, :func:`set_builder`, :func:`current_arch`,
   :func:`cache_dir`, :func:`entry_path`, :func:`entry_key`.
-* ``python -m mamba3_step precompile``: :func:`cli_main`.
 
 The returned callable is always a positional-only ``tvm_ffi.Function``: it takes the 19
 runtime arguments of :func:`mamba3_step.tensors.kernel_arguments` and launches on the caller's
@@ -38,21 +37,21 @@ Layers (each a module; none imports a layer above it):
 ``key``            the disk key (fingerprint, versions, env) and an entry's path
 ``counters``       the process-wide counts
 ``store``          the on-disk entries: verified load, atomic publish, locks
-``front``          the in-memory dict, the builder, fallbacks; ``obtain``
-``cli``            ``precompile()`` and the ``precompile`` subcommand
+``front``          the in-memory dict, the builder, fallbacks; ``obtain``, ``precompile``
+``cli``            the ``precompile`` subcommand
 =================  ===============================================================
 """
 
 from ..arch import DEFAULT_ARCH, arch_from_capability, current_arch
 from ..build import KernelBuilder
+from ..specsets import spec_label, specs_for_config
 from .counters import COUNTERS, CompileCounters
-from .cli import cli_main, precompile, spec_label, specs_for_config
 from .front import (CompileCacheWarning, compile_for, entry_key, entry_path, get_builder, get_compiled, obtain,
-                    reset_memory_cache, set_builder, stats)
+                    precompile, reset_memory_cache, set_builder, stats)
 from .key import CACHE_FORMAT, ENV_CACHE_DIR, cache_dir
 
 __all__ = [
-    "CACHE_FORMAT", "COUNTERS", "cli_main", "CompileCacheWarning", "CompileCounters", "DEFAULT_ARCH", "ENV_CACHE_DIR",
+    "CACHE_FORMAT", "COUNTERS", "CompileCacheWarning", "CompileCounters", "DEFAULT_ARCH", "ENV_CACHE_DIR",
     "KernelBuilder", "arch_from_capability", "cache_dir", "compile_for", "current_arch", "entry_key",
     "entry_path", "get_builder", "get_compiled", "obtain", "precompile", "reset_memory_cache", "set_builder",
     "spec_label", "specs_for_config", "stats",

@@ -21,6 +21,7 @@ from typing import Optional
 from ..arch import check_arch, current_arch
 from ..build import KernelBuilder, default_builder
 from ..spec import StepSpec, complete_spec
+from ..specsets import spec_label
 from ..tensors import StepTensors
 from ..validation import check_step_inputs
 from . import key as _key
@@ -28,7 +29,7 @@ from . import store
 from .counters import COUNTERS
 
 __all__ = ["CompileCacheWarning", "compile_for", "entry_key", "entry_path", "get_builder", "get_compiled",
-           "obtain", "reset_memory_cache", "set_builder", "stats"]
+           "obtain", "precompile", "reset_memory_cache", "set_builder", "stats"]
 
 _MEMORY: dict = {}
 _LOCK = threading.RLock()
@@ -217,3 +218,19 @@ def compile_for(*args, arch: Optional[str] = None, **kwargs):
         device = getattr(tensors.x, "device", None)
         arch = current_arch(device) if device is not None and device.type == "cuda" else current_arch()
     return get_compiled(spec, arch)
+
+
+def precompile(specs, arch: Optional[str] = None) -> list:
+    """Fill the cache for ``specs``; one result dict per spec (``how``, ``seconds``, ``error``...)."""
+    arch = check_arch(arch if arch is not None else current_arch())
+    results = []
+    for spec in specs:
+        row = {"spec": spec.key(), "label": spec_label(spec), "arch": arch}
+        try:
+            _, how, seconds, entry = obtain(spec, arch)
+            row.update(how=how, seconds=round(seconds, 4), entry=str(entry) if entry else None,
+                       error=None)
+        except Exception as e:  # report and go on with the other specs
+            row.update(how="failed", seconds=None, entry=None, error=f"{type(e).__name__}: {e}")
+        results.append(row)
+    return results
