@@ -1,4 +1,4 @@
-"""Pool mode is byte-identical to gather -> dense -> scatter, on the CPU path (SPEC.md, "Parity").
+"""Pool mode is byte-identical to gather -> dense -> scatter, on the CPU path (docs/contract.md, "Parity").
 
 Every case uses fresh random data, pools whose rows no live lane reads are poisoned with random
 bits (NaN/inf included), and an ``out`` poisoned before the call; ``helpers.check_pool_parity``
