@@ -97,3 +97,22 @@ def pyplot():
     except ImportError:
         return None
     return plt
+
+
+#: one colour per step mode, the same in every plot
+MODE_COLORS = {"pool": "tab:green", "gather_scatter": "tab:red", "dense": "tab:blue"}
+
+
+def save_batch_plot(plt, fig, axes, batches, path) -> None:
+    """Label the x axes of ``axes`` with the batch sizes ``batches`` (log2 scale), save, close."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter  # matplotlib is optional (see pyplot)
+
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch B (lanes)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.xaxis.set_major_locator(FixedLocator(list(batches)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{int(v)}"))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -45,35 +45,26 @@ import _util  # noqa: E402  (also puts the repository on sys.path)
 
 import torch  # noqa: E402
 
+from gpu_checks import (  # noqa: E402,F401  (the checks and inputs; re-exported for the tests)
+    GraphUnavailable, capture, check_batch, dense_step, gather_scatter_step, make_lanes, make_pool, make_shared,
+    pool_step, within_reference,
+)
+
+from mamba3_step import mamba3_step_fn  # noqa: E402
 from mamba3_step.bytes_model import bytes_per_step  # noqa: E402
+from mamba3_step.reference import mamba3_step_reference  # noqa: E402
 from mamba3_step.spec import FLAGSHIP_HEADS, flagship_spec  # noqa: E402
+from mamba3_step.testing import bits_equal  # noqa: E402,F401
 
 NO_CUDA_MESSAGE = "no CUDA device: GPU benchmark not run"
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 MODES = ("pool", "gather_scatter", "dense")
 MODE_LABELS = {"pool": "pool", "gather_scatter": "gather->dense->scatter", "dense": "dense"}
 TIME_GUARD_S = 270.0
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class CorrectnessError(RuntimeError):
     """A result failed the benchmark's own correctness check; nothing is reported."""
-
-
-class GraphUnavailable(RuntimeError):
-    """CUDA-graph capture or replay raised: graph timings are skipped, eager ones go on."""
-
-
-def _step_fn():
-    from mamba3_step import mamba3_step_fn
-
-    return mamba3_step_fn
-
-
-def _reference_fn():
-    from mamba3_step.reference import mamba3_step_reference
-
-    return mamba3_step_reference
 
 
 # ------------------------------------------------------------------------------ input sets
@@ -86,288 +77,7 @@ def n_sets(bytes_per_set: int, l2_bytes: int, max_sets: int, min_sets: int = 2) 
     return max(1, min(max_sets, max(min_sets, want)))
 
 
-def make_shared(spec, heads: int, device, gen: torch.Generator) -> dict:
-    """Per-step tensors every lane shares: D (H,) fp32 and the (R, H, D) projections."""
-    R, D = spec.mimo, spec.headdim
-    pd = TORCH_DTYPES[spec.proj_dtype]
-
-    def proj():
-        return (torch.randn(R, heads, D, generator=gen) * 0.5 + 1.0).to(pd).to(device)
-
-    return {
-        "D": torch.randn(heads, generator=gen).to(device),
-        "xproj": proj(),
-        "zproj": proj() if spec.has_z else None,
-        "outproj": proj() if spec.has_outproj else None,
-    }
-
-
-def make_lanes(spec, batch: int, heads: int, device, gen: torch.Generator) -> dict:
-    """Per-lane tensors of one step: A/dt/trap (B, H) fp32, B/C (B, R, H, N), x/z (B, H, D)
-    and a preallocated ``out``; random, never zeros."""
-    R, D, N = spec.mimo, spec.headdim, spec.dstate
-    kd, xd = TORCH_DTYPES[spec.kv_dtype], TORCH_DTYPES[spec.x_dtype]
-
-    def rnd(*shape, dtype=torch.float32):
-        return torch.randn(*shape, generator=gen).to(dtype).to(device)
-
-    def uni(lo, hi):
-        return (torch.rand(batch, heads, generator=gen) * (hi - lo) + lo).to(device)
-
-    out_shape = (batch, heads, D) if spec.has_outproj else (batch, R, heads, D)
-    return {
-        "A": uni(-1.5, -0.5), "dt": uni(0.01, 0.51), "trap": uni(0.0, 1.0),
-        "B": rnd(batch, R, heads, N, dtype=kd), "C": rnd(batch, R, heads, N, dtype=kd),
-        "x": rnd(batch, heads, D, dtype=xd),
-        "z": rnd(batch, heads, D, dtype=xd) if spec.has_z else None,
-        "out": torch.empty(out_shape, dtype=xd, device=device),
-    }
-
-
-def make_pool(spec, rows: int, heads: int, device, gen: torch.Generator) -> dict:
-    """state (rows, H, D, N), Bstate (rows, R, H, N), Xstate (rows, H, D), random."""
-    R, D, N = spec.mimo, spec.headdim, spec.dstate
-    sd = TORCH_DTYPES[spec.state_dtype]
-    kd, xd = TORCH_DTYPES[spec.kv_dtype], TORCH_DTYPES[spec.x_dtype]
-    state = torch.empty(rows, heads, D, N, dtype=sd, device=device)
-    chunk = max(1, (1 << 26) // max(1, heads * D * N))  # fill in pieces: bounded host memory
-    for r0 in range(0, rows, chunk):
-        r1 = min(rows, r0 + chunk)
-        state[r0:r1] = torch.randn(r1 - r0, heads, D, N, generator=gen).to(sd).to(device)
-    return {
-        "state": state,
-        "Bstate": torch.randn(rows, R, heads, N, generator=gen).to(kd).to(device),
-        "Xstate": torch.randn(rows, heads, D, generator=gen).to(xd).to(device),
-    }
-
-
-# ------------------------------------------------------------------------------ the three paths
-def pool_step(step_fn, spec, pool: dict, shared: dict, lanes: dict, idx: torch.Tensor):
-    """Pool mode: one launch over the pool, rows ``idx`` (B,) int32, in place."""
-    return step_fn(
-        pool["state"], pool["Bstate"], pool["Xstate"], lanes["A"], lanes["B"], lanes["C"],
-        shared["D"], lanes["x"], lanes["dt"], lanes["trap"], shared["xproj"], shared["outproj"],
-        None, lanes["out"], lanes["z"], shared["zproj"],
-        state_batch_indices=idx, update_kv_state=spec.update_kv_state,
-    )
-
-
-def dense_step(step_fn, spec, dense: dict, shared: dict, lanes: dict):
-    """Dense mode: lane b uses row b of ``dense``'s (B, ...) tensors, in place."""
-    return step_fn(
-        dense["state"], dense["Bstate"], dense["Xstate"], lanes["A"], lanes["B"], lanes["C"],
-        shared["D"], lanes["x"], lanes["dt"], lanes["trap"], shared["xproj"], shared["outproj"],
-        None, lanes["out"], lanes["z"], shared["zproj"],
-        update_kv_state=spec.update_kv_state,
-    )
-
-
-def gather_scatter_step(step_fn, spec, pool: dict, scratch: dict, shared: dict, lanes: dict,
-                        idx64: torch.Tensor):
-    """What a server does without pool indexing: gather rows ``idx64`` (B,) int64 of the pool
-    into ``scratch`` (dense (B, ...) buffers), dense step, scatter the new rows back (state,
-    and Bstate/Xstate with update_kv_state). Allocation-free, graph-capturable."""
-    for k in ("state", "Bstate", "Xstate"):
-        torch.index_select(pool[k], 0, idx64, out=scratch[k])
-    out = dense_step(step_fn, spec, scratch, shared, lanes)
-    pool["state"].index_copy_(0, idx64, scratch["state"])
-    if spec.update_kv_state:
-        pool["Bstate"].index_copy_(0, idx64, scratch["Bstate"])
-        pool["Xstate"].index_copy_(0, idx64, scratch["Xstate"])
-    return out
-
-
-# ------------------------------------------------------------------------------ correctness
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    view = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.contiguous().view(view) if t.is_floating_point() else t
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype, shape and bits (NaN-safe)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
-
-
-def within_reference(name: str, got: torch.Tensor, ref32: torch.Tensor, ref64: torch.Tensor) -> str | None:
-    """None when ``got`` is as close to the float64 evaluation as PyTorch float32 is (at most
-    twice its max error plus one ulp of ``got``'s dtype at the largest magnitude), else a
-    message. Non-finite values fail."""
-    g, r32, r64 = got.double(), ref32.double(), ref64.double()
-    if not torch.isfinite(g).all():
-        return f"{name}: {int((~torch.isfinite(g)).sum())} non-finite values"
-    if g.numel() == 0:
-        return None
-    err = (g - r64).abs().max().item()
-    err32 = (r32 - r64).abs().max().item()
-    scale = r64.abs().max().item()
-    eps = torch.finfo(got.dtype).eps if got.is_floating_point() else 0.0
-    bound = 2 * err32 + eps * max(scale, 1e-30)
-    if err > bound:
-        return (f"{name}: max error vs float64 {err:.3e} > bound {bound:.3e} "
-                f"(PyTorch float32 error {err32:.3e}, |ref| <= {scale:.3e})")
-    return None
-
-
-def _clone(d: dict) -> dict:
-    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
-
-
-def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn=None,
-                graphs: bool = False, seed: int = 0) -> list[str]:
-    """Run every mode once on fresh random data and check it (see the module docstring).
-
-    Returns the list of failures (empty when all checks pass).
-    """
-    step_fn = step_fn or _step_fn()
-    reference_fn = reference_fn or _reference_fn()
-    gen = torch.Generator().manual_seed(1000 + seed)
-    P = 2 * batch + 3
-    pool0 = make_pool(spec, P, heads, device, gen)
-    shared = make_shared(spec, heads, device, gen)
-    lanes = make_lanes(spec, batch, heads, device, gen)
-    rows = torch.randperm(P, generator=gen)[:batch]
-    idx = rows.to(torch.int32).to(device)
-    idx64 = rows.to(device)
-    failures = []
-
-    # pool mode (the kernel)
-    pool_k = _clone(pool0)
-    lanes_k = _clone(lanes)
-    pool_step(step_fn, spec, pool_k, shared, lanes_k, idx)
-
-    # gather -> dense -> scatter (the kernel in dense mode): must be bit-identical
-    pool_g = _clone(pool0)
-    lanes_g = _clone(lanes)
-    scratch = {k: torch.empty((batch,) + tuple(v.shape[1:]), dtype=v.dtype, device=device)
-               for k, v in pool0.items()}
-    gather_scatter_step(step_fn, spec, pool_g, scratch, shared, lanes_g, idx64)
-    if not bits_equal(lanes_k["out"], lanes_g["out"]):
-        failures.append(f"B={batch}: pool-mode out differs from gather->dense->scatter")
-    for k in ("state", "Bstate", "Xstate"):
-        if not bits_equal(pool_k[k], pool_g[k]):
-            failures.append(f"B={batch}: pool-mode {k} differs from gather->dense->scatter")
-
-    # the PyTorch path, float32 and float64
-    def run_reference(dtype):
-        p, ln = _clone(pool0), _clone(lanes)
-        reference_fn(
-            state=p["state"], Bstate=p["Bstate"], Xstate=p["Xstate"], A=ln["A"], B=ln["B"],
-            C=ln["C"], D=shared["D"], x=ln["x"], dt=ln["dt"], trap=ln["trap"],
-            xproj=shared["xproj"], outproj=shared["outproj"], out=ln["out"], z=ln["z"],
-            zproj=shared["zproj"], state_batch_indices=idx,
-            update_kv_state=spec.update_kv_state, compute_dtype=dtype,
-        )
-        return p, ln
-
-    def run_reference_wide():  # float64 result, not cast back to the storage dtypes
-        p = {k: v.clone().double() for k, v in pool0.items()}
-        ln = {k: (v.clone().double() if isinstance(v, torch.Tensor) else v) for k, v in lanes.items()}
-        sh = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in shared.items()}
-        reference_fn(
-            state=p["state"], Bstate=p["Bstate"], Xstate=p["Xstate"], A=ln["A"], B=ln["B"],
-            C=ln["C"], D=sh["D"], x=ln["x"], dt=ln["dt"], trap=ln["trap"],
-            xproj=sh["xproj"], outproj=sh["outproj"], out=ln["out"], z=ln["z"],
-            zproj=sh["zproj"], state_batch_indices=idx,
-            update_kv_state=spec.update_kv_state, compute_dtype=torch.float64,
-        )
-        return p, ln
-
-    p32, l32 = run_reference(torch.float32)
-    p64, l64 = run_reference_wide()
-    msg = within_reference(f"B={batch}: pool-mode out", lanes_k["out"], l32["out"], l64["out"])
-    if msg:
-        failures.append(msg)
-    msg = within_reference(f"B={batch}: pool-mode new state rows", pool_k["state"][idx64],
-                           p32["state"][idx64], p64["state"][idx64])
-    if msg:
-        failures.append(msg)
-    untouched = torch.ones(P, dtype=torch.bool, device=device)
-    untouched[idx64] = False
-    for k in ("state", "Bstate", "Xstate"):
-        if not bits_equal(pool_k[k][untouched], pool0[k][untouched]):
-            failures.append(f"B={batch}: pool mode changed {k} rows no lane writes")
-        if spec.update_kv_state and k != "state" and not bits_equal(pool_k[k][idx64], p32[k][idx64]):
-            failures.append(f"B={batch}: pool-mode {k} rows are not this step's "
-                            f"{'B' if k == 'Bstate' else 'x'} (update_kv_state)")
-
-    # dense mode (the kernel) against the PyTorch path
-    dense_k = {k: v[idx64].clone() for k, v in pool0.items()}
-    lanes_d = _clone(lanes)
-    dense_step(step_fn, spec, dense_k, shared, lanes_d)
-    msg = within_reference(f"B={batch}: dense-mode out", lanes_d["out"], l32["out"], l64["out"])
-    if msg:
-        failures.append(msg)
-    msg = within_reference(f"B={batch}: dense-mode new state", dense_k["state"],
-                           p32["state"][idx64], p64["state"][idx64])
-    if msg:
-        failures.append(msg)
-
-    # CUDA-graph replay computes the same bits as the eager call
-    if graphs and not failures:
-        try:
-            failures += _check_graphs(spec, batch, step_fn, pool0, lanes, shared, scratch, idx, idx64,
-                                      pool_k, lanes_k, dense_k, lanes_d)
-        except Exception as e:
-            raise GraphUnavailable(f"{type(e).__name__}: {e}") from e
-    return failures
-
-
-def _check_graphs(spec, batch, step_fn, pool0, lanes, shared, scratch, idx, idx64,
-                  pool_k, lanes_k, dense_k, lanes_d) -> list[str]:
-    """CUDA-graph replay of each mode on the check data gives the eager call's bits."""
-    failures = []
-    cases = {
-        "pool": (lambda p, ln: pool_step(step_fn, spec, p, shared, ln, idx), pool_k, lanes_k),
-        "gather_scatter": (lambda p, ln: gather_scatter_step(step_fn, spec, p, scratch, shared, ln, idx64),
-                           pool_k, lanes_k),
-    }
-    for mode, (fn, want_pool, want_lanes) in cases.items():
-        p, ln = _clone(pool0), _clone(lanes)
-        graph = capture(lambda: fn(p, ln), warmup_restore=lambda: _restore(p, pool0, ln, lanes))
-        _restore(p, pool0, ln, lanes)
-        graph.replay()
-        torch.cuda.synchronize()
-        if not (bits_equal(ln["out"], want_lanes["out"]) and all(
-                bits_equal(p[k], want_pool[k]) for k in p)):
-            failures.append(f"B={batch}: CUDA-graph replay of {mode} differs from the eager call")
-    d, ln = {k: v[idx64].clone() for k, v in pool0.items()}, _clone(lanes)
-    d0 = _clone(d)
-    graph = capture(lambda: dense_step(step_fn, spec, d, shared, ln),
-                    warmup_restore=lambda: _restore(d, d0, ln, lanes))
-    _restore(d, d0, ln, lanes)
-    graph.replay()
-    torch.cuda.synchronize()
-    if not (bits_equal(ln["out"], lanes_d["out"]) and bits_equal(d["state"], dense_k["state"])):
-        failures.append(f"B={batch}: CUDA-graph replay of dense differs from the eager call")
-    return failures
-
-
-def _restore(p: dict, p0: dict, ln: dict, ln0: dict) -> None:
-    for k in p:
-        p[k].copy_(p0[k])
-    for k in ln:
-        if isinstance(ln[k], torch.Tensor):
-            ln[k].copy_(ln0[k])
-
-
 # ------------------------------------------------------------------------------ timing
-def capture(fn, warmup_restore=None):
-    """A CUDA graph of ``fn()`` (warmed up on a side stream first, as capture requires)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    if warmup_restore is not None:
-        warmup_restore()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
-
-
 class Timer:
     """Seconds for ``n`` calls of ``fn``: CUDA events on a GPU, perf_counter on the CPU."""
 
@@ -523,9 +233,7 @@ def plot(trows: list[dict], copy_bps: float, title: str, path) -> bool:
     plt = _util.pyplot()
     if plt is None:
         return False
-    from matplotlib.ticker import FixedLocator, FuncFormatter
-
-    colors = {"pool": "tab:green", "gather_scatter": "tab:red", "dense": "tab:blue"}
+    colors = _util.MODE_COLORS
     # pool and dense mode may nearly coincide: pool is drawn wide and translucent under dense
     look = {"pool": dict(lw=4.0, alpha=0.45), "gather_scatter": dict(lw=1.6, marker="o", ms=3),
             "dense": dict(lw=1.0, marker="x", ms=4)}
@@ -542,27 +250,16 @@ def plot(trows: list[dict], copy_bps: float, title: str, path) -> bool:
             if pts:
                 ax2.plot(*zip(*pts), style, color=colors[mode], label=f"{MODE_LABELS[mode]}, {kind}",
                          **look[mode])
-    ax1.set_xscale("log", base=2)
     ax1.set_yscale("log")
-    ax1.set_xlabel("batch B (lanes)")
     ax1.set_ylabel("measured time per step (us, one layer)")
     ax1.set_title(title, fontsize=10)
-    ax1.grid(True, which="both", alpha=0.3)
     ax1.legend(fontsize=8)
-    ax2.set_xscale("log", base=2)
-    ax2.set_xlabel("batch B (lanes)")
     ax2.set_ylabel("% of device-to-device copy bandwidth")
     ax2.set_title(f"effective bandwidth (compulsory bytes / time); copy = {copy_bps / 1e9:.0f} GB/s",
                   fontsize=10)
-    ax2.grid(True, which="both", alpha=0.3)
     if ax2.get_legend_handles_labels()[0]:
         ax2.legend(fontsize=8)
-    for ax in (ax1, ax2):
-        ax.xaxis.set_major_locator(FixedLocator(xs_all))
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{int(v)}"))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _util.save_batch_plot(plt, fig, (ax1, ax2), xs_all, path)
     return True
 
 
@@ -583,8 +280,8 @@ def run(args, step_fn=None, reference_fn=None) -> dict:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     spec = flagship_spec()
-    step_fn = step_fn or _step_fn()
-    reference_fn = reference_fn or _reference_fn()
+    step_fn = step_fn or mamba3_step_fn
+    reference_fn = reference_fn or mamba3_step_reference
     graphs = cuda and not args.no_graph
     env = _util.environment()
     env["heads"] = args.heads

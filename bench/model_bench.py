@@ -92,7 +92,7 @@ def plot(rows: list[dict], path) -> bool:
     names = list(dict.fromkeys(r["config"] for r in rows))
     flag = [r for r in rows if r["config"] == names[0]]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2))
-    colors = {"pool": "tab:green", "gather_scatter": "tab:red", "dense": "tab:blue"}
+    colors = _util.MODE_COLORS
     labels = {"pool": "pool mode", "gather_scatter": "gather -> dense -> scatter", "dense": "dense mode"}
     xs = [r["batch"] for r in flag]
     # pool and dense mode move almost the same bytes: pool is drawn wide, dense thin on top
@@ -103,13 +103,10 @@ def plot(rows: list[dict], path) -> bool:
             ax1.plot(xs, [r[f"us_{mode}_{gpu}"] for r in flag], style, marker=marker[mode], ms=4,
                      lw=width[mode], alpha=0.45 if mode == "pool" else 1.0,
                      color=colors[mode], label=f"{labels[mode]}, {gpu}")
-    ax1.set_xscale("log", base=2)
     ax1.set_yscale("log")
-    ax1.set_xlabel("batch B (lanes)")
     ax1.set_ylabel("predicted step time (us, one layer)")
     ax1.set_title(f"{names[0]}, H={flag[0]['heads']}\nmodelled: bytes / peak HBM bandwidth "
                   "(pool and dense nearly coincide)", fontsize=10)
-    ax1.grid(True, which="both", alpha=0.3)
     ax1.legend(fontsize=8)
     markers = ["o", "s", "^", "v", "D", "P"]
     styles = ["-", "--", ":", "-."]
@@ -117,21 +114,11 @@ def plot(rows: list[dict], path) -> bool:
         sub = [r for r in rows if r["config"] == name]
         ax2.plot([r["batch"] for r in sub], [r["speedup_pool_vs_gather_scatter"] for r in sub],
                  styles[i % len(styles)], marker=markers[i % len(markers)], ms=5, label=name)
-    ax2.set_xscale("log", base=2)
     ax2.set_ylim(1.0, 3.2)
-    ax2.set_xlabel("batch B (lanes)")
     ax2.set_ylabel("predicted speed-up (bytes ratio)")
     ax2.set_title("pool mode over gather -> dense -> scatter\n(modelled; same on every GPU)", fontsize=10)
-    ax2.grid(True, which="both", alpha=0.3)
     ax2.legend(fontsize=8, loc="lower right")
-    from matplotlib.ticker import FixedLocator, FuncFormatter
-
-    for ax in (ax1, ax2):
-        ax.xaxis.set_major_locator(FixedLocator(xs))
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{int(v)}"))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _util.save_batch_plot(plt, fig, (ax1, ax2), xs, path)
     return True
 
 

@@ -1,13 +1,22 @@
-"""The public entry point: :func:`mamba3_step_fn`."""
+"""The public entry point: :func:`mamba3_step_fn`, and :func:`prepare_step`, what every executor
+does before the work itself.
+
+CUDA tensors run the CuteDSL kernel through :mod:`mamba3_step.launch` (there is no fallback: a
+CUDA call that cannot launch raises); CPU tensors run the PyTorch implementation of the same
+contract (:mod:`mamba3_step.reference`).
+"""
 
 from __future__ import annotations
 
 import torch
 
-from .reference import mamba3_step_reference, out_shape
+from .launch import launch_step
+from .reference import mamba3_step_reference
+from .spec import StepSpec
+from .tensors import StepTensors
 from .validation import check_indices, check_step_inputs
 
-__all__ = ["mamba3_step_fn"]
+__all__ = ["mamba3_step_fn", "prepare_step"]
 
 
 def mamba3_step_fn(
@@ -59,7 +68,7 @@ def mamba3_step_fn(
     dst_state_batch_indices     (B,)                    int32
     ==========================  ======================  ================================
 
-    Math per lane and head (accumulated in float32): see SPEC.md or
+    Math per lane and head (accumulated in float32): see docs/contract.md or
     :func:`mamba3_step.reference.step_math`.
 
     Dense mode (``state_batch_indices`` None): lane b uses row b of ``state``/``Bstate``/
@@ -105,53 +114,33 @@ def mamba3_step_fn(
         TypeError, ValueError: invalid inputs, naming the argument
             (:func:`mamba3_step.validation.check_step_inputs`).
     """
-    spec, tensors = prepare_step(
+    tensors = StepTensors(
         state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
-        state_batch_indices=state_batch_indices, dst_state_batch_indices=dst_state_batch_indices,
-        null_slot_id=null_slot_id, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
-        validate_indices=validate_indices,
+        state_batch_indices, dst_state_batch_indices, null_slot_id,
     )
-    out = tensors["out"]
-    if x.shape[0] == 0:
-        return out
+    spec, tensors = prepare_step(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
+                                 validate_indices=validate_indices)
+    if tensors.batch == 0:
+        return tensors.out
     if x.is_cuda:
-        from .kernel import launch_step  # the CuteDSL kernel; compiled once per specialisation
-
-        launch_step(spec, **tensors)
-        return out
-    mamba3_step_reference(**tensors, update_kv_state=update_kv_state, compute_dtype=torch.float32)
-    return out
+        launch_step(spec, tensors)  # the CuteDSL kernel; compiled once per specialisation
+    else:
+        mamba3_step_reference(tensors, update_kv_state=update_kv_state, compute_dtype=torch.float32)
+    return tensors.out
 
 
-def prepare_step(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj=None, state_out=None, out=None,
-                 z=None, zproj=None, *, state_batch_indices=None, dst_state_batch_indices=None,
-                 null_slot_id=None, update_kv_state=False, tile_D=None, num_warps=None,
-                 validate_indices=False):
+def prepare_step(tensors: StepTensors, *, update_kv_state=False, tile_D=None, num_warps=None,
+                 validate_indices=False) -> tuple[StepSpec, StepTensors]:
     """Everything :func:`mamba3_step_fn` does before the work itself, for every executor.
 
     Validates the inputs (raising what :func:`mamba3_step_fn` documents), allocates ``out``
     when it is None, and with ``validate_indices`` checks the indices (pool mode, ``B > 0``).
-    Returns ``(spec, tensors)``: the specialisation and the executor's keyword arguments
-    (``out`` set, ``null_slot_id`` included). With ``B == 0`` the caller returns ``out`` at once.
+    Returns ``(spec, tensors)``: the specialisation and the bundle with ``out`` set. With
+    ``B == 0`` the caller returns ``out`` at once.
     """
-    spec = check_step_inputs(
-        state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
-        state_batch_indices=state_batch_indices,
-        dst_state_batch_indices=dst_state_batch_indices,
-        null_slot_id=null_slot_id,
-        update_kv_state=update_kv_state,
-        tile_D=tile_D,
-        num_warps=num_warps,
-    )
-    if out is None:
-        out = torch.empty(out_shape(x, xproj, outproj is not None), dtype=x.dtype, device=x.device)
-    if validate_indices and state_batch_indices is not None and x.shape[0] > 0:
-        check_indices(state_batch_indices, dst_state_batch_indices, state.shape[0], null_slot_id)
-    tensors = dict(
-        state=state, Bstate=Bstate, Xstate=Xstate, A=A, B=B, C=C, D=D, x=x, dt=dt, trap=trap,
-        xproj=xproj, outproj=outproj, state_out=state_out, out=out, z=z, zproj=zproj,
-        state_batch_indices=state_batch_indices,
-        dst_state_batch_indices=dst_state_batch_indices,
-        null_slot_id=null_slot_id,
-    )
+    spec = check_step_inputs(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
+    tensors = tensors.with_out()
+    if validate_indices and tensors.pool and tensors.batch > 0:
+        check_indices(tensors.state_batch_indices, tensors.dst_state_batch_indices, tensors.state.shape[0],
+                      tensors.null_slot_id)
     return spec, tensors

@@ -1,6 +1,6 @@
 """How many bytes one decode step must move through HBM, and what that costs in time.
 
-Letters (SPEC.md): B batch lanes, P pool rows, H heads, D head dim, N state size (dstate),
+Letters (docs/contract.md): B batch lanes, P pool rows, H heads, D head dim, N state size (dstate),
 R MIMO rank.
 
 The model counts *compulsory* traffic: every byte a step must read or write at least once,
@@ -41,13 +41,14 @@ rows out of the pool into dense tensors, run the dense kernel, scatter the new s
 (entries prefixed ``kernel:``) it moves, per gathered/scattered tensor, one read and one
 write of every row (``gather:state`` = 2 * B * H * D * N * sb, ...) plus the index vector
 each gather/scatter reads (``gather/scatter indices`` = 4 * B per operation). For the
-fp32 state this is the "three reads and writes of the largest tensor" of SPEC.md: gather,
-kernel, scatter.
+fp32 state this is the triple round trip of the largest tensor that docs/contract.md ("Why the
+step exists") describes: gather, kernel, scatter.
 """
 
 from __future__ import annotations
 
-from .spec import DTYPE_BYTES, StepSpec
+from .contract import DTYPE_BYTES
+from .spec import StepSpec
 
 __all__ = [
     "MODES",

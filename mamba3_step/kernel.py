@@ -1,7 +1,7 @@
-"""The CuteDSL Mamba-3 MIMO decode-step kernel: class, compile function and launcher.
+"""The CuteDSL Mamba-3 MIMO decode-step kernel: the kernel class and its compile function.
 
-Letters (SPEC.md): B batch lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
-In dense mode the "pool" tensors have B rows and lane b uses row b.
+Letters (docs/contract.md): B batch lanes, P pool rows, H heads, D head dim, N state size,
+R MIMO rank. In dense mode the "pool" tensors have B rows and lane b uses row b.
 
 Grid ``(B, H, D / tile_D)``; one CTA owns one (lane, head, D-tile) slab of the state. The
 device work is split into small ``@cute.jit`` stages (thread layout: :mod:`mamba3_step.tiling`):
@@ -23,6 +23,16 @@ device work is split into small ``@cute.jit`` stages (thread layout: :mod:`mamba
 
 Without a GPU the compiled kernel is verified by executing its PTX on the CPU
 (:mod:`mamba3_step.ptx_tier`, docs/ptx-tier.md).
+
+Where this module sits (docs/design.md, "Architecture"): it imports cutlass, so only the build
+layer (:mod:`mamba3_step.build`) imports it, on the first compile. Launching goes through
+:mod:`mamba3_step.launch` and the compile cache, which never import this module; the runtime
+argument order (:func:`kernel_arguments`) lives, free of cutlass, in :mod:`mamba3_step.tensors`.
+Whatever this module imports from the package is part of the disk cache's key
+(:func:`mamba3_step.build.kernel_sources`).
+
+Length: over the ~450-line guide because the kernel class is one unit (its stages in launch
+order); splitting it across files would hide that order.
 """
 
 from __future__ import annotations
@@ -34,17 +44,16 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 
+from .contract import DTYPES
 from .spec import StepSpec
-from .tiling import thread_layout, tiling_problem
+from .tensors import kernel_arguments  # noqa: F401  (the runtime argument order; see its docstring)
+from .tiling import launch_grid, thread_layout, tiling_problem
 
-CUTLASS_DTYPES = {
-    "float32": cutlass.Float32,
-    "bfloat16": cutlass.BFloat16,
-    "float16": cutlass.Float16,
-}
+__all__ = ["CUTLASS_DTYPES", "Mamba3StepKernel", "argument_masks", "compile_step_kernel", "fake_arguments",
+           "kernel_arguments"]
 
-#: source files whose text defines the compiled code (the disk cache fingerprints them)
-KERNEL_SOURCES = ("kernel.py", "spec.py", "tiling.py")
+#: the contract's dtype table, as CuteDSL types
+CUTLASS_DTYPES = {name: getattr(cutlass, d.cutlass) for name, d in DTYPES.items()}
 
 
 def reduction_plan(partials: int, lanes: int) -> tuple[list, int]:
@@ -122,16 +131,10 @@ class Mamba3StepKernel:
             mState, mBstate, mXstate, mA, mB, mC, mDskip, mX, mDt, mTrap, mXproj, mZproj,
             mOutproj, mZ, mOut, mStateOut, mSrcIdx, mDstIdx, null_slot,
         ).launch(
-            grid=self.grid(self.spec, mX.shape[0], mX.shape[1]),
+            grid=launch_grid(mX.shape[0], mX.shape[1], self.D, self.tile_D),
             block=(self.num_threads, 1, 1),
             stream=stream,
         )
-
-    @staticmethod
-    def grid(spec: StepSpec, batch, heads) -> tuple:
-        """The launch grid ``(B, H, D / tile_D)``: one CTA per (lane, head, D-tile) slab
-        (also used by the PTX execution tier, which launches what the kernel launches)."""
-        return (batch, heads, spec.headdim // spec.tile_D)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -449,7 +452,7 @@ class Mamba3StepKernel:
         lane: Int32,
         phi: Int32,
     ) -> cute.Tensor:
-        """Per-thread state update of one row group (math of docs/contract.md, fp32).
+        """Per-thread state update of one row group (the math of docs/contract.md, fp32).
 
         ``new[d, n] = alpha s[d, n] + sum_r u_r[d] B[r, n] + v_r[d] Bs[r, n]`` (summed in r
         order) is written back into ``tSrS`` rounded to the state dtype; the unrounded new
@@ -658,6 +661,22 @@ def fake_arguments(spec: StepSpec) -> list:
     ]
 
 
+def argument_masks(spec: StepSpec) -> list:
+    """Per runtime argument of :func:`~mamba3_step.tensors.kernel_arguments`: ``None`` for an
+    absent tensor, ``"scalar"`` for ``null_slot``, else ``(dynamic shape modes, dynamic stride
+    modes)`` as bool tuples: which values the DSL passes in a tensor's parameter struct."""
+    out = []
+    for fake in fake_arguments(spec)[:-1]:  # the stream is not a kernel parameter
+        if fake is None:
+            out.append(None)
+        elif hasattr(fake, "dynamic_shapes_mask"):
+            out.append((tuple(bool(m) for m in fake.dynamic_shapes_mask),
+                        tuple(bool(m) for m in fake.dynamic_strides_mask)))
+        else:
+            out.append("scalar")
+    return out
+
+
 def compile_step_kernel(spec: StepSpec, arch: str = "sm_90a", *, extra_options: str = ""):
     """Compile one specialisation for ``arch`` (no GPU needed) and return the tvm-ffi callable.
 
@@ -669,48 +688,3 @@ def compile_step_kernel(spec: StepSpec, arch: str = "sm_90a", *, extra_options: 
         raise ValueError(problem)
     options = f"--enable-tvm-ffi --gpu-arch {arch} {extra_options}".strip()
     return cute.compile(Mamba3StepKernel(spec), *fake_arguments(spec), options=options)
-
-
-def kernel_arguments(spec: StepSpec, *, state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj=None,
-                     state_out=None, out, z=None, zproj=None, state_batch_indices=None,
-                     dst_state_batch_indices=None, null_slot_id=None) -> list:
-    """The compiled callable's runtime arguments, in order (no stream: tvm-ffi uses the current one)."""
-    return [
-        state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj,
-        zproj if spec.has_z else None,
-        outproj if spec.has_outproj else None,
-        z if spec.has_z else None,
-        out,
-        state_out if spec.has_state_out else None,
-        state_batch_indices if spec.pool else None,
-        dst_state_batch_indices if spec.has_dst else None,
-        -1 if null_slot_id is None else int(null_slot_id),
-    ]
-
-
-def device_arch(device) -> str:
-    """``sm_XY`` of a CUDA device, with the ``a`` suffix for sm_90 / sm_100 / sm_103."""
-    import torch
-
-    major, minor = torch.cuda.get_device_capability(device)
-    arch = f"sm_{major}{minor}"
-    return arch + "a" if major in (9, 10) else arch
-
-
-def get_step_kernel(spec: StepSpec, arch: str):
-    """The compiled kernel for (spec, arch): in-process dict, then the disk cache, then a compile
-    (:func:`mamba3_step.compile_cache.get_compiled`)."""
-    from .compile_cache import get_compiled
-
-    return get_compiled(spec, arch)
-
-
-def launch_step(spec: StepSpec, **tensors) -> None:
-    """Launch the step on the current CUDA stream: no allocation, no synchronisation.
-
-    ``tensors`` are :func:`mamba3_step.mamba3_step_fn`'s tensors (validated by it, ``out``
-    allocated), keyword by name; ``B == 0`` must not reach here.
-    """
-    fn = get_step_kernel(spec, device_arch(tensors["x"].device))
-    fn(*kernel_arguments(spec, **tensors))
-

@@ -19,7 +19,7 @@ returns it. The op declares as mutated every tensor the step may write: ``state`
 Declaring ``Bstate``/``Xstate`` even when ``update_kv_state`` is False is a safe
 over-approximation (the compiler just does not reorder reads of them around the op).
 
-Shapes, dtypes and semantics are those of ``mamba3_step_fn`` (SPEC.md); letters B P H D N R.
+Shapes, dtypes and semantics are those of ``mamba3_step_fn`` (docs/contract.md); letters B P H D N R.
 The op has no autograd formula (decode is inference-only).
 """
 
@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from .api import mamba3_step_fn
-from .reference import out_shape
+from .contract import out_shape
 
 __all__ = ["mamba3_step_op", "step"]
 
@@ -89,8 +89,7 @@ def _step_fake(
 ) -> None:
     # Everything is written in place into caller-provided tensors: no new outputs, so the
     # fake implementation only checks what the compiler needs to trust about ``out``.
-    Bn, H, Dh = x.shape
-    want = (Bn, H, Dh) if outproj is not None else (Bn, xproj.shape[0], H, Dh)
+    want = out_shape(x, xproj, outproj is not None)
     torch._check(tuple(out.shape) == want, lambda: f"out: expected shape {want}, got {tuple(out.shape)}")
     torch._check(out.dtype == x.dtype, lambda: f"out: expected dtype {x.dtype} (x's), got {out.dtype}")
     return None

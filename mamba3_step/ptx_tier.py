@@ -1,23 +1,25 @@
 """The step kernel's PTX, executed on CPU tensors: ``ptx_step_fn`` and its pieces.
 
-This is how the project runs its CuteDSL kernel without a GPU. For a :class:`StepSpec`
-it compiles the kernel exactly as the launcher does (same ``cute.compile`` call, plus
-``--keep-ptx``), takes the PTX the DSL handed to ``ptxas``, and executes it with
-:mod:`mamba3_step.ptx` on the caller's CPU tensors:
+This is how the project runs its CuteDSL kernel without a GPU (docs/ptx-tier.md). For a
+:class:`StepSpec` it compiles the kernel exactly as the launcher does (the same
+``cute.compile`` call through :mod:`mamba3_step.build`, plus ``--keep-ptx``), takes the PTX
+the DSL handed to ``ptxas``, and executes it with :mod:`mamba3_step.ptx` on the caller's CPU
+tensors:
 
 * parameters: one struct per tensor argument, laid out from the compiled host launcher's
-  signature (``ir_module``), filled with each tensor's pointer and the dynamic extents
-  and strides the DSL marked dynamic (``fake_arguments``); every struct's size is checked
-  against the PTX ``.param`` declaration;
-* launch: the kernel's own grid rule (:meth:`Mamba3StepKernel.grid`), its block size and
-  dynamic shared-memory size read from the compiled launch configuration;
+  signature (``ir_module``), filled with each tensor's pointer and the extents and strides
+  the compile-time signature marked dynamic (:func:`mamba3_step.build.argument_masks`);
+  every struct's size is checked against the PTX ``.param`` declaration;
+* launch: the kernel's grid rule (:func:`mamba3_step.tiling.launch_grid`), its block size and
+  dynamic shared memory read from the compiled launch configuration;
 * memory: every tensor argument is a region; only the tensors the step may write
-  (``state`` or ``state_out``, ``out``, and ``Bstate``/``Xstate`` with
-  ``update_kv_state``) are writable, so a stray store into an input is a fault.
+  (``state`` or ``state_out``, ``out``, and ``Bstate``/``Xstate`` with ``update_kv_state``)
+  are writable, so a stray store into an input is a fault.
 
-:func:`ptx_step_fn` has ``mamba3_step_fn``'s signature and contract (validation included)
-and returns ``out``; :func:`run_step_ptx` returns the executor's
-:class:`~mamba3_step.ptx.RunResult` (issue counts and the access log) for analyses.
+:func:`ptx_step_fn` has ``mamba3_step_fn``'s signature and contract (validation included) and
+returns ``out``; :func:`run_step_ptx` returns the executor's :class:`~mamba3_step.ptx.RunResult`
+(issue counts, the access log, and ``extra["memory"]``) for analyses. Importing this module
+does not import cutlass; the first compile does.
 """
 
 from __future__ import annotations
@@ -31,13 +33,18 @@ import torch
 
 from . import ptx
 from .api import prepare_step
-from .inspect import _launch_config
-from .kernel import Mamba3StepKernel, compile_step_kernel, fake_arguments, kernel_arguments
+from .build import argument_masks, compile_kernel
+from .inspection.elf import launch_config
 from .spec import StepSpec
+from .tensors import StepTensors, kernel_arguments
+from .tiling import launch_grid, thread_layout
 
-#: kernel_arguments' tensor order (the 19th argument is null_slot)
+__all__ = ["ARGUMENT_NAMES", "PTXKernel", "ptx_kernel", "ptx_step_fn", "run_step_ptx", "writable_arguments"]
+
+#: the runtime arguments of ``kernel_arguments``, in order (the 19th is null_slot)
 ARGUMENT_NAMES = ("state", "Bstate", "Xstate", "A", "B", "C", "D", "x", "dt", "trap", "xproj", "zproj",
-                  "outproj", "z", "out", "state_out", "state_batch_indices", "dst_state_batch_indices")
+                  "outproj", "z", "out", "state_out", "state_batch_indices", "dst_state_batch_indices",
+                  "null_slot")
 
 
 @dataclass(frozen=True)
@@ -47,9 +54,9 @@ class PTXKernel:
     arch: str
     ptx_text: str
     module: ptx.Module
-    param_types: tuple  # LType per kernel parameter (tensor structs, then null_slot)
-    fakes: tuple  # the compile-time argument of each kernel parameter (FakeTensor or scalar)
-    names: tuple  # argument name of each kernel parameter
+    names: tuple  # argument name of each kernel parameter, in order
+    masks: tuple  # (dynamic shape modes, dynamic stride modes) per parameter, or "scalar"
+    param_types: tuple  # ptx.LType per kernel parameter
     block: tuple
     dynamic_smem: int
 
@@ -60,45 +67,36 @@ _LOCK = threading.Lock()
 
 def ptx_kernel(spec: StepSpec, arch: str = "sm_90a") -> PTXKernel:
     """Compile ``spec`` for ``arch`` and keep its PTX (once per process per (spec, arch))."""
-    key = (spec, arch)
     with _LOCK:
-        if key in _KERNELS:
-            return _KERNELS[key]
+        if (spec, arch) in _KERNELS:
+            return _KERNELS[(spec, arch)]
     dump = tempfile.mkdtemp(prefix="mamba3-ptx-")
     try:
-        compiled = compile_step_kernel(spec, arch, extra_options=f"--keep-ptx --dump-dir {dump}")
+        compiled = compile_kernel(spec, arch, extra_options=f"--keep-ptx --dump-dir {dump}")
         text = compiled.__ptx__
     finally:
         shutil.rmtree(dump, ignore_errors=True)
     if not text:
         raise RuntimeError(f"the DSL returned no PTX for {spec.key()} @ {arch}")
     module = ptx.parse_module(text)
-    entry = module.entry()
+    params = module.entry().params
+    kept = [(n, m) for n, m in zip(ARGUMENT_NAMES, argument_masks(spec)) if m is not None]
     host = ptx.host_signature(str(compiled.ir_module), compiled.function_name)
-    fakes_all = fake_arguments(spec)[:-1]  # the stream is not a kernel parameter
-    kept = [(n, f) for n, f in zip(ARGUMENT_NAMES + ("null_slot",), fakes_all) if f is not None]
+    if len(host) != len(kept) + 1 or len(params) != len(kept):  # the host also takes the stream
+        raise RuntimeError(f"{spec.key()}: {len(kept)} kernel arguments, host signature {len(host)} "
+                           f"(with the stream), PTX entry {len(params)} parameters")
     types = tuple(host[: len(kept)])
-    if len(host) != len(kept) + 1 or len(entry.params) != len(kept):
-        raise RuntimeError(f"{spec.key()}: {len(kept)} kernel arguments, host signature has {len(host)} "
-                           f"(with the stream), the PTX entry {len(entry.params)} parameters")
-    for (name, _), t, p in zip(kept, types, entry.params):
+    for (name, _), t, p in zip(kept, types, params):
         if t.size_align()[0] != p.size:
             raise RuntimeError(f"{name}: struct {t} is {t.size_align()[0]} bytes, the PTX .param {p.size}")
-    launch = _launch_config(compiled)
-    smem = max(launch["smem"]) if launch["smem"] else 0
-    block = launch["block"][0] if launch["block"] else (Mamba3StepKernel(spec).num_threads, 1, 1)
-    k = PTXKernel(spec, arch, text, module, types, tuple(f for _, f in kept), tuple(n for n, _ in kept),
-                  tuple(block), smem)
+    launch = launch_config(compiled)
+    block = launch["block"][0] if launch["block"] else (thread_layout(
+        spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo).num_threads, 1, 1)
+    kernel = PTXKernel(spec, arch, text, module, tuple(n for n, _ in kept), tuple(m for _, m in kept), types,
+                       tuple(block), max(launch["smem"], default=0))
     with _LOCK:
-        _KERNELS[key] = k
-    return k
-
-
-def _tensor_leaves(fake, t: torch.Tensor) -> list:
-    """Pointer, then the dynamic extents, then the dynamic strides (the DSL's struct order)."""
-    shapes = [int(s) for s, dyn in zip(t.shape, fake.dynamic_shapes_mask) if dyn]
-    strides = [int(s) for s, dyn in zip(t.stride(), fake.dynamic_strides_mask) if dyn]
-    return [t.data_ptr()] + shapes + strides
+        _KERNELS[(spec, arch)] = kernel
+    return kernel
 
 
 def writable_arguments(spec: StepSpec) -> frozenset:
@@ -109,31 +107,34 @@ def writable_arguments(spec: StepSpec) -> frozenset:
     return frozenset(names)
 
 
-def run_step_ptx(spec: StepSpec, *, arch: str = "sm_90a", record: bool = True, record_shared: bool = False,
-                 extra_regions: dict | None = None, **tensors) -> ptx.RunResult:
-    """Execute one step's kernel on CPU tensors (already validated; ``out`` given).
+def _leaves(mask, value) -> list:
+    """The values of one parameter struct: pointer, dynamic extents, dynamic strides."""
+    if mask == "scalar":
+        return [int(value)]
+    shapes, strides = mask
+    return ([value.data_ptr()] + [int(s) for s, dyn in zip(value.shape, shapes) if dyn]
+            + [int(s) for s, dyn in zip(value.stride(), strides) if dyn])
 
-    ``tensors`` are ``mamba3_step_fn``'s tensors by name plus ``null_slot_id``.
-    ``extra_regions`` (name -> tensor) registers more readable memory, e.g. a whole
-    allocation around a pool view, to *observe* rather than forbid accesses to it.
+
+def run_step_ptx(spec: StepSpec, tensors: StepTensors, *, arch: str = "sm_90a", record: bool = True,
+                 record_shared: bool = False, extra_regions: dict | None = None) -> ptx.RunResult:
+    """Execute one step's kernel on CPU tensors (validated, ``out`` allocated, ``B > 0``).
+
+    ``extra_regions`` (name -> tensor) registers more readable memory, e.g. a whole allocation
+    around a pool view, to *observe* accesses to it rather than forbid them.
     """
     k = ptx_kernel(spec, arch)
-    args = kernel_arguments(spec, **tensors)
-    by_name = dict(zip(ARGUMENT_NAMES + ("null_slot",), args))
+    values = dict(zip(ARGUMENT_NAMES, kernel_arguments(spec, tensors)))
     memory = ptx.GlobalMemory()
     writable = writable_arguments(spec)
     params = []
-    for name, fake, ltype in zip(k.names, k.fakes, k.param_types):
-        value = by_name[name]
-        if isinstance(value, torch.Tensor):
-            memory.add(name, value, writable=name in writable)
-            params.append(ptx.pack(ltype, _tensor_leaves(fake, value)))
-        else:
-            params.append(ptx.pack(ltype, [int(value)]))
+    for name, mask, ltype in zip(k.names, k.masks, k.param_types):
+        if mask != "scalar":
+            memory.add(name, values[name], writable=name in writable)
+        params.append(ptx.pack(ltype, _leaves(mask, values[name])))
     for name, t in (extra_regions or {}).items():
         memory.add(name, t, writable=False)
-    x = tensors["x"]
-    grid = Mamba3StepKernel.grid(spec, x.shape[0], x.shape[1])
+    grid = launch_grid(tensors.x.shape[0], tensors.x.shape[1], spec.headdim, spec.tile_D)
     result = ptx.run(k.module, grid=grid, block=k.block, params=params, memory=memory,
                      dynamic_smem=k.dynamic_smem, record=record, record_shared=record_shared)
     result.extra["memory"] = memory
@@ -147,15 +148,13 @@ def ptx_step_fn(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj=N
     """``mamba3_step_fn`` on CPU tensors, computed by executing the kernel's PTX.
 
     Same arguments, validation and in-place effects as :func:`mamba3_step.mamba3_step_fn`
-    (plus ``arch``, the target whose PTX runs). A verification instrument: it runs the
-    compiled kernel instruction by instruction, so keep shapes small.
+    (plus ``arch``, the target whose PTX runs). A verification instrument: it runs the compiled
+    kernel instruction by instruction, so keep shapes small.
     """
-    spec, tensors = prepare_step(
-        state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
-        state_batch_indices=state_batch_indices, dst_state_batch_indices=dst_state_batch_indices,
-        null_slot_id=null_slot_id, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
-        validate_indices=validate_indices,
-    )
-    if x.shape[0] > 0:
-        run_step_ptx(spec, arch=arch, **tensors)
-    return tensors["out"]
+    tensors = StepTensors(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
+                          state_batch_indices, dst_state_batch_indices, null_slot_id)
+    spec, tensors = prepare_step(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
+                                 validate_indices=validate_indices)
+    if tensors.batch > 0:
+        run_step_ptx(spec, tensors, arch=arch)
+    return tensors.out

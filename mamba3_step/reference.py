@@ -1,11 +1,11 @@
 """PyTorch implementation of the Mamba-3 MIMO decode step: the CPU path and the test reference.
 
-Letters (as in SPEC.md): B batch lanes, P pool rows, H heads, D head dim, N state size
+Letters (docs/contract.md): B batch lanes, P pool rows, H heads, D head dim, N state size
 (dstate), R MIMO rank.
 
 Two layers:
 
-* :func:`step_math` is the dense math of SPEC.md for a batch of lanes, computed in one
+* :func:`step_math` is the dense math of docs/contract.md for a batch of lanes, computed in one
   compute dtype (float32 by default, float64 for the test reference). It is written so that
   each lane's result depends only on that lane's inputs, never on which other lanes share the
   batch: only element-wise broadcasting, explicit loops over the small R dimension and
@@ -15,7 +15,8 @@ Two layers:
   mode, pool mode with padding lanes, separate destination rows and ``update_kv_state``.
   ``mamba3_step_fn`` runs it on CPU tensors (in float32); tests run it in float64.
 
-Neither function validates its inputs: ``mamba3_step_fn`` does that first
+Both take the step's tensors as one :class:`~mamba3_step.tensors.StepTensors`. Neither
+validates its inputs: ``mamba3_step_fn`` does that first
 (:func:`mamba3_step.validation.check_step_inputs`).
 """
 
@@ -23,29 +24,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["step_math", "mamba3_step_reference", "live_lane_mask"]
+from .contract import lane_is_live
+from .tensors import StepTensors
+
+__all__ = ["step_math", "mamba3_step_reference"]
 
 
-def step_math(
-    state: torch.Tensor,  # (B, H, D, N)
-    Bstate: torch.Tensor,  # (B, R, H, N)
-    Xstate: torch.Tensor,  # (B, H, D)
-    A: torch.Tensor,  # (B, H)
-    B: torch.Tensor,  # (B, R, H, N)
-    C: torch.Tensor,  # (B, R, H, N)
-    D: torch.Tensor,  # (H,)
-    x: torch.Tensor,  # (B, H, D)
-    dt: torch.Tensor,  # (B, H)
-    trap: torch.Tensor,  # (B, H)
-    xproj: torch.Tensor,  # (R, H, D)
-    outproj: torch.Tensor | None = None,  # (R, H, D)
-    z: torch.Tensor | None = None,  # (B, H, D)
-    zproj: torch.Tensor | None = None,  # (R, H, D)
-    compute_dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def step_math(t: StepTensors, compute_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step for a dense batch of lanes, computed entirely in ``compute_dtype``.
 
-    Per lane b and head h (SPEC.md, "Math")::
+    Per lane b and head h (docs/contract.md, "The math")::
 
         alpha = exp(A * dt);  beta = (1 - trap) * dt * alpha;  gamma = trap * dt
         xr[r, d]  = x[d] * xproj[r, d];     xsr[r, d] = Xstate[d] * xproj[r, d]
@@ -60,11 +48,9 @@ def step_math(
     ``new_state``, before it is cast to the state's storage dtype.
 
     Args:
-        state, Bstate, Xstate: the lanes' recurrent rows (already gathered in pool mode).
-        A, dt, trap: per (lane, head) scalars; D: per-head skip weight.
-        B, C: this step's input/output projections of the state; x, z: this step's inputs.
-        xproj, zproj, outproj: per (rank, head, d) weights.
-        z and zproj must be given together (or both None).
+        t: the lanes' tensors; ``state``, ``Bstate``, ``Xstate`` hold one row per lane (already
+            gathered in pool mode). ``out``, ``state_out`` and the indices are not read. ``z``
+            and ``zproj`` must be given together (or both None).
         compute_dtype: torch.float32 (the CPU path) or torch.float64 (the test reference).
 
     Returns:
@@ -72,6 +58,7 @@ def step_math(
         (B, R, H, D), both in ``compute_dtype``; the caller casts them to storage dtypes.
         Nothing is written to the inputs.
     """
+    z, zproj, outproj = t.z, t.zproj, t.outproj
     if (z is None) != (zproj is None):
         raise ValueError("step_math: z and zproj must be given together")
     cd = compute_dtype
@@ -79,10 +66,10 @@ def step_math(
     def f(t: torch.Tensor) -> torch.Tensor:
         return t.to(cd)
 
-    R = xproj.shape[0]
-    state_c, Bstate_c, B_c, C_c = f(state), f(Bstate), f(B), f(C)
-    x_c, Xstate_c, xproj_c = f(x), f(Xstate), f(xproj)
-    A_c, dt_c, trap_c, D_c = f(A), f(dt), f(trap), f(D)
+    R = t.xproj.shape[0]
+    state_c, Bstate_c, B_c, C_c = f(t.state), f(t.Bstate), f(t.B), f(t.C)
+    x_c, Xstate_c, xproj_c = f(t.x), f(t.Xstate), f(t.xproj)
+    A_c, dt_c, trap_c, D_c = f(t.A), f(t.dt), f(t.trap), f(t.D)
 
     alpha = torch.exp(A_c * dt_c)  # (B, H)
     beta = (1 - trap_c) * dt_c * alpha  # (B, H)
@@ -118,53 +105,15 @@ def step_math(
     return new_state, out
 
 
-def live_lane_mask(
-    indices: torch.Tensor, P: int, null_slot_id: int | None = None
-) -> torch.Tensor:
-    """Bool (B,) mask of lanes whose pool index is a real row: ``0 <= idx < P`` and ``idx != null_slot_id``.
-
-    Everything else (negative, ``>= P``, the null slot) is padding (SPEC.md, "Pool mode").
-    """
-    idx = indices.to(torch.int64)
-    live = (idx >= 0) & (idx < P)
-    if null_slot_id is not None:
-        live &= idx != int(null_slot_id)
-    return live
-
-
-def out_shape(x: torch.Tensor, xproj: torch.Tensor, has_outproj: bool) -> tuple[int, ...]:
-    """Shape of ``out``: (B, H, D) with outproj, else (B, R, H, D); x (B, H, D), xproj (R, H, D)."""
-    nb, H, D = x.shape
-    return (nb, H, D) if has_outproj else (nb, xproj.shape[0], H, D)
-
-
 def mamba3_step_reference(
-    state: torch.Tensor,
-    Bstate: torch.Tensor,
-    Xstate: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    trap: torch.Tensor,
-    xproj: torch.Tensor,
-    outproj: torch.Tensor | None = None,
-    state_out: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    zproj: torch.Tensor | None = None,
+    tensors: StepTensors,
     *,
-    state_batch_indices: torch.Tensor | None = None,
-    dst_state_batch_indices: torch.Tensor | None = None,
-    null_slot_id: int | None = None,
     update_kv_state: bool = False,
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The full in-place contract of ``mamba3_step_fn``, in PyTorch (no validation).
 
-    Shapes and dtypes are those of ``mamba3_step_fn`` (see its docstring and SPEC.md).
+    Shapes and dtypes are those of ``mamba3_step_fn`` (see its docstring and docs/contract.md).
 
     Dense mode (``state_batch_indices is None``): lane b reads row b of ``state`` (B, H, D, N),
     ``Bstate`` (B, R, H, N) and ``Xstate`` (B, H, D); the new state goes to ``state_out`` if
@@ -172,67 +121,56 @@ def mamba3_step_reference(
     stored into row b of ``Bstate``/``Xstate``.
 
     Pool mode: ``state`` is (P, H, D, N), ``Bstate`` (P, R, H, N), ``Xstate`` (P, H, D).
-    Lane b is live when ``src = state_batch_indices[b]`` satisfies ``0 <= src < P`` and
-    ``src != null_slot_id``; otherwise it is padding: its ``out`` is written as exact zeros
-    and it reads and writes no pool row. A live lane computes from row ``src`` and writes the
-    new state (cast to ``state``'s dtype) to row ``dst = dst_state_batch_indices[b]``
-    (default ``src``) when ``dst`` is itself a real row; with ``update_kv_state`` it also
-    stores ``B[b]`` into ``Bstate[dst]`` and ``x[b]`` into ``Xstate[dst]`` (cast). All
-    reads happen before any write, so a (racy) dst that is another lane's src reads the old row.
+    Lane b is live when ``src = state_batch_indices[b]`` is a real row
+    (:func:`mamba3_step.contract.lane_is_live`); otherwise it is padding: its ``out`` is written
+    as exact zeros and it reads and writes no pool row. A live lane computes from row ``src``
+    and writes the new state (cast to ``state``'s dtype) to row
+    ``dst = dst_state_batch_indices[b]`` (default ``src``) when ``dst`` is itself a real row;
+    with ``update_kv_state`` it also stores ``B[b]`` into ``Bstate[dst]`` and ``x[b]`` into
+    ``Xstate[dst]`` (cast). All reads happen before any write, so a (racy) dst that is another
+    lane's src reads the old row.
 
     Args:
+        tensors: the step's tensors; ``out`` (optional) receives the result cast to its dtype
+            and is allocated with x's dtype/device when None.
         compute_dtype: float32 (what the CPU path of ``mamba3_step_fn`` uses) or float64.
-        out: optional preallocated output, (B, H, D) with outproj else (B, R, H, D); results
-            are cast to its dtype. Allocated with x's dtype/device when None.
 
     Returns:
         ``out``.
     """
-    nb = x.shape[0]
-    if out is None:
-        out = torch.empty(out_shape(x, xproj, outproj is not None), dtype=x.dtype, device=x.device)
-    if nb == 0:
+    t = tensors.with_out()
+    out = t.out
+    if t.batch == 0:
         return out
 
-    if state_batch_indices is None:
-        new_state, y = step_math(
-            state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, z, zproj,
-            compute_dtype=compute_dtype,
-        )
+    if not t.pool:
+        new_state, y = step_math(t, compute_dtype=compute_dtype)
         out.copy_(y)
-        (state_out if state_out is not None else state).copy_(new_state)
+        (t.state_out if t.state_out is not None else t.state).copy_(new_state)
         if update_kv_state:
-            Bstate.copy_(B)
-            Xstate.copy_(x)
+            t.Bstate.copy_(t.B)
+            t.Xstate.copy_(t.x)
         return out
 
-    P = state.shape[0]
-    src = state_batch_indices.to(device=x.device, dtype=torch.int64)
-    dst = src if dst_state_batch_indices is None else dst_state_batch_indices.to(
-        device=x.device, dtype=torch.int64
+    P = t.state.shape[0]
+    src = t.state_batch_indices.to(device=t.x.device, dtype=torch.int64)
+    dst = src if t.dst_state_batch_indices is None else t.dst_state_batch_indices.to(
+        device=t.x.device, dtype=torch.int64
     )
-    live = live_lane_mask(src, P, null_slot_id)
-    writes = live & live_lane_mask(dst, P, null_slot_id)
+    live = lane_is_live(src, P, t.null_slot_id)
+    writes = live & lane_is_live(dst, P, t.null_slot_id)
     lanes = live.nonzero().squeeze(1)  # live lanes, in batch order
-    rows = src[lanes]
 
-    def take(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t[lanes]
-
-    new_state, y = step_math(
-        state[rows], Bstate[rows], Xstate[rows], take(A), take(B), take(C), D, take(x),
-        take(dt), take(trap), xproj, outproj, take(z), zproj,
-        compute_dtype=compute_dtype,
-    )
+    new_state, y = step_math(t.dense_lanes(lanes, src[lanes]), compute_dtype=compute_dtype)
     result = torch.zeros(out.shape, dtype=out.dtype, device=out.device)
     result[lanes] = y.to(out.dtype)
     out.copy_(result)
 
     sel = writes[lanes]  # which live lanes also write
     wrows = dst[lanes][sel]
-    state[wrows] = new_state[sel].to(state.dtype)
+    t.state[wrows] = new_state[sel].to(t.state.dtype)
     if update_kv_state:
         wlanes = lanes[sel]
-        Bstate[wrows] = B[wlanes].to(Bstate.dtype)
-        Xstate[wrows] = x[wlanes].to(Xstate.dtype)
+        t.Bstate[wrows] = t.B[wlanes].to(t.Bstate.dtype)
+        t.Xstate[wrows] = t.x[wlanes].to(t.Xstate.dtype)
     return out

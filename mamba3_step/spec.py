@@ -1,13 +1,13 @@
 """The static specialisation of the step kernel: one frozen description, one compile.
 
-Letters (same as SPEC.md everywhere): B batch lanes, P pool rows, H heads, D head dim,
-N state size (dstate), R MIMO rank.
+Letters (docs/contract.md): B batch lanes, P pool rows, H heads, D head dim, N state size
+(dstate), R MIMO rank.
 
 Everything that changes the generated code lives in :class:`StepSpec`; everything else
 (``B``, ``P``, ``H``, every stride, ``null_slot_id``) is a runtime value and never
 recompiles. The compile caches (in-memory and on disk) key on ``StepSpec`` itself, so a
 new static field is automatically part of every key: there is no hand-kept tuple to go
-stale.
+stale. Defaults for the tiling come from the pure functions of :mod:`mamba3_step.tiling`.
 """
 
 from __future__ import annotations
@@ -15,16 +15,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-SUPPORTED_N = (32, 64, 128, 256)
-SUPPORTED_D = (32, 64, 128)
-SUPPORTED_R = (1, 2, 4, 8)
-#: dtype names accepted for each tensor group (torch names without the ``torch.`` prefix)
-STATE_DTYPES = ("float32", "bfloat16", "float16")
-KV_DTYPES = ("bfloat16", "float16", "float32")  # B, C, Bstate
-X_DTYPES = ("bfloat16", "float16", "float32")  # x, z, Xstate, out
-PROJ_DTYPES = ("float32", "bfloat16", "float16")  # xproj, zproj, outproj
+# the supported sets and dtype groups are the contract's (re-exported here for older imports)
+from .contract import DTYPE_BYTES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R  # noqa: F401
+from .contract import KV_DTYPES, PROJ_DTYPES, STATE_DTYPES, X_DTYPES
+from .tiling import default_tiling, shape_problem, tiling_problem
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+__all__ = ["FLAGSHIP_HEADS", "StepSpec", "complete_spec", "flagship_spec"]
 
 
 @dataclass(frozen=True)
@@ -83,8 +79,6 @@ class StepSpec:
 
     def with_default_tiling(self) -> "StepSpec":
         """Fill ``tile_D`` / ``num_warps`` left at 0 with the per-configuration default."""
-        from .tiling import default_tiling
-
         tile_D, num_warps = default_tiling(self.dstate, self.headdim, self.mimo, self.state_dtype)
         return self.replace(
             tile_D=self.tile_D or tile_D,
@@ -115,4 +109,32 @@ def flagship_spec(**changes) -> StepSpec:
     return spec.replace(**changes).with_default_tiling()
 
 
+#: H of the flagship model (a runtime size: the benchmarks' default)
 FLAGSHIP_HEADS = 48
+
+_DTYPE_FIELDS = (("state_dtype", STATE_DTYPES), ("kv_dtype", KV_DTYPES), ("x_dtype", X_DTYPES),
+                 ("proj_dtype", PROJ_DTYPES))
+
+
+def complete_spec(spec) -> StepSpec:
+    """``spec`` checked and with its default tiling filled in: what a compile may be asked for.
+
+    Raises:
+        TypeError: ``spec`` is not a StepSpec.
+        ValueError: an unsupported dtype name, N, D or R, or an impossible tiling (the message
+            starts with ``spec`` and names the field).
+    """
+    if not isinstance(spec, StepSpec):
+        raise TypeError(f"spec: expected a mamba3_step.StepSpec, got {type(spec).__name__}")
+    for field, allowed in _DTYPE_FIELDS:
+        if getattr(spec, field) not in allowed:
+            raise ValueError(f"spec.{field}: expected one of {allowed}, got {getattr(spec, field)!r}")
+    problem = shape_problem(spec.dstate, spec.headdim, spec.mimo)
+    if problem is not None:
+        raise ValueError(f"spec: {problem}")
+    if spec.tile_D == 0 or spec.num_warps == 0:
+        spec = spec.with_default_tiling()
+    problem = tiling_problem(spec)
+    if problem is not None:
+        raise ValueError(f"spec: {problem}")
+    return spec

@@ -27,9 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .spec import DTYPE_BYTES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, StepSpec
+from .contract import DTYPE_BYTES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, VECTOR_BYTES
 
-VECTOR_BYTES = 16
 WARP = 32
 ALLOWED_NUM_WARPS = (1, 2, 4, 8, 16)
 #: the default num_warps aims at this many 32-bit state words held per thread
@@ -108,6 +107,12 @@ def _registers(state_words: int, partials: int, mimo: int, elements: int, cache:
     return state_words + partials + 2 * mimo + elements + operands
 
 
+def launch_grid(batch, heads, headdim: int, tile_D: int) -> tuple:
+    """The kernel's grid ``(B, H, D / tile_D)``: one CTA per (lane, head, D-tile) slab. The
+    kernel launches it and the PTX execution tier runs it (``batch``/``heads`` may be symbolic)."""
+    return (batch, heads, headdim // tile_D)
+
+
 def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str) -> tuple[int, int]:
     """Per-configuration default ``(tile_D, num_warps)``.
 
@@ -129,8 +134,12 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str) -> tu
     return tile_D, num_warps
 
 
-def tiling_problem(spec: StepSpec) -> str | None:
-    """Why ``spec``'s (tile_D, num_warps) cannot be compiled, or None when it can."""
+def tiling_problem(spec) -> str | None:
+    """Why ``spec``'s (tile_D, num_warps) cannot be compiled, or None when it can.
+
+    ``spec`` is a :class:`~mamba3_step.spec.StepSpec` (read by attribute: this module sits below
+    ``spec``, which builds its default tiling from :func:`default_tiling`).
+    """
     if spec.num_warps not in ALLOWED_NUM_WARPS:
         return f"num_warps must be one of {ALLOWED_NUM_WARPS}, got {spec.num_warps}"
     if spec.tile_D <= 0 or spec.tile_D & (spec.tile_D - 1) or spec.headdim % spec.tile_D:

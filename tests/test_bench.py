@@ -33,7 +33,7 @@ gpu_bench = _load("gpu_bench")
 
 
 def _hand_bytes(batch, heads, mode):
-    """The flagship's bytes per step, summed tensor by tensor from SPEC.md's shapes.
+    """The flagship's bytes per step, summed tensor by tensor from docs/contract.md's shapes.
     N=128, D=64, R=4; fp32 state; bf16 Bstate/B/C/x/z/Xstate/out/projections; update_kv_state."""
     N, D, R, H, B = 128, 64, 4, heads, batch
     state = B * H * D * N * 4
@@ -100,7 +100,7 @@ def test_format_table_alignment():
 # ----------------------------------------------------------------------------- static comparison
 def _kernel_and_nvdisasm():
     try:
-        from mamba3_step.inspect import find_nvdisasm
+        from mamba3_step.inspection import find_nvdisasm
         from mamba3_step.kernel import compile_step_kernel  # noqa: F401
     except Exception:
         return False
@@ -109,7 +109,7 @@ def _kernel_and_nvdisasm():
 
 @pytest.mark.skipif(not _kernel_and_nvdisasm(), reason="kernel or nvdisasm unavailable")
 def test_static_bench_two_modes(capsys):
-    from mamba3_step.inspect import count_sass
+    from mamba3_step.inspection import count_sass
 
     specs = [("flagship", "dense", flagship_spec(pool=False, update_kv_state=False)),
              ("flagship", "pool", flagship_spec(update_kv_state=False))]

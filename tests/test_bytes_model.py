@@ -1,6 +1,6 @@
 """mamba3_step.bytes_model against independent counts: explicit arithmetic for the flagship,
 and for every other configuration the sizes of the tensors a step touches, built on the
-``meta`` device with the shapes of SPEC.md and summed with ``Tensor.nbytes``."""
+``meta`` device with the shapes of docs/contract.md and summed with ``Tensor.nbytes``."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_flagship_pool_by_hand():
 
 
 def test_flagship_state_is_one_and_a_half_mib_per_request_layer():
-    # SPEC.md: 48 heads x 64 x 128 x 4 B = 1.5 MB per layer per request (read once, written once)
+    # docs/contract.md: 48 heads x 64 x 128 x 4 B = 1.5 MB per layer per request (read once, written once)
     b = bytes_per_step(flagship_spec(), batch=1, heads=FLAGSHIP_HEADS)
     assert b["state"] == 2 * 1.5 * 2**20
 
@@ -87,7 +87,7 @@ def test_padding_lanes_move_only_their_index_and_zero_output():
 # ----------------------------------------------------------------------------- meta-tensor count
 def _meta_count(spec, batch, heads, mode):
     """Independent count: allocate (on the meta device) the tensors a step reads and writes,
-    with SPEC.md's shapes, and add up their sizes."""
+    with docs/contract.md's shapes, and add up their sizes."""
     N, D, R, H, Bn = spec.dstate, spec.headdim, spec.mimo, heads, batch
     sd, kd, xd, pd = (DT[spec.state_dtype], DT[spec.kv_dtype], DT[spec.x_dtype], DT[spec.proj_dtype])
 

@@ -1,6 +1,6 @@
 """The compile cache (issue 4): one compile per specialisation, persistent AOT disk cache, precompile.
 
-Letters (SPEC.md): B batch lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
+Letters (docs/contract.md): B batch lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
 
 Every test runs with ``MAMBA3_STEP_CACHE_DIR`` (and ``XDG_CACHE_HOME``) pointing into its own
 tmp dir: nothing here writes to the user's cache. Real compiles (the project's kernel, about
@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,9 @@ import pytest
 import torch
 
 import mamba3_step
+from mamba3_step import build, cli
 from mamba3_step import compile_cache as cc
+from mamba3_step.compile_cache import front, key, store
 from mamba3_step.spec import StepSpec, flagship_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +41,7 @@ def isolated_cache(tmp_path, monkeypatch):
     root = tmp_path / "cache"
     monkeypatch.setenv(cc.ENV_CACHE_DIR, str(root))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setattr(cc, "_WARNED", set())
+    monkeypatch.setattr(front, "_WARNED", set())
     cc.set_builder(None)
     cc.reset_memory_cache()
     cc.COUNTERS.reset()
@@ -115,18 +118,51 @@ def _env(root: Path, **extra) -> dict:
 def _valid_entry(spec, root) -> Path:
     """Assert the entry for (spec, ARCH) under ``root`` verifies and loads; return its path."""
     entry = cc.entry_path(spec, ARCH, root)
-    fn, problem = cc._try_load(entry, cc.entry_key(spec, ARCH))
+    fn, problem = store.try_load(entry, cc.entry_key(spec, ARCH))
     assert problem is None and fn is not None, problem
     return entry
 
 
 # --------------------------------------------------------------- one compile per spec
-def test_kernel_sources_list_matches_the_kernel_module():
-    from mamba3_step import kernel
+def test_kernel_sources_are_the_modules_the_kernel_imports():
+    """The fingerprinted sources are computed from kernel.py's imports, never listed by hand."""
+    pkg = Path(mamba3_step.__file__).parent
+    names = {Path(p).relative_to(pkg).as_posix() for p in build.kernel_sources()}
+    # kernel.py and what it imports (contract, spec, tensors, tiling), nothing of the layers above
+    assert {"kernel.py", "contract.py", "spec.py", "tensors.py", "tiling.py"} <= names
+    assert not names & {"api.py", "launch.py", "demo.py", "cli.py", "compile_cache/__init__.py", "build.py"}
+    assert cc.get_builder().sources == build.kernel_sources()
 
-    assert cc.KERNEL_SOURCES == kernel.KERNEL_SOURCES
-    for name in cc.KERNEL_SOURCES:
-        assert (Path(mamba3_step.__file__).parent / name).is_file()
+
+def _fingerprint(root: Path) -> str:
+    key._FINGERPRINTS.clear()  # read once per process and builder (the documented hazard)
+    b = cc.KernelBuilder(name="mamba3_step", compile=build.compile_kernel, sources=build.kernel_sources(root))
+    return cc.entry_key(SMALL, ARCH, b)["sources_sha256"]
+
+
+def test_key_changes_when_a_module_the_kernel_depends_on_changes(tmp_path):
+    """On a copy of the package: touching a helper the kernel imports changes the key; a new helper
+    module imported by the kernel enters the key by itself; modules the kernel does not import
+    (the API, the demo) do not."""
+    root = tmp_path / "mamba3_step"
+    shutil.copytree(Path(mamba3_step.__file__).parent, root, ignore=shutil.ignore_patterns("__pycache__"))
+    k0 = _fingerprint(root)
+    assert k0 == _fingerprint(Path(mamba3_step.__file__).parent)  # relative names: same code, same key
+    for unrelated in ("api.py", "demo.py", "serving/hook.py"):
+        (root / unrelated).write_text((root / unrelated).read_text() + "\n# unrelated edit\n")
+    assert _fingerprint(root) == k0
+    (root / "tiling.py").write_text((root / "tiling.py").read_text() + "\n# a helper the kernel imports\n")
+    k1 = _fingerprint(root)
+    assert k1 != k0
+    (root / "fresh_helper.py").write_text("SCALE = 1\n")
+    assert _fingerprint(root) == k1  # not imported by the kernel yet
+    kernel_py = root / "kernel.py"
+    kernel_py.write_text(kernel_py.read_text().replace("from .tiling import", "from .fresh_helper import SCALE  # noqa\nfrom .tiling import", 1))
+    k2 = _fingerprint(root)
+    assert k2 != k1 and str(root / "fresh_helper.py") in build.kernel_sources(root)
+    (root / "fresh_helper.py").write_text("SCALE = 2\n")
+    assert _fingerprint(root) not in (k0, k1, k2)
+    key._FINGERPRINTS.clear()
 
 
 def test_compile_counter_stays_at_one_across_batch_pool_heads_and_strides(isolated_cache):
@@ -237,20 +273,21 @@ import json, sys, time
 t0 = time.perf_counter()
 import mamba3_step
 from mamba3_step import compile_cache as cc
+from mamba3_step.compile_cache import store
 t1 = time.perf_counter()
 spec = mamba3_step.flagship_spec()
 fn, how, seconds, entry = cc.obtain(spec, "sm_90a")
 t2 = time.perf_counter()
 res = dict(stats=cc.stats(), how=how, load_seconds=seconds, import_to_loaded=t2 - t0,
            cutlass_imported="cutlass" in sys.modules, type=type(fn).__name__)
-res["loaded_signature"] = cc._ffi_signature(fn)
+res["loaded_signature"] = store.ffi_signature(fn)
 
-sys.path.insert(0, sys.argv[1])  # tests/: conftest's input factory
-from conftest import make_inputs
-from mamba3_step.kernel import kernel_arguments
+import torch
+from mamba3_step.tensors import StepTensors, kernel_arguments
+from mamba3_step.testing import make_inputs
 inp = make_inputs(B=3, P=5, H=2, D=64, N=128, R=4)
 inp["out"] = inp["x"].clone()
-args = kernel_arguments(spec, state_batch_indices=inp["x"].new_zeros(3, dtype=__import__("torch").int32), **inp)
+args = kernel_arguments(spec, StepTensors(**inp, state_batch_indices=inp["x"].new_zeros(3, dtype=torch.int32)))
 
 def call_error(f):
     try:
@@ -263,14 +300,14 @@ res["loaded_cpu_call"] = call_error(fn)
 if "--jit" in sys.argv:  # CUTE_DSL_ARCH=sm_90a: the DSL builds its JIT engine for sm_90a
     from mamba3_step.kernel import compile_step_kernel
     raw = compile_step_kernel(spec, "sm_90a").__tvm_ffi_object__()
-    res["jit_signature"] = cc._ffi_signature(raw)
+    res["jit_signature"] = store.ffi_signature(raw)
     res["jit_cpu_call"] = call_error(raw)
 print("RESULT " + json.dumps(res))
 """
 
 
 def _run_loader(root, *extra_args, **env):
-    r = subprocess.run([sys.executable, "-c", LOADER, str(REPO / "tests"), *extra_args],
+    r = subprocess.run([sys.executable, "-c", LOADER, *extra_args],
                        cwd=REPO, env=_env(root, **env), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
@@ -370,7 +407,7 @@ def test_swapped_library_is_detected(isolated_cache):
     cc.obtain(OTHER, ARCH)
     _, _, _, entry = cc.obtain(SMALL, ARCH)
     _tamper_swap_artifact(entry)
-    fn, problem = cc._try_load(entry, cc.entry_key(SMALL, ARCH))
+    fn, problem = store.try_load(entry, cc.entry_key(SMALL, ARCH))
     assert fn is None and "sha256" in problem
 
 
@@ -379,13 +416,13 @@ def test_publishing_race_keeps_the_first_entry(isolated_cache):
     from mamba3_step.kernel import compile_step_kernel
 
     compiled = compile_step_kernel(SMALL, ARCH)
-    key = cc.entry_key(SMALL, ARCH)
+    entry_key = cc.entry_key(SMALL, ARCH)
     entry = cc.entry_path(SMALL, ARCH)
     entry.parent.mkdir(parents=True)
-    linker = cc._find_linker()
-    cc._store(compiled, entry, key, linker, 1.0)
+    linker = store.find_linker()
+    store.store(compiled, entry, entry_key, linker, 1.0)
     first = (entry / "manifest.json").read_text()
-    fn = cc._store(compiled, entry, key, linker, 2.0)  # loses the race
+    fn = store.store(compiled, entry, entry_key, linker, 2.0)  # loses the race
     assert type(fn).__name__ == "Function"
     assert (entry / "manifest.json").read_text() == first
     assert cc.COUNTERS.disk_writes == 1
@@ -426,19 +463,19 @@ def test_key_covers_sources_versions_env_and_arch(tmp_path, monkeypatch):
     assert k0["spec"] == SMALL.key() and k0["arch"] == ARCH
     assert set(k0["versions"]) == {"nvidia-cutlass-dsl", "apache-tvm-ffi"}
     src.write_text("A = 2\n")
-    cc._FINGERPRINTS.clear()
+    key._FINGERPRINTS.clear()
     k1 = cc.entry_key(SMALL, ARCH, b)
     assert k1["sources_sha256"] != k0["sources_sha256"]
-    monkeypatch.setattr(cc, "_VERSIONS", {"nvidia-cutlass-dsl": "9.9", "apache-tvm-ffi": "0.1.15"})
+    monkeypatch.setattr(key, "_VERSIONS", {"nvidia-cutlass-dsl": "9.9", "apache-tvm-ffi": "0.1.15"})
     k2 = cc.entry_key(SMALL, ARCH, b)
     monkeypatch.setenv("CUTE_DSL_LOG_LEVEL", "10")  # logging: not part of the key
     assert cc.entry_key(SMALL, ARCH, b) == k2
     monkeypatch.setenv("CUTE_DSL_LINEINFO", "1")  # changes the generated code
     k3 = cc.entry_key(SMALL, ARCH, b)
     k4 = cc.entry_key(SMALL, "sm_100a", b)
-    digests = {cc._key_digest(k) for k in (k0, k1, k2, k3, k4)}
+    digests = {key.key_digest(k) for k in (k0, k1, k2, k3, k4)}
     assert len(digests) == 5
-    cc._FINGERPRINTS.clear()
+    key._FINGERPRINTS.clear()
 
 
 def test_default_cache_dir_precedence(monkeypatch, tmp_path):
@@ -470,7 +507,7 @@ def test_unwritable_cache_dir_compiles_in_memory_with_one_warning(tmp_path, monk
 
 
 def test_missing_linker_compiles_in_memory_with_one_warning(monkeypatch, isolated_cache):
-    monkeypatch.setattr(cc, "_find_linker", lambda: None)
+    monkeypatch.setattr(store, "find_linker", lambda: None)
     cc.set_builder(RecordingBuilder(exportable=True).builder)
     with pytest.warns(cc.CompileCacheWarning, match="no C/C\\+\\+ linker") as record:
         assert cc.obtain(SMALL, ARCH)[1] == "compiled-in-memory"
@@ -481,7 +518,7 @@ def test_missing_linker_compiles_in_memory_with_one_warning(monkeypatch, isolate
 def test_read_only_cache_with_valid_entries_still_loads(monkeypatch, isolated_cache):
     cc.obtain(SMALL, ARCH)
     cc.reset_memory_cache()
-    monkeypatch.setattr(cc, "_writable_dir", lambda path: "PermissionError: read-only image")
+    monkeypatch.setattr(store, "writable_dir", lambda path: "PermissionError: read-only image")
     import warnings
 
     with warnings.catch_warnings():
@@ -494,11 +531,11 @@ def test_read_only_cache_with_valid_entries_still_loads(monkeypatch, isolated_ca
 @pytest.mark.parametrize("cap,arch", [((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((10, 3), "sm_103a"),
                                       ((8, 9), "sm_89"), ((8, 0), "sm_80"), ((12, 0), "sm_120")])
 def test_current_arch_maps_capability_like_the_launcher(monkeypatch, cap, arch):
-    from mamba3_step import kernel
+    from mamba3_step import launch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
-    assert cc.current_arch() == arch == kernel.device_arch(torch.device("cuda", 0))
+    assert cc.current_arch() == arch == launch.device_arch(torch.device("cuda", 0))
 
 
 def test_current_arch_without_gpu(monkeypatch):
@@ -524,27 +561,25 @@ def test_precompile_config_parsing():
 
 
 def test_precompile_cli_list_json(capsys):
-    assert cc.cli_main(["--list", "--config", "all", "--arch", "sm_100a", "--json"]) == 0
+    assert cli.main(["precompile", "--list", "--config", "all", "--arch", "sm_100a", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["count"] == 48 and out["arch"] == "sm_100a"
     assert cc.COUNTERS.compiles == 0
-    assert cc.cli_main(["--list", "--config", "flagship", "--mode", "dense", "--no-z"]) == 0
+    assert cli.main(["precompile", "--list", "--config", "flagship", "--mode", "dense", "--no-z"]) == 0
     text = capsys.readouterr().out
     assert "N128 D64 R4 float32/bfloat16/bfloat16/bfloat16 tD64 w4 kv+outproj" in text
-    with pytest.raises(SystemExit) as e:
-        cc.cli_main(["--config", "48,64,4"])
-    assert e.value.code == 2
+    assert cli.main(["precompile", "--config", "48,64,4"]) == 2
     assert "N (dstate) must be one of" in capsys.readouterr().err
 
 
 def test_precompile_cli_compiles_then_loads(capsys, isolated_cache):
-    argv = ["--arch", ARCH, "--config", "32,32,1"]
-    assert cc.cli_main(argv + ["--json"]) == 0
+    argv = ["precompile", "--arch", ARCH, "--config", "32,32,1"]
+    assert cli.main(argv + ["--json"]) == 0
     first = json.loads(capsys.readouterr().out)
     (row,) = first["results"]
     assert row["how"] == "compiled" and row["spec"] == SMALL.key() and row["seconds"] > 0
     assert Path(row["entry"]) == _valid_entry(SMALL, isolated_cache)
     cc.reset_memory_cache()  # as a new process would
-    assert cc.cli_main(argv) == 0
+    assert cli.main(argv) == 0
     table = capsys.readouterr().out
     assert "N32 D32 R1" in table and "loaded" in table and "0 compiled, 1 loaded" in table

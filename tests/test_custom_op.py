@@ -11,7 +11,7 @@ import torch
 
 import mamba3_step.ops  # noqa: F401  (registers the op)
 from mamba3_step import mamba3_step_fn
-from mamba3_step.demo import bits_equal, poison_pool, random_layer_weights, random_step_inputs
+from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_pool
 from mamba3_step.ops import mamba3_step_op
 from mamba3_step.serving import StatePool
 
@@ -25,8 +25,8 @@ def _setup(seed, *, has_outproj=True, null_slot=False):
     g = torch.Generator().manual_seed(seed)
     pool = StatePool(1, P, H, D, N, R, reserve_null_slot=null_slot)
     poison_pool(pool, g)
-    w = random_layer_weights(H, D, R, has_outproj=has_outproj, generator=g)
-    inp = random_step_inputs(NB, H, D, N, R, generator=g)
+    w = layer_weights(H, D, R, has_outproj=has_outproj, generator=g)
+    inp = lane_inputs(NB, H, D, N, R, generator=g)
     slots = torch.tensor([6, -1, 2, 0, 8], dtype=torch.int32)
     dst = torch.tensor([4, 3, 2, 1, -1], dtype=torch.int32)
     return pool, w, inp, slots, dst

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from mamba3_step import demo
+from mamba3_step import cli, demo
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ def _max_err(text: str) -> float:
 
 
 def test_demo_in_process_reports_parity(capsys):
-    rc = demo.cli_main(["--steps", "5", "--layers", "2", "--seed", "1", "--device", "cpu"])
+    rc = cli.main(["demo", "--steps", "5", "--layers", "2", "--seed", "1", "--device", "cpu"])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "device=cpu" in text and "PyTorch CPU path" in text
@@ -35,14 +35,14 @@ def test_demo_in_process_reports_parity(capsys):
 
 
 def test_demo_null_slot_and_more_layers(capsys):
-    rc = demo.cli_main(["--steps", "4", "--layers", "3", "--null-slot", "--quiet", "--seed", "2"])
+    rc = cli.main(["demo", "--steps", "4", "--layers", "3", "--null-slot", "--quiet", "--seed", "2"])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "pad id 0 (row 0 reserved as null slot)" in text and "PARITY HELD" in text
 
 
 def test_demo_fails_loudly_when_parity_breaks(capsys, monkeypatch):
-    real = demo.gather_scatter_step
+    real = demo.gather_dense_scatter
 
     def off_by_one_ulp(*args, **kwargs):
         out = real(*args, **kwargs)
@@ -50,21 +50,22 @@ def test_demo_fails_loudly_when_parity_breaks(capsys, monkeypatch):
         flat[0] += 1  # one bit of one lane: still a parity failure
         return out
 
-    monkeypatch.setattr(demo, "gather_scatter_step", off_by_one_ulp)
-    rc = demo.cli_main(["--steps", "2", "--quiet"])
+    monkeypatch.setattr(demo, "gather_dense_scatter", off_by_one_ulp)
+    rc = cli.main(["demo", "--steps", "2", "--quiet"])
     text = capsys.readouterr().out
     assert rc == 1
     assert "PARITY FAILED" in text and "out differs from the baseline" in text
 
 
 def test_demo_bad_arguments(capsys):
-    assert demo.cli_main(["--buckets", "1,x"]) == 2
-    assert demo.cli_main(["--max-batch", "99"]) == 2
-    assert demo.cli_main(["--dstate", "48"]) == 2
-    assert demo.cli_main(["--layers", "0"]) == 2
+    assert cli.main(["demo", "--buckets", "1,x"]) == 2
+    assert cli.main(["demo", "--max-batch", "99"]) == 2
+    assert cli.main(["demo", "--config", "48,32,2"]) == 2
+    assert "N (dstate) must be one of" in capsys.readouterr().err
+    assert cli.main(["demo", "--layers", "0"]) == 2
     if not torch.cuda.is_available():
-        assert demo.cli_main(["--device", "cuda"]) == 2
-    assert "no CUDA device" in capsys.readouterr().out or torch.cuda.is_available()
+        assert cli.main(["demo", "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err or torch.cuda.is_available()
 
 
 def test_demo_as_module_subprocess():

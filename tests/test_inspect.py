@@ -1,4 +1,4 @@
-"""mamba3_step.inspect: reading registers, stack, spills, shared memory, threads and SASS from
+"""mamba3_step.inspection: reading registers, stack, spills, shared memory, threads and SASS from
 the cubin the DSL produced (no GPU), checked against ``ptxas -v`` and hand-made listings.
 
 Stand-in kernels are defined here (a predicated vectorised copy through shared memory, and a
@@ -20,7 +20,9 @@ import pytest
 cutlass = pytest.importorskip("cutlass")
 import cutlass.cute as cute  # noqa: E402
 
-from mamba3_step import inspect as I  # noqa: E402
+from mamba3_step import cli  # noqa: E402
+from mamba3_step import inspection as I  # noqa: E402
+from mamba3_step.specsets import specs_from_args  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PTXAS = shutil.which("ptxas")
@@ -171,8 +173,8 @@ def test_sass_histogram_counts_by_width_and_predicate():
     assert I.count_sass(h, "LDG", 128) == 2  # LDGSTS is not LDG
     assert I.count_sass(h, "SHFL") == 2
     assert I.count_sass(h, "HMMA") == 0
-    assert I._listing_arch(LISTING) == "sm_90a"
-    assert I._listing_arch("\t.target\tsm_100a\n") == "sm_100a"
+    assert I.sass.listing_arch(LISTING) == "sm_90a"
+    assert I.sass.listing_arch("\t.target\tsm_100a\n") == "sm_100a"
 
 
 def test_parse_sass_widths_and_guards():
@@ -333,13 +335,15 @@ needs_kernel = pytest.mark.skipif(not _kernel_available(), reason="mamba3_step.k
 @needs_kernel
 @needs_nvdisasm
 def test_cli_json_flagship_dense(tmp_path):
-    """`python -m mamba3_step inspect --json`: one JSON object; its fields agree with the
-    compile tests' bounds and with an independent computation of each derived figure."""
+    """`python -m mamba3_step inspect --json --mode dense --no-update-kv-state`: one JSON object;
+    its fields agree with the compile tests' bounds and with an independent computation of each
+    derived figure."""
     from mamba3_step.bytes_model import bytes_per_step
     from mamba3_step.spec import flagship_spec
     from mamba3_step.tiling import thread_layout
 
-    proc = subprocess.run([sys.executable, "-m", "mamba3_step", "inspect", "--json", "--batch", "64"],
+    proc = subprocess.run([sys.executable, "-m", "mamba3_step", "inspect", "--json", "--batch", "64",
+                           "--mode", "dense", "--no-update-kv-state"],
                           capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)  # exactly one JSON document, nothing else on stdout
@@ -347,7 +351,7 @@ def test_cli_json_flagship_dense(tmp_path):
                 "bytes_per_step", "occupancy", "stack_bytes"):
         assert key in report, key
     spec = flagship_spec(pool=False, update_kv_state=False)
-    assert report["spec"] == spec.as_dict()  # default: the flagship configuration, dense mode
+    assert report["spec"] == spec.as_dict()  # the flagship configuration, dense mode
     assert report["arch"] == "sm_90a"
     assert report["spill_bytes"] == 0 and report["stack_bytes"] == 0
     assert 32 <= report["registers"] <= 255 and report["registers"] * report["threads"] <= 65536
@@ -371,8 +375,8 @@ def test_text_report_pool_mode_and_ptxas_cross_check(tmp_path):
     register / stack / spill / shared-memory figures against ptxas -v on the same PTX."""
     from mamba3_step.kernel import compile_step_kernel
 
-    args = I.build_parser().parse_args(["--pool", "--update-kv-state", "--batch", "8"])
-    spec = I.spec_from_args(args)
+    args = cli.build_parser().parse_args(["inspect", "--batch", "8"])
+    (spec,) = specs_from_args(args)  # the default: the flagship as servers run it
     assert spec.pool and spec.update_kv_state and not spec.has_dst
     compiled = compile_step_kernel(spec, "sm_90a", extra_options=f"--keep-ptx --dump-dir {tmp_path}")
     report, facts = I.inspect_spec(spec, "sm_90a", batch=8, heads=48, compiled=compiled)
@@ -391,14 +395,12 @@ def test_text_report_pool_mode_and_ptxas_cross_check(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--dst"], "--dst needs --pool"),
-    (["--dstate", "48"], "N (dstate) must be one of"),
-    (["--arch", "hopper"], "arch must look like"),
+    (["--mode", "dense", "--dst"], "--dst needs --mode pool"),
+    (["--config", "48,64,4"], "N (dstate) must be one of"),
+    (["--arch", "hopper"], "arch: expected 'sm_'"),
     (["--batch", "0"], "--batch must be >= 1"),
-    (["--tile-d", "16", "--update-kv-state"], "update_kv_state needs tile_D >= headdim"),
+    (["--tile-d", "16"], "update_kv_state needs tile_D >= headdim"),
 ])
 def test_cli_rejects_bad_flags(argv, message, capsys):
-    with pytest.raises(SystemExit) as exc:
-        I.cli_main(argv)
-    assert exc.value.code == 2
+    assert cli.main(["inspect", *argv]) == 2
     assert message in capsys.readouterr().err

@@ -1,7 +1,7 @@
-"""Pool mode is byte-identical to gather -> dense -> scatter, on the CPU path (SPEC.md, "Parity").
+"""Pool mode is byte-identical to gather -> dense -> scatter, on the CPU path (docs/contract.md, "Parity").
 
 Every case uses fresh random data, pools whose rows no live lane reads are poisoned with random
-bits (NaN/inf included), and an ``out`` poisoned before the call; ``conftest.check_pool_parity``
+bits (NaN/inf included), and an ``out`` poisoned before the call; ``helpers.check_pool_parity``
 then checks bit for bit:
 
 * ``out`` equals the dense step's ``out`` for live lanes and is exactly +0.0 for padding lanes;
@@ -16,7 +16,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     PAD_KINDS,
     POOL_STATE_KEYS,
     assert_bits_equal,

@@ -1,23 +1,16 @@
 """Property-based parity (hypothesis): on every draw of shapes, dtypes, pool size, options and a
 per-lane index pattern (live, live with a padding destination, and every kind of padding, in any
 order), pool mode is bit-identical to gather -> dense -> scatter, padding lanes' out is zero and
-every row no live lane writes is unchanged (``conftest.check_pool_parity``)."""
+every row no live lane writes is unchanged (``helpers.check_pool_parity``)."""
 
 from __future__ import annotations
 
-from conftest import LANE_KINDS, build_pool_indices, check_pool_parity, make_inputs
+from helpers import LANE_KINDS, build_pool_indices, check_pool_parity, make_inputs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mamba3_step.spec import (
-    KV_DTYPES,
-    PROJ_DTYPES,
-    STATE_DTYPES,
-    SUPPORTED_D,
-    SUPPORTED_N,
-    SUPPORTED_R,
-    X_DTYPES,
-)
+from mamba3_step.contract import KV_DTYPES, PROJ_DTYPES, STATE_DTYPES, X_DTYPES
+from mamba3_step.contract import SUPPORTED_D, SUPPORTED_N, SUPPORTED_R
 
 
 @st.composite

@@ -28,7 +28,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from conftest import (PAD_KINDS, build_pool_indices, check_pool_parity, clone_inputs, make_inputs, poison_)
+from helpers import PAD_KINDS, build_pool_indices, check_pool_parity, clone_inputs
 from test_kernel_compile import COVERING
 
 from mamba3_step import mamba3_step_fn
@@ -38,6 +38,8 @@ from mamba3_step.ptx import analysis
 from mamba3_step.ptx_tier import ptx_kernel, ptx_step_fn, run_step_ptx
 from mamba3_step.reference import mamba3_step_reference
 from mamba3_step.spec import StepSpec
+from mamba3_step.tensors import StepTensors
+from mamba3_step.testing import make_inputs, poison_
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 NULL = 2
@@ -113,7 +115,9 @@ def test_executed_kernel_matches_float64_and_the_cpu_path(name):
 
     ref = _f64(inputs)
     ref_kw = {k: v for k, v in kw.items() if k not in ("tile_D", "num_warps")}
-    out64 = mamba3_step_reference(**ref, **ref_kw, compute_dtype=torch.float64)
+    pool_kw = {k: v for k, v in ref_kw.items() if k != "update_kv_state"}
+    out64 = mamba3_step_reference(StepTensors(**ref, **pool_kw), update_kv_state=spec.update_kv_state,
+                                  compute_dtype=torch.float64)
     cpu = clone_inputs(inputs)
     out32 = mamba3_step_fn(**{k: v for k, v in cpu.items()}, **ref_kw)
     run = clone_inputs(inputs)
@@ -151,11 +155,11 @@ def _run_recorded(spec, B, P, seed, *, record_shared=False):
     x = inputs["x"]
     out = poison_(torch.empty((B, x.shape[1], x.shape[2]) if spec.has_outproj else
                               (B, spec.mimo, x.shape[1], x.shape[2]), dtype=x.dtype))
-    s, tensors = prepare_step(**inputs, out=out, state_batch_indices=src,
-                              dst_state_batch_indices=dst if spec.has_dst else None, null_slot_id=NULL,
+    s, tensors = prepare_step(StepTensors(**inputs, out=out, state_batch_indices=src,
+                                          dst_state_batch_indices=dst if spec.has_dst else None, null_slot_id=NULL),
                               update_kv_state=spec.update_kv_state, **_tiling(spec))
     assert s == spec
-    res = run_step_ptx(spec, record_shared=record_shared, **tensors)
+    res = run_step_ptx(spec, tensors, record_shared=record_shared)
     return res, tensors, src, dst, kinds
 
 
@@ -169,7 +173,8 @@ def _row_bytes(t: torch.Tensor, row: int) -> set:
 def test_padding_lanes_touch_no_pool_byte_and_live_lanes_touch_exactly_their_rows(name):
     spec = COVERING[name].with_default_tiling()
     B, P = 8, 10
-    res, t, src, dst, kinds = _run_recorded(spec, B, P, seed=3)
+    res, tensors, src, dst, kinds = _run_recorded(spec, B, P, seed=3)
+    t = tensors._asdict()
     log = res.log.arrays()
     lane = analysis.cta_of(res, log["thread"]) % res.grid[0]
     for b, kind in enumerate(kinds):
@@ -249,9 +254,9 @@ def test_executed_bytes_equal_the_bytes_model(name):
     inputs = make_inputs(B, P, **_shape(spec), **_dtypes(spec), seed=2)
     src = torch.tensor([4, 0, 13, 2, 8, 5], dtype=torch.int32)
     dst = torch.tensor([1, 3, 6, 7, 9, 12], dtype=torch.int32) if spec.has_dst else None
-    s, tensors = prepare_step(**inputs, state_batch_indices=src, dst_state_batch_indices=dst,
+    s, tensors = prepare_step(StepTensors(**inputs, state_batch_indices=src, dst_state_batch_indices=dst),
                               update_kv_state=spec.update_kv_state)
-    res = run_step_ptx(s, **tensors)
+    res = run_step_ptx(s, tensors)
     touched = analysis.bytes_touched(res, res.extra["memory"])
     model = bytes_per_step(s, B, H)
     assert set(touched) <= set(model)

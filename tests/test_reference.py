@@ -1,4 +1,4 @@
-"""The PyTorch reference: float64 against a loop-by-loop transcription of SPEC.md, float32 against
+"""The PyTorch reference: float64 against a loop-by-loop transcription of docs/contract.md, float32 against
 float64, lane independence, and the in-place contract of dense and pool mode."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     assert_bits_equal,
     clone_inputs,
     make_inputs,
@@ -16,6 +16,7 @@ from conftest import (
 
 from mamba3_step import mamba3_step_fn
 from mamba3_step.reference import mamba3_step_reference, step_math
+from mamba3_step.tensors import StepTensors
 
 MATH_KEYS = ("state", "Bstate", "Xstate", "A", "B", "C", "D", "x", "dt", "trap", "xproj",
              "outproj", "z", "zproj")
@@ -26,7 +27,7 @@ def math_args(inputs: dict) -> dict:
 
 
 def transcribe_spec(inp: dict):
-    """SPEC.md's math, written out loop by loop over plain Python floats (float64)."""
+    """docs/contract.md's math, written out loop by loop over plain Python floats (float64)."""
 
     def L(t):
         return None if t is None else t.double().tolist()
@@ -83,7 +84,7 @@ def test_float64_matches_spec_transcription(has_z, has_outproj, R):
     inp = make_inputs(3, None, H=2, D=5, N=7, R=R, has_z=has_z, has_outproj=has_outproj,
                       state_dtype="float32", kv_dtype="float32", x_dtype="float32",
                       proj_dtype="float32", seed=5 + R)
-    ns, out = step_math(**math_args(inp), compute_dtype=torch.float64)
+    ns, out = step_math(StepTensors(**math_args(inp)), compute_dtype=torch.float64)
     ns_ref, out_ref = transcribe_spec(inp)
     assert ns.dtype == out.dtype == torch.float64
     torch.testing.assert_close(ns, ns_ref, rtol=1e-12, atol=1e-12)
@@ -116,9 +117,9 @@ def test_float32_within_float32_rounding_of_float64(dtypes, N, D, R, has_z, has_
     # rounded operations (N products summed, 2R state updates, R output terms, exp/silu).
     inp = make_inputs(4, None, H=3, D=D, N=N, R=R, has_z=has_z, has_outproj=has_outproj, seed=N + R,
                       **dtypes)
-    ns32, out32 = step_math(**math_args(inp), compute_dtype=torch.float32)
-    ns64, out64 = step_math(**math_args(inp), compute_dtype=torch.float64)
-    s_ns, s_out = step_math(**_abs_inputs(inp), compute_dtype=torch.float64)
+    ns32, out32 = step_math(StepTensors(**math_args(inp)), compute_dtype=torch.float32)
+    ns64, out64 = step_math(StepTensors(**math_args(inp)), compute_dtype=torch.float64)
+    s_ns, s_out = step_math(StepTensors(**_abs_inputs(inp)), compute_dtype=torch.float64)
     eps = torch.finfo(torch.float32).eps
     k = N + 3 * R + 16
     assert ns32.dtype == out32.dtype == torch.float32
@@ -137,13 +138,13 @@ def test_results_do_not_depend_on_batch_composition():
     inp = make_inputs(41, None, H=17, D=32, N=64, R=2, seed=3)
     args = math_args(inp)
     per_lane = ("state", "Bstate", "Xstate", "A", "B", "C", "x", "dt", "trap", "z")
-    ns, out = step_math(**args)
+    ns, out = step_math(StepTensors(**args))
     perm = torch.randperm(41, generator=torch.Generator().manual_seed(0))
-    ns_p, out_p = step_math(**{k: (v[perm] if k in per_lane else v) for k, v in args.items()})
+    ns_p, out_p = step_math(StepTensors(**{k: (v[perm] if k in per_lane else v) for k, v in args.items()}))
     assert_bits_equal(ns_p, ns[perm], "permuted state")
     assert_bits_equal(out_p, out[perm], "permuted out")
     for b in (0, 7, 40):
-        ns1, out1 = step_math(**{k: (v[b:b + 1] if k in per_lane else v) for k, v in args.items()})
+        ns1, out1 = step_math(StepTensors(**{k: (v[b:b + 1] if k in per_lane else v) for k, v in args.items()}))
         assert_bits_equal(ns1[0], ns[b], f"lane {b} alone: state")
         assert_bits_equal(out1[0], out[b], f"lane {b} alone: out")
 
@@ -153,7 +154,7 @@ def test_results_do_not_depend_on_batch_composition():
 def test_dense_mode_in_place_contract(update_kv_state, use_state_out):
     inp = make_inputs(6, None, H=2, D=32, N=64, R=4, seed=21, state_dtype="bfloat16")
     before = clone_inputs(inp)
-    ns, y = step_math(**math_args(inp))
+    ns, y = step_math(StepTensors(**math_args(inp)))
     state_out = poison_(torch.empty_like(inp["state"])) if use_state_out else None
     out = poison_(torch.empty(6, 2, 32, dtype=inp["x"].dtype))
     ret = mamba3_step_fn(**inp, out=out, state_out=state_out, update_kv_state=update_kv_state)
@@ -176,7 +177,7 @@ def test_update_kv_state_casts_into_the_state_dtype():
     # stored rows are the inputs' bits; the step itself read the *old* Bstate/Xstate.
     inp = make_inputs(3, None, H=2, D=32, N=32, R=2, seed=8, kv_dtype="float32", x_dtype="float32")
     old = clone_inputs(inp)
-    ns_old, y_old = step_math(**math_args(old))
+    ns_old, y_old = step_math(StepTensors(**math_args(old)))
     out = mamba3_step_fn(**inp, update_kv_state=True)
     assert_bits_equal(out, y_old.to(out.dtype), "out computed from the old Bstate/Xstate")
     assert_bits_equal(inp["Bstate"], old["B"], "Bstate")
@@ -198,8 +199,8 @@ def test_pool_mode_per_lane_semantics_float64():
     before = {k: v.clone() for k, v in pool.items()}
     out = poison_(torch.empty(7, 2, 32, dtype=torch.float64))
     args = {**lane, **pool}
-    mamba3_step_reference(**args, out=out, state_batch_indices=src, dst_state_batch_indices=dst,
-                          null_slot_id=null, update_kv_state=True, compute_dtype=torch.float64)
+    mamba3_step_reference(StepTensors(**args, out=out, state_batch_indices=src, dst_state_batch_indices=dst,
+                                      null_slot_id=null), update_kv_state=True, compute_dtype=torch.float64)
     per_lane = ("A", "B", "C", "x", "dt", "trap", "z")
     touched = set()
     for b in range(7):
@@ -208,7 +209,7 @@ def test_pool_mode_per_lane_semantics_float64():
             assert_bits_equal(out[b], torch.zeros_like(out[b]), f"lane {b} out")
             continue
         single = {k: (v[b:b + 1] if k in per_lane else v) for k, v in lane.items()}
-        ns, y = step_math(**single, **{k: before[k][s:s + 1] for k in pool}, compute_dtype=torch.float64)
+        ns, y = step_math(StepTensors(**single, **{k: before[k][s:s + 1] for k in pool}), compute_dtype=torch.float64)
         assert_bits_equal(out[b], y[0], f"lane {b} out")
         if b == 5:
             continue

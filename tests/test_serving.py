@@ -11,7 +11,6 @@ import random
 import pytest
 import torch
 
-from mamba3_step.demo import bits_equal, poison_pool, random_layer_weights, random_step_inputs
 from mamba3_step.reference import step_math
 from mamba3_step.serving import (
     CudaGraphStepRunner,
@@ -26,6 +25,8 @@ from mamba3_step.serving import (
     pad_lanes,
     pad_slots,
 )
+from mamba3_step.tensors import StepTensors
+from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_, poison_pool
 
 H, D, N, R = 2, 32, 32, 2
 
@@ -40,9 +41,7 @@ def poison_bits(pool, seed):
     """Random bit patterns (NaN, inf, denormals included) in every row of every layer."""
     g = torch.Generator().manual_seed(seed)
     for t in (pool._state, pool._Bstate, pool._Xstate):
-        iview = {4: torch.int32, 2: torch.int16}[t.element_size()]
-        info = torch.iinfo(iview)
-        t.view(iview).copy_(torch.randint(info.min, info.max, t.shape, generator=g, dtype=torch.int64).to(iview))
+        poison_(t, generator=g)
 
 
 def snapshot(pool):
@@ -227,14 +226,14 @@ def test_lane_is_live_follows_spec_padding_rule():
 
 def test_runner_bucket_buffers_and_padding_on_cpu():
     pool = make_pool(L=1, P=8, reserve_null_slot=True)
-    w = random_layer_weights(H, D, R, generator=torch.Generator().manual_seed(3))
+    w = layer_weights(H, D, R, generator=torch.Generator().manual_seed(3))
     runner = CudaGraphStepRunner(pool, 0, buckets=(4, 2), **w)
     assert runner.buckets == (2, 4) and not runner.use_cuda_graph
     four = pool.alloc(4)
-    full = random_step_inputs(4, H, D, N, R, generator=torch.Generator().manual_seed(40))
+    full = lane_inputs(4, H, D, N, R, generator=torch.Generator().manual_seed(40))
     runner.step(four, **full)  # fills every lane of bucket 4 with live data
     slots = four[:3]
-    inp = random_step_inputs(3, H, D, N, R, generator=torch.Generator().manual_seed(4))
+    inp = lane_inputs(3, H, D, N, R, generator=torch.Generator().manual_seed(4))
     runner.step(slots, **inp)  # the same bucket again: lane 3 must be re-padded
     s = runner._static[4]
     assert s["slots"].tolist() == slots.tolist() + [0]  # padded with the null slot (pad id 0)
@@ -242,7 +241,7 @@ def test_runner_bucket_buffers_and_padding_on_cpu():
         assert bits_equal(s[name][:3], inp[name]) and not s[name][3].any(), name
     assert not s["out"][3].any()
     # a smaller step reuses the buffers: stale lanes are re-padded
-    inp2 = random_step_inputs(1, H, D, N, R, generator=torch.Generator().manual_seed(5))
+    inp2 = lane_inputs(1, H, D, N, R, generator=torch.Generator().manual_seed(5))
     runner.step(slots[:1], **inp2)
     assert runner._static[2]["slots"].tolist() == [int(slots[0]), 0]
     with pytest.raises(ValueError, match=r"x: expected 3 lanes \(len\(slots\)\)"):
@@ -267,7 +266,7 @@ def _hook_vs_baseline(tile_D, num_warps, null_slot, with_dst, seed):
     pool.alloc(P - (1 if null_slot else 0))
     base = snapshot(pool)
     before = snapshot(pool)
-    w = random_layer_weights(H, D, R, generator=g)
+    w = layer_weights(H, D, R, generator=g)
     pad = 0 if null_slot else -1
     # lanes: live rows in shuffled order, plus padding ids of every kind
     src = [7, pad, 3, 12, 5, -3, 1, 9]
@@ -275,7 +274,7 @@ def _hook_vs_baseline(tile_D, num_warps, null_slot, with_dst, seed):
     n = len(src)
     s = torch.tensor(src, dtype=torch.int32)
     d = None if dst is None else torch.tensor(dst, dtype=torch.int32)
-    inp = random_step_inputs(n, H, D, N, R, generator=g)
+    inp = lane_inputs(n, H, D, N, R, generator=g)
     out_buf = torch.full((n, H, D), float("nan"), dtype=torch.bfloat16)  # poisoned: every lane must be written
     out = decode_step(pool, 1, s, inp["A"], inp["B"], inp["C"], w["D"], inp["x"], inp["dt"], inp["trap"],
                       w["xproj"], w["outproj"], z=inp["z"], zproj=w["zproj"], dst_slots=d,
@@ -323,9 +322,9 @@ def test_decode_hook_against_float64_reference():
     rows = s[live].long()
     st, bs, xs = before[1]
     sel = lambda t: t[live]  # noqa: E731
-    _, y64 = step_math(st[rows], bs[rows], xs[rows], sel(inp["A"]), sel(inp["B"]), sel(inp["C"]), w["D"],
-                       sel(inp["x"]), sel(inp["dt"]), sel(inp["trap"]), w["xproj"], w["outproj"], sel(inp["z"]),
-                       w["zproj"], compute_dtype=torch.float64)
+    _, y64 = step_math(StepTensors(st[rows], bs[rows], xs[rows], sel(inp["A"]), sel(inp["B"]), sel(inp["C"]),
+                                   w["D"], sel(inp["x"]), sel(inp["dt"]), sel(inp["trap"]), w["xproj"], w["outproj"],
+                                   z=sel(inp["z"]), zproj=w["zproj"]), compute_dtype=torch.float64)
     err = (out[live].double() - y64).abs()
     # bf16 output: one rounding of the output dtype relative to the value, plus fp32 noise
     assert (err <= 2 ** -8 * y64.abs() + 1e-4).all(), err.max()
@@ -341,7 +340,7 @@ def test_multistep_multilayer_decode_matches_baseline(null_slot):
     poison_bits(pool, 70)  # every request starts from reset rows, so NaN/inf poison is never read
     assert any(torch.isnan(t.float()).any() for t in (pool._state, pool._Bstate, pool._Xstate))
     base = snapshot(pool)
-    weights = [random_layer_weights(H, D, R, generator=g) for _ in range(L)]
+    weights = [layer_weights(H, D, R, generator=g) for _ in range(L)]
     runners = [CudaGraphStepRunner(pool, l, buckets=(1, 2, 4, 8), **weights[l]) for l in range(L)]
     live: list[int] = []
     seen_padding = seen_join = seen_leave = 0
@@ -366,7 +365,7 @@ def test_multistep_multilayer_decode_matches_baseline(null_slot):
         x = x_base = None
         for l in range(L):
             before = [t.clone() for t in pool.layer_tensors(l)]
-            inp = random_step_inputs(n, H, D, N, R, generator=g)
+            inp = lane_inputs(n, H, D, N, R, generator=g)
             if l:
                 inp["x"] = x
             out = runners[l].step(slots, **inp)
@@ -390,10 +389,10 @@ def test_multistep_multilayer_decode_matches_baseline(null_slot):
 def test_runner_larger_than_every_bucket_runs_eagerly():
     pool = make_pool(L=1, P=8)
     base = snapshot(pool)
-    w = random_layer_weights(H, D, R, generator=torch.Generator().manual_seed(8))
+    w = layer_weights(H, D, R, generator=torch.Generator().manual_seed(8))
     runner = CudaGraphStepRunner(pool, 0, buckets=(1, 2), **w)
     slots = pool.alloc(5)
-    inp = random_step_inputs(5, H, D, N, R, generator=torch.Generator().manual_seed(9))
+    inp = lane_inputs(5, H, D, N, R, generator=torch.Generator().manual_seed(9))
     out = runner.step(slots, **inp)
     assert 5 not in runner._static
     st, bs, xs = base[0]

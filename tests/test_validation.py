@@ -1,4 +1,4 @@
-"""Every bad input of SPEC.md's list gets the right exception type, naming the argument, with
+"""Every bad input of docs/contract.md's list gets the right exception type, naming the argument, with
 expected vs got; validate_indices catches out-of-range, duplicate-destination and overlap cases."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ import re
 
 import pytest
 import torch
-from conftest import assert_bits_equal, clone_inputs, gather_dense_scatter, make_inputs
+from helpers import assert_bits_equal, clone_inputs, gather_dense_scatter, make_inputs
 
 from mamba3_step import StepSpec, mamba3_step_fn
-from mamba3_step.spec import SUPPORTED_D, SUPPORTED_N, SUPPORTED_R
+from mamba3_step.contract import SUPPORTED_D, SUPPORTED_N, SUPPORTED_R
+from mamba3_step.tensors import StepTensors
 from mamba3_step.validation import check_indices, check_step_inputs
 
 NB, P, H, DH, N, R = 4, 6, 2, 64, 32, 2
@@ -54,7 +55,7 @@ def test_the_valid_base_calls_pass():
     # Guard: the mutations below each break exactly one thing of a call that works.
     mamba3_step_fn(**pool_call())
     mamba3_step_fn(**dense_call())
-    spec = check_step_inputs(**pool_call(), update_kv_state=True)
+    spec = check_step_inputs(StepTensors(**pool_call()), update_kv_state=True)
     assert spec == StepSpec(dstate=N, headdim=DH, mimo=R, pool=True, has_dst=True,
                             update_kv_state=True).with_default_tiling()
     assert spec.tile_D == DH and spec.num_warps > 0
@@ -252,7 +253,7 @@ def test_update_kv_state_with_tile_D_below_headdim():
     msg = raises(ValueError, "tile_D", pool_call(update_kv_state=True, tile_D=DH // 2), "update_kv_state")
     assert str(DH // 2) in msg and str(DH) in msg
     # The same tile without update_kv_state is accepted: the user's choice is kept as given.
-    spec = check_step_inputs(**pool_call(), tile_D=DH // 2)
+    spec = check_step_inputs(StepTensors(**pool_call()), tile_D=DH // 2)
     assert spec.tile_D == DH // 2
 
 

@@ -27,7 +27,8 @@ from .errors import (BarrierError, ExecutionFault, MemoryFault, PTXError, PTXSyn
 from .machine import Machine, Program, RunResult
 from .memory import GlobalMemory
 from .params import LType, host_signature, pack, parse_llvm_type
-from .parse import Module, parse_module
+from .ir import Module
+from .parse import parse_module
 
 __all__ = [
     "BarrierError", "ExecutionFault", "GlobalMemory", "LType", "Machine", "MemoryFault", "Module", "PTXError",

@@ -17,7 +17,7 @@ import numpy as np
 
 from .errors import PTXError
 from .memory import AccessLog, GlobalMemory, VarLayout
-from .parse import Entry, Imm, Reg, Special, Sym
+from .ir import Entry, Imm, Reg, Special, Sym
 
 #: numpy view dtype of every PTX type (16-bit floats are handled as raw bits)
 VIEW = {

@@ -17,8 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from .errors import UnsupportedInstruction
-from .parse import Entry, Instruction
+from .frame import VIEW
+from .ir import Entry, Instruction
 
 HANDLERS: dict[str, Callable] = {}
 
@@ -67,10 +70,6 @@ def type_of(ins: Instruction) -> str:
     return ins.mods[-1] if ins.mods else ""
 
 
-def mods_set(ins: Instruction) -> set:
-    return set(ins.mods)
-
-
 def check_mods(ins: Instruction, allowed: set) -> set:
     """The instruction's modifiers minus ignorable ones; raises on one not in ``allowed``."""
     mods = set(ins.mods) - IGNORED_MODS
@@ -78,3 +77,39 @@ def check_mods(ins: Instruction, allowed: set) -> set:
     if bad:
         raise unsupported(ins, f"modifier(s) {sorted('.' + m for m in bad)} not implemented")
     return mods
+
+
+# ------------------------------------------------------------------ shared by the families
+
+def bit_width(t: str) -> int:
+    return np.dtype(VIEW[t]).itemsize * 8
+
+
+def unsigned_of(t: str):
+    return {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}[bit_width(t)]
+
+
+def unary_op(ins, t, fn):
+    d, a = ins.operands
+
+    def run(F, idx):
+        F.write(d, fn(F.read(a, VIEW[t], idx)), VIEW[t], idx)
+    return run
+
+
+def binary_op(ins, t, fn, out_t=None):
+    d, a, b = ins.operands[:3]
+    out = VIEW[out_t or t]
+
+    def run(F, idx):
+        F.write(d, fn(F.read(a, VIEW[t], idx), F.read(b, VIEW[t], idx)), out, idx)
+    return run
+
+
+def ternary_op(ins, t, fn, out_t=None):
+    d, a, b, c = ins.operands
+    out = VIEW[out_t or t]
+
+    def run(F, idx):
+        F.write(d, fn(F.read(a, VIEW[t], idx), F.read(b, VIEW[t], idx), F.read(c, VIEW[t], idx)), out, idx)
+    return run

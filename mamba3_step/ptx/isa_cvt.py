@@ -7,7 +7,7 @@ import numpy as np
 from . import numerics as fp
 from .frame import VIEW
 from .isa import check_mods, handler, type_of, unsupported
-from .parse import Pair, Vec
+from .ir import Pair, Vec
 
 _INTS = ("s8", "u8", "b8", "s16", "u16", "b16", "s32", "u32", "b32", "s64", "u64", "b64")
 _IRND = ("rni", "rzi", "rmi", "rpi")

@@ -15,7 +15,7 @@ from .errors import MemoryFault
 from .frame import VIEW
 from .isa import check_mods, handler, unsupported
 from .memory import fault
-from .parse import Mem, Reg, Sym, Vec
+from .ir import Mem, Reg, Sym, Vec
 
 GENERIC_SHARED = np.uint64(1 << 60)  # generic addresses of the shared window start here
 GENERIC_LOCAL = np.uint64((1 << 60) + (1 << 56))

@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import WarpSyncError
 from .isa import check_mods, handler, unsupported
-from .parse import Imm, Pair
+from .ir import Imm, Pair
 
 _FULL = 0xFFFFFFFF
 

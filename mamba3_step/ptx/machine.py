@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import isa_alu, isa_cvt, isa_mem, isa_warp  # noqa: F401  (register the opcode handlers)
+from . import isa_alu, isa_bits, isa_cvt, isa_mem, isa_warp  # noqa: F401  (register the opcode handlers)
 from .errors import BarrierError, PTXError, WarpSyncError
 from .frame import Frame, storage_of
 from .isa import Context, compile_instruction, unsupported
 from .memory import AccessLog, GlobalMemory, VarLayout
-from .parse import Entry, Imm, Module, Sym
+from .ir import Entry, Imm, Module, Sym
 
 #: register-file bytes one chunk of CTAs may use (chunks hold at least one CTA)
 CHUNK_REGISTER_BYTES = 96 << 20

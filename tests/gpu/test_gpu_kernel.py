@@ -7,7 +7,7 @@ Run on a GPU machine with ``bash bench/gpu_all.sh`` (this suite + the GPU benchm
   scatter, for every batch size 1..32 plus 64 and 256, pools of 37 and 1000 rows, with and
   without update_kv_state and dst_state_batch_indices, trailing and interleaved padding of
   all three kinds, poisoned unread rows, untouched rows checked bit for bit
-  (conftest.check_pool_parity with the CUDA kernel as step function).
+  (helpers.check_pool_parity with the CUDA kernel as step function).
 * Accuracy: error vs the float64 reference <= 2x PyTorch-float32's error + a small atol,
   for every supported N, D and R and every state / B-x dtype.
 * No memory outside the pools is touched, whatever the indices hold (guard zones).
@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import (PAD_KINDS, assert_bits_equal, check_pool_parity, clone_inputs, make_inputs,
+from helpers import (PAD_KINDS, assert_bits_equal, check_pool_parity, clone_inputs, make_inputs,
                       make_pool_indices, poison_)
 
 from mamba3_step import mamba3_step_fn
 from mamba3_step.reference import mamba3_step_reference
+from mamba3_step.tensors import StepTensors
 
 pytestmark = [
     pytest.mark.gpu,
@@ -83,9 +84,9 @@ def _accuracy_case(B, P, shape, dtypes, seed):
     pool = dict(state_batch_indices=src)
     ref64 = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
              for k, v in clone_inputs(inputs).items()}
-    out64 = mamba3_step_reference(**ref64, **pool, compute_dtype=torch.float64)
+    out64 = mamba3_step_reference(StepTensors(**ref64, **pool), compute_dtype=torch.float64)
     t32 = clone_inputs(inputs)
-    out32 = mamba3_step_reference(**t32, **pool, compute_dtype=torch.float32)
+    out32 = mamba3_step_reference(StepTensors(**t32, **pool), compute_dtype=torch.float32)
     run = clone_inputs(inputs)
     out = mamba3_step_fn(**run, **pool)
     torch.cuda.synchronize()

@@ -19,7 +19,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-from mamba3_step.demo import bits_equal, poison_pool, random_layer_weights, random_step_inputs, run_toy_decode  # noqa: E402
+from mamba3_step.demo import run_toy_decode  # noqa: E402
+from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_pool  # noqa: E402
 from mamba3_step.serving import (  # noqa: E402
     CudaGraphStepRunner,
     StatePool,
@@ -51,7 +52,7 @@ def test_graph_replay_matches_eager_for_every_bucket(null_slot, tile_D):
                     (graph_pool._state, graph_pool._Bstate, graph_pool._Xstate)):
         a.copy_(b)
     base = [t.clone() for t in graph_pool.layer_tensors(0)]
-    w = {k: (v.cuda() if v is not None else None) for k, v in random_layer_weights(H, D, R, generator=g).items()}
+    w = {k: (v.cuda() if v is not None else None) for k, v in layer_weights(H, D, R, generator=g).items()}
     runner = CudaGraphStepRunner(graph_pool, 0, buckets=BUCKETS, with_dst=True, tile_D=tile_D,
                                  num_warps=4 if tile_D else None, **w)
     runner.capture()
@@ -68,7 +69,7 @@ def test_graph_replay_matches_eager_for_every_bucket(null_slot, tile_D):
             if n >= 2 and bucket % 2 == 0:
                 spare = [s for s in usable if s not in live][: n // 2]
                 slots[: len(spare)] = torch.tensor(spare, dtype=torch.int32, device="cuda")
-            inp = {k: v.cuda() for k, v in random_step_inputs(n, H, D, N, R, generator=g).items()}
+            inp = {k: v.cuda() for k, v in lane_inputs(n, H, D, N, R, generator=g).items()}
             before = [t.clone() for t in graph_pool.layer_tensors(0)]
             chosen = choose_bucket(n, BUCKETS)
             runner._static[chosen]["out"].fill_(float("nan"))  # the replay must write every lane
@@ -99,11 +100,11 @@ def test_graph_replay_matches_eager_for_every_bucket(null_slot, tile_D):
 def test_static_buffers_stay_put_across_steps():
     g = torch.Generator().manual_seed(7)
     pool = _pool(3, False)
-    w = {k: (v.cuda() if v is not None else None) for k, v in random_layer_weights(H, D, R, generator=g).items()}
+    w = {k: (v.cuda() if v is not None else None) for k, v in layer_weights(H, D, R, generator=g).items()}
     runner = CudaGraphStepRunner(pool, 0, buckets=(8, 64), **w)
     runner.capture()
     slots = pool.alloc(40).cuda()
-    inp = {k: v.cuda() for k, v in random_step_inputs(40, H, D, N, R, generator=g).items()}
+    inp = {k: v.cuda() for k, v in lane_inputs(40, H, D, N, R, generator=g).items()}
     ptrs = {k: v.data_ptr() for k, v in runner._static[64].items()}
     runner.step(slots, **inp)
     runner.step(slots[:5], **{k: v[:5] for k, v in inp.items()})

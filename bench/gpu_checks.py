@@ -1,0 +1,248 @@
+"""The GPU benchmark's inputs, its three paths and its correctness checks (see gpu_bench.py).
+
+Inputs come from the package's one factory (``mamba3_step.testing``). ``gather_scatter_step``
+here is the *timed* unindexed path: allocation-free (preallocated scratch) so that it can be
+captured in a CUDA graph, with no padding lanes; the reference baseline that defines parity
+for padded batches is ``mamba3_step.serving.gather_dense_scatter``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mamba3_step import mamba3_step_fn
+from mamba3_step.reference import mamba3_step_reference
+from mamba3_step.tensors import StepTensors
+from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, row_tensors
+
+
+class GraphUnavailable(RuntimeError):
+    """CUDA-graph capture or replay raised: graph timings are skipped, eager ones go on."""
+
+
+# ------------------------------------------------------------------------------ input sets
+def make_shared(spec, heads: int, device, gen: torch.Generator) -> dict:
+    """Per-step tensors every lane shares: D (H,) fp32 and the (R, H, D) projections."""
+    return layer_weights(heads, spec.headdim, spec.mimo, proj_dtype=spec.proj_dtype, has_z=spec.has_z,
+                         has_outproj=spec.has_outproj, generator=gen, device=device)
+
+
+def make_lanes(spec, batch: int, heads: int, device, gen: torch.Generator) -> dict:
+    """Per-lane tensors of one step: A/dt/trap (B, H) fp32, B/C (B, R, H, N), x/z (B, H, D)
+    and a preallocated ``out``; random, never zeros."""
+    lanes = lane_inputs(batch, heads, spec.headdim, spec.dstate, spec.mimo, kv_dtype=spec.kv_dtype,
+                        x_dtype=spec.x_dtype, has_z=spec.has_z, generator=gen, device=device)
+    R, D = spec.mimo, spec.headdim
+    shape = (batch, heads, D) if spec.has_outproj else (batch, R, heads, D)
+    return {**lanes, "out": torch.empty(shape, dtype=lanes["x"].dtype, device=device)}
+
+
+def make_pool(spec, rows: int, heads: int, device, gen: torch.Generator) -> dict:
+    """state (rows, H, D, N), Bstate (rows, R, H, N), Xstate (rows, H, D), random."""
+    return row_tensors(rows, heads, spec.headdim, spec.dstate, spec.mimo, state_dtype=spec.state_dtype,
+                       kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype, generator=gen, device=device)
+
+
+# ------------------------------------------------------------------------------ the three paths
+def pool_step(step_fn, spec, pool: dict, shared: dict, lanes: dict, idx: torch.Tensor):
+    """Pool mode: one launch over the pool, rows ``idx`` (B,) int32, in place."""
+    return step_fn(
+        pool["state"], pool["Bstate"], pool["Xstate"], lanes["A"], lanes["B"], lanes["C"],
+        shared["D"], lanes["x"], lanes["dt"], lanes["trap"], shared["xproj"], shared["outproj"],
+        None, lanes["out"], lanes["z"], shared["zproj"],
+        state_batch_indices=idx, update_kv_state=spec.update_kv_state,
+    )
+
+
+def dense_step(step_fn, spec, dense: dict, shared: dict, lanes: dict):
+    """Dense mode: lane b uses row b of ``dense``'s (B, ...) tensors, in place."""
+    return step_fn(
+        dense["state"], dense["Bstate"], dense["Xstate"], lanes["A"], lanes["B"], lanes["C"],
+        shared["D"], lanes["x"], lanes["dt"], lanes["trap"], shared["xproj"], shared["outproj"],
+        None, lanes["out"], lanes["z"], shared["zproj"],
+        update_kv_state=spec.update_kv_state,
+    )
+
+
+def gather_scatter_step(step_fn, spec, pool: dict, scratch: dict, shared: dict, lanes: dict,
+                        idx64: torch.Tensor):
+    """What a server does without pool indexing: gather rows ``idx64`` (B,) int64 of the pool
+    into ``scratch`` (dense (B, ...) buffers), dense step, scatter the new rows back (state,
+    and Bstate/Xstate with update_kv_state). Allocation-free, graph-capturable."""
+    for k in ("state", "Bstate", "Xstate"):
+        torch.index_select(pool[k], 0, idx64, out=scratch[k])
+    out = dense_step(step_fn, spec, scratch, shared, lanes)
+    pool["state"].index_copy_(0, idx64, scratch["state"])
+    if spec.update_kv_state:
+        pool["Bstate"].index_copy_(0, idx64, scratch["Bstate"])
+        pool["Xstate"].index_copy_(0, idx64, scratch["Xstate"])
+    return out
+
+
+# ------------------------------------------------------------------------------ correctness
+def within_reference(name: str, got: torch.Tensor, ref32: torch.Tensor, ref64: torch.Tensor) -> str | None:
+    """None when ``got`` is as close to the float64 evaluation as PyTorch float32 is (at most
+    twice its max error plus one ulp of ``got``'s dtype at the largest magnitude), else a
+    message. Non-finite values fail."""
+    g, r32, r64 = got.double(), ref32.double(), ref64.double()
+    if not torch.isfinite(g).all():
+        return f"{name}: {int((~torch.isfinite(g)).sum())} non-finite values"
+    if g.numel() == 0:
+        return None
+    err = (g - r64).abs().max().item()
+    err32 = (r32 - r64).abs().max().item()
+    scale = r64.abs().max().item()
+    eps = torch.finfo(got.dtype).eps if got.is_floating_point() else 0.0
+    bound = 2 * err32 + eps * max(scale, 1e-30)
+    if err > bound:
+        return (f"{name}: max error vs float64 {err:.3e} > bound {bound:.3e} "
+                f"(PyTorch float32 error {err32:.3e}, |ref| <= {scale:.3e})")
+    return None
+
+
+def _clone(d: dict) -> dict:
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
+
+
+def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn=None,
+                graphs: bool = False, seed: int = 0) -> list[str]:
+    """Run every mode once on fresh random data and check it (see the module docstring).
+
+    Returns the list of failures (empty when all checks pass).
+    """
+    step_fn = step_fn or mamba3_step_fn
+    reference_fn = reference_fn or mamba3_step_reference
+    gen = torch.Generator().manual_seed(1000 + seed)
+    P = 2 * batch + 3
+    pool0 = make_pool(spec, P, heads, device, gen)
+    shared = make_shared(spec, heads, device, gen)
+    lanes = make_lanes(spec, batch, heads, device, gen)
+    rows = torch.randperm(P, generator=gen)[:batch]
+    idx = rows.to(torch.int32).to(device)
+    idx64 = rows.to(device)
+    failures = []
+
+    # pool mode (the kernel)
+    pool_k = _clone(pool0)
+    lanes_k = _clone(lanes)
+    pool_step(step_fn, spec, pool_k, shared, lanes_k, idx)
+
+    # gather -> dense -> scatter (the kernel in dense mode): must be bit-identical
+    pool_g = _clone(pool0)
+    lanes_g = _clone(lanes)
+    scratch = {k: torch.empty((batch,) + tuple(v.shape[1:]), dtype=v.dtype, device=device)
+               for k, v in pool0.items()}
+    gather_scatter_step(step_fn, spec, pool_g, scratch, shared, lanes_g, idx64)
+    if not bits_equal(lanes_k["out"], lanes_g["out"]):
+        failures.append(f"B={batch}: pool-mode out differs from gather->dense->scatter")
+    for k in ("state", "Bstate", "Xstate"):
+        if not bits_equal(pool_k[k], pool_g[k]):
+            failures.append(f"B={batch}: pool-mode {k} differs from gather->dense->scatter")
+
+    # the PyTorch path, float32 and float64
+    p32, l32, p64, l64 = _references(spec, pool0, lanes, shared, idx, reference_fn)
+    msg = within_reference(f"B={batch}: pool-mode out", lanes_k["out"], l32["out"], l64["out"])
+    if msg:
+        failures.append(msg)
+    msg = within_reference(f"B={batch}: pool-mode new state rows", pool_k["state"][idx64],
+                           p32["state"][idx64], p64["state"][idx64])
+    if msg:
+        failures.append(msg)
+    untouched = torch.ones(P, dtype=torch.bool, device=device)
+    untouched[idx64] = False
+    for k in ("state", "Bstate", "Xstate"):
+        if not bits_equal(pool_k[k][untouched], pool0[k][untouched]):
+            failures.append(f"B={batch}: pool mode changed {k} rows no lane writes")
+        if spec.update_kv_state and k != "state" and not bits_equal(pool_k[k][idx64], p32[k][idx64]):
+            failures.append(f"B={batch}: pool-mode {k} rows are not this step's "
+                            f"{'B' if k == 'Bstate' else 'x'} (update_kv_state)")
+
+    # dense mode (the kernel) against the PyTorch path
+    dense_k = {k: v[idx64].clone() for k, v in pool0.items()}
+    lanes_d = _clone(lanes)
+    dense_step(step_fn, spec, dense_k, shared, lanes_d)
+    msg = within_reference(f"B={batch}: dense-mode out", lanes_d["out"], l32["out"], l64["out"])
+    if msg:
+        failures.append(msg)
+    msg = within_reference(f"B={batch}: dense-mode new state", dense_k["state"],
+                           p32["state"][idx64], p64["state"][idx64])
+    if msg:
+        failures.append(msg)
+
+    # CUDA-graph replay computes the same bits as the eager call
+    if graphs and not failures:
+        try:
+            failures += _check_graphs(spec, batch, step_fn, pool0, lanes, shared, scratch, idx, idx64,
+                                      pool_k, lanes_k, dense_k, lanes_d)
+        except Exception as e:
+            raise GraphUnavailable(f"{type(e).__name__}: {e}") from e
+    return failures
+
+
+def _references(spec, pool0: dict, lanes: dict, shared: dict, idx, reference_fn) -> tuple:
+    """The PyTorch path on copies: in float32 (results in the storage dtypes) and in float64
+    (inputs widened, results not cast back): ``(pool32, lanes32, pool64, lanes64)``."""
+    p32, l32 = _clone(pool0), _clone(lanes)
+    reference_fn(StepTensors(**p32, **l32, **shared, state_batch_indices=idx),
+                 update_kv_state=spec.update_kv_state, compute_dtype=torch.float32)
+    p64 = {k: v.clone().double() for k, v in pool0.items()}
+    l64 = {k: (v.clone().double() if isinstance(v, torch.Tensor) else v) for k, v in lanes.items()}
+    sh = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in shared.items()}
+    reference_fn(StepTensors(**p64, **l64, **sh, state_batch_indices=idx),
+                 update_kv_state=spec.update_kv_state, compute_dtype=torch.float64)
+    return p32, l32, p64, l64
+
+
+def _check_graphs(spec, batch, step_fn, pool0, lanes, shared, scratch, idx, idx64,
+                  pool_k, lanes_k, dense_k, lanes_d) -> list[str]:
+    """CUDA-graph replay of each mode on the check data gives the eager call's bits."""
+    failures = []
+    cases = {
+        "pool": (lambda p, ln: pool_step(step_fn, spec, p, shared, ln, idx), pool_k, lanes_k),
+        "gather_scatter": (lambda p, ln: gather_scatter_step(step_fn, spec, p, scratch, shared, ln, idx64),
+                           pool_k, lanes_k),
+    }
+    for mode, (fn, want_pool, want_lanes) in cases.items():
+        p, ln = _clone(pool0), _clone(lanes)
+        graph = capture(lambda: fn(p, ln), warmup_restore=lambda: _restore(p, pool0, ln, lanes))
+        _restore(p, pool0, ln, lanes)
+        graph.replay()
+        torch.cuda.synchronize()
+        if not (bits_equal(ln["out"], want_lanes["out"]) and all(
+                bits_equal(p[k], want_pool[k]) for k in p)):
+            failures.append(f"B={batch}: CUDA-graph replay of {mode} differs from the eager call")
+    d, ln = {k: v[idx64].clone() for k, v in pool0.items()}, _clone(lanes)
+    d0 = _clone(d)
+    graph = capture(lambda: dense_step(step_fn, spec, d, shared, ln),
+                    warmup_restore=lambda: _restore(d, d0, ln, lanes))
+    _restore(d, d0, ln, lanes)
+    graph.replay()
+    torch.cuda.synchronize()
+    if not (bits_equal(ln["out"], lanes_d["out"]) and bits_equal(d["state"], dense_k["state"])):
+        failures.append(f"B={batch}: CUDA-graph replay of dense differs from the eager call")
+    return failures
+
+
+def _restore(p: dict, p0: dict, ln: dict, ln0: dict) -> None:
+    for k in p:
+        p[k].copy_(p0[k])
+    for k in ln:
+        if isinstance(ln[k], torch.Tensor):
+            ln[k].copy_(ln0[k])
+
+
+def capture(fn, warmup_restore=None):
+    """A CUDA graph of ``fn()`` (warmed up on a side stream first, as capture requires)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    if warmup_restore is not None:
+        warmup_restore()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph

@@ -1,0 +1,107 @@
+"""The contract's constants and its small shared rules, in one place (docs/contract.md).
+
+Letters (docs/contract.md, "Letters"): B lanes this step, P pool rows, H heads, D head dim,
+N state size (dstate), R MIMO rank.
+
+This is the bottom of the package: it imports nothing from it. Everything several layers need
+to agree on lives here and only here:
+
+* the supported sizes (:data:`SUPPORTED_N`, :data:`SUPPORTED_D`, :data:`SUPPORTED_R`);
+* the one dtype table (:data:`DTYPES`: name -> torch dtype, bytes, CuteDSL type name) and the
+  dtype group of every tensor (:data:`STATE_DTYPES` ...); adding a dtype is one row in
+  :data:`DTYPES` plus its name in the groups that accept it;
+* the padding rule (:func:`lane_is_live`) and the padding id (:data:`PAD_SLOT_ID`);
+* the shape of ``out`` (:func:`out_shape`);
+* the launch-grid limits and the state's vector width, which the input checks enforce.
+
+The device-side form of the padding rule is ``Mamba3StepKernel.row_is_live`` (CuteDSL code
+cannot call torch); it states the same three conditions.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "DTYPES", "DType", "DTYPE_BYTES", "KV_DTYPES", "MAX_GRID_X", "MAX_GRID_Y", "PAD_SLOT_ID",
+    "PROJ_DTYPES", "STATE_DTYPES", "SUPPORTED_D", "SUPPORTED_N", "SUPPORTED_R", "VECTOR_BYTES",
+    "X_DTYPES", "as_torch_dtype", "dtype_name", "lane_is_live", "out_shape",
+]
+
+#: the pool index a server pads a batch with (any negative index, any index >= P and
+#: ``null_slot_id`` are padding too)
+PAD_SLOT_ID = -1
+
+SUPPORTED_N = (32, 64, 128, 256)
+SUPPORTED_D = (32, 64, 128)
+SUPPORTED_R = (1, 2, 4, 8)
+
+
+class DType(NamedTuple):
+    """One supported element type: its torch dtype, its size and its CuteDSL type's name."""
+
+    torch: torch.dtype
+    bytes: int
+    cutlass: str  # attribute of the ``cutlass`` module (looked up by the kernel only)
+
+
+#: the one dtype table; keys are torch names without the ``torch.`` prefix
+DTYPES = {
+    "float32": DType(torch.float32, 4, "Float32"),
+    "bfloat16": DType(torch.bfloat16, 2, "BFloat16"),
+    "float16": DType(torch.float16, 2, "Float16"),
+}
+#: dtype names accepted for each tensor group
+STATE_DTYPES = ("float32", "bfloat16", "float16")  # state, state_out
+KV_DTYPES = ("bfloat16", "float16", "float32")  # B, C, Bstate
+X_DTYPES = ("bfloat16", "float16", "float32")  # x, z, Xstate, out
+PROJ_DTYPES = ("float32", "bfloat16", "float16")  # xproj, zproj, outproj
+#: bytes per element by name (a view of :data:`DTYPES`)
+DTYPE_BYTES = {name: d.bytes for name, d in DTYPES.items()}
+
+#: the kernel's grid is (B, H, D / tile_D): CUDA limits grid.x to 2**31 - 1 and grid.y to 65535
+MAX_GRID_X = 2**31 - 1
+MAX_GRID_Y = 65535
+#: ``state`` / ``state_out`` are read and written with vectors of this many bytes
+VECTOR_BYTES = 16
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the keys of :data:`DTYPES`)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def as_torch_dtype(dtype, name: str) -> torch.dtype:
+    """A supported dtype given by name (``"bfloat16"``, ``"torch.bfloat16"``) or as a torch dtype.
+
+    Raises TypeError naming the argument ``name`` for anything else.
+    """
+    if isinstance(dtype, str):
+        key = dtype.removeprefix("torch.")
+        if key not in DTYPES:
+            raise TypeError(f"{name}: expected one of {sorted(DTYPES)}, got {dtype!r}")
+        return DTYPES[key].torch
+    if not any(dtype == d.torch for d in DTYPES.values()):
+        raise TypeError(f"{name}: expected one of torch.float32/bfloat16/float16, got {dtype!r}")
+    return dtype
+
+
+def lane_is_live(index, num_rows: int, null_slot_id: int | None = None):
+    """The padding rule: is ``index`` a real pool row? ``0 <= index < num_rows`` and not the null slot.
+
+    Works element-wise on an integer tensor (returns a bool tensor) and on a Python int (returns
+    a bool). Everything else, negative, ``>= num_rows`` or ``null_slot_id``, is padding.
+    """
+    live = (index >= 0) & (index < num_rows)
+    if null_slot_id is not None:
+        live = live & (index != null_slot_id)
+    return live
+
+
+def out_shape(x: torch.Tensor, xproj: torch.Tensor, has_outproj: bool) -> tuple[int, ...]:
+    """Shape of ``out``: (B, H, D) with outproj, else (B, R, H, D); x (B, H, D), xproj (R, H, D)."""
+    nb, H, D = x.shape
+    return (nb, H, D) if has_outproj else (nb, xproj.shape[0], H, D)

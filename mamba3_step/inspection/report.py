@@ -1,0 +1,167 @@
+"""``inspect``: compile one or more specialisations (no GPU needed) and report what the compiler
+made of them, with the bytes one decode step moves.
+
+``python -m mamba3_step inspect [spec flags] [--batch B] [--heads H] [--json] [--sass]``; the
+spec flags are the shared ones of :mod:`mamba3_step.specsets` (default: the flagship as servers
+run it, pool mode with update_kv_state). ``--json`` prints exactly one JSON document: an object
+for one specialisation, a list for several.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from ..arch import check_arch
+from ..build import compile_kernel
+from ..bytes_model import bytes_per_step
+from ..spec import FLAGSHIP_HEADS
+from ..specsets import add_spec_arguments, parse_spec_args
+from ..tiling import thread_layout
+from .elf import InspectError
+from .facts import KernelFacts, kernel_facts
+from .occupancy import theoretical_occupancy
+from .sass import MEMORY_OPS
+
+__all__ = ["HELP", "add_arguments", "format_report", "inspect_spec", "run"]
+
+HELP = "compile a specialisation and report what the compiler made of it"
+
+
+def inspect_spec(spec, arch: str = "sm_90a", batch: int = 256, heads: int = 48,
+                 compiled=None) -> tuple[dict, KernelFacts]:
+    """Compile ``spec`` for ``arch`` and return (report dict, KernelFacts).
+
+    ``compiled``: an already compiled kernel of ``spec`` for ``arch`` to read instead of
+    compiling (``compile_seconds`` is then None).
+
+    The report holds ``spec``, ``arch``, ``kernel``, ``registers``, ``stack_bytes``,
+    ``spill_bytes`` (+ store/load split), ``smem_bytes`` (+ static/dynamic split),
+    ``threads``, ``occupancy``, ``sass``, ``compile_seconds``, ``bytes_per_step`` (per
+    tensor and ``total`` at ``batch`` lanes and ``heads`` heads, all lanes live) and
+    ``batch``/``heads``.
+    """
+    check_arch(arch)
+    compile_seconds = None
+    if compiled is None:
+        t0 = time.perf_counter()
+        compiled = compile_kernel(spec, arch)
+        compile_seconds = round(time.perf_counter() - t0, 3)
+    facts = kernel_facts(compiled)
+    expected_threads = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype).num_threads
+    threads = facts.threads if facts.threads is not None else expected_threads
+    report = {
+        "spec": spec.as_dict(),
+        "arch": arch,
+        "kernel": facts.name,
+        "registers": facts.registers,
+        "stack_bytes": facts.stack_bytes,
+        "spill_bytes": facts.spill_bytes,
+        "spill_store_bytes": facts.spill_store_bytes,
+        "spill_load_bytes": facts.spill_load_bytes,
+        "smem_bytes": facts.smem_bytes,
+        "smem_static_bytes": facts.smem_static_bytes,
+        "smem_dynamic_bytes": facts.smem_dynamic_bytes,
+        "threads": threads,
+        "threads_expected_from_tiling": expected_threads,
+        "occupancy": theoretical_occupancy(facts.registers, threads, facts.smem_bytes, arch),
+        "code_bytes": facts.code_bytes,
+        "sass": facts.sass,
+        "compile_seconds": compile_seconds,
+        "batch": batch,
+        "heads": heads,
+        "bytes_per_step": bytes_per_step(spec, batch, heads),
+    }
+    return report, facts
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_report(report: dict) -> str:
+    s = report["spec"]
+    mode = "pool" if s["pool"] else "dense"
+    flags = [k for k in ("has_dst", "update_kv_state", "has_z", "has_outproj") if s[k]]
+    lines = [
+        f"mamba3_step kernel for {report['arch']}: N={s['dstate']} D={s['headdim']} R={s['mimo']} "
+        f"state={s['state_dtype']} kv={s['kv_dtype']} x={s['x_dtype']} proj={s['proj_dtype']} "
+        f"tile_D={s['tile_D']} num_warps={s['num_warps']} mode={mode} {' '.join(flags)}",
+        f"  kernel            {report['kernel']}",
+        f"  compile           "
+        + ("(not compiled here)" if report["compile_seconds"] is None else f"{report['compile_seconds']:.2f} s"),
+        f"  registers/thread  {report['registers']}",
+        f"  stack frame       {report['stack_bytes']} B",
+        f"  spills            {report['spill_bytes']} B "
+        f"(stores {report['spill_store_bytes']} B, loads {report['spill_load_bytes']} B)",
+        f"  shared mem/CTA    {report['smem_bytes']} B "
+        f"(static {report['smem_static_bytes']} B, dynamic {report['smem_dynamic_bytes']} B)",
+        f"  threads/CTA       {report['threads']}",
+    ]
+    occ = report["occupancy"]
+    if occ:
+        lines.append(
+            f"  occupancy         {occ['ctas_per_sm']} CTAs = {occ['warps_per_sm']}/{occ['max_warps_per_sm']} "
+            f"warps per SM ({100 * occ['occupancy']:.1f}%), limited by {occ['limiter']}"
+        )
+    else:
+        lines.append("  occupancy         (no limits table for this arch)")
+    lines.append(f"  code              {report['code_bytes']} B, {report['sass'].get('total', 0)} instructions "
+                 f"(+{report['sass'].get('NOP', 0)} NOP padding)")
+    lines.append("  SASS histogram (static counts; '@P' = predicated):")
+    mem = {k: v for k, v in report["sass"].items() if k.split(" ")[-1].split(".")[0] in MEMORY_OPS}
+    other = {k: v for k, v in report["sass"].items() if k not in mem and k not in ("total", "NOP")}
+    for title, group in (("memory", mem), ("other", other)):
+        items = sorted(group.items(), key=lambda kv: (-kv[1], kv[0]))
+        row = []
+        for k, v in items:
+            row.append(f"{k}={v}")
+        for i in range(0, len(row), 6):
+            lines.append(f"    {title + ':' if i == 0 else '':<8}" + "  ".join(row[i : i + 6]))
+    bps = report["bytes_per_step"]
+    lines.append(f"  bytes per step    B={report['batch']} H={report['heads']} (all lanes live, modelled):")
+    for k, v in bps.items():
+        if k != "total" and v:
+            lines.append(f"    {k:<26}{v:>14,d}  {_fmt_bytes(v)}")
+    lines.append(f"    {'total':<26}{bps['total']:>14,d}  {_fmt_bytes(bps['total'])}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Compile step-kernel specialisations (no GPU needed) and report registers, spills, "
+                     "shared memory, threads, occupancy, a SASS histogram, compile time and the bytes one "
+                     "decode step moves. Default: the flagship as servers run it (pool mode, update_kv_state).")
+    add_spec_arguments(p)
+    p.add_argument("--batch", type=int, default=256, help="B for the bytes-per-step figure (default 256)")
+    p.add_argument("--heads", type=int, default=FLAGSHIP_HEADS,
+                   help=f"H for the bytes-per-step figure (default {FLAGSHIP_HEADS})")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON document")
+    p.add_argument("--sass", action="store_true", help="also print the SASS listing (text mode)")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """The ``inspect`` subcommand; exit status 2 on bad flags, 1 when the cubin cannot be read."""
+    specs, arch = parse_spec_args(args, parser)
+    for name in ("batch", "heads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    reports = []
+    for spec in specs:
+        try:
+            report, facts = inspect_spec(spec, arch, args.batch, args.heads)
+        except InspectError as e:
+            print(f"inspect: {e}", file=sys.stderr)
+            return 1
+        reports.append(report)
+        if not args.json:
+            print(format_report(report))
+            if args.sass:
+                print(facts.sass_text)
+    if args.json:
+        print(json.dumps(reports[0] if len(reports) == 1 else reports, sort_keys=False))
+    return 0

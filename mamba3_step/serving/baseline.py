@@ -1,0 +1,77 @@
+"""The gather -> dense -> scatter baseline that pool mode must match byte for byte.
+
+Letters (docs/contract.md): ``B`` lanes this step, ``P`` pool rows, ``H`` heads, ``D`` head dim,
+``N`` state size, ``R`` MIMO rank.
+
+This is what a server does without pool indexing, and the definition the parity tests, the demo
+and the GPU suite compare pool mode against: gather the live lanes' rows out of the pool, run a
+dense step on them, scatter the new rows back for lanes whose destination is a real row, and
+give padding lanes an ``out`` of exact zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..api import mamba3_step_fn
+from ..contract import lane_is_live, out_shape
+from ..tensors import StepTensors
+from .hook import kv_update_in_kernel
+
+__all__ = ["gather_dense_scatter", "gather_scatter_step"]
+
+
+def gather_dense_scatter(tensors: StepTensors, *, update_kv_state: bool = True, step_fn=None,
+                         tile_D: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """Run a pool-mode step the slow way, in place on ``tensors``' pools; returns a fresh ``out``.
+
+    ``tensors`` is a pool-mode bundle (``state`` (P, H, D, N), ``Bstate`` (P, R, H, N),
+    ``Xstate`` (P, H, D), ``state_batch_indices`` given); its ``out`` is not used. The rows of
+    live lanes whose destination is a real row get the dense step's new state (and with
+    ``update_kv_state`` this step's B/x); every other row is untouched. ``step_fn`` (default
+    ``mamba3_step_fn``) runs the dense step and takes ``mamba3_step_fn``'s keyword arguments.
+    ``tile_D``/``num_warps`` pick the dense kernel's tiling (compare like with like); when
+    ``tile_D < headdim`` the B/x rows are stored by a copy after the dense step instead of by the
+    kernel's ``update_kv_state``. It synchronises (boolean masking): for tests, demos, debugging.
+    """
+    step_fn = mamba3_step_fn if step_fn is None else step_fn
+    t = tensors
+    P = t.state.shape[0]
+    src = t.state_batch_indices
+    dst = src if t.dst_state_batch_indices is None else t.dst_state_batch_indices
+    live = lane_is_live(src, P, t.null_slot_id)
+    write = live & lane_is_live(dst, P, t.null_slot_id)
+    out = torch.zeros(out_shape(t.x, t.xproj, t.outproj is not None), dtype=t.x.dtype, device=t.x.device)
+    lanes = torch.nonzero(live).flatten()
+    if lanes.numel() == 0:
+        return out
+    dense = t.dense_lanes(lanes, src[lanes].long())  # the gathered rows are copies
+    in_kernel = kv_update_in_kernel(t.x.shape[2], t.B.shape[3], t.B.shape[1], t.state.dtype, tile_D)
+    o = step_fn(**dense._asdict(), update_kv_state=update_kv_state and in_kernel, tile_D=tile_D,
+                num_warps=num_warps)
+    if update_kv_state and not in_kernel:
+        dense.Bstate.copy_(dense.B)
+        dense.Xstate.copy_(dense.x)
+    out.index_copy_(0, lanes, o)
+    wl = torch.nonzero(write[lanes]).flatten()
+    if wl.numel():
+        rows = dst[lanes[wl]].long()
+        t.state.index_copy_(0, rows, dense.state.index_select(0, wl))
+        if update_kv_state:
+            t.Bstate.index_copy_(0, rows, dense.Bstate.index_select(0, wl))
+            t.Xstate.index_copy_(0, rows, dense.Xstate.index_select(0, wl))
+    return out
+
+
+def gather_scatter_step(*args, slots: torch.Tensor, dst_slots: torch.Tensor | None = None,
+                        null_slot_id: int | None = None, update_kv_state: bool = True,
+                        tile_D: int | None = None, num_warps: int | None = None, **kwargs) -> torch.Tensor:
+    """:func:`gather_dense_scatter` with ``mamba3_step_fn``'s flat arguments.
+
+    ``args``/``kwargs`` are ``mamba3_step_fn``'s tensors (``state``, ``Bstate``, ``Xstate``, ``A``,
+    ``B``, ``C``, ``D``, ``x``, ``dt``, ``trap``, ``xproj``, ``outproj``, ``z=``, ``zproj=``);
+    ``slots``/``dst_slots`` are the pool indices. Same effects; returns a fresh ``out``.
+    """
+    tensors = StepTensors(*args, **kwargs, state_batch_indices=slots, dst_state_batch_indices=dst_slots,
+                          null_slot_id=null_slot_id)
+    return gather_dense_scatter(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)

@@ -1,0 +1,156 @@
+"""Naming specialisations: ``--config`` values, the shared command-line flags, short labels.
+
+Letters (docs/contract.md): N state size, D head dim, R MIMO rank.
+
+Every subcommand that works on specialisations (``precompile``, ``inspect``, ``demo``, and any
+new one) names them the same way, through :func:`add_spec_arguments` and
+:func:`specs_from_args`:
+
+* ``--config flagship|all|N,D,R[,state,kv,x,proj]`` (repeatable; default ``flagship``). A named
+  N,D,R takes the flagship's dtypes unless it lists its own;
+* ``--state-dtype``, ``--kv-dtype``, ``--x-dtype``, ``--proj-dtype``: dtypes for every config
+  (a config that names a different one is an error);
+* ``--mode pool|dense``, ``--dst``, ``--no-update-kv-state``, ``--no-z``, ``--no-outproj``,
+  ``--state-out``: the mode flags, applied to every config;
+* ``--tile-d``, ``--num-warps``: the tiling (default: per configuration);
+* ``--arch``: the target (default: this machine's GPU, else sm_90a).
+
+With no flag at all this names the flagship as servers run it: pool mode with update_kv_state,
+z and outproj, fp32 state, bf16 everything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+from .arch import DEFAULT_ARCH, check_arch, current_arch
+from .contract import KV_DTYPES, PROJ_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, X_DTYPES
+from .spec import StepSpec, flagship_spec
+from .tiling import shape_problem, tiling_problem
+
+__all__ = ["CONFIG_HELP", "add_spec_arguments", "arch_from_args", "parse_spec_args", "spec_label",
+           "specs_for_config", "specs_from_args"]
+
+CONFIG_HELP = "flagship | all | N,D,R[,state_dtype[,kv_dtype[,x_dtype[,proj_dtype]]]] (repeatable)"
+_DTYPE_FIELDS = (("state_dtype", STATE_DTYPES), ("kv_dtype", KV_DTYPES), ("x_dtype", X_DTYPES),
+                 ("proj_dtype", PROJ_DTYPES))
+
+
+def specs_for_config(config: str, **changes) -> list[StepSpec]:
+    """Specs named by one ``--config`` value, with ``changes`` (StepSpec fields: mode flags,
+    dtypes, tiling) applied over the flagship's.
+
+    ``all`` is the supported cross product N x D x R (4 x 3 x 4 = 48), minus combinations
+    whose tiling is impossible. Raises ValueError/TypeError naming the config.
+    """
+    if not isinstance(config, str):
+        raise TypeError(f"config: expected a string ({CONFIG_HELP}), got {type(config).__name__}")
+    text = config.strip()
+    if text == "flagship":
+        return [_checked(config, flagship_spec(**changes))]
+    if text == "all":
+        every = (flagship_spec(dstate=n, headdim=d, mimo=r, **changes)
+                 for n, d, r in itertools.product(SUPPORTED_N, SUPPORTED_D, SUPPORTED_R))
+        return [s for s in every if tiling_problem(s) is None]
+    parts = [p.strip() for p in text.split(",")]
+    if not 3 <= len(parts) <= 7:
+        raise ValueError(f"config: expected {CONFIG_HELP}, got {config!r}")
+    try:
+        n, d, r = (int(p) for p in parts[:3])
+    except ValueError:
+        raise ValueError(f"config: N,D,R must be integers ({CONFIG_HELP}), got {config!r}") from None
+    problem = shape_problem(n, d, r)
+    if problem:
+        raise ValueError(f"config {config!r}: {problem}")
+    named = dict(dstate=n, headdim=d, mimo=r)
+    for (field, allowed), value in zip(_DTYPE_FIELDS, parts[3:]):
+        if value not in allowed:
+            raise ValueError(f"config {config!r}: {field} must be one of {allowed}, got {value!r}")
+        if changes.get(field, value) != value:
+            raise ValueError(f"config {config!r} names {field}={value}, but the flags ask for "
+                             f"{changes[field]}: drop one of them")
+        named[field] = value
+    return [_checked(config, flagship_spec(**{**changes, **named}))]
+
+
+def _checked(config: str, spec: StepSpec) -> StepSpec:
+    problem = tiling_problem(spec)
+    if problem:
+        raise ValueError(f"config {config!r}: {problem}")
+    return spec
+
+
+def spec_label(spec: StepSpec) -> str:
+    """A short human-readable name: ``N128 D64 R4 float32/bfloat16/bfloat16/bfloat16 tD64 w8 pool+kv+z+outproj``."""
+    flags = [n for n, on in (("pool", spec.pool), ("dst", spec.has_dst), ("kv", spec.update_kv_state),
+                             ("z", spec.has_z), ("outproj", spec.has_outproj),
+                             ("state_out", spec.has_state_out)) if on]
+    return (f"N{spec.dstate} D{spec.headdim} R{spec.mimo} {spec.state_dtype}/{spec.kv_dtype}/"
+            f"{spec.x_dtype}/{spec.proj_dtype} tD{spec.tile_D} w{spec.num_warps} "
+            f"{'+'.join(flags) or 'dense'}")
+
+
+def add_spec_arguments(parser: argparse.ArgumentParser, *, modes: bool = True, arch: bool = True) -> None:
+    """Add the shared flags naming specialisations (module docstring) to ``parser``.
+
+    ``modes=False`` leaves out the mode flags (for a command whose mode is fixed, like the demo);
+    ``arch=False`` leaves out ``--arch``.
+    """
+    g = parser.add_argument_group("specialisation")
+    g.add_argument("--config", action="append", default=None, metavar="CONFIG",
+                   help=f"{CONFIG_HELP}; default flagship. 'all' = the 48 supported N x D x R "
+                        "combinations")
+    for field, allowed in _DTYPE_FIELDS:
+        g.add_argument("--" + field.replace("_", "-"), default=None, choices=allowed,
+                       help=f"{field} for every config (default: the config's, else the flagship's)")
+    g.add_argument("--tile-d", type=int, default=0, help="rows of D per CTA (default: per config)")
+    g.add_argument("--num-warps", type=int, default=0, help="warps per CTA (default: per config)")
+    if modes:
+        g.add_argument("--mode", choices=("pool", "dense"), default="pool",
+                       help="pool mode (state_batch_indices given; default) or dense mode")
+        g.add_argument("--dst", action="store_true", help="pool mode with dst_state_batch_indices")
+        g.add_argument("--no-update-kv-state", action="store_true", help="without update_kv_state")
+        g.add_argument("--no-z", action="store_true", help="without the z gate")
+        g.add_argument("--no-outproj", action="store_true", help="without outproj (out is (B, R, H, D))")
+        g.add_argument("--state-out", action="store_true", help="dense mode with state_out")
+    if arch:
+        g.add_argument("--arch", default=None, help=f"target architecture, e.g. sm_90a, sm_100a "
+                                                    f"(default: this machine's GPU, else {DEFAULT_ARCH})")
+
+
+def specs_from_args(args: argparse.Namespace) -> list[StepSpec]:
+    """The specialisations the shared flags name, in order, without repeats.
+
+    Raises ValueError (or TypeError) with a message naming the flag or config; a command
+    passes it to ``parser.error``.
+    """
+    changes = {field: getattr(args, field) for field, _ in _DTYPE_FIELDS if getattr(args, field) is not None}
+    changes.update(tile_D=args.tile_d, num_warps=args.num_warps)
+    if hasattr(args, "mode"):
+        if args.dst and args.mode != "pool":
+            raise ValueError("--dst needs --mode pool (dst_state_batch_indices exist in pool mode only)")
+        if args.state_out and args.mode != "dense":
+            raise ValueError("--state-out needs --mode dense")
+        changes.update(pool=args.mode == "pool", has_dst=args.dst, update_kv_state=not args.no_update_kv_state,
+                       has_z=not args.no_z, has_outproj=not args.no_outproj, has_state_out=args.state_out)
+    specs = []
+    for config in args.config or ["flagship"]:
+        for spec in specs_for_config(config, **changes):
+            if spec not in specs:
+                specs.append(spec)
+    return specs
+
+
+def arch_from_args(args: argparse.Namespace) -> str:
+    """``--arch`` checked, else this machine's GPU's architecture, else sm_90a."""
+    return check_arch(args.arch) if args.arch is not None else current_arch()
+
+
+def parse_spec_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[StepSpec], str | None]:
+    """``(specs_from_args(args), arch_from_args(args))`` for a subcommand's ``run``; a bad flag goes
+    to ``parser.error`` (message on stderr, exit status 2). ``arch`` is None without ``--arch``."""
+    try:
+        return specs_from_args(args), (arch_from_args(args) if hasattr(args, "arch") else None)
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))

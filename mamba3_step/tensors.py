@@ -1,0 +1,110 @@
+"""The step's tensors as one bundle, :class:`StepTensors`, and the kernel's argument order.
+
+Letters (docs/contract.md): B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
+
+Every layer below the public flat signatures (``mamba3_step_fn``, ``mamba3_step_op``, the custom
+op, ``serving.decode_step``) passes a :class:`StepTensors`: validation, the PyTorch path, the
+launcher, the gather -> dense -> scatter baseline. Its fields are the public signature's tensor
+arguments in the public positional order, so ``StepTensors(*args, **kwargs)`` packs a call.
+Adding an argument is one field here (then its rule in ``validation.table`` and its place in
+:func:`kernel_arguments`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .contract import out_shape
+
+__all__ = ["LANE_FIELDS", "ROW_FIELDS", "StepTensors", "WEIGHT_FIELDS", "kernel_arguments"]
+
+Tensor = torch.Tensor
+
+#: fields with one row per pool row (pool mode) or per lane (dense mode)
+ROW_FIELDS = ("state", "Bstate", "Xstate")
+#: this step's per-lane inputs (first dimension B)
+LANE_FIELDS = ("A", "B", "C", "x", "dt", "trap", "z")
+#: the layer's weights (no lane dimension)
+WEIGHT_FIELDS = ("D", "xproj", "zproj", "outproj")
+
+
+class StepTensors(NamedTuple):
+    """The tensors of one step (shapes: docs/contract.md, "Tensors"), plus ``null_slot_id``.
+
+    ``null_slot_id`` is the one non-tensor: the runtime value that, with the two index tensors,
+    decides which lanes are padding. Optional fields are None when absent.
+    """
+
+    state: Tensor  # (P|B, H, D, N), updated in place
+    Bstate: Tensor  # (P|B, R, H, N)
+    Xstate: Tensor  # (P|B, H, D)
+    A: Tensor  # (B, H) fp32
+    B: Tensor  # (B, R, H, N)
+    C: Tensor  # (B, R, H, N)
+    D: Tensor  # (H,) fp32
+    x: Tensor  # (B, H, D)
+    dt: Tensor  # (B, H) fp32
+    trap: Tensor  # (B, H) fp32
+    xproj: Tensor  # (R, H, D)
+    outproj: Optional[Tensor] = None  # (R, H, D)
+    state_out: Optional[Tensor] = None  # (B, H, D, N), dense mode only
+    out: Optional[Tensor] = None  # (B, H, D) with outproj, else (B, R, H, D)
+    z: Optional[Tensor] = None  # (B, H, D)
+    zproj: Optional[Tensor] = None  # (R, H, D)
+    state_batch_indices: Optional[Tensor] = None  # (B,) int32: pool mode
+    dst_state_batch_indices: Optional[Tensor] = None  # (B,) int32
+    null_slot_id: Optional[int] = None
+
+    @property
+    def batch(self) -> int:
+        """B, the number of lanes (from ``x``)."""
+        return self.x.shape[0]
+
+    @property
+    def pool(self) -> bool:
+        """Pool mode: ``state_batch_indices`` given."""
+        return self.state_batch_indices is not None
+
+    def with_out(self) -> "StepTensors":
+        """This bundle with ``out`` allocated (x's dtype and device) when it is None."""
+        if self.out is not None:
+            return self
+        shape = out_shape(self.x, self.xproj, self.outproj is not None)
+        return self._replace(out=torch.empty(shape, dtype=self.x.dtype, device=self.x.device))
+
+    def dense_lanes(self, lanes: Tensor, rows: Tensor) -> "StepTensors":
+        """A dense-mode bundle of lanes ``lanes`` reading pool rows ``rows`` (gathered copies).
+
+        Per-lane inputs are indexed with ``lanes``, the row tensors with ``rows``, weights are
+        shared; ``out``, ``state_out``, the indices and ``null_slot_id`` are dropped.
+        """
+        picked = {f: getattr(self, f).index_select(0, rows) for f in ROW_FIELDS}
+        for f in LANE_FIELDS:
+            t = getattr(self, f)
+            picked[f] = None if t is None else t.index_select(0, lanes)
+        weights = {f: getattr(self, f) for f in WEIGHT_FIELDS}
+        return StepTensors(**picked, **weights)
+
+
+def kernel_arguments(spec, tensors: StepTensors) -> list:
+    """The compiled kernel's runtime arguments, in the order of ``Mamba3StepKernel.__call__``.
+
+    18 tensors (``None`` where ``spec`` has none) then ``null_slot`` (-1 for none); no stream
+    (tvm-ffi launches on the current one). ``mamba3_step.kernel.kernel_arguments`` is this
+    function: it lives here, free of cutlass, so that launching a cached kernel never imports
+    the DSL. ``spec`` is the call's :class:`~mamba3_step.spec.StepSpec`.
+    """
+    t = tensors
+    return [
+        t.state, t.Bstate, t.Xstate, t.A, t.B, t.C, t.D, t.x, t.dt, t.trap, t.xproj,
+        t.zproj if spec.has_z else None,
+        t.outproj if spec.has_outproj else None,
+        t.z if spec.has_z else None,
+        t.out,
+        t.state_out if spec.has_state_out else None,
+        t.state_batch_indices if spec.pool else None,
+        t.dst_state_batch_indices if spec.has_dst else None,
+        -1 if t.null_slot_id is None else int(t.null_slot_id),
+    ]

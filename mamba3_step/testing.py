@@ -1,0 +1,146 @@
+"""Random inputs and bit-level comparison for tests, the demo and benchmarks: the one input factory.
+
+Letters (docs/contract.md): B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
+
+* :func:`make_inputs`: a whole step's arguments, keyed like ``mamba3_step_fn``'s parameters;
+  built from the three parts a server keeps apart, each also usable alone:
+  :func:`row_tensors` (state, Bstate, Xstate: the pool or dense rows), :func:`lane_inputs`
+  (this step's A, B, C, x, dt, trap, z) and :func:`layer_weights` (D, xproj, zproj, outproj).
+* :func:`poison_`: random bit patterns (NaN, inf, huge, tiny, -0.0) in place; :func:`poison_pool`:
+  random finite values in every row of a ``StatePool``.
+* :func:`bits` / :func:`bits_equal`: NaN-safe bit-for-bit comparison.
+
+Values are O(1), like a normalised model's, so that chained layers (the demo feeds one layer's
+``out`` to the next) stay O(1): state, Xstate, x, z, D ~ N(0, 1); B, C, Bstate ~ N(0, 0.5^2);
+A = -exp(N(0, 0.5^2)) (decay); dt in [0.01, 0.51); trap in [0, 1); projections ~ N(0, 0.5^2).
+Data are drawn in float32 on the CPU from the generator, then cast and moved, so a seed gives
+the same values on every device.
+Dtypes are given by name (``"bfloat16"``) or as torch dtypes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .contract import as_torch_dtype
+
+__all__ = ["bits", "bits_equal", "lane_inputs", "layer_weights", "make_inputs", "poison_", "poison_pool", "row_tensors"]
+
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK_ELEMENTS = 1 << 26  # values drawn on the host at once (a benchmark pool is GBs)
+
+
+class _Draw:
+    """Draws from one CPU generator and places the result (dtype, device)."""
+
+    def __init__(self, generator: torch.Generator | None, device):
+        self.g = generator if generator is not None else torch.Generator().manual_seed(0)
+        self.device = device
+
+    def normal(self, *shape, dtype="float32", scale=1.0) -> torch.Tensor:
+        """N(0, scale^2) values; drawn in pieces of rows so that a large pool needs little host memory."""
+        out = torch.empty(shape, dtype=as_torch_dtype(dtype, "dtype"), device=self.device)
+        rows = max(1, _CHUNK_ELEMENTS // max(1, out[:1].numel()))
+        for r0 in range(0, max(1, shape[0]), rows):
+            piece = out[r0:r0 + rows]
+            piece.copy_((torch.randn(piece.shape, generator=self.g) * scale).to(out.dtype))
+        return out
+
+    def uniform(self, *shape, lo: float, hi: float) -> torch.Tensor:
+        return (torch.rand(*shape, generator=self.g) * (hi - lo) + lo).to(self.device)
+
+
+def row_tensors(rows, H, D, N, R, *, state_dtype="float32", kv_dtype="bfloat16", x_dtype="bfloat16",
+                generator=None, device="cpu") -> dict:
+    """``state`` (rows, H, D, N), ``Bstate`` (rows, R, H, N), ``Xstate`` (rows, H, D)."""
+    d = _Draw(generator, device)
+    return dict(state=d.normal(rows, H, D, N, dtype=state_dtype),
+                Bstate=d.normal(rows, R, H, N, dtype=kv_dtype, scale=0.5), Xstate=d.normal(rows, H, D, dtype=x_dtype))
+
+
+def lane_inputs(B, H, D, N, R, *, kv_dtype="bfloat16", x_dtype="bfloat16", has_z=True, generator=None,
+                device="cpu") -> dict:
+    """This step's per-lane inputs for ``B`` lanes: ``A``, ``dt``, ``trap`` (B, H) fp32; ``B``,
+    ``C`` (B, R, H, N); ``x``, ``z`` (B, H, D) (``z`` None without ``has_z``)."""
+    d = _Draw(generator, device)
+    return dict(
+        A=-torch.exp(d.normal(B, H, scale=0.5)), B=d.normal(B, R, H, N, dtype=kv_dtype, scale=0.5),
+        C=d.normal(B, R, H, N, dtype=kv_dtype, scale=0.5), x=d.normal(B, H, D, dtype=x_dtype),
+        dt=d.uniform(B, H, lo=0.01, hi=0.51), trap=d.uniform(B, H, lo=0.0, hi=1.0),
+        z=d.normal(B, H, D, dtype=x_dtype) if has_z else None,
+    )
+
+
+def layer_weights(H, D, R, *, proj_dtype="bfloat16", has_z=True, has_outproj=True, generator=None,
+                  device="cpu") -> dict:
+    """One layer's weights: ``D`` (H,) fp32; ``xproj``, ``zproj``, ``outproj`` (R, H, D)
+    (``zproj`` None without ``has_z``, ``outproj`` None without ``has_outproj``)."""
+    d = _Draw(generator, device)
+
+    def proj():
+        return d.normal(R, H, D, dtype=proj_dtype, scale=0.5)
+
+    return dict(D=d.normal(H), xproj=proj(), zproj=proj() if has_z else None,
+                outproj=proj() if has_outproj else None)
+
+
+def make_inputs(B: int, P: int | None = None, H: int = 2, D: int = 32, N: int = 32, R: int = 2, *,
+                state_dtype="float32", kv_dtype="bfloat16", x_dtype="bfloat16", proj_dtype="bfloat16",
+                has_z: bool = True, has_outproj: bool = True, seed: int = 0, generator=None,
+                device="cpu") -> dict:
+    """Fresh random inputs for one step, as a dict of ``mamba3_step_fn`` keyword arguments.
+
+    ``P`` is the number of rows of ``state``, ``Bstate`` and ``Xstate``; ``P=None`` means dense
+    mode (rows = B). Keys ``outproj``, ``z``, ``zproj`` are None when disabled. ``generator``
+    (a CPU ``torch.Generator``) overrides ``seed``.
+    """
+    g = generator if generator is not None else torch.Generator().manual_seed(seed)
+    rows = B if P is None else P
+    return {
+        **row_tensors(rows, H, D, N, R, state_dtype=state_dtype, kv_dtype=kv_dtype, x_dtype=x_dtype,
+                      generator=g, device=device),
+        **lane_inputs(B, H, D, N, R, kv_dtype=kv_dtype, x_dtype=x_dtype, has_z=has_z, generator=g,
+                      device=device),
+        **layer_weights(H, D, R, proj_dtype=proj_dtype, has_z=has_z, has_outproj=has_outproj, generator=g,
+                        device=device),
+    }
+
+
+def poison_(t: torch.Tensor, seed: int = 1234, generator=None) -> torch.Tensor:
+    """Fill ``t`` in place with random bit patterns (NaN, inf, huge, tiny, negative zero...).
+
+    For int tensors the values are random ints. Returns ``t``.
+    """
+    if t.numel() == 0:
+        return t
+    g = generator if generator is not None else torch.Generator().manual_seed(seed)
+    iv = _INT_VIEW[t.element_size()]
+    info = torch.iinfo(iv)
+    noise = torch.randint(info.min, info.max, t.shape, generator=g, dtype=torch.int64).to(iv)
+    if t.is_floating_point():
+        t.copy_(noise.view(t.dtype).to(t.device))
+    else:
+        t.copy_(noise.to(t.dtype).to(t.device))
+    return t
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bits as an integer tensor of the same shape (NaN-safe equality)."""
+    if t.is_floating_point():
+        return t.contiguous().view(_INT_VIEW[t.element_size()])
+    return t
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN-safe): same shape, dtype and bytes."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(bits(a), bits(b))
+
+
+def poison_pool(pool, generator=None) -> None:
+    """Fill every row of every layer of a ``StatePool`` (the null row and the scratch rows too)
+    with random finite values, so a stray write or a wrong read shows up in a comparison."""
+    g = generator if generator is not None else torch.Generator().manual_seed(0)
+    for t in (pool._state, pool._Bstate, pool._Xstate):
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))

@@ -1,0 +1,169 @@
+"""``check_step_inputs``: every argument of one step checked against ``validation.table``, in phases.
+
+Letters (docs/contract.md): B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
+
+The phases run in this order, so that the first problem reported is the most basic one: kinds
+of argument, mode flags, shapes (the letters come from ``x`` and ``B``), supported sizes,
+dtypes (groups, then "same as"), devices, strides, alignment, launch grid, tiling. Each phase
+walks the table rows in order. Only metadata is read: no synchronisation, safe under capture.
+"""
+
+from __future__ import annotations
+
+from ..contract import INT32_MAX, INT32_MIN, MAX_GRID_X, MAX_GRID_Y
+from ..spec import StepSpec
+from ..tensors import StepTensors
+from ..tiling import shape_problem, tiling_problem
+from . import checks
+from .table import LETTER_SOURCES, RULES, shape_letters
+
+__all__ = ["check_step_inputs"]
+
+
+def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=None, num_warps=None) -> StepSpec:
+    """Check every input of a step (metadata only) and return its complete StepSpec.
+
+    ``tensors`` holds ``mamba3_step_fn``'s tensor arguments and ``null_slot_id`` (see its
+    docstring for shapes and dtypes); ``out`` may be None (the caller allocates it).
+
+    Returns:
+        The :class:`StepSpec` of this call with ``tile_D``/``num_warps`` filled: the user's
+        values where given, the per-configuration default otherwise.
+
+    Raises:
+        TypeError: a non-tensor where a tensor belongs; an unsupported or mismatched dtype;
+            indices that are not int32; a non-int ``null_slot_id``/``tile_D``/``num_warps``.
+        ValueError: wrong ranks or shapes; unsupported N/D/R; tensors on different devices;
+            a non-unit innermost stride; ``state``/``state_out`` not 16-byte aligned;
+            ``state_out`` in pool mode; ``dst_state_batch_indices`` without
+            ``state_batch_indices``; ``null_slot_id`` without pool mode; ``z`` without
+            ``zproj`` or the reverse; a batch or head count too large for the launch grid;
+            an impossible ``tile_D``/``num_warps`` (including ``update_kv_state`` with
+            ``tile_D < headdim``).
+    """
+    for rule in RULES:
+        checks.check_is_tensor(rule.name, getattr(tensors, rule.name), optional=not rule.required)
+    null_slot_id = checks.check_int_option("null_slot_id", tensors.null_slot_id)
+    tile_D = checks.check_int_option("tile_D", tile_D)
+    num_warps = checks.check_int_option("num_warps", num_warps)
+    if not isinstance(update_kv_state, bool):
+        raise TypeError(f"update_kv_state: expected a bool, got {type(update_kv_state).__name__}")
+    _check_modes(tensors, null_slot_id)
+    N, Dh, R = _check_shapes(tensors)
+    dtypes = _check_dtypes(tensors)
+    _check_memory(tensors)
+    _check_grid(tensors)
+    spec = StepSpec(
+        dstate=N, headdim=Dh, mimo=R, **dtypes,
+        tile_D=tile_D or 0, num_warps=num_warps or 0,
+        pool=tensors.pool, has_dst=tensors.dst_state_batch_indices is not None,
+        update_kv_state=update_kv_state, has_z=tensors.z is not None,
+        has_outproj=tensors.outproj is not None, has_state_out=tensors.state_out is not None,
+    )
+    return _check_tiling(spec, tile_D, num_warps)
+
+
+def _check_modes(t: StepTensors, null_slot_id) -> None:
+    pool = t.pool
+    if t.dst_state_batch_indices is not None and not pool:
+        raise ValueError(
+            "dst_state_batch_indices: expected None without state_batch_indices (a separate "
+            "destination only exists in pool mode), got a tensor"
+        )
+    if pool and t.state_out is not None:
+        raise ValueError(
+            "state_out: expected None in pool mode (state_batch_indices given: the new state "
+            "goes to the pool rows dst_state_batch_indices, default state_batch_indices), got a tensor"
+        )
+    if null_slot_id is not None and not pool:
+        raise ValueError(
+            f"null_slot_id: expected None without state_batch_indices (it marks padding lanes "
+            f"in pool mode only), got {null_slot_id}"
+        )
+    if null_slot_id is not None and not INT32_MIN <= null_slot_id <= INT32_MAX:
+        raise ValueError(f"null_slot_id: expected an int32 value, got {null_slot_id}")
+    if (t.z is None) != (t.zproj is None):
+        missing, given = ("zproj", "z") if t.zproj is None else ("z", "zproj")
+        raise ValueError(f"{missing}: expected a tensor because {given} is given (z and zproj come together), got None")
+
+
+def _check_shapes(t: StepTensors) -> tuple[int, int, int]:
+    """Ranks of the letter sources, then every shape against the letters; returns (N, D, R)."""
+    for name, letters in LETTER_SOURCES.items():
+        checks.check_rank(name, getattr(t, name), letters)
+    nb, H, Dh = t.x.shape
+    R, N = t.B.shape[1], t.B.shape[3]
+    pool, has_outproj = t.pool, t.outproj is not None
+    checks.check_rank("state", t.state, "P H D N" if pool else "B H D N")
+    sizes = {"B": nb, "P": t.state.shape[0] if pool else nb, "H": H, "D": Dh, "N": N, "R": R}
+    for rule in RULES:
+        value = getattr(t, rule.name)
+        if value is not None:
+            letters = shape_letters(rule, pool, has_outproj)
+            checks.check_shape(rule.name, value, letters, tuple(sizes[c] for c in letters.split()))
+    problem = shape_problem(N, Dh, R)
+    if problem:
+        raise ValueError(f"unsupported shape (from x (B, H, D) and B (B, R, H, N)): {problem}")
+    return N, Dh, R
+
+
+def _check_dtypes(t: StepTensors) -> dict:
+    """Group and single-dtype rules first, then "same as" rules; returns the spec's dtype names."""
+    names = {}
+    for rule in RULES:
+        value = getattr(t, rule.name)
+        if value is not None and rule.dtypes:
+            names[rule.name] = checks.check_dtype(rule.name, value, rule.dtypes, rule.hint)
+    for rule in RULES:
+        value = getattr(t, rule.name)
+        if value is not None and rule.same_as:
+            checks.check_dtype_same(rule.name, value, rule.same_as, getattr(t, rule.same_as))
+    return dict(state_dtype=names["state"], kv_dtype=names["B"], x_dtype=names["x"],
+                proj_dtype=names["xproj"])
+
+
+def _check_memory(t: StepTensors) -> None:
+    """One device (x's), unit innermost strides, 16-byte alignment where the kernel vectorises."""
+    present = [(rule, getattr(t, rule.name)) for rule in RULES if getattr(t, rule.name) is not None]
+    for rule, value in present:
+        checks.check_device(rule.name, value, t.x.device)
+    for rule, value in present:
+        checks.check_unit_inner_stride(rule.name, value)
+    for rule, value in present:
+        if rule.vector_aligned:
+            checks.check_vector_aligned(rule.name, value)
+
+
+def _check_grid(t: StepTensors) -> None:
+    """The launch grid is (B, H, D / tile_D)."""
+    nb, H = t.x.shape[0], t.x.shape[1]
+    if nb > MAX_GRID_X:
+        raise ValueError(
+            f"x: batch B={nb} is too large for the launch grid (grid.x = B must be at most "
+            f"{MAX_GRID_X}); split the batch"
+        )
+    if H > MAX_GRID_Y:
+        raise ValueError(
+            f"state: H={H} heads is too many for the launch grid (grid.y = H must be at most "
+            f"{MAX_GRID_Y})"
+        )
+
+
+def _check_tiling(spec: StepSpec, tile_D, num_warps) -> StepSpec:
+    for name, value in (("tile_D", tile_D), ("num_warps", num_warps)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{name}: expected a positive int or None (the default), got {value}")
+    spec = spec.with_default_tiling()
+    if spec.update_kv_state and spec.tile_D < spec.headdim:
+        raise ValueError(
+            f"tile_D: update_kv_state=True needs tile_D >= headdim (exactly one CTA owns each "
+            f"(lane, head) B/x row, or the store races), expected tile_D={spec.headdim} or None, "
+            f"got tile_D={spec.tile_D}; the tile is never changed silently"
+        )
+    problem = tiling_problem(spec)
+    if problem:
+        raise ValueError(
+            f"tile_D/num_warps: {problem} (leave tile_D and num_warps None for the "
+            f"per-configuration default)"
+        )
+    return spec

@@ -1,0 +1,62 @@
+"""The table of rules for the step's tensor arguments: one row per argument.
+
+Letters (docs/contract.md): B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
+
+A row says the argument's shape in letters, the dtypes it may have (a group of the contract, or
+"the same as" another argument), whether it is required, and whether the kernel moves it with
+16-byte vectors (then its base and outer strides must be 16-byte aligned). ``S`` in a shape is
+the rows letter of the pool tensors: ``P`` in pool mode, ``B`` in dense mode. ``[R]`` is present
+only without ``outproj``. The order of the rows is the order of the checks (the letter sources
+``x`` and ``B`` first), so which of several problems is reported first is decided here.
+
+A new tensor argument is one row here (and one field of ``StepTensors``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..contract import KV_DTYPES, PROJ_DTYPES, STATE_DTYPES, X_DTYPES
+
+__all__ = ["RULES", "Rule", "LETTER_SOURCES", "shape_letters"]
+
+
+class Rule(NamedTuple):
+    name: str
+    letters: str  # shape letters, e.g. "S R H N"
+    dtypes: tuple = ()  # the allowed dtype names (a group, or exactly one)
+    same_as: str = ""  # ... or: the dtype of this other argument
+    required: bool = False
+    vector_aligned: bool = False
+    hint: str = ""  # appended to a single-dtype message, e.g. how to convert
+
+
+RULES = (
+    Rule("x", "B H D", X_DTYPES, required=True),
+    Rule("B", "B R H N", KV_DTYPES, required=True),
+    Rule("state", "S H D N", STATE_DTYPES, required=True, vector_aligned=True),
+    Rule("state_out", "B H D N", same_as="state", vector_aligned=True),
+    Rule("Bstate", "S R H N", same_as="B", required=True),
+    Rule("Xstate", "S H D", same_as="x", required=True),
+    Rule("A", "B H", ("float32",), required=True),
+    Rule("dt", "B H", ("float32",), required=True),
+    Rule("trap", "B H", ("float32",), required=True),
+    Rule("C", "B R H N", same_as="B", required=True),
+    Rule("D", "H", ("float32",), required=True),
+    Rule("xproj", "R H D", PROJ_DTYPES, required=True),
+    Rule("zproj", "R H D", same_as="xproj"),
+    Rule("outproj", "R H D", same_as="xproj"),
+    Rule("z", "B H D", same_as="x"),
+    Rule("out", "B [R] H D", same_as="x"),
+    Rule("state_batch_indices", "B", ("int32",), hint=" (convert with .to(torch.int32))"),
+    Rule("dst_state_batch_indices", "B", ("int32",), hint=" (convert with .to(torch.int32))"),
+)
+
+#: the arguments the letters are read from: B, H, D from ``x``; R, N from ``B``; P from ``state``
+LETTER_SOURCES = {"x": "B H D", "B": "B R H N"}
+
+
+def shape_letters(rule: Rule, pool: bool, has_outproj: bool) -> str:
+    """The rule's shape letters for this call: ``S`` resolved, ``[R]`` kept or dropped."""
+    letters = rule.letters.replace("S", "P" if pool else "B")
+    return letters.replace("[R] ", "" if has_outproj else "R ")

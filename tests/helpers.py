@@ -1,0 +1,258 @@
+"""Shared test helpers: pool indices, poisoning, bit-exact assertions and the parity check.
+
+Import them with ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path`` through
+its conftest). The input factory and the bit helpers live in the package
+(:mod:`mamba3_step.testing`, shared with the demo); they are re-exported here.
+
+Letters (docs/contract.md): B batch lanes, P pool rows, H heads, D head dim, N state size,
+R MIMO rank.
+
+* :func:`make_inputs` - a dict of fresh random step inputs, keyed like ``mamba3_step_fn``'s
+  arguments (``state``, ``Bstate``, ..., ``z``, ``zproj``; ``outproj``/``z``/``zproj`` are None
+  when disabled), ready for ``mamba3_step_fn(**inputs)``.
+* :func:`make_pool_indices` / :func:`build_pool_indices` - race-free int32 pool indices with
+  live lanes and padding lanes of the three kinds (negative, ``>= P``, ``null_slot_id``), and
+  live lanes whose destination is padding.
+* :func:`poison_` / :func:`poison_rows_` - fill a tensor (or some of its rows) with random bit
+  patterns (NaN, inf, huge and tiny values included), in place.
+* :func:`bits` / :func:`assert_bits_equal` - NaN-safe bit-for-bit comparison.
+* :func:`gather_dense_scatter` - the expected result of a pool-mode call, computed as
+  docs/contract.md defines it (``mamba3_step.serving.gather_dense_scatter`` on copies).
+* :func:`check_pool_parity` - poison, run a pool-mode call and assert it bit-identical to
+  :func:`gather_dense_scatter` (padding zeros, untouched rows, read-only inputs included);
+  ``step_fn`` lets GPU tests run it on the kernel.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from mamba3_step import mamba3_step_fn
+from mamba3_step.contract import lane_is_live
+from mamba3_step.serving import gather_dense_scatter as _gather_dense_scatter
+from mamba3_step.tensors import StepTensors
+from mamba3_step.testing import bits, bits_equal, make_inputs, poison_  # noqa: F401  (re-exported)
+
+PAD_KINDS = ("negative", "oob", "null")
+LANE_KINDS = ("live", "live_nodst") + PAD_KINDS
+
+
+def clone_inputs(inputs: dict) -> dict:
+    """A deep copy of an inputs dict (None stays None)."""
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+
+
+def poison_rows_(t: torch.Tensor, rows, seed: int = 4321) -> torch.Tensor:
+    """Poison (random bits) rows ``rows`` (indices along dim 0) of ``t`` in place; returns ``t``."""
+    rows = torch.as_tensor(list(rows) if not isinstance(rows, torch.Tensor) else rows,
+                           dtype=torch.int64, device=t.device)
+    if rows.numel():
+        t[rows] = poison_(torch.empty((rows.numel(),) + tuple(t.shape[1:]), dtype=t.dtype), seed).to(t.device)
+    return t
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Assert same dtype, shape and identical bits; the message counts the differing elements."""
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, e = bits(actual).cpu(), bits(expected).cpu()
+    if not torch.equal(a, e):
+        diff = (a != e)
+        first = tuple(diff.nonzero()[0].tolist())
+        raise AssertionError(
+            f"{what}: {int(diff.sum())} of {diff.numel()} elements differ in their bits; first at "
+            f"{first}: {actual.cpu()[first].item()!r} != {expected.cpu()[first].item()!r}"
+        )
+
+
+def _pad_value(kind: str, P: int, null_slot_id, rng: random.Random) -> int:
+    if kind == "negative":
+        return rng.choice([-1, -1, -2, -7, -(2**31)])
+    if kind == "oob":
+        return rng.choice([P, P, P + 1, P + 13, 2**31 - 1])
+    if kind == "null":
+        assert null_slot_id is not None, "padding kind 'null' needs a null_slot_id"
+        return null_slot_id
+    raise AssertionError(f"unknown padding kind {kind!r}")
+
+
+def build_pool_indices(
+    kinds: list[str],
+    P: int,
+    *,
+    null_slot_id: int | None = None,
+    with_dst: bool = False,
+    seed: int = 0,
+    device="cpu",
+):
+    """Race-free pool indices with one lane per entry of ``kinds``.
+
+    Lane kinds: ``"live"`` (reads a real row and writes one), ``"live_nodst"`` (reads a real row,
+    its destination is padding so it writes nothing; only with ``with_dst``), and the padding
+    kinds ``"negative"``, ``"oob"`` (``>= P``), ``"null"`` (``== null_slot_id``). Live lanes get
+    distinct destination rows; a live lane reads either its own destination row (in place) or a
+    row no lane writes (shared reads allowed), so no lane writes a row another live lane reads.
+    Live lanes that do not fit in the pool become ``"negative"`` padding. Padding lanes' dst are
+    random values, in range or not, as a padded batch may leave them: they must write nothing.
+
+    Returns ``(src, dst, kinds)``: int32 (B,) tensors (``dst`` None without ``with_dst``) and the
+    lane kinds actually used.
+    """
+    rng = random.Random(seed)
+    kinds = list(kinds)
+    usable = [r for r in range(P) if r != null_slot_id]
+    rng.shuffle(usable)
+    if not with_dst:
+        kinds = ["live" if k == "live_nodst" else k for k in kinds]
+    writers = [b for b, k in enumerate(kinds) if k == "live"]
+    for b in writers[len(usable):]:
+        kinds[b] = "negative"
+    writers = writers[: len(usable)]
+    dst_rows = {b: usable[i] for i, b in enumerate(writers)}
+    readonly = usable[len(writers):]  # rows nobody writes
+
+    src, dst = [0] * len(kinds), [0] * len(kinds)
+    for b, k in enumerate(kinds):
+        if k == "live":
+            dst[b] = dst_rows[b]
+            src[b] = dst[b] if (not with_dst or not readonly or rng.random() < 0.5) else rng.choice(readonly)
+        elif k == "live_nodst":
+            if readonly:
+                src[b] = rng.choice(readonly)
+                dst[b] = _pad_value(rng.choice([p for p in PAD_KINDS if p != "null" or null_slot_id is not None]),
+                                    P, null_slot_id, rng)
+            else:
+                kinds[b] = "negative"
+        if kinds[b] in PAD_KINDS:
+            src[b] = _pad_value(kinds[b], P, null_slot_id, rng)
+            dst[b] = rng.choice([rng.randrange(-3, P + 3) if P else -1, src[b]])
+    src_t = torch.tensor(src, dtype=torch.int32, device=device)
+    dst_t = torch.tensor(dst, dtype=torch.int32, device=device) if with_dst else None
+    return src_t, dst_t, kinds
+
+
+def make_pool_indices(
+    B: int,
+    P: int,
+    *,
+    n_pad: int,
+    layout: str = "interleaved",
+    pad_kinds=PAD_KINDS,
+    null_slot_id: int | None = None,
+    with_dst: bool = False,
+    nodst_fraction: float = 0.2,
+    seed: int = 0,
+    device="cpu",
+):
+    """Pool indices for ``B`` lanes, ``n_pad`` of them padding (cycling through ``pad_kinds``).
+
+    ``layout``: ``"trailing"`` puts the padding lanes after the live ones (a padded CUDA-graph
+    batch), ``"interleaved"`` shuffles them among the live lanes. With ``with_dst`` about
+    ``nodst_fraction`` of the live lanes get a padding destination. Returns what
+    :func:`build_pool_indices` returns.
+    """
+    rng = random.Random(seed)
+    n_live = B - n_pad
+    live = ["live_nodst" if with_dst and rng.random() < nodst_fraction else "live" for _ in range(n_live)]
+    pads = [pad_kinds[i % len(pad_kinds)] for i in range(n_pad)]
+    if layout == "trailing":
+        kinds = live + pads
+    elif layout == "interleaved":
+        kinds = live + pads
+        rng.shuffle(kinds)
+    else:
+        raise AssertionError(f"unknown layout {layout!r}")
+    return build_pool_indices(kinds, P, null_slot_id=null_slot_id, with_dst=with_dst,
+                              seed=seed + 1, device=device)
+
+
+def read_rows(src: torch.Tensor, P: int, null_slot_id=None) -> set[int]:
+    """The pool rows live lanes read."""
+    return {v for v in src.tolist() if lane_is_live(v, P, null_slot_id)}
+
+
+def gather_dense_scatter(
+    inputs: dict,
+    src: torch.Tensor,
+    dst: torch.Tensor | None,
+    *,
+    null_slot_id: int | None = None,
+    update_kv_state: bool = False,
+    step_fn=None,
+) -> dict:
+    """Expected pool-mode result, the way docs/contract.md defines it, without touching ``inputs``.
+
+    Runs :func:`mamba3_step.serving.gather_dense_scatter` (``step_fn``, default
+    ``mamba3_step_fn``, does the dense step) on copies of the pools. Returns a dict with
+    ``out``, ``state``, ``Bstate``, ``Xstate`` (the expected tensors).
+    """
+    fields = {k: v for k, v in clone_inputs(inputs).items() if k in StepTensors._fields}
+    fields.update(out=None, state_batch_indices=src, dst_state_batch_indices=dst, null_slot_id=null_slot_id)
+    tensors = StepTensors(**fields)
+    out = _gather_dense_scatter(tensors, update_kv_state=update_kv_state, step_fn=step_fn or mamba3_step_fn)
+    return {"out": out, "state": tensors.state, "Bstate": tensors.Bstate, "Xstate": tensors.Xstate}
+
+
+POOL_STATE_KEYS = ("state", "Bstate", "Xstate")
+
+
+def check_pool_parity(
+    inputs: dict,
+    src: torch.Tensor,
+    dst: torch.Tensor | None,
+    kinds: list[str],
+    *,
+    null_slot_id: int | None = None,
+    update_kv_state: bool = False,
+    seed: int = 0,
+    step_fn=None,
+) -> None:
+    """Assert that a pool-mode call is bit-identical to :func:`gather_dense_scatter`.
+
+    ``inputs`` (from :func:`make_inputs`), ``src``/``dst``/``kinds`` (from
+    :func:`make_pool_indices` or :func:`build_pool_indices`) are not modified. Rows that no
+    live lane reads are poisoned first (random bits), ``out`` is poisoned before the call. Then,
+    bit for bit: out, state, Bstate, Xstate equal the gather -> dense -> scatter result;
+    padding lanes' out is +0.0; rows no live lane writes are unchanged (and Bstate/Xstate
+    entirely without ``update_kv_state``); indices and per-lane inputs are unchanged.
+    ``step_fn`` (default ``mamba3_step_fn``) runs both the pool call and the dense twin.
+    """
+    step_fn = step_fn or mamba3_step_fn
+    inputs = clone_inputs(inputs)
+    P = inputs["state"].shape[0]
+    unread = sorted(set(range(P)) - read_rows(src, P, null_slot_id))
+    for i, key in enumerate(POOL_STATE_KEYS):
+        poison_rows_(inputs[key], unread, seed=seed * 7 + i)
+    before = clone_inputs(inputs)
+
+    expected = gather_dense_scatter(inputs, src, dst, null_slot_id=null_slot_id,
+                                    update_kv_state=update_kv_state, step_fn=step_fn)
+
+    out = poison_(torch.empty_like(expected["out"]), seed=seed + 99)
+    src_before = src.clone()
+    dst_before = None if dst is None else dst.clone()
+    ret = step_fn(**inputs, out=out, state_batch_indices=src, dst_state_batch_indices=dst,
+                  null_slot_id=null_slot_id, update_kv_state=update_kv_state)
+    assert ret is out, "the function must return the out it was given"
+
+    assert_bits_equal(out, expected["out"], "out")
+    for key in POOL_STATE_KEYS:
+        assert_bits_equal(inputs[key], expected[key], key)
+
+    # Independent of the twin: padding lanes give +0.0 bits, unwritten rows keep their bits.
+    pad = torch.tensor([k in PAD_KINDS for k in kinds], dtype=torch.bool, device=out.device)
+    assert_bits_equal(out[pad], torch.zeros_like(out[pad]), "padding lanes' out")
+    written = {d for k, d in zip(kinds, (src if dst is None else dst).tolist()) if k == "live"}
+    untouched = torch.tensor(sorted(set(range(P)) - written), dtype=torch.int64, device=out.device)
+    for key in POOL_STATE_KEYS:
+        if key != "state" and not update_kv_state:
+            assert_bits_equal(inputs[key], before[key], f"{key} (no update_kv_state)")
+        assert_bits_equal(inputs[key][untouched], before[key][untouched], f"{key} untouched rows")
+    assert torch.equal(src, src_before), "state_batch_indices was modified"
+    if dst is not None:
+        assert torch.equal(dst, dst_before), "dst_state_batch_indices was modified"
+    for key, value in inputs.items():
+        if key not in POOL_STATE_KEYS and value is not None:
+            assert_bits_equal(value, before[key], f"{key} (read-only input)")

@@ -1,0 +1,160 @@
+"""The package's shape: an import graph that only points down, and modules and functions small
+enough to read (docs/design.md, "Architecture").
+
+The graph is read from the source with ``ast`` (``mamba3_step.sources``: module-level and
+function-level imports alike), so nothing here depends on what happens to be imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+import pytest
+
+from mamba3_step import sources
+
+#: function-local imports the package is allowed: (module, imported module) -> why it is lazy
+ALLOWED_LOCAL_IMPORTS = {
+    ("mamba3_step.build", "mamba3_step.kernel"):
+        "the kernel module imports cutlass (~0.6 s): only a compile loads it, never a cache hit, "
+        "the CPU path or `import mamba3_step`",
+    ("mamba3_step.compile_cache.store", "cutlass.runtime"):
+        "the DSL's runtime libraries are looked up only to link a kernel that was just compiled",
+}
+
+#: the layers, bottom to top (docs/design.md); a module may import only from its own layer or below
+LAYERS = [
+    ["contract"],
+    ["tiling", "tensors", "arch", "sources", "testing", "ptx"],  # ptx: the PTX executor, numpy only
+    ["spec"],
+    ["reference", "validation", "bytes_model", "specsets"],
+    ["kernel"],
+    ["build"],  # the kernel's cutlass-free face: imports it lazily, on the first compile
+    ["compile_cache"],
+    ["launch"],
+    ["api"],
+    ["ops", "serving"],
+    ["inspection", "demo", "ptx_tier"],
+    ["cli", "__main__"],
+]
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 80
+#: modules allowed past MAX_MODULE_LINES; each states the reason in its own docstring
+LONG_MODULES = {"mamba3_step.kernel"}
+
+
+def _graph() -> dict[str, list[sources.Import]]:
+    return {m: sources.imports_of(m) for m in sources.modules()}
+
+
+def _internal(target: str) -> bool:
+    return target == sources.PACKAGE or target.startswith(sources.PACKAGE + ".")
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else ""
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    raise AssertionError(f"{module} is in no layer of LAYERS: add it (and to docs/design.md)")
+
+
+def test_every_module_has_a_layer():
+    for module in sources.modules():
+        if module != sources.PACKAGE:
+            _layer(module)
+
+
+def test_import_graph_has_no_cycle():
+    edges = {m: sorted({i.target for i in imps if _internal(i.target) and i.target != m})
+             for m, imps in _graph().items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in edges.get(node, []):
+            if state.get(nxt) == 1:
+                cycle = path[path.index(nxt):] + [nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in edges:
+        if node not in state:
+            visit(node, [node])
+
+
+def test_imports_only_point_down_the_layers():
+    wrong = []
+    for module, imps in _graph().items():
+        if module == sources.PACKAGE:
+            continue  # the package's __init__ re-exports the public API from every layer
+        for imp in imps:
+            if _internal(imp.target) and imp.target != sources.PACKAGE and _layer(imp.target) > _layer(module):
+                wrong.append(f"{module}:{imp.line} imports {imp.target} (a higher layer)")
+            if imp.target == sources.PACKAGE:
+                wrong.append(f"{module}:{imp.line} imports the package itself (import the module instead)")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_function_local_imports_but_the_documented_ones():
+    found = {}
+    for module, imps in _graph().items():
+        for imp in imps:
+            if imp.function is not None:
+                found[(module, imp.target)] = f"{module}:{imp.line} in {imp.function}()"
+    unexpected = sorted(where for key, where in found.items() if key not in ALLOWED_LOCAL_IMPORTS)
+    assert not unexpected, "function-local imports (import at module level, or document it in " \
+                           "ALLOWED_LOCAL_IMPORTS with the reason):\n" + "\n".join(unexpected)
+    assert set(ALLOWED_LOCAL_IMPORTS) <= set(found), "ALLOWED_LOCAL_IMPORTS lists imports that are gone"
+
+
+def test_no_dynamic_imports():
+    for module in sources.modules():
+        tree = ast.parse(sources.module_file(module).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                name = ast.unparse(node.func)
+                assert name not in ("importlib.import_module", "__import__", "import_module"), \
+                    f"{module}:{node.lineno} imports dynamically ({name}); the graph test cannot see it"
+
+
+def _function_lines(node: ast.AST) -> int:
+    """Lines of a function, its docstring not counted."""
+    lines = node.end_lineno - node.lineno + 1
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        lines -= body[0].end_lineno - body[0].lineno + 1
+    return lines
+
+
+@pytest.mark.parametrize("module", sources.modules())
+def test_modules_and_functions_are_small(module):
+    path = sources.module_file(module)
+    text = path.read_text()
+    n = len(text.splitlines())
+    if module in LONG_MODULES:
+        assert "Length:" in (ast.get_docstring(ast.parse(text)) or ""), f"{module}: say why it is long"
+    else:
+        assert n <= MAX_MODULE_LINES, f"{module}: {n} lines (at most {MAX_MODULE_LINES}; split it by layer)"
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            size = _function_lines(node)
+            if size > MAX_FUNCTION_LINES:
+                doc = ast.get_docstring(node) or ""
+                assert "Length:" in doc, (f"{module}.{node.name}: {size} lines without its docstring "
+                                          f"(at most {MAX_FUNCTION_LINES}, or a 'Length:' reason in it)")
+
+
+def test_importing_the_package_and_its_commands_loads_no_cutlass():
+    """Only a compile imports the DSL: the API, the launcher, the cache and the CLI do not."""
+    code = ("import sys, mamba3_step, mamba3_step.launch, mamba3_step.cli, mamba3_step.serving; "
+            "print('cutlass' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
+

@@ -1,0 +1,73 @@
+"""``python -m mamba3_step``: one table of subcommands, one way to name a specialisation, one default."""
+
+from __future__ import annotations
+
+import argparse
+import types
+
+import pytest
+
+from mamba3_step import cli
+from mamba3_step.spec import flagship_spec
+from mamba3_step.specsets import add_spec_arguments, specs_from_args
+
+
+def _args(*argv):
+    return cli.build_parser().parse_args(list(argv))
+
+
+@pytest.mark.parametrize("command", [c.name for c in cli.COMMANDS])
+def test_every_subcommand_defaults_to_the_flagship_as_servers_run_it(command):
+    args = _args(command)
+    assert specs_from_args(args) == [flagship_spec()]
+    assert flagship_spec().pool and flagship_spec().update_kv_state  # as a server runs it
+
+
+@pytest.mark.parametrize("command", ["precompile", "inspect"])
+def test_spec_flags_mean_the_same_in_every_subcommand(command):
+    args = _args(command, "--config", "64,32,2", "--config", "flagship", "--state-dtype", "bfloat16",
+                 "--mode", "dense", "--no-z", "--no-update-kv-state")
+    changes = dict(state_dtype="bfloat16", pool=False, has_z=False, update_kv_state=False)
+    assert specs_from_args(args) == [flagship_spec(dstate=64, headdim=32, mimo=2, **changes),
+                                     flagship_spec(**changes)]
+
+
+def test_demo_takes_the_config_and_dtype_flags():
+    args = _args("demo", "--config", "32,32,2", "--kv-dtype", "float16", "--x-dtype", "float16")
+    (spec,) = specs_from_args(args)
+    assert (spec.dstate, spec.headdim, spec.mimo, spec.kv_dtype, spec.x_dtype) == (32, 32, 2, "float16", "float16")
+
+
+def test_a_config_that_names_a_dtype_the_flags_contradict_is_refused():
+    with pytest.raises(ValueError, match="names state_dtype=bfloat16, but the flags ask for float16"):
+        specs_from_args(_args("precompile", "--config", "128,64,4,bfloat16", "--state-dtype", "float16"))
+    # the same dtype twice is fine
+    assert specs_from_args(_args("precompile", "--config", "128,64,4,bfloat16", "--state-dtype", "bfloat16")) \
+        == [flagship_spec(state_dtype="bfloat16")]
+
+
+def test_adding_a_subcommand_is_one_table_entry(monkeypatch, capsys):
+    """A new subcommand (e.g. ``verify``) is a module with HELP, add_arguments and run; it reuses
+    the shared specialisation flags."""
+    seen = {}
+
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        add_spec_arguments(p)
+        p.add_argument("--rounds", type=int, default=1)
+
+    def run(args, parser) -> int:
+        seen["specs"], seen["rounds"] = specs_from_args(args), args.rounds
+        return 3
+
+    verify = types.SimpleNamespace(HELP="check something", add_arguments=add_arguments, run=run)
+    monkeypatch.setattr(cli, "COMMANDS", cli.COMMANDS + (cli.Command("verify", verify),))
+    assert cli.main(["verify", "--config", "32,32,1", "--rounds", "2"]) == 3
+    assert seen == {"specs": [flagship_spec(dstate=32, headdim=32, mimo=1)], "rounds": 2}
+    assert cli.main(["--help"]) == 0
+    assert "verify" in capsys.readouterr().out
+
+
+def test_no_or_unknown_subcommand_exits_2(capsys):
+    assert cli.main([]) == 2
+    assert cli.main(["frobnicate"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
