@@ -179,6 +179,22 @@ def test_non_unit_innermost_stride(arg):
     raises(ValueError, arg, kw, "innermost stride 1")
 
 
+@pytest.mark.parametrize("arg", ["B", "state", "Xstate", "out"])
+def test_a_row_spanning_more_than_2_31_elements_is_refused(arg):
+    """Below the first dimension the kernel uses 32-bit offsets: a view whose row spans more than
+    2**31 - 1 elements (here a huge stride in the second dimension, on the meta device so nothing
+    is allocated) is refused before anything is launched."""
+    kw = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in pool_call().items()}
+    t = kw[arg]
+    strides = list(t.stride())
+    strides[1] = 2**31
+    kw[arg] = torch.empty_strided(t.shape, strides, dtype=t.dtype, device="meta")
+    raises(ValueError, arg, kw, "32-bit offsets")
+    strides[1] = 2**31 // (t.shape[1] - 1) // 2  # a large stride whose span still fits
+    kw[arg] = torch.empty_strided(t.shape, strides, dtype=t.dtype, device="meta")
+    check_step_inputs(StepTensors(**kw), update_kv_state=True)
+
+
 def test_state_base_pointer_not_16_byte_aligned():
     kw = pool_call()
     flat = torch.empty(kw["state"].numel() + 1)

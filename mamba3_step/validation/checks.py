@@ -10,11 +10,11 @@ import numbers
 
 import torch
 
-from ..contract import VECTOR_BYTES, dtype_name
+from ..contract import INT32_MAX, VECTOR_BYTES, dtype_name
 
 __all__ = [
     "check_dtype", "check_int_option", "check_is_tensor", "check_rank", "check_shape",
-    "check_unit_inner_stride", "check_vector_aligned",
+    "check_inner_offsets_int32", "check_unit_inner_stride", "check_vector_aligned",
 ]
 
 
@@ -103,6 +103,20 @@ def check_vector_aligned(name: str, t: torch.Tensor) -> None:
                 f"elements = {stride_bytes} bytes in dimension {dim} (strides "
                 f"{tuple(t.stride())}, {dtype_name(t.dtype)})"
             )
+
+
+def check_inner_offsets_int32(name: str, t: torch.Tensor) -> None:
+    """The kernel addresses below a tensor's first dimension with 32-bit offsets (only the first
+    dimension's stride is 64-bit: a pool may exceed 2**31 elements, one row never does)."""
+    if t.dim() < 2 or t.numel() == 0:
+        return
+    span = sum((size - 1) * abs(stride) for size, stride in zip(t.shape[1:], t.stride()[1:]))
+    if span > INT32_MAX:
+        raise ValueError(
+            f"{name}: expected the elements below the first dimension to lie within 2**31 - 1 "
+            f"elements of each other (the kernel indexes them with 32-bit offsets), got a span of "
+            f"{span} elements (shape {tuple(t.shape)}, strides {tuple(t.stride())})"
+        )
 
 
 def check_int_option(name: str, value) -> int | None:

@@ -34,7 +34,8 @@ def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=Non
         TypeError: a non-tensor where a tensor belongs; an unsupported or mismatched dtype;
             indices that are not int32; a non-int ``null_slot_id``/``tile_D``/``num_warps``.
         ValueError: wrong ranks or shapes; unsupported N/D/R; tensors on different devices;
-            a non-unit innermost stride; ``state``/``state_out`` not 16-byte aligned;
+            a non-unit innermost stride; a row spanning more than 2**31 - 1 elements (32-bit
+            offsets below the first dimension); ``state``/``state_out`` not 16-byte aligned;
             ``state_out`` in pool mode; ``dst_state_batch_indices`` without
             ``state_batch_indices``; ``null_slot_id`` without pool mode; ``z`` without
             ``zproj`` or the reverse; a batch or head count too large for the launch grid;
@@ -129,6 +130,7 @@ def _check_memory(t: StepTensors) -> None:
         checks.check_device(rule.name, value, t.x.device)
     for rule, value in present:
         checks.check_unit_inner_stride(rule.name, value)
+        checks.check_inner_offsets_int32(rule.name, value)
     for rule, value in present:
         if rule.vector_aligned:
             checks.check_vector_aligned(rule.name, value)
