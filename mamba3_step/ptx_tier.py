@@ -34,7 +34,6 @@ import torch
 from . import ptx
 from .api import prepare_step
 from .build import argument_masks, compile_kernel
-from .inspection.elf import launch_config
 from .spec import StepSpec
 from .tensors import StepTensors, kernel_arguments
 from .tiling import launch_grid, thread_layout
@@ -81,7 +80,8 @@ def ptx_kernel(spec: StepSpec, arch: str = "sm_90a") -> PTXKernel:
     module = ptx.parse_module(text)
     params = module.entry().params
     kept = [(n, m) for n, m in zip(ARGUMENT_NAMES, argument_masks(spec)) if m is not None]
-    host = ptx.host_signature(str(compiled.ir_module), compiled.function_name)
+    ir_text = str(compiled.ir_module)
+    host = ptx.host_signature(ir_text, compiled.function_name)
     if len(host) != len(kept) + 1 or len(params) != len(kept):  # the host also takes the stream
         raise RuntimeError(f"{spec.key()}: {len(kept)} kernel arguments, host signature {len(host)} "
                            f"(with the stream), PTX entry {len(params)} parameters")
@@ -89,7 +89,7 @@ def ptx_kernel(spec: StepSpec, arch: str = "sm_90a") -> PTXKernel:
     for (name, _), t, p in zip(kept, types, params):
         if t.size_align()[0] != p.size:
             raise RuntimeError(f"{name}: struct {t} is {t.size_align()[0]} bytes, the PTX .param {p.size}")
-    launch = launch_config(compiled)
+    launch = ptx.launch_config(ir_text)
     block = launch["block"][0] if launch["block"] else (thread_layout(
         spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo).num_threads, 1, 1)
     kernel = PTXKernel(spec, arch, text, module, tuple(n for n, _ in kept), tuple(m for _, m in kept), types,

@@ -1,22 +1,21 @@
 """Reading the cubin the DSL embedded in a compiled kernel: fatbin, ELF sections, ``.nv.info``
-attributes, and the launch configuration's constants in the host IR. No GPU needed.
+attributes. No GPU needed.
 
 * The cubin is the ``llvm.mlir.global`` whose name ends in ``_binary`` in
   ``compiled.ir_module``: a fatbin whose ELF entries are the cubins.
 * ``registers``: ``EIATTR_REGCOUNT`` (0x2f) in the ELF's ``.nv.info`` section;
   ``stack_bytes``: ``EIATTR_FRAME_SIZE`` (0x11). These are the figures ``ptxas -v`` prints
   as "Used N registers" and "N bytes stack frame".
-* The dynamic shared memory and the block size a launch requests are the constants stored
-  into the ``sharedMem`` and ``block`` fields of the launch configuration in the host code.
+* The dynamic shared memory and the block size a launch requests are read from the host IR
+  by :func:`mamba3_step.ptx.host.launch_config`.
 """
 
 from __future__ import annotations
 
-import re
 import struct
 from dataclasses import dataclass
 
-__all__ = ["ELF_MAGIC", "InspectError", "cubins_from_compiled", "cubins_from_fatbin", "elf_facts", "launch_config"]
+__all__ = ["ELF_MAGIC", "InspectError", "cubins_from_compiled", "cubins_from_fatbin", "elf_facts"]
 
 
 class InspectError(RuntimeError):
@@ -254,54 +253,3 @@ def elf_facts(elf: bytes) -> list[dict]:
         # e_flags; version 8 (ptxas 13 output) in the second byte
         facts[k]["sm"] = (e_flags >> 8) & 0xFF if elf[8] >= 8 else e_flags & 0xFF
     return [facts[k] for k in kernels]
-
-
-# the launch configuration struct the DSL lowers to: (grid[3], block[3], sharedMem, stream, attrs, numAttrs)
-_LAUNCH_CONFIG_TYPE = "struct<(array<3 x i32>, array<3 x i32>, i64, ptr, ptr, i32)>"
-
-
-def launch_config(compiled) -> dict:
-    """Constants stored into launch configurations: {'smem': [..], 'block': [(x,y,z)..]}.
-
-    Each host launch stores into a ``(grid, block, sharedMem, ...)`` struct; this reads the
-    constant ``sharedMem`` (field 2) and block dims (field 1) from the printed host IR,
-    function by function (SSA names are per function). Values that are not compile-time
-    constants are skipped.
-    """
-    smem, blocks = [], []
-    const_re = re.compile(r"^\s*(%[\w.]+) = llvm\.mlir\.constant\((-?\d+) : i\d+\)")
-    gep_re = re.compile(r"^\s*(%[\w.]+) = llvm\.getelementptr (%[\w.]+)\[([0-9, ]+)\]")
-    store_re = re.compile(r"^\s*llvm\.store (%[\w.]+), (%[\w.]+) :")
-    constants: dict = {}
-    gep: dict = {}
-    block_dims: dict = {}
-
-    def flush():
-        for dims in block_dims.values():
-            if len(dims) == 3:
-                blocks.append((dims[0], dims[1], dims[2]))
-
-    for line in str(compiled.ir_module).splitlines():
-        if line.lstrip().startswith("llvm.func "):
-            flush()
-            constants, gep, block_dims = {}, {}, {}
-            continue
-        m = const_re.match(line)
-        if m:
-            constants[m.group(1)] = int(m.group(2))
-            continue
-        if _LAUNCH_CONFIG_TYPE in line:
-            m = gep_re.match(line)
-            if m:
-                gep[m.group(1)] = (m.group(2), tuple(int(x) for x in m.group(3).split(",")))
-            continue
-        m = store_re.match(line)
-        if m and m.group(2) in gep and m.group(1) in constants:
-            base, idx = gep[m.group(2)]
-            value = constants[m.group(1)]
-            if idx == (0, 2):
-                smem.append(value)
-            elif len(idx) == 3 and idx[:2] == (0, 1):
-                block_dims.setdefault(base, {})[idx[2]] = value
-    flush()
-    return {"smem": smem, "block": blocks}

@@ -22,7 +22,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..arch import sm_number
-from .elf import InspectError, cubins_from_compiled, cubins_from_fatbin, elf_facts, launch_config
+from ..ptx.host import launch_config
+from .elf import InspectError, cubins_from_compiled, cubins_from_fatbin, elf_facts
 from .occupancy import theoretical_occupancy
 from .sass import count_sass, disassemble, listing_arch, parse_sass, sass_for_kernel, sass_histogram
 
@@ -101,7 +102,7 @@ def kernel_facts(compiled, kernel: str | None = None, nvdisasm: str | None = Non
         launch = {"smem": [], "block": []}
     else:
         cubins = cubins_from_compiled(compiled)
-        launch = launch_config(compiled)
+        launch = launch_config(str(compiled.ir_module))
     found = []
     for elf in cubins:
         for facts in elf_facts(elf):

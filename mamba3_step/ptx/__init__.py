@@ -26,13 +26,15 @@ from .errors import (BarrierError, ExecutionFault, MemoryFault, PTXError, PTXSyn
                      WarpSyncError)
 from .machine import Machine, Program, RunResult
 from .memory import GlobalMemory
-from .params import LType, host_signature, pack, parse_llvm_type
+from .host import host_signature, launch_config
+from .params import LType, pack, parse_llvm_type
 from .ir import Module
 from .parse import parse_module
 
 __all__ = [
     "BarrierError", "ExecutionFault", "GlobalMemory", "LType", "Machine", "MemoryFault", "Module", "PTXError",
-    "PTXSyntaxError", "Program", "RunResult", "UnsupportedInstruction", "WarpSyncError", "host_signature", "pack",
+    "PTXSyntaxError", "Program", "RunResult", "UnsupportedInstruction", "WarpSyncError", "host_signature",
+    "launch_config", "pack",
     "parse_llvm_type", "parse_module", "run",
 ]
 

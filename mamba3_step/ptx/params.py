@@ -87,24 +87,6 @@ def parse_llvm_type(text: str) -> LType:
     return t
 
 
-def host_signature(ir_text: str, function_name: str) -> list[LType]:
-    """Argument types of the compiled host launcher ``function_name`` in the printed IR."""
-    m = re.search(r"llvm\.func @" + re.escape(function_name) + r"\((.*?)\) -> ", ir_text)
-    if not m:
-        raise PTXError(f"host function {function_name} not found in the compiled module")
-    args, depth, cur = [], 0, []
-    for c in m.group(1):
-        depth += c in "<("
-        depth -= c in ">)"
-        if c == "," and depth == 0:
-            args.append("".join(cur))
-            cur = []
-        else:
-            cur.append(c)
-    args.append("".join(cur))
-    return [parse_llvm_type(a.split(":", 1)[1].strip()) for a in args if a.strip()]
-
-
 def pack(t: LType, values: list) -> bytes:
     """Bytes of struct ``t`` holding ``values`` (one per leaf, in order; ints)."""
     leaves = t.leaves()
