@@ -17,7 +17,7 @@ import sys
 from types import ModuleType
 from typing import NamedTuple
 
-from . import demo
+from . import demo, verify
 from .compile_cache import cli as precompile_cli
 from .inspection import report
 from .specsets import add_spec_arguments, arch_from_args, parse_spec_args, specs_from_args
@@ -35,6 +35,7 @@ COMMANDS = (
     Command("demo", demo),
     Command("precompile", precompile_cli),
     Command("inspect", report),
+    Command("verify", verify),
 )
 
 

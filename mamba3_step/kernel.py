@@ -98,6 +98,11 @@ class Mamba3StepKernel:
         self.has_state_out = spec.has_state_out
         self.group_rows = lay.rows_per_pass * lay.rows_per_group  # tile rows in one row group
         self.reduce_plan, self.reduce_plain_mask = reduction_plan(lay.partials_per_group, lay.TPR)
+        #: row stride of the coefficients in shared memory (words): 16-byte rows, padded so that the
+        #: rows a warp's lanes read at once (rows_per_pass apart) fall in different banks
+        self.uv_stride = -(-2 * self.R // 4) * 4
+        if (self.uv_stride * lay.rows_per_pass) % 32 == 0:
+            self.uv_stride += 4
         #: lanes sharing one row of the epilogue (each takes R / split ranks)
         self.epilogue_split = max(1, min(self.R, lay.num_threads // self.tile_D, 32))
         self.epilogue_masks = [1 << k for k in reversed(range(self.epilogue_split.bit_length() - 1))]
@@ -174,7 +179,7 @@ class Mamba3StepKernel:
             sX = smem.allocate_tensor(Float32, cute.make_layout(self.tile_D), 16)  # (tile_D,) x
             sXr = smem.allocate_tensor(Float32, rd, 16)  # (R, tile_D) x * xproj
             sUV = smem.allocate_tensor(  # (tile_D, 2R) row coefficients u_r = gamma xr, v_r = beta xsr
-                Float32, cute.make_layout((self.tile_D, 2 * self.R), stride=(2 * self.R, 1)), 16)
+                Float32, cute.make_layout((self.tile_D, 2 * self.R), stride=(self.uv_stride, 1)), 16)
             sY = smem.allocate_tensor(Float32, rd, 16)  # (R, tile_D) sum_n new * C
 
             # Issue every state load first: they are the bytes that matter.

@@ -9,6 +9,8 @@ Letters (docs/contract.md): B lanes, P pool rows, H heads, D head dim, N state s
 * :func:`poison_`: random bit patterns (NaN, inf, huge, tiny, -0.0) in place; :func:`poison_pool`:
   random finite values in every row of a ``StatePool``.
 * :func:`bits` / :func:`bits_equal`: NaN-safe bit-for-bit comparison.
+* :func:`padded_indices`: race-free pool indices whose padding lanes hold every padding kind
+  (-1, INT32_MIN, P, INT32_MAX, the null slot), for the PTX tier's tests and ``verify``.
 
 Values are O(1), like a normalised model's, so that chained layers (the demo feeds one layer's
 ``out`` to the next) stay O(1): state, Xstate, x, z, D ~ N(0, 1); B, C, Bstate ~ N(0, 0.5^2);
@@ -20,11 +22,14 @@ Dtypes are given by name (``"bfloat16"``) or as torch dtypes.
 
 from __future__ import annotations
 
+import random
+
 import torch
 
-from .contract import as_torch_dtype
+from .contract import INT32_MAX, INT32_MIN, as_torch_dtype
 
-__all__ = ["bits", "bits_equal", "lane_inputs", "layer_weights", "make_inputs", "poison_", "poison_pool", "row_tensors"]
+__all__ = ["bits", "bits_equal", "lane_inputs", "layer_weights", "make_inputs", "padded_indices", "poison_",
+           "poison_pool", "row_tensors"]
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK_ELEMENTS = 1 << 26  # values drawn on the host at once (a benchmark pool is GBs)
@@ -144,3 +149,57 @@ def poison_pool(pool, generator=None) -> None:
     g = generator if generator is not None else torch.Generator().manual_seed(0)
     for t in (pool._state, pool._Bstate, pool._Xstate):
         t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+
+
+def padded_indices(B: int, P: int, *, null_slot_id: int | None = None, with_dst: bool = False,
+                   layout: str = "interleaved", seed: int = 0, device="cpu"):
+    """Pool indices for ``B`` lanes whose padding lanes hold every padding kind.
+
+    Up to five lanes are padding, with the sources ``-1``, ``INT32_MIN`` (kind ``"negative"``),
+    ``P``, ``INT32_MAX`` (``"oob"``) and ``null_slot_id`` (``"null"``, when given), at least one
+    lane stays live. Live lanes write distinct rows; without ``with_dst`` they update in place,
+    with it they read rows nobody writes, and one of them (kind ``"live_nodst"``) has a padding
+    destination. ``layout`` is ``"trailing"`` (padding last, a padded CUDA-graph batch) or
+    ``"interleaved"`` (shuffled with ``seed``). Returns ``(src, dst, kinds)``: int32 (B,) tensors
+    (``dst`` None without ``with_dst``) and the lane kinds.
+
+    Raises ValueError when the pool is too small for the live lanes' rows.
+    """
+    pads = [(-1, "negative"), (INT32_MIN, "negative"), (P, "oob"), (INT32_MAX, "oob")]
+    if null_slot_id is not None:
+        pads.append((null_slot_id, "null"))
+    pads = pads[: max(0, B - 1)]
+    live = B - len(pads)
+    kinds = ["live"] * live
+    if with_dst and live > 1:
+        kinds[0] = "live_nodst"
+    writers = kinds.count("live")
+    rows = [r for r in range(P) if r != null_slot_id]
+    need = writers + (live if with_dst else 0)
+    if need > len(rows):
+        raise ValueError(f"P={P}: a pool of {len(rows)} usable rows is too small for {need} live rows")
+    rng = random.Random(seed)
+    rng.shuffle(rows)
+    dst_rows, src_rows = rows[:writers], rows[writers:]
+    src, dst = [], []
+    for k in kinds:
+        if k == "live":
+            d = dst_rows.pop()
+            dst.append(d)
+            src.append(src_rows.pop() if with_dst else d)
+        else:  # live_nodst: reads a row nobody writes, writes nothing
+            src.append(src_rows.pop())
+            dst.append(INT32_MAX)
+    for value, kind in pads:
+        kinds.append(kind)
+        src.append(value)
+        dst.append(rng.choice([value, -1, 0]))
+    order = list(range(B))
+    if layout == "interleaved":
+        rng.shuffle(order)
+    elif layout != "trailing":
+        raise ValueError(f"layout: expected 'trailing' or 'interleaved', got {layout!r}")
+    src_t = torch.tensor([src[i] for i in order], dtype=torch.int32, device=device)
+    dst_t = torch.tensor([dst[i] for i in order], dtype=torch.int32, device=device) if with_dst else None
+    return src_t, dst_t, [kinds[i] for i in order]
+

@@ -47,7 +47,7 @@ def test_a_config_that_names_a_dtype_the_flags_contradict_is_refused():
 
 
 def test_adding_a_subcommand_is_one_table_entry(monkeypatch, capsys):
-    """A new subcommand (e.g. ``verify``) is a module with HELP, add_arguments and run; it reuses
+    """A new subcommand (like ``verify``) is a module with HELP, add_arguments and run; it reuses
     the shared specialisation flags."""
     seen = {}
 
@@ -59,12 +59,12 @@ def test_adding_a_subcommand_is_one_table_entry(monkeypatch, capsys):
         seen["specs"], seen["rounds"] = specs_from_args(args), args.rounds
         return 3
 
-    verify = types.SimpleNamespace(HELP="check something", add_arguments=add_arguments, run=run)
-    monkeypatch.setattr(cli, "COMMANDS", cli.COMMANDS + (cli.Command("verify", verify),))
-    assert cli.main(["verify", "--config", "32,32,1", "--rounds", "2"]) == 3
+    probe = types.SimpleNamespace(HELP="check something", add_arguments=add_arguments, run=run)
+    monkeypatch.setattr(cli, "COMMANDS", cli.COMMANDS + (cli.Command("probe", probe),))
+    assert cli.main(["probe", "--config", "32,32,1", "--rounds", "2"]) == 3
     assert seen == {"specs": [flagship_spec(dstate=32, headdim=32, mimo=1)], "rounds": 2}
     assert cli.main(["--help"]) == 0
-    assert "verify" in capsys.readouterr().out
+    assert "probe" in capsys.readouterr().out
 
 
 def test_no_or_unknown_subcommand_exits_2(capsys):

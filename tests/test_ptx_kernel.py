@@ -28,7 +28,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from helpers import PAD_KINDS, build_pool_indices, check_pool_parity, clone_inputs
+from helpers import PAD_KINDS, check_pool_parity, clone_inputs
 from test_kernel_compile import COVERING
 
 from mamba3_step import mamba3_step_fn
@@ -39,9 +39,8 @@ from mamba3_step.ptx_tier import ptx_kernel, ptx_step_fn, run_step_ptx
 from mamba3_step.reference import mamba3_step_reference
 from mamba3_step.spec import StepSpec
 from mamba3_step.tensors import StepTensors
-from mamba3_step.testing import make_inputs, poison_
+from mamba3_step.testing import make_inputs, padded_indices, poison_
 
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 NULL = 2
 
 
@@ -72,25 +71,8 @@ def _pool_spec(spec: StepSpec) -> StepSpec:
 
 
 def adversarial_indices(B: int, P: int, *, with_dst: bool, layout: str, seed: int):
-    """Race-free indices whose padding lanes hold every padding kind: -1, INT32_MIN, P,
-    INT32_MAX and the null slot; with ``with_dst`` live lanes with padded destinations too."""
-    pads = [-1, INT32_MIN, P, INT32_MAX, NULL]
-    kinds = ["live"] * (B - len(pads)) + ["negative", "negative", "oob", "oob", "null"]
-    if with_dst:
-        kinds[1] = "live_nodst"
-    if layout == "interleaved":
-        rng = np.random.default_rng(seed)
-        kinds = [kinds[i] for i in rng.permutation(len(kinds))]
-    src, dst, kinds = build_pool_indices(kinds, P, null_slot_id=NULL, with_dst=with_dst, seed=seed)
-    it = iter(pads)
-    for b, k in enumerate(kinds):
-        if k in PAD_KINDS:
-            src[b] = next(it)
-    if with_dst:
-        nodst = [b for b, k in enumerate(kinds) if k == "live_nodst"]
-        for b, v in zip(nodst, (INT32_MAX, INT32_MIN, P, -1)):
-            dst[b] = v
-    return src, dst, kinds
+    """Indices whose padding lanes hold every padding kind (mamba3_step.testing.padded_indices)."""
+    return padded_indices(B, P, null_slot_id=NULL, with_dst=with_dst, layout=layout, seed=seed)
 
 
 def _f64(inputs: dict) -> dict:
@@ -179,14 +161,13 @@ def test_padding_lanes_touch_no_pool_byte_and_live_lanes_touch_exactly_their_row
     lane = analysis.cta_of(res, log["thread"]) % res.grid[0]
     for b, kind in enumerate(kinds):
         mine = lane == b
-        touched = {}
+        touched, counted = {}, {}
         for write in (False, True):
             sel = mine & (log["write"] == write)
             addrs = log["addr"][sel].astype(np.int64)
             widths = log["width"][sel]
-            touched[write] = set()
-            for a, w in zip(addrs.tolist(), widths.tolist()):
-                touched[write].update(range(a, a + w))
+            every = [a + k for a, w in zip(addrs.tolist(), widths.tolist()) for k in range(w)]
+            touched[write], counted[write] = set(every), every
         for key in ("state", "Bstate", "Xstate"):
             pool = t[key]
             start = pool.data_ptr()
@@ -200,13 +181,14 @@ def test_padding_lanes_touch_no_pool_byte_and_live_lanes_touch_exactly_their_row
             d = int(src[b] if dst is None else dst[b])
             writes_row = kind == "live" and (key == "state" or spec.update_kv_state)
             assert written == (_row_bytes(pool, d) if writes_row else set()), f"{name}: lane {b} {key} writes"
+            if key == "state":  # the slab is a bijection onto the threads' 16-byte vectors
+                reads = [a for a in counted[False] if start <= a < end]
+                assert len(reads) == len(read), f"{name}: lane {b} reads a state byte twice"
+                writes = [a for a in counted[True] if start <= a < end]
+                assert len(writes) == len(written), f"{name}: lane {b} writes a state byte twice"
         if kind in PAD_KINDS:
             assert torch.equal(t["out"][b], torch.zeros_like(t["out"][b])), f"{name}: padding lane {b} out"
             assert not torch.signbit(t["out"][b].float()).any()
-    # each state byte of a live lane's src row is read once per lane (16-byte vectors, no overlap)
-    state = t["state"]
-    sel = (log["width"] == 16) & ~log["write"]
-    assert np.unique(log["addr"][sel]).size == sel.sum() or spec.has_dst, "a state vector read twice"
 
 
 @pytest.mark.parametrize("name", [n for n, s in COVERING.items() if s.pool])

@@ -1,7 +1,7 @@
 """``inspect``: compile one or more specialisations (no GPU needed) and report what the compiler
 made of them, with the bytes one decode step moves.
 
-``python -m mamba3_step inspect [spec flags] [--batch B] [--heads H] [--json] [--sass]``; the
+``python -m mamba3_step inspect [spec flags] [--batch B] [--heads H] [--json] [--sass] [--executed]``; the
 spec flags are the shared ones of :mod:`mamba3_step.specsets` (default: the flagship as servers
 run it, pool mode with update_kv_state). ``--json`` prints exactly one JSON document: an object
 for one specialisation, a list for several.
@@ -20,6 +20,7 @@ from ..bytes_model import bytes_per_step
 from ..spec import FLAGSHIP_HEADS
 from ..specsets import add_spec_arguments, parse_spec_args
 from ..tiling import thread_layout
+from ..verify import executed_facts, format_facts
 from .elf import InspectError
 from .facts import KernelFacts, kernel_facts
 from .occupancy import theoretical_occupancy
@@ -142,6 +143,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"H for the bytes-per-step figure (default {FLAGSHIP_HEADS})")
     p.add_argument("--json", action="store_true", help="print exactly one JSON document")
     p.add_argument("--sass", action="store_true", help="also print the SASS listing (text mode)")
+    p.add_argument("--executed", action="store_true",
+                   help="also execute the kernel's PTX on the CPU (B=4, H=2, all lanes live) and report "
+                        "executed facts: warp-instructions per CTA by class, sectors per request, bank "
+                        "conflicts, bytes vs the bytes model (docs/ptx-tier.md)")
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -157,9 +162,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except InspectError as e:
             print(f"inspect: {e}", file=sys.stderr)
             return 1
+        if args.executed:
+            report["executed"] = executed_facts(spec, arch)
         reports.append(report)
         if not args.json:
             print(format_report(report))
+            if args.executed:
+                print(format_facts("executed", report["executed"]))
             if args.sass:
                 print(facts.sass_text)
     if args.json:

@@ -1,0 +1,282 @@
+"""``verify``: compile specialisations, execute their PTX on the CPU, and check what they did.
+
+``python -m mamba3_step verify [spec flags] [--batch B] [--heads H] [--json] [--facts]``; the spec
+flags are the shared ones of :mod:`mamba3_step.specsets` (default: the flagship as servers run
+it). No GPU needed: each specialisation is compiled exactly as the launcher compiles it and its
+PTX executed by :mod:`mamba3_step.ptx` (docs/ptx-tier.md). Per specialisation, one row:
+
+* ``err_out``/``err_state``: largest error of the executed kernel against the float64
+  reference, next to ``budget_*``, the error of the same computation done by PyTorch in float32
+  (which rounds to the same storage dtypes); a row passes when every error is at most
+  :func:`tolerance` of its budget;
+* ``parity``: pool mode bit-identical to gather -> the executed dense kernel -> scatter, pools
+  poisoned, every padding kind (-1, INT32_MIN, P, INT32_MAX, the null slot), and with the
+  specialisation's ``dst``/``update_kv_state`` (a dense specialisation is checked through its
+  pool twin);
+* ``padding_bytes``: bytes of any pool tensor that padding lanes' CTAs read or wrote (from the
+  recorded addresses; must be 0);
+* ``fault``: the first execution fault (an access outside every tensor, a misaligned access, a
+  barrier or shuffle not reached by every participant, an unsupported instruction), else None;
+* ``races``: bytes shared between CTAs with a write, or touched by two threads of a CTA
+  between the same barriers with one of them writing (global and shared memory).
+
+The exit status is 1 when any row fails. :func:`executed_facts` gives the executed
+instruction mix, sectors per request, bank conflicts and bytes of one specialisation (also
+``inspect --executed``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from . import ptx
+from .api import mamba3_step_fn, prepare_step
+from .bytes_model import bytes_per_step
+from .ptx import analysis
+from .ptx_tier import ptx_kernel, ptx_step_fn, run_step_ptx
+from .reference import mamba3_step_reference
+from .serving import gather_dense_scatter
+from .spec import StepSpec
+from .specsets import add_spec_arguments, parse_spec_args, spec_label
+from .tensors import ROW_FIELDS, StepTensors
+from .testing import bits_equal, make_inputs, padded_indices, poison_
+
+__all__ = ["HELP", "add_arguments", "executed_facts", "run", "tolerance", "verify_spec"]
+
+HELP = "compile, execute the kernel's PTX on the CPU and check it against float64 (no GPU needed)"
+NULL_SLOT = 2
+
+
+def tolerance(budget: float, scale: float) -> float:
+    """The largest error accepted of an executed kernel: twice PyTorch-float32's error on the
+    same inputs plus 1e-6 of the output's scale (approximate instructions, other summation
+    order: docs/ptx-tier.md, "Numerics")."""
+    return 2 * budget + 1e-6 * max(scale, 1.0)
+
+
+def _inputs(spec: StepSpec, batch: int, heads: int, seed: int) -> tuple[StepTensors, list]:
+    """A call of ``spec``: fresh inputs; in pool mode indices with every padding kind."""
+    P = 2 * batch + 4 if spec.pool else None
+    kw = make_inputs(batch, P, heads, spec.headdim, spec.dstate, spec.mimo, state_dtype=spec.state_dtype,
+                     kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype, proj_dtype=spec.proj_dtype,
+                     has_z=spec.has_z, has_outproj=spec.has_outproj, seed=seed)
+    kinds = ["live"] * batch
+    if spec.pool:
+        src, dst, kinds = padded_indices(batch, P, null_slot_id=NULL_SLOT, with_dst=spec.has_dst, seed=seed)
+        kw.update(state_batch_indices=src, dst_state_batch_indices=dst, null_slot_id=NULL_SLOT)
+    if spec.has_state_out:
+        kw["state_out"] = poison_(torch.empty_like(kw["state"]), seed=seed)
+    return StepTensors(**kw), kinds
+
+
+def _clone(t: StepTensors) -> StepTensors:
+    return t._replace(**{k: v.clone() for k, v in t._asdict().items() if isinstance(v, torch.Tensor)})
+
+
+def _tiling(spec: StepSpec) -> dict:
+    return dict(tile_D=spec.tile_D, num_warps=spec.num_warps)
+
+
+def _accuracy(spec: StepSpec, tensors: StepTensors, executed: StepTensors) -> dict:
+    """Errors of the executed run (already done on ``executed``) and of PyTorch float32 vs float64."""
+    f64 = tensors._replace(**{k: v.double() for k, v in tensors._asdict().items()
+                              if isinstance(v, torch.Tensor) and v.is_floating_point()})
+    out64 = mamba3_step_reference(f64, update_kv_state=spec.update_kv_state, compute_dtype=torch.float64)
+    cpu = _clone(tensors)
+    out32 = mamba3_step_fn(**cpu._asdict(), update_kv_state=spec.update_kv_state)
+    key = "state_out" if spec.has_state_out else "state"
+
+    def err(a, b):
+        return (a.double() - b).abs().max().item()
+
+    row = dict(err_out=err(executed.out, out64), budget_out=err(out32, out64),
+               err_state=err(getattr(executed, key), getattr(f64, key)),
+               budget_state=err(getattr(cpu, key), getattr(f64, key)))
+    scale = out64.abs().max().item()
+    row["accurate"] = (row["err_out"] <= tolerance(row["budget_out"], scale)
+                       and row["err_state"] <= tolerance(row["budget_state"], 1.0))
+    return row
+
+
+def _padding_bytes(result, tensors: StepTensors, kinds: list) -> int:
+    """Bytes of the pools that padding lanes' CTAs touched, from the recorded addresses."""
+    log = result.log.arrays()
+    lanes = analysis.cta_of(result, log["thread"]) % result.grid[0]
+    pad = torch.tensor([k not in ("live", "live_nodst") for k in kinds])
+    mine = pad.numpy()[lanes]
+    touched = 0
+    for name in ROW_FIELDS:
+        t = getattr(tensors, name)
+        lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        a, w = log["addr"][mine].astype("int64"), log["width"][mine]
+        touched += int(((a + w > lo) & (a < hi)).sum())
+    return touched
+
+
+def _parity(spec: StepSpec, batch: int, heads: int, seed: int) -> bool:
+    """Pool mode (of ``spec``, or its pool twin) bit-identical to gather -> executed dense -> scatter."""
+    twin = spec if spec.pool else spec.replace(pool=True, has_dst=True, has_state_out=False,
+                                               update_kv_state=spec.tile_D >= spec.headdim)
+    tensors, _ = _inputs(twin, batch, heads, seed + 1)
+    rows = set(tensors.state_batch_indices.tolist())
+    for name in ROW_FIELDS:  # poison every row no live lane reads
+        t = getattr(tensors, name)
+        for r in range(t.shape[0]):
+            if r not in rows or r == NULL_SLOT:
+                poison_(t[r], seed=seed + r)
+    expected = _clone(tensors)
+    out_expected = gather_dense_scatter(expected, update_kv_state=twin.update_kv_state, step_fn=ptx_step_fn,
+                                        **_tiling(twin))
+    got = _clone(tensors)._replace(out=poison_(torch.empty_like(out_expected), seed=seed))
+    ptx_step_fn(**got._asdict(), update_kv_state=twin.update_kv_state, **_tiling(twin))
+    return bits_equal(got.out, out_expected) and all(
+        bits_equal(getattr(got, n), getattr(expected, n)) for n in ROW_FIELDS)
+
+
+def _races(result) -> int:
+    return (len(analysis.cta_races(result)) + len(analysis.intra_cta_races(result))
+            + len(analysis.intra_cta_races(result, shared=True)))
+
+
+def verify_spec(spec: StepSpec, arch: str = "sm_90a", batch: int = 8, heads: int = 3, seed: int = 0) -> dict:
+    """Compile, execute and check one specialisation (module docstring); returns its row."""
+    row = dict(label=spec_label(spec), spec=spec.as_dict(), arch=arch, batch=batch, heads=heads, fault=None)
+    t0 = time.perf_counter()
+    try:
+        ptx_kernel(spec, arch)
+        row["compile_seconds"] = round(time.perf_counter() - t0, 3)
+        t1 = time.perf_counter()
+        tensors, kinds = _inputs(spec, batch, heads, seed)
+        s, executed = prepare_step(_clone(tensors), update_kv_state=spec.update_kv_state, **_tiling(spec))
+        result = run_step_ptx(s, executed, arch=arch, record_shared=True)
+        row["execute_seconds"] = round(time.perf_counter() - t1, 3)
+        row.update(_accuracy(spec, tensors, executed))
+        row["padding_bytes"] = _padding_bytes(result, executed, kinds) if spec.pool else 0
+        row["races"] = _races(result)
+        row["parity"] = _parity(spec, batch, heads, seed)
+    except ptx.PTXError as e:
+        row["fault"] = f"{type(e).__name__}: {e}"
+    row["seconds"] = round(time.perf_counter() - t0, 3)
+    row["ok"] = (row["fault"] is None and row.get("accurate", False) and row.get("parity", False)
+                 and row.get("padding_bytes") == 0 and row.get("races") == 0)
+    return row
+
+
+def executed_facts(spec: StepSpec, arch: str = "sm_90a", batch: int = 4, heads: int = 2, seed: int = 0) -> dict:
+    """What one launch of ``spec`` executed, all lanes live (docs/ptx-tier.md, "Executed facts").
+
+    ``warp_instructions_per_cta`` by class; global accesses: requests, 32-byte sectors and the
+    minimum sectors for the same bytes (totals and per PTX line); shared accesses: requests,
+    wavefronts and the minimum; unique bytes read + written per tensor next to
+    :func:`mamba3_step.bytes_model.bytes_per_step` (``bytes_agree``).
+    """
+    tensors, _ = _inputs(spec, batch, heads, seed)
+    if spec.pool:  # every lane live, each on its own row
+        P = tensors.state.shape[0]
+        rows = torch.arange(batch, dtype=torch.int32)
+        tensors = tensors._replace(state_batch_indices=rows, null_slot_id=None, dst_state_batch_indices=(
+            rows + batch if spec.has_dst else None))
+        assert 2 * batch <= P
+    s, tensors = prepare_step(tensors, update_kv_state=spec.update_kv_state, **_tiling(spec))
+    result = run_step_ptx(s, tensors, arch=arch, record_shared=True)
+    ctas = result.grid[0] * result.grid[1] * result.grid[2]
+    coalescing = analysis.coalescing(result)
+    conflicts = analysis.bank_conflicts(result)
+    touched = analysis.bytes_touched(result, result.extra["memory"])
+    model = bytes_per_step(s, batch, heads)
+    executed_bytes = {k: v["read"] + v["written"] for k, v in touched.items()}
+    return {
+        "batch": batch, "heads": heads, "ctas": ctas,
+        "warp_instructions_per_cta": analysis.instruction_mix(result, ctas=ctas),
+        "global": {"requests": sum(v["requests"] for v in coalescing.values()),
+                   "sectors": sum(v["sectors"] for v in coalescing.values()),
+                   "ideal_sectors": sum(v["ideal_sectors"] for v in coalescing.values()),
+                   "per_line": coalescing},
+        "shared": {"requests": sum(v["requests"] for v in conflicts.values()),
+                   "wavefronts": sum(v["wavefronts"] for v in conflicts.values()),
+                   "ideal_wavefronts": sum(v["ideal"] for v in conflicts.values()),
+                   "per_line": conflicts},
+        "bytes": {k: {"executed": executed_bytes[k], "model": model.get(k)} for k in executed_bytes},
+        "bytes_agree": all(executed_bytes[k] == model.get(k) for k in executed_bytes),
+    }
+
+
+_COLUMNS = (("label", "specialisation", "<"), ("err_out", "err out", ">.2e"), ("budget_out", "torch32", ">.2e"),
+            ("err_state", "err state", ">.2e"), ("budget_state", "torch32", ">.2e"), ("parity", "parity", ">"),
+            ("padding_bytes", "pad bytes", ">d"), ("races", "races", ">d"), ("seconds", "seconds", ">.1f"),
+            ("ok", "ok", ">"))
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The per-specialisation table (faults on their own lines below it)."""
+    cells = [[("-" if r.get(k) is None else format(r[k], f.lstrip("<>"))) for k, _, f in _COLUMNS] for r in rows]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (_, h, _) in enumerate(_COLUMNS)]
+
+    def line(items):
+        return "  ".join(v.ljust(w) if f.startswith("<") else v.rjust(w)
+                         for v, w, (_, _, f) in zip(items, widths, _COLUMNS))
+
+    out = [line([h for _, h, _ in _COLUMNS]), line(["-" * w for w in widths])] + [line(c) for c in cells]
+    out += [f"{r['label']}: {r['fault']}" for r in rows if r["fault"]]
+    return "\n".join(out)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Compile step-kernel specialisations, execute their PTX on the CPU and check them: error "
+                     "vs float64, pool/dense parity, padding traffic, memory faults, races. No GPU needed.")
+    add_spec_arguments(p)
+    p.add_argument("--batch", type=int, default=8, help="lanes of the executed step (default 8)")
+    p.add_argument("--heads", type=int, default=3, help="heads of the executed step (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="random inputs' seed")
+    p.add_argument("--facts", action="store_true", help="also report executed facts (instruction mix, "
+                                                        "sectors, bank conflicts, bytes)")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON document")
+
+
+def format_facts(label: str, facts: dict) -> str:
+    """A few lines of executed facts for the text output."""
+    mix = facts["warp_instructions_per_cta"]
+    g, sh = facts["global"], facts["shared"]
+    classes = "  ".join(f"{k} {mix[k]:,.0f}" for k in analysis.CLASSES)
+    return "\n".join([
+        f"{label}: executed at B={facts['batch']} H={facts['heads']} ({facts['ctas']} CTAs, all lanes live)",
+        f"  warp-instructions per CTA {mix['total']:,.0f}: {classes}",
+        f"  global: {g['requests']:,} warp requests, {g['sectors']:,} sectors of 32 B "
+        f"(minimum {g['ideal_sectors']:,}: {100 * g['ideal_sectors'] / max(1, g['sectors']):.0f}% efficient)",
+        f"  shared: {sh['requests']:,} warp requests, {sh['wavefronts']:,} wavefronts "
+        f"(minimum {sh['ideal_wavefronts']:,})",
+        f"  bytes read + written per tensor {'equal' if facts['bytes_agree'] else 'DIFFER FROM'} bytes_model",
+    ])
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """The ``verify`` subcommand: exit status 0 when every row passes, 1 otherwise, 2 on bad flags."""
+    specs, arch = parse_spec_args(args, parser)
+    for name, least in (("batch", 2), ("heads", 1)):
+        if getattr(args, name) < least:
+            parser.error(f"--{name} must be >= {least}, got {getattr(args, name)}")
+    rows = []
+    for spec in specs:
+        row = verify_spec(spec, arch, args.batch, args.heads, args.seed)
+        if args.facts and row["ok"]:
+            row["executed"] = executed_facts(spec, arch, seed=args.seed)
+        rows.append(row)
+        print(f"verify: {row['label']}: {'ok' if row['ok'] else 'FAILED'} ({row['seconds']:.1f} s)",
+              file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(rows[0] if len(rows) == 1 else rows))
+        return 1 if any(not r["ok"] for r in rows) else 0
+    print(f"{arch}, B={args.batch} H={args.heads}: executed PTX vs float64 (torch32: PyTorch-float32's error on "
+          f"the same inputs; a row passes at <= 2 x torch32 + 1e-6 of the scale)")
+    print(format_rows(rows))
+    for row in rows:
+        if "executed" in row:
+            print(format_facts(row["label"], row["executed"]))
+    failed = sum(not r["ok"] for r in rows)
+    print(f"{len(rows)} specialisation(s): {len(rows) - failed} passed, {failed} failed")
+    return 1 if failed else 0

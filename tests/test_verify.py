@@ -1,0 +1,62 @@
+"""``python -m mamba3_step verify`` and ``inspect --executed``: the PTX tier for people changing the
+kernel without a GPU. The rows must pass on the real kernel and fail when the kernel is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mamba3_step import cli, verify
+from mamba3_step.spec import StepSpec, flagship_spec
+
+
+def test_verify_row_of_the_flagship_passes_with_every_check():
+    row = verify.verify_spec(flagship_spec(), "sm_90a", batch=6, heads=2)
+    assert row["ok"] and row["fault"] is None and row["parity"] and row["accurate"]
+    assert row["padding_bytes"] == 0 and row["races"] == 0
+    assert 0 < row["err_out"] <= verify.tolerance(row["budget_out"], 1.0)
+    assert row["budget_out"] > 0 and row["budget_state"] > 0
+
+
+def test_verify_reports_a_wrong_kernel(monkeypatch):
+    """A kernel that writes garbage into out (here: the executed run, corrupted afterwards) fails
+    the row and the command exits 1."""
+    real = verify.run_step_ptx
+
+    def corrupted(spec, tensors, **kw):
+        result = real(spec, tensors, **kw)
+        tensors.out.add_(1.0)
+        return result
+
+    monkeypatch.setattr(verify, "run_step_ptx", corrupted)
+    row = verify.verify_spec(StepSpec(32, 32, 1, pool=True).with_default_tiling(), "sm_90a", batch=4, heads=1)
+    assert not row["accurate"] and not row["ok"]
+
+
+def test_verify_cli_table_json_and_exit_status(capsys):
+    assert cli.main(["verify", "--config", "32,32,1", "--batch", "4", "--heads", "1", "--dst"]) == 0
+    out = capsys.readouterr().out
+    assert "N32 D32 R1" in out and "1 specialisation(s): 1 passed, 0 failed" in out
+    assert cli.main(["verify", "--config", "32,32,1", "--batch", "4", "--heads", "1", "--json",
+                     "--mode", "dense", "--no-update-kv-state"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["ok"] and row["spec"]["pool"] is False and row["parity"]  # dense: its pool twin's parity
+    assert cli.main(["verify", "--batch", "1"]) == 2
+
+
+def test_executed_facts_agree_with_the_bytes_model_and_count_instructions():
+    facts = verify.executed_facts(flagship_spec(), "sm_90a", batch=2, heads=1)
+    assert facts["bytes_agree"], facts["bytes"]
+    mix = facts["warp_instructions_per_cta"]
+    assert mix["FFMA"] > 0.4 * mix["total"]  # the state update is most of what a CTA issues
+    g = facts["global"]
+    assert g["sectors"] >= g["ideal_sectors"] > 0
+    assert facts["shared"]["wavefronts"] >= facts["shared"]["ideal_wavefronts"] > 0
+
+
+@pytest.mark.parametrize("argv", [["inspect", "--executed", "--json", "--config", "32,32,1"]])
+def test_inspect_executed_json(argv, capsys):
+    assert cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["executed"]["bytes_agree"] and report["executed"]["ctas"] == 4 * 2
