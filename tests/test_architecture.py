@@ -29,7 +29,7 @@ LAYERS = [
     ["contract"],
     ["tiling", "tensors", "arch", "sources", "testing", "ptx"],  # ptx: the PTX executor, numpy only
     ["spec"],
-    ["reference", "validation", "bytes_model", "specsets"],
+    ["reference", "validation", "bytes_model", "issue_model", "specsets"],
     ["kernel"],
     ["build"],  # the kernel's cutlass-free face: imports it lazily, on the first compile
     ["compile_cache"],

@@ -19,6 +19,7 @@ import re
 import pytest
 
 from mamba3_step.inspection import kernel_facts
+from mamba3_step.issue_model import GPUS, issue_model, slab_bytes
 from mamba3_step.kernel import compile_step_kernel
 from mamba3_step.contract import KV_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R
 from mamba3_step.spec import StepSpec, flagship_spec
@@ -222,3 +223,10 @@ def test_unsupported_tiling_is_refused_with_a_reason():
         compile_step_kernel(flagship_spec(tile_D=32), "sm_90a")  # update_kv_state needs tile_D >= D
     with pytest.raises(ValueError, match="num_warps"):
         compile_step_kernel(flagship_spec(num_warps=3), "sm_90a")
+
+
+def test_flagship_issue_model_leaves_hbm_the_bottleneck_on_h100():
+    """Issue time per slab <= 0.35 x memory time per slab on an H100 SM (issue #11's target)."""
+    spec = flagship_spec()
+    model = issue_model(slab_warp_instructions(facts_for(spec, "sm_90a"), spec), slab_bytes(spec), GPUS["H100"])
+    assert model["ratio"] <= 0.35, model

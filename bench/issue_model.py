@@ -1,0 +1,128 @@
+"""Instructions per state byte, side by side with upstream, and the static issue model (no GPU).
+
+    python bench/issue_model.py [--out DIR] [--no-execute]
+
+Compiles the flagship as servers run it (pool mode with update_kv_state; N=128, D=64, R=4, fp32
+state, bf16 B/x/proj, z and outproj) for sm_90a and sm_100a, counts its SASS, executes its PTX
+on the CPU (``--no-execute`` skips that), and prints
+
+1. the comparison table of issue #11: SASS instructions per thread, threads per CTA,
+   warp-instructions per (64 x 128) state slab and registers, upstream's dense kernel as a
+   stated constant (``mamba3_step.issue_model.UPSTREAM``, with its source) next to this
+   project's kernel;
+2. the issue model (``mamba3_step.issue_model``): per SM and slab, issue time vs memory time on
+   H100, H200 and B200 datasheet figures, from static SASS counts and from executed PTX counts.
+
+Writes ``issue_model.json`` and, with matplotlib, ``issue_model.png`` to ``bench/results/``.
+These are compiler facts and a model, not GPU measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _util  # noqa: E402  (also puts the repository on sys.path)
+
+from mamba3_step.build import compile_kernel  # noqa: E402
+from mamba3_step.inspection import kernel_facts  # noqa: E402
+from mamba3_step.issue_model import GPUS, UPSTREAM, issue_model, slab_bytes  # noqa: E402
+from mamba3_step.spec import flagship_spec  # noqa: E402
+from mamba3_step.verify import executed_facts  # noqa: E402
+
+ARCHS = ("sm_90a", "sm_100a")
+
+
+def compiled_rows(spec) -> list[dict]:
+    rows = []
+    for arch in ARCHS:
+        f = kernel_facts(compile_kernel(spec, arch))
+        per_thread = sum(v for k, v in f.sass.items() if k not in ("total", "NOP"))
+        warps = f.threads // 32 * (spec.headdim // spec.tile_D)
+        up = UPSTREAM[arch]
+        rows.append({"kernel": "upstream (dense)", "arch": arch, "per_thread": up.get("instructions_per_thread"),
+                     "threads": up.get("threads"), "slab": up["warp_instructions_per_slab"],
+                     "registers": up.get("registers"), "vs_upstream": 1.0})
+        rows.append({"kernel": "this project (pool + update_kv_state)", "arch": arch, "per_thread": per_thread,
+                     "threads": f.threads, "slab": per_thread * warps, "registers": f.registers,
+                     "spill_bytes": f.spill_bytes, "vs_upstream": per_thread * warps / up["warp_instructions_per_slab"]})
+    return rows
+
+
+def model_rows(spec, compiled: list[dict], executed: float | None) -> list[dict]:
+    nbytes = slab_bytes(spec)
+    out = []
+    for name, gpu in GPUS.items():
+        static = {r["kernel"]: r["slab"] for r in compiled if r["arch"] == gpu.arch}
+        counts = [("upstream, static SASS", static["upstream (dense)"]),
+                  ("this project, static SASS", static["this project (pool + update_kv_state)"])]
+        if executed is not None:
+            counts.append(("this project, executed PTX", executed))
+        for what, n in counts:
+            m = issue_model(n, nbytes, gpu)
+            out.append({"gpu": name, "count": what, "warp_instructions": n, "slab_bytes": nbytes,
+                        "clock_ghz": gpu.clock_hz / 1e9, **m})
+    return out
+
+
+TABLE = [("kernel", "kernel", "<"), ("arch", "arch", "<"), ("per_thread", "SASS instr/thread", ">,d"),
+         ("threads", "threads/CTA", ">d"), ("slab", "warp-instr per slab", ">,.0f"), ("registers", "regs", ">d"),
+         ("vs_upstream", "vs upstream", ">.2f")]
+MODEL = [("gpu", "GPU", "<"), ("count", "instructions", "<"), ("warp_instructions", "warp-instr/slab", ">,.0f"),
+         ("clock_ghz", "GHz", ">.2f"), ("issue_us", "issue us", ">.3f"), ("slab_bytes", "bytes/slab", ">,.0f"),
+         ("memory_us", "memory us", ">.3f"), ("ratio", "issue/memory", ">.2f")]
+
+
+def plot(rows: list[dict], path) -> str | None:
+    plt = _util.pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    short = {"upstream, static SASS": "upstream\nSASS", "this project, static SASS": "ours\nSASS",
+             "this project, executed PTX": "ours\nexec. PTX"}
+    labels = [f"{r['gpu']}\n{short[r['count']]}\n{r['ratio']:.2f}" for r in rows]
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["issue_us"] for r in rows], 0.4, label="issue time")
+    ax.bar([x + 0.2 for x in xs], [r["memory_us"] for r in rows], 0.4, label="memory time")
+    ax.set_xticks(list(xs), labels, fontsize=8)
+    ax.set_xlabel("GPU / instruction count / issue-to-memory ratio")
+    ax.set_ylabel("microseconds per state slab per SM")
+    ax.set_title("flagship step: issue vs memory time per slab (static model, no GPU measurement)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="output folder (default bench/results)")
+    p.add_argument("--no-execute", action="store_true", help="static counts only (skip the PTX tier)")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    spec = flagship_spec()
+    compiled = compiled_rows(spec)
+    executed = None if args.no_execute else executed_facts(spec)["warp_instructions_per_cta"]["total"]
+    rows = model_rows(spec, compiled, executed)
+    print("warp-instructions per (64 x 128) state slab, flagship (upstream: stated constant, issue #11)")
+    print(_util.format_table(compiled, TABLE))
+    print("\nissue model per SM and slab: issue time = warp-instructions / (4 per clock x clock), memory "
+          "time = bytes per slab / (HBM bandwidth / SMs)")
+    print(_util.format_table(rows, MODEL))
+    out = _util.results_dir(args.out)
+    payload = {"what": "static SASS counts, executed PTX counts and a model; no GPU measurement",
+               "environment": _util.environment(), "compiled": compiled, "model": rows,
+               "gpus": {k: vars(v) | {"clock_hz": v.clock_hz} for k, v in GPUS.items()}}
+    print(f"\nwrote {_util.write_json(out / 'issue_model.json', payload)}")
+    png = plot(rows, out / "issue_model.png")
+    if png:
+        print(f"wrote {png}")
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Can an SM issue the step's instructions faster than HBM delivers its bytes? A static model.
+
+Letters (docs/contract.md): B lanes, H heads, D head dim, N state size, R MIMO rank.
+
+The step is memory-bound only while the SMs issue its instructions faster than the memory
+system delivers its bytes; otherwise the issue slots, not HBM, set the time. Per SM and per
+state slab (one (lane, head): ``D x N`` state elements, one CTA at the default ``tile_D = D``):
+
+* issue time = warp-instructions per slab / (4 per clock x the SM clock): an SM has four
+  schedulers, each issuing at most one warp-instruction per clock;
+* memory time = bytes per slab / (HBM bandwidth / number of SMs): the slab's share of the
+  bytes one step moves (:func:`mamba3_step.bytes_model.bytes_per_step`, all lanes live, per
+  (lane, head)) at the SM's share of the bandwidth.
+
+The ratio issue / memory is the fraction of the memory time the SM is busy issuing: well below
+1 leaves slack to hide latency. Warp-instructions per slab come from the compiled kernel
+(static SASS counts: the kernel is fully unrolled, so a live CTA issues each instruction once
+per warp) or from the PTX execution tier (executed PTX instructions, a close proxy).
+
+The GPU figures are datasheet figures; the SM clock is derived from the datasheet's fp32 peak
+(fp32 FLOP/s = SMs x 128 lanes x 2 x clock), and each entry says where it comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .bytes_model import bytes_per_step
+from .spec import StepSpec
+
+__all__ = ["GPUS", "GPU", "ISSUE_PER_CLOCK", "UPSTREAM", "issue_model", "slab_bytes"]
+
+#: warp-instructions an SM can issue per clock (four schedulers, one each)
+ISSUE_PER_CLOCK = 4
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    sms: int
+    hbm_bytes_per_s: float
+    fp32_flops: float  # dense fp32 peak, for the clock
+    arch: str  # the architecture whose kernel it runs
+    source: str
+
+    @property
+    def clock_hz(self) -> float:
+        return self.fp32_flops / (self.sms * 128 * 2)
+
+
+GPUS = {
+    "H100": GPU("H100 SXM5 80 GB", 132, 3.35e12, 67e12, "sm_90a",
+                "NVIDIA H100 datasheet (3.35 TB/s HBM3, 67 TFLOPS fp32); 132 SMs: Hopper architecture "
+                "whitepaper"),
+    "H200": GPU("H200 SXM 141 GB", 132, 4.8e12, 67e12, "sm_90a",
+                "NVIDIA H200 datasheet (4.8 TB/s HBM3e, 67 TFLOPS fp32); the H100's 132-SM chip"),
+    "B200": GPU("B200 (HGX, 1000 W)", 148, 8.0e12, 80e12, "sm_100a",
+                "NVIDIA HGX B200 datasheet (8 TB/s HBM3e, 80 TFLOPS fp32 per GPU); 148 SMs from public "
+                "specification listings (not in NVIDIA's datasheet)"),
+}
+
+#: upstream's dense step kernel (state-spaces/mamba's CuteDSL ``mamba3_step_fn`` as its Mamba3
+#: module calls it: tile_D 64, 4 warps) for the flagship (N=128, D=64, R=4, fp32 state, bf16
+#: B/x/proj, z and outproj), compiled with nvidia-cutlass-dsl 4.8.1 and counted from its SASS,
+#: as reported in this project's issue #11; upstream's code is not part of this project
+UPSTREAM = {
+    "sm_90a": {"instructions_per_thread": 1947, "threads": 128, "warp_instructions_per_slab": 7788,
+               "registers": 110},
+    "sm_100a": {"warp_instructions_per_slab": 7268},
+}
+
+
+def slab_bytes(spec: StepSpec, batch: int = 256, heads: int = 48) -> float:
+    """Bytes one step moves per (lane, head), all lanes live (weights amortised over the batch)."""
+    return bytes_per_step(spec, batch, heads)["total"] / (batch * heads)
+
+
+def issue_model(warp_instructions_per_slab: float, bytes_per_slab: float, gpu: GPU) -> dict:
+    """``issue_us``, ``memory_us`` and ``ratio`` (issue / memory) per slab on one SM of ``gpu``."""
+    issue = warp_instructions_per_slab / (ISSUE_PER_CLOCK * gpu.clock_hz)
+    memory = bytes_per_slab / (gpu.hbm_bytes_per_s / gpu.sms)
+    return {"issue_us": issue * 1e6, "memory_us": memory * 1e6, "ratio": issue / memory}
