@@ -40,6 +40,7 @@ def mamba3_step_fn(
     state_batch_indices: torch.Tensor | None = None,
     dst_state_batch_indices: torch.Tensor | None = None,
     null_slot_id: int | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
     update_kv_state: bool = False,
     tile_D: int | None = None,
     num_warps: int | None = None,
@@ -116,7 +117,7 @@ def mamba3_step_fn(
     """
     tensors = StepTensors(
         state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
-        state_batch_indices, dst_state_batch_indices, null_slot_id,
+        state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens,
     )
     spec, tensors = prepare_step(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
                                  validate_indices=validate_indices)

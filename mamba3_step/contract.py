@@ -27,7 +27,7 @@ import torch
 __all__ = [
     "DTYPES", "DType", "DTYPE_BYTES", "KV_DTYPES", "MAX_GRID_X", "MAX_GRID_Y", "PAD_SLOT_ID",
     "PROJ_DTYPES", "STATE_DTYPES", "SUPPORTED_D", "SUPPORTED_N", "SUPPORTED_R", "VECTOR_BYTES",
-    "X_DTYPES", "as_torch_dtype", "dtype_name", "lane_is_live", "out_shape",
+    "X_DTYPES", "as_torch_dtype", "dtype_name", "lane_is_live", "source_rows", "out_shape",
 ]
 
 #: the pool index a server pads a batch with (any negative index, any index >= P and
@@ -99,6 +99,21 @@ def lane_is_live(index, num_rows: int, null_slot_id: int | None = None):
     if null_slot_id is not None:
         live = live & (index != null_slot_id)
     return live
+
+
+def source_rows(state_batch_indices, num_accepted_tokens=None):
+    """Each lane's source row: ``state_batch_indices`` (B,), or with ``num_accepted_tokens`` (B,)
+    the entry ``state_batch_indices[b, num_accepted_tokens[b] - 1]`` of a (B, K) tensor (the
+    state after the accepted prefix of a speculative step). A count outside [1, K] gives -1:
+    that lane is padding (whatever the count holds, nothing outside the index tensor is read).
+    Returns an int64 tensor."""
+    src = state_batch_indices.to(torch.int64)
+    if num_accepted_tokens is None:
+        return src
+    k = num_accepted_tokens.to(device=src.device, dtype=torch.int64) - 1
+    inside = (k >= 0) & (k < src.shape[1])
+    picked = src.gather(1, k.clamp(0, max(src.shape[1] - 1, 0)).unsqueeze(1)).squeeze(1)
+    return torch.where(inside, picked, torch.full_like(picked, -1))
 
 
 def out_shape(x: torch.Tensor, xproj: torch.Tensor, has_outproj: bool) -> tuple[int, ...]:

@@ -83,7 +83,7 @@ class Mamba3StepKernel:
         self.D = spec.headdim
         self.R = spec.mimo
         self.tile_D = spec.tile_D
-        lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo)
+        lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo, spec.tokens)
         self.layout = lay
         self.num_threads = lay.num_threads
         self.state_dtype = CUTLASS_DTYPES[spec.state_dtype]
@@ -96,6 +96,9 @@ class Mamba3StepKernel:
         self.has_z = spec.has_z
         self.has_outproj = spec.has_outproj
         self.has_state_out = spec.has_state_out
+        self.T = spec.tokens
+        self.dst_per_token = spec.dst_per_token
+        self.num_accepted = spec.num_accepted
         self.group_rows = lay.rows_per_pass * lay.rows_per_group  # tile rows in one row group
         self.reduce_plan, self.reduce_plain_mask = reduction_plan(lay.partials_per_group, lay.TPR)
         #: row stride of the coefficients in shared memory (words): 16-byte rows, padded so that the
@@ -114,29 +117,30 @@ class Mamba3StepKernel:
         mState: cute.Tensor,  # (P, H, D, N) state dtype, updated in place (pool: P rows; dense: B rows)
         mBstate: cute.Tensor,  # (P, R, H, N) kv dtype
         mXstate: cute.Tensor,  # (P, H, D) x dtype
-        mA: cute.Tensor,  # (B, H) fp32
-        mB: cute.Tensor,  # (B, R, H, N) kv dtype
-        mC: cute.Tensor,  # (B, R, H, N) kv dtype
-        mDskip: cute.Tensor,  # (H,) fp32, SPEC's D (skip) parameter
-        mX: cute.Tensor,  # (B, H, D) x dtype
-        mDt: cute.Tensor,  # (B, H) fp32
-        mTrap: cute.Tensor,  # (B, H) fp32
+        mA: cute.Tensor,  # (B[, T], H) fp32; the token axis T only when tokens > 1
+        mB: cute.Tensor,  # (B[, T], R, H, N) kv dtype
+        mC: cute.Tensor,  # (B[, T], R, H, N) kv dtype
+        mDskip: cute.Tensor,  # (H,) fp32, the contract's D (skip) parameter
+        mX: cute.Tensor,  # (B[, T], H, D) x dtype
+        mDt: cute.Tensor,  # (B[, T], H) fp32
+        mTrap: cute.Tensor,  # (B[, T], H) fp32
         mXproj: cute.Tensor,  # (R, H, D) proj dtype
         mZproj: Optional[cute.Tensor],  # (R, H, D) proj dtype, with z
         mOutproj: Optional[cute.Tensor],  # (R, H, D) proj dtype
-        mZ: Optional[cute.Tensor],  # (B, H, D) x dtype
-        mOut: cute.Tensor,  # (B, H, D) with outproj else (B, R, H, D), x dtype
+        mZ: Optional[cute.Tensor],  # (B[, T], H, D) x dtype
+        mOut: cute.Tensor,  # (B[, T], H, D) with outproj else (B[, T], R, H, D), x dtype
         mStateOut: Optional[cute.Tensor],  # (B, H, D, N) dense mode only
-        mSrcIdx: Optional[cute.Tensor],  # (B,) int32, pool mode
-        mDstIdx: Optional[cute.Tensor],  # (B,) int32, pool mode with separate destination
+        mSrcIdx: Optional[cute.Tensor],  # (B,) int32 pool mode; (B, K) with num_accepted
+        mDstIdx: Optional[cute.Tensor],  # (B,) int32 separate destination; (B, T) per token
+        mNumAccepted: Optional[cute.Tensor],  # (B,) int32, with num_accepted
         null_slot: Int32,  # pool rows equal to this are padding (pass -1 for none)
         stream,
     ):
         self.kernel(
             mState, mBstate, mXstate, mA, mB, mC, mDskip, mX, mDt, mTrap, mXproj, mZproj,
-            mOutproj, mZ, mOut, mStateOut, mSrcIdx, mDstIdx, null_slot,
+            mOutproj, mZ, mOut, mStateOut, mSrcIdx, mDstIdx, mNumAccepted, null_slot,
         ).launch(
-            grid=launch_grid(mX.shape[0], mX.shape[1], self.D, self.tile_D),
+            grid=launch_grid(mX.shape[0], mXproj.shape[1], self.D, self.tile_D),
             block=(self.num_threads, 1, 1),
             stream=stream,
         )
@@ -148,39 +152,44 @@ class Mamba3StepKernel:
         mState: cute.Tensor,  # (P, H, D, N)
         mBstate: cute.Tensor,  # (P, R, H, N)
         mXstate: cute.Tensor,  # (P, H, D)
-        mA: cute.Tensor,  # (B, H)
-        mB: cute.Tensor,  # (B, R, H, N)
-        mC: cute.Tensor,  # (B, R, H, N)
+        mA: cute.Tensor,  # (B[, T], H)
+        mB: cute.Tensor,  # (B[, T], R, H, N)
+        mC: cute.Tensor,  # (B[, T], R, H, N)
         mDskip: cute.Tensor,  # (H,)
-        mX: cute.Tensor,  # (B, H, D)
-        mDt: cute.Tensor,  # (B, H)
-        mTrap: cute.Tensor,  # (B, H)
+        mX: cute.Tensor,  # (B[, T], H, D)
+        mDt: cute.Tensor,  # (B[, T], H)
+        mTrap: cute.Tensor,  # (B[, T], H)
         mXproj: cute.Tensor,  # (R, H, D)
         mZproj: Optional[cute.Tensor],  # (R, H, D)
         mOutproj: Optional[cute.Tensor],  # (R, H, D)
-        mZ: Optional[cute.Tensor],  # (B, H, D)
-        mOut: cute.Tensor,  # (B, H, D) or (B, R, H, D)
+        mZ: Optional[cute.Tensor],  # (B[, T], H, D)
+        mOut: cute.Tensor,  # (B[, T], H, D) or (B[, T], R, H, D)
         mStateOut: Optional[cute.Tensor],  # (B, H, D, N)
-        mSrcIdx: Optional[cute.Tensor],  # (B,)
-        mDstIdx: Optional[cute.Tensor],  # (B,)
+        mSrcIdx: Optional[cute.Tensor],  # (B,) or (B, K)
+        mDstIdx: Optional[cute.Tensor],  # (B,) or (B, T)
+        mNumAccepted: Optional[cute.Tensor],  # (B,)
         null_slot: Int32,
     ):
+        """Length: one CTA's whole life, in launch order (select rows; load the slab; the tokens;
+        the final stores); each step is a stage below."""
         tidx, _, _ = cute.arch.thread_idx()
         b, h, dtile = cute.arch.block_idx()
 
-        src, dst, src_live, dst_live = self.select_rows(mSrcIdx, mDstIdx, null_slot, mState.shape[0], b)
+        src, dst, src_live, dst_live = self.select_rows(mSrcIdx, mDstIdx, mNumAccepted, null_slot,
+                                                        mState.shape[0], b)
         if src_live:
             smem = cutlass.memory.SmemAllocator()
             rn = cute.make_layout((self.R, self.N), stride=(self.N, 1))
             rd = cute.make_layout((self.R, self.tile_D), stride=(self.tile_D, 1))
-            sB = smem.allocate_tensor(Float32, rn, 16)  # (R, N) this step's B
-            sBs = smem.allocate_tensor(Float32, rn, 16)  # (R, N) the previous B (Bstate row)
+            sBB = smem.allocate_tensor(  # (2, R, N): this token's B and the previous one, by parity
+                Float32, cute.make_layout((2, self.R, self.N), stride=(self.R * self.N, self.N, 1)), 16)
             sC = smem.allocate_tensor(Float32, rn, 16)  # (R, N)
             sX = smem.allocate_tensor(Float32, cute.make_layout(self.tile_D), 16)  # (tile_D,) x
             sXr = smem.allocate_tensor(Float32, rd, 16)  # (R, tile_D) x * xproj
             sUV = smem.allocate_tensor(  # (tile_D, 2R) row coefficients u_r = gamma xr, v_r = beta xsr
                 Float32, cute.make_layout((self.tile_D, 2 * self.R), stride=(self.uv_stride, 1)), 16)
             sY = smem.allocate_tensor(Float32, rd, 16)  # (R, tile_D) sum_n new * C
+            shared = (sBB, sC, sX, sXr, sUV, sY)
 
             # Issue every state load first: they are the bytes that matter.
             lane = tidx % self.layout.TPR
@@ -189,54 +198,117 @@ class Mamba3StepKernel:
             for g in cutlass.range_constexpr(self.layout.row_groups if self.layout.preload else 1):
                 rows = self.thread_rows(tidx, phi, g)
                 frags.append((self.load_state(mState, src, h, dtile, rows, lane), rows))
+            target = mState
+            if const_expr(self.has_state_out):
+                target = mStateOut
+            # the state is stored after each token only when every token has its own row
+            store_each = self.T == 1 or self.dst_per_token
 
-            alpha, beta, gamma = self.decay_coefficients(mA, mDt, mTrap, b, h)
-            self.stage_operands(mBstate, mXstate, mB, mC, mX, mXproj, sB, sBs, sC, sX, sXr, sUV, beta, gamma,
-                                src, b, h, dtile, tidx)
-            cute.arch.barrier()
-            # Every read of the old Bstate/Xstate rows happened before the barrier.
-            if const_expr(self.update_kv_state):
-                if dst_live:
-                    self.store_kv_state(mBstate, mXstate, sB, sX, dst, h, dtile, tidx)
-
-            tOrB, tOrBs, tOrC = self.load_operands(sB, sBs, sC, lane, phi)
-            for g in cutlass.range_constexpr(self.layout.row_groups):
-                if const_expr(g >= len(frags)):  # without preload: this group's loads now
-                    rows = self.thread_rows(tidx, phi, g)
-                    frags.append((self.load_state(mState, src, h, dtile, rows, lane), rows))
-                tSrS, rows = frags[g]
-                part = self.update_rows(tSrS, rows, tOrB, tOrBs, tOrC, sB, sBs, sC, sUV, alpha, lane, phi)
-                self.reduce_rows(part, sY, tidx, phi, g)
-                if dst_live:
-                    target = mState
-                    if const_expr(self.has_state_out):
-                        target = mStateOut
-                    self.store_state(tSrS, target, dst, h, dtile, rows, lane)
-            cute.arch.barrier()
-            self.epilogue(sY, sXr, mDskip, mZ, mZproj, mOutproj, mOut, b, h, dtile, tidx, self.num_threads)
+            # the previous B and x of token 0: the Bstate/Xstate rows
+            self.token_step(0, (mBstate, (src,)), (mXstate, (src,)), mState, mBstate, mXstate, mA, mB, mC,
+                            mDskip, mX, mDt, mTrap, mXproj, mZproj, mOutproj, mZ, mOut, target, mDstIdx, null_slot,
+                            shared, frags, src, dst, src_live, dst_live, store_each, b, h, dtile, tidx, lane, phi)
+            if const_expr(self.T > 1):
+                # Unrolled: a runtime token loop kept so many values live that R = 8 kernels spilled;
+                # unrolled, every buffer parity and token offset is static (code grows with T).
+                for t in cutlass.range_constexpr(1, self.T):
+                    cute.arch.barrier()  # token t - 1 is done with the shared buffers
+                    self.token_step(t, None, (mX, self.lane_index(b, t - 1)), mState, mBstate, mXstate, mA, mB,
+                                    mC, mDskip, mX, mDt, mTrap, mXproj, mZproj, mOutproj, mZ, mOut, target, mDstIdx,
+                                    null_slot, shared, frags, src, dst, src_live, dst_live, store_each, b, h, dtile,
+                                    tidx, lane, phi)
+                if const_expr(not store_each):  # the final state, and the last token's B/x, to row dst
+                    if dst_live:
+                        for g in cutlass.range_constexpr(self.layout.row_groups):
+                            self.store_state(frags[g][0], target, dst, h, dtile, frags[g][1], lane)
+                        if const_expr(self.update_kv_state):
+                            self.store_kv_state(mBstate, mXstate, sBB[(self.T - 1) % 2, None, None], sX, dst, h,
+                                                dtile, tidx)
         else:
-            self.zero_out(mOut, b, h, dtile, tidx, self.num_threads)
+            for t in cutlass.range_constexpr(self.T):
+                self.zero_out(mOut, self.lane_index(b, t), h, dtile, tidx, self.num_threads)
+
+    @cute.jit
+    def token_step(self, t, Bprev: Optional[tuple], Xprev: tuple, mState: cute.Tensor,
+                   mBstate: cute.Tensor, mXstate: cute.Tensor, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor,
+                   mDskip: cute.Tensor, mX: cute.Tensor, mDt: cute.Tensor, mTrap: cute.Tensor, mXproj: cute.Tensor,
+                   mZproj: Optional[cute.Tensor], mOutproj: Optional[cute.Tensor], mZ: Optional[cute.Tensor],
+                   mOut: cute.Tensor, target: cute.Tensor, mDstIdx: Optional[cute.Tensor], null_slot: Int32,
+                   shared: tuple, frags: list, src: Int32, dst: Int32, src_live: Boolean, dst_live: Boolean,
+                   store_each: bool, b: Int32, h: Int32, dtile: Int32, tidx: Int32, lane: Int32, phi: Int32):
+        """Token ``t`` (a compile-time index): stage its operands, update the state in registers,
+        reduce y, write its ``out``; store the state (and B/x) when each token has its row.
+
+        ``Bprev``/``Xprev``: (tensor, leading coordinates) of the previous B (R, H, N) and x (H, D):
+        the Bstate/Xstate rows for token 0; for t > 0 the previous B is already in shared memory
+        (the other half of ``sBB``, staged by token t - 1: ``Bprev`` None) and ``Xprev`` is token
+        t - 1's x.
+        """
+        sBB, sC, sX, sXr, sUV, sY = shared
+        sB = sBB[t % 2, None, None]  # (R, N) this token's B
+        sBs = sBB[(t + 1) % 2, None, None]  # (R, N) the previous B
+        lane_t = self.lane_index(b, t)
+        alpha, beta, gamma = self.decay_coefficients(mA, mDt, mTrap, lane_t, h)
+        if const_expr(Bprev is not None):
+            self.stage_kv_row(Bprev[0], Bprev[1], h, sBs, tidx)
+        self.stage_operands(mB, mC, mX, lane_t, Xprev[0], Xprev[1], mXproj, sB, sC, sX, sXr, sUV, beta, gamma, h,
+                            dtile, tidx)
+        cute.arch.barrier()
+        # Every read of the old Bstate/Xstate rows happened before the barrier.
+        if const_expr(self.dst_per_token):
+            dst = mDstIdx[b, t]
+            dst_live = src_live & self.row_is_live(dst, mState.shape[0], null_slot)
+        if const_expr(self.update_kv_state and store_each):
+            if dst_live:
+                self.store_kv_state(mBstate, mXstate, sB, sX, dst, h, dtile, tidx)
+        tOrB, tOrBs, tOrC = self.load_operands(sB, sBs, sC, lane, phi)
+        for g in cutlass.range_constexpr(self.layout.row_groups):
+            if const_expr(g >= len(frags)):  # without preload: this group's loads now
+                rows = self.thread_rows(tidx, phi, g)
+                frags.append((self.load_state(mState, src, h, dtile, rows, lane), rows))
+            tSrS, rows = frags[g]
+            part = self.update_rows(tSrS, rows, tOrB, tOrBs, tOrC, sB, sBs, sC, sUV, alpha, lane, phi)
+            self.reduce_rows(part, sY, tidx, phi, g)
+            if const_expr(store_each):
+                if dst_live:
+                    self.store_state(tSrS, target, dst, h, dtile, rows, lane)
+        cute.arch.barrier()
+        self.epilogue(sY, sXr, mDskip, mZ, mZproj, mOutproj, mOut, lane_t, h, dtile, tidx, self.num_threads)
+
+    def lane_index(self, b: Int32, t) -> tuple:
+        """The leading coordinates of lane ``b``, token ``t`` in a per-lane tensor: ``(b,)`` when the
+        specialisation has one token (no token axis), else ``(b, t)``."""
+        return (b,) if self.T == 1 else (b, t)
 
     # ------------------------------------------------------------------ stages
     @cute.jit
-    def select_rows(self, mSrcIdx: Optional[cute.Tensor], mDstIdx: Optional[cute.Tensor], null_slot: Int32,
-                    num_rows: Int32, b: Int32):
+    def select_rows(self, mSrcIdx: Optional[cute.Tensor], mDstIdx: Optional[cute.Tensor],
+                    mNumAccepted: Optional[cute.Tensor], null_slot: Int32, num_rows: Int32, b: Int32):
         """Lane ``b`` -> ``(src, dst, src_live, dst_live)``.
 
-        Dense mode: row b, always live. Pool mode: ``src = state_batch_indices[b]``; a row
-        is padding when negative, ``>= num_rows`` (P) or equal to ``null_slot``. ``dst``
-        defaults to ``src``; ``dst_live`` requires a live src too.
+        Dense mode: row b, always live. Pool mode: ``src = state_batch_indices[b]``, or with
+        num_accepted ``state_batch_indices[b, num_accepted_tokens[b] - 1]`` (a count outside
+        [1, K] makes the lane padding, and nothing outside the index tensor is read); a row is
+        padding when negative, ``>= num_rows`` (P) or equal to ``null_slot``. ``dst`` defaults
+        to ``src``; ``dst_live`` requires a live src too. With a destination per token, ``dst``
+        here is unused (each token reads its own).
         """
         src = Int32(b)
         dst = Int32(b)
         src_live = Boolean(True)
         dst_live = Boolean(True)
         if const_expr(self.pool):
-            src = mSrcIdx[b]
+            if const_expr(self.num_accepted):
+                k = mNumAccepted[b] - 1
+                src = Int32(-1)
+                if (k >= 0) & (k < mSrcIdx.shape[1]):
+                    src = mSrcIdx[b, k]
+            else:
+                src = mSrcIdx[b]
             src_live = self.row_is_live(src, num_rows, null_slot)
             dst = src
             dst_live = src_live
-            if const_expr(self.has_dst):
+            if const_expr(self.has_dst and not self.dst_per_token):
                 dst = mDstIdx[b]
                 dst_live = src_live & self.row_is_live(dst, num_rows, null_slot)
         return src, dst, src_live, dst_live
@@ -246,11 +318,12 @@ class Mamba3StepKernel:
         return (row >= 0) & (row < num_rows) & (row != null_slot)
 
     @cute.jit
-    def decay_coefficients(self, mA: cute.Tensor, mDt: cute.Tensor, mTrap: cute.Tensor, b: Int32, h: Int32):
-        """``alpha = exp(A dt)``, ``beta = (1 - trap) dt alpha``, ``gamma = trap dt`` (fp32)."""
-        dt = mDt[b, h]
-        trap = mTrap[b, h]
-        alpha = cute.math.exp(mA[b, h] * dt)
+    def decay_coefficients(self, mA: cute.Tensor, mDt: cute.Tensor, mTrap: cute.Tensor, lane_t: tuple, h: Int32):
+        """``alpha = exp(A dt)``, ``beta = (1 - trap) dt alpha``, ``gamma = trap dt`` (fp32) of one
+        (lane, token) (``lane_t``: its leading coordinates, :meth:`lane_index`)."""
+        dt = mDt[lane_t + (h,)]
+        trap = mTrap[lane_t + (h,)]
+        alpha = cute.math.exp(mA[lane_t + (h,)] * dt)
         beta = (Float32(1.0) - trap) * dt * alpha
         gamma = trap * dt
         return alpha, beta, gamma
@@ -322,37 +395,34 @@ class Mamba3StepKernel:
     @cute.jit
     def stage_operands(
         self,
-        mBstate: cute.Tensor,  # (P, R, H, N)
-        mXstate: cute.Tensor,  # (P, H, D)
-        mB: cute.Tensor,  # (B, R, H, N)
-        mC: cute.Tensor,  # (B, R, H, N)
-        mX: cute.Tensor,  # (B, H, D)
+        mB: cute.Tensor,  # (B[, T], R, H, N)
+        mC: cute.Tensor,  # (B[, T], R, H, N)
+        mX: cute.Tensor,  # (B[, T], H, D)
+        lane_t: tuple,  # this (lane, token)'s leading coordinates in mB, mC, mX
+        mXprev: cute.Tensor,  # the previous x: Xstate (P, H, D), or x itself (the previous token)
+        prev: tuple,  # the previous x's leading coordinates in mXprev
         mXproj: cute.Tensor,  # (R, H, D)
-        sB: cute.Tensor,  # (R, N) fp32
-        sBs: cute.Tensor,  # (R, N) fp32
-        sC: cute.Tensor,  # (R, N) fp32
-        sX: cute.Tensor,  # (tile_D,) fp32
+        sB: cute.Tensor,  # (R, N) fp32 out
+        sC: cute.Tensor,  # (R, N) fp32 out
+        sX: cute.Tensor,  # (tile_D,) fp32 out: x
         sXr: cute.Tensor,  # (R, tile_D) fp32 out: x * xproj
-        sUV: cute.Tensor,  # (tile_D, 2R) fp32 out: gamma * xr, beta * xs * xproj
+        sUV: cute.Tensor,  # (tile_D, 2R) fp32 out: gamma * xr, beta * xprev * xproj
         beta: Float32,
         gamma: Float32,
-        src: Int32,
-        b: Int32,
         h: Int32,
         dtile: Int32,
         tidx: Int32,
     ):
-        """Thread ``tidx``'s share of the per-(lane, head) operands, converted to fp32.
+        """Thread ``tidx``'s share of one token's per-(lane, head) operands, converted to fp32.
 
-        B, Bstate and C rows go to shared memory as they are; for each tile row ``d`` and
-        rank ``r`` the coefficients of the state update are computed once per CTA:
-        ``xr = x xproj`` (kept for the epilogue's skip term), ``u = gamma xr`` and
-        ``v = beta (Xstate xproj)``, stored row-major ``(d, [u_0..u_R-1, v_0..v_R-1])`` so a
-        thread reads a row's 2R coefficients with vector loads.
+        B and C rows go to shared memory as they are; for each tile row ``d`` and rank ``r`` the
+        coefficients of the state update are computed once per CTA: ``xr = x xproj`` (kept for
+        the epilogue's skip term), ``u = gamma xr`` and ``v = beta (xprev xproj)``, stored
+        row-major ``(d, [u_0..u_R-1, v_0..v_R-1])`` so a thread reads a row's 2R coefficients
+        with vector loads.
         """
-        self.stage_kv_row(mB, b, h, sB, tidx)
-        self.stage_kv_row(mC, b, h, sC, tidx)
-        self.stage_kv_row(mBstate, src, h, sBs, tidx)
+        self.stage_kv_row(mB, lane_t, h, sB, tidx)
+        self.stage_kv_row(mC, lane_t, h, sC, tidx)
         RT = self.R * self.tile_D
         d0 = dtile * self.tile_D
         for k in cutlass.range_constexpr((RT + self.num_threads - 1) // self.num_threads):
@@ -361,17 +431,18 @@ class Mamba3StepKernel:
                 d = i // self.R
                 r = i - d * self.R
                 xp = mXproj[r, h, d0 + d].to(Float32)
-                xd = mX[b, h, d0 + d].to(Float32)
+                xd = mX[lane_t + (h, d0 + d)].to(Float32)
                 xr = xd * xp
                 sXr[r, d] = xr
                 sUV[d, r] = gamma * xr
-                sUV[d, self.R + r] = beta * (mXstate[src, h, d0 + d].to(Float32) * xp)
+                sUV[d, self.R + r] = beta * (mXprev[prev + (h, d0 + d)].to(Float32) * xp)
                 if r == 0:
                     sX[d] = xd
 
     @cute.jit
-    def stage_kv_row(self, mT: cute.Tensor, row: Int32, h: Int32, sT: cute.Tensor, tidx: Int32):
-        """``mT[row, :, h, :]`` (R, N) in the kv dtype -> ``sT`` (R, N) fp32, element by element.
+    def stage_kv_row(self, mT: cute.Tensor, lead: tuple, h: Int32, sT: cute.Tensor, tidx: Int32):
+        """``mT[lead][:, h, :]`` (R, N) in the kv dtype -> ``sT`` (R, N) fp32, element by element
+        (``lead``: the leading coordinates: a pool row, or a lane and token).
 
         (16-byte loads of the bf16 rows were tried: the bf16 -> fp32 unpacking of a vector
         costs more instructions than the scalar loads it saves, docs/performance.md.)"""
@@ -381,7 +452,7 @@ class Mamba3StepKernel:
             if i < RN:
                 r = i // self.N
                 n = i - r * self.N
-                sT[r, n] = mT[row, r, h, n].to(Float32)
+                sT[r, n] = mT[lead + (r, h, n)].to(Float32)
 
     @cute.jit
     def store_kv_state(
@@ -554,11 +625,11 @@ class Mamba3StepKernel:
         sY: cute.Tensor,  # (R, tile_D) fp32, sum_n new * C
         sXr: cute.Tensor,  # (R, tile_D) fp32, x * xproj
         mDskip: cute.Tensor,  # (H,)
-        mZ: Optional[cute.Tensor],  # (B, H, D)
+        mZ: Optional[cute.Tensor],  # (B[, T], H, D)
         mZproj: Optional[cute.Tensor],  # (R, H, D)
         mOutproj: Optional[cute.Tensor],  # (R, H, D)
-        mOut: cute.Tensor,  # (B, H, D) or (B, R, H, D)
-        b: Int32,
+        mOut: cute.Tensor,  # (B[, T], H, D) or (B[, T], R, H, D)
+        lane_t: tuple,  # this (lane, token)'s leading coordinates in mZ, mOut
         h: Int32,
         dtile: Int32,
         tidx: Int32,
@@ -582,7 +653,7 @@ class Mamba3StepKernel:
                 dg = d0 + d
                 zd = Float32(0.0)
                 if const_expr(self.has_z):
-                    zd = mZ[b, h, dg].to(Float32)
+                    zd = mZ[lane_t + (h, dg)].to(Float32)
                 for j in cutlass.range_constexpr(ranks):
                     r = part * ranks + j
                     y = sY[r, d] + dskip * sXr[r, d]
@@ -592,36 +663,40 @@ class Mamba3StepKernel:
                     if const_expr(self.has_outproj):
                         acc = acc + y * mOutproj[r, h, dg].to(Float32)
                     else:
-                        mOut[b, r, h, dg] = y.to(self.x_dtype)
+                        mOut[lane_t + (r, h, dg)] = y.to(self.x_dtype)
             if const_expr(self.has_outproj):
                 # the lanes sharing a row are adjacent and agree on d < tile_D: every lane shuffles
                 for m in cutlass.range_constexpr(len(self.epilogue_masks)):
                     acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=self.epilogue_masks[m])
                 if d < self.tile_D:
                     if part == 0:
-                        mOut[b, h, d0 + d] = acc.to(self.x_dtype)
+                        mOut[lane_t + (h, d0 + d)] = acc.to(self.x_dtype)
 
     @cute.jit
-    def zero_out(self, mOut: cute.Tensor, b: Int32, h: Int32, dtile: Int32, tidx: Int32, num_threads: int):
-        """Padding lane: ``out`` = 0; no pool row is read or written."""
+    def zero_out(self, mOut: cute.Tensor, lane_t: tuple, h: Int32, dtile: Int32, tidx: Int32, num_threads: int):
+        """Padding lane: ``out`` = 0 for one token (``lane_t``: its leading coordinates); no pool row
+        is read or written."""
         d0 = dtile * self.tile_D
         for k in cutlass.range_constexpr((self.tile_D + num_threads - 1) // num_threads):
             d = tidx + k * num_threads
             if d < self.tile_D:
                 if const_expr(self.has_outproj):
-                    mOut[b, h, d0 + d] = self.x_dtype(0.0)
+                    mOut[lane_t + (h, d0 + d)] = self.x_dtype(0.0)
                 else:
                     for r in cutlass.range_constexpr(self.R):
-                        mOut[b, r, h, d0 + d] = self.x_dtype(0.0)
+                        mOut[lane_t + (r, h, d0 + d)] = self.x_dtype(0.0)
 
 
 # ---------------------------------------------------------------------- compile
 def fake_arguments(spec: StepSpec) -> list:
-    """Fake tensors for ``cute.compile``: B, P, H and every stride symbolic.
+    """Fake tensors for ``cute.compile``: B, P, H, K and every stride symbolic; T static.
 
-    Strides are 64-bit (pool offsets exceed 2**31 elements). State strides are declared
+    A tensor's first stride is 64-bit (pool offsets exceed 2**31 elements), the others 32-bit
+    (the wrapper checks a row spans less than 2**31 elements). State strides are declared
     divisible by the 16-byte vector and the base 16-byte aligned (the wrapper checks both),
-    which is what lets the state copies become 16-byte accesses.
+    which is what lets the state copies become 16-byte accesses. Per-lane tensors have a token
+    axis (B, T, ...) only when the specialisation has more than one token, so the one-token
+    kernel is the plain decode step.
     """
     make = cute.runtime.make_fake_tensor
     sym, sym64 = cute.sym_int, cute.sym_int64
@@ -642,25 +717,33 @@ def fake_arguments(spec: StepSpec) -> list:
         return make(dtype, shape, stride=outer + inner + (1,), assumed_align=dtype.width // 8)
 
     rows = pool if spec.pool else batch
+    T = spec.tokens
+
+    def lane(dtype, rest):  # a per-lane tensor: (B, *rest), or (B, T, *rest) with tokens > 1
+        return strided(dtype, (batch,) + ((T,) if T > 1 else ()) + rest)
+
     return [
         state_like(rows),  # state
         strided(kv, (rows, R, heads, N)),  # Bstate
         strided(xt, (rows, heads, D)),  # Xstate
-        strided(Float32, (batch, heads)),  # A
-        strided(kv, (batch, R, heads, N)),  # B
-        strided(kv, (batch, R, heads, N)),  # C
+        lane(Float32, (heads,)),  # A
+        lane(kv, (R, heads, N)),  # B
+        lane(kv, (R, heads, N)),  # C
         strided(Float32, (heads,)),  # D
-        strided(xt, (batch, heads, D)),  # x
-        strided(Float32, (batch, heads)),  # dt
-        strided(Float32, (batch, heads)),  # trap
+        lane(xt, (heads, D)),  # x
+        lane(Float32, (heads,)),  # dt
+        lane(Float32, (heads,)),  # trap
         strided(pj, (R, heads, D)),  # xproj
         strided(pj, (R, heads, D)) if spec.has_z else None,  # zproj
         strided(pj, (R, heads, D)) if spec.has_outproj else None,  # outproj
-        strided(xt, (batch, heads, D)) if spec.has_z else None,  # z
-        strided(xt, (batch, heads, D) if spec.has_outproj else (batch, R, heads, D)),  # out
+        lane(xt, (heads, D)) if spec.has_z else None,  # z
+        lane(xt, (heads, D) if spec.has_outproj else (R, heads, D)),  # out
         state_like(batch) if spec.has_state_out else None,  # state_out
-        strided(Int32, (batch,)) if spec.pool else None,  # state_batch_indices
-        strided(Int32, (batch,)) if spec.has_dst else None,  # dst_state_batch_indices
+        (strided(Int32, (batch, sym())) if spec.num_accepted else strided(Int32, (batch,))) if spec.pool
+        else None,  # state_batch_indices: (B,), or (B, K) with num_accepted_tokens
+        (strided(Int32, (batch, T)) if spec.dst_per_token else strided(Int32, (batch,))) if spec.has_dst
+        else None,  # dst_state_batch_indices: (B,), or (B, T) per token
+        strided(Int32, (batch,)) if spec.num_accepted else None,  # num_accepted_tokens
         Int32(-1),  # null_slot
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     ]

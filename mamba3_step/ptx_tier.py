@@ -35,15 +35,10 @@ from . import ptx
 from .api import prepare_step
 from .build import argument_masks, compile_kernel
 from .spec import StepSpec
-from .tensors import StepTensors, kernel_arguments
+from .tensors import KERNEL_ARGUMENT_NAMES, StepTensors, kernel_arguments
 from .tiling import launch_grid, thread_layout
 
-__all__ = ["ARGUMENT_NAMES", "PTXKernel", "ptx_kernel", "ptx_step_fn", "run_step_ptx", "writable_arguments"]
-
-#: the runtime arguments of ``kernel_arguments``, in order (the 19th is null_slot)
-ARGUMENT_NAMES = ("state", "Bstate", "Xstate", "A", "B", "C", "D", "x", "dt", "trap", "xproj", "zproj",
-                  "outproj", "z", "out", "state_out", "state_batch_indices", "dst_state_batch_indices",
-                  "null_slot")
+__all__ = ["PTXKernel", "ptx_kernel", "ptx_step_fn", "run_step_ptx", "writable_arguments"]
 
 
 @dataclass(frozen=True)
@@ -79,7 +74,7 @@ def ptx_kernel(spec: StepSpec, arch: str = "sm_90a") -> PTXKernel:
         raise RuntimeError(f"the DSL returned no PTX for {spec.key()} @ {arch}")
     module = ptx.parse_module(text)
     params = module.entry().params
-    kept = [(n, m) for n, m in zip(ARGUMENT_NAMES, argument_masks(spec)) if m is not None]
+    kept = [(n, m) for n, m in zip(KERNEL_ARGUMENT_NAMES, argument_masks(spec)) if m is not None]
     ir_text = str(compiled.ir_module)
     host = ptx.host_signature(ir_text, compiled.function_name)
     if len(host) != len(kept) + 1 or len(params) != len(kept):  # the host also takes the stream
@@ -91,7 +86,7 @@ def ptx_kernel(spec: StepSpec, arch: str = "sm_90a") -> PTXKernel:
             raise RuntimeError(f"{name}: struct {t} is {t.size_align()[0]} bytes, the PTX .param {p.size}")
     launch = ptx.launch_config(ir_text)
     block = launch["block"][0] if launch["block"] else (thread_layout(
-        spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo).num_threads, 1, 1)
+        spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo, spec.tokens).num_threads, 1, 1)
     kernel = PTXKernel(spec, arch, text, module, tuple(n for n, _ in kept), tuple(m for _, m in kept), types,
                        tuple(block), max(launch["smem"], default=0))
     with _LOCK:
@@ -124,7 +119,7 @@ def run_step_ptx(spec: StepSpec, tensors: StepTensors, *, arch: str = "sm_90a", 
     around a pool view, to *observe* accesses to it rather than forbid them.
     """
     k = ptx_kernel(spec, arch)
-    values = dict(zip(ARGUMENT_NAMES, kernel_arguments(spec, tensors)))
+    values = dict(zip(KERNEL_ARGUMENT_NAMES, kernel_arguments(spec, tensors)))
     memory = ptx.GlobalMemory()
     writable = writable_arguments(spec)
     params = []
@@ -134,7 +129,7 @@ def run_step_ptx(spec: StepSpec, tensors: StepTensors, *, arch: str = "sm_90a", 
         params.append(ptx.pack(ltype, _leaves(mask, values[name])))
     for name, t in (extra_regions or {}).items():
         memory.add(name, t, writable=False)
-    grid = launch_grid(tensors.x.shape[0], tensors.x.shape[1], spec.headdim, spec.tile_D)
+    grid = launch_grid(tensors.batch, spec.nheads, spec.headdim, spec.tile_D)
     result = ptx.run(k.module, grid=grid, block=k.block, params=params, memory=memory,
                      dynamic_smem=k.dynamic_smem, record=record, record_shared=record_shared)
     result.extra["memory"] = memory
@@ -143,8 +138,8 @@ def run_step_ptx(spec: StepSpec, tensors: StepTensors, *, arch: str = "sm_90a", 
 
 def ptx_step_fn(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj=None, state_out=None, out=None,
                 z=None, zproj=None, *, state_batch_indices=None, dst_state_batch_indices=None, null_slot_id=None,
-                update_kv_state=False, tile_D=None, num_warps=None, validate_indices=False,
-                arch: str = "sm_90a") -> torch.Tensor:
+                num_accepted_tokens=None, update_kv_state=False, tile_D=None, num_warps=None,
+                validate_indices=False, arch: str = "sm_90a") -> torch.Tensor:
     """``mamba3_step_fn`` on CPU tensors, computed by executing the kernel's PTX.
 
     Same arguments, validation and in-place effects as :func:`mamba3_step.mamba3_step_fn`
@@ -152,7 +147,7 @@ def ptx_step_fn(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj=N
     kernel instruction by instruction, so keep shapes small.
     """
     tensors = StepTensors(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
-                          state_batch_indices, dst_state_batch_indices, null_slot_id)
+                          state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens)
     spec, tensors = prepare_step(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
                                  validate_indices=validate_indices)
     if tensors.batch > 0:

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from .contract import lane_is_live
-from .tensors import StepTensors
+from .contract import lane_is_live, source_rows
+from .tensors import LANE_FIELDS, StepTensors
 
 __all__ = ["step_math", "mamba3_step_reference"]
 
@@ -115,20 +115,25 @@ def mamba3_step_reference(
 
     Shapes and dtypes are those of ``mamba3_step_fn`` (see its docstring and docs/contract.md).
 
-    Dense mode (``state_batch_indices is None``): lane b reads row b of ``state`` (B, H, D, N),
-    ``Bstate`` (B, R, H, N) and ``Xstate`` (B, H, D); the new state goes to ``state_out`` if
-    given, else into ``state`` in place; with ``update_kv_state`` this step's ``B``/``x`` are
-    stored into row b of ``Bstate``/``Xstate``.
+    Tokens: with T-less per-lane inputs (``x`` (B, H, D)) this is one step; with a token axis
+    (``x`` (B, T, H, D), ...) the T tokens run in order, token t's "previous B/x" being token
+    t-1's (the ``Bstate``/``Xstate`` row for t = 0) and the state carrying over, stored
+    precision between tokens (so T tokens equal T single steps bit for bit).
 
-    Pool mode: ``state`` is (P, H, D, N), ``Bstate`` (P, R, H, N), ``Xstate`` (P, H, D).
-    Lane b is live when ``src = state_batch_indices[b]`` is a real row
-    (:func:`mamba3_step.contract.lane_is_live`); otherwise it is padding: its ``out`` is written
-    as exact zeros and it reads and writes no pool row. A live lane computes from row ``src``
-    and writes the new state (cast to ``state``'s dtype) to row
-    ``dst = dst_state_batch_indices[b]`` (default ``src``) when ``dst`` is itself a real row;
-    with ``update_kv_state`` it also stores ``B[b]`` into ``Bstate[dst]`` and ``x[b]`` into
-    ``Xstate[dst]`` (cast). All reads happen before any write, so a (racy) dst that is another
-    lane's src reads the old row.
+    Dense mode (``state_batch_indices is None``): lane b reads row b of ``state`` (B, H, D, N),
+    ``Bstate`` (B, R, H, N) and ``Xstate`` (B, H, D); the final state goes to ``state_out`` if
+    given, else into ``state`` in place; with ``update_kv_state`` the last token's ``B``/``x``
+    are stored into row b of ``Bstate``/``Xstate``.
+
+    Pool mode: ``state`` is (P, H, D, N), ``Bstate`` (P, R, H, N), ``Xstate`` (P, H, D). Lane b
+    reads row ``src`` (:func:`mamba3_step.contract.source_rows`: ``state_batch_indices[b]``, or
+    the accepted entry of a (B, K) tensor); it is padding unless ``src`` is a real row
+    (:func:`mamba3_step.contract.lane_is_live`): its ``out`` is written as exact zeros and it
+    reads and writes no pool row. A live lane writes the final state (cast to ``state``'s dtype)
+    to row ``dst = dst_state_batch_indices[b]`` (default ``src``) when that is a real row, with
+    ``update_kv_state`` the last token's ``B``/``x`` into ``Bstate[dst]``/``Xstate[dst]``; with a
+    (B, T) ``dst_state_batch_indices`` the state after token t (and token t's B/x) go to row
+    ``dst[b, t]`` instead. All reads happen before any write.
 
     Args:
         tensors: the step's tensors; ``out`` (optional) receives the result cast to its dtype
@@ -142,35 +147,56 @@ def mamba3_step_reference(
     out = t.out
     if t.batch == 0:
         return out
-
-    if not t.pool:
-        new_state, y = step_math(t, compute_dtype=compute_dtype)
-        out.copy_(y)
-        (t.state_out if t.state_out is not None else t.state).copy_(new_state)
+    if t.pool:
+        P = t.state.shape[0]
+        src = source_rows(t.state_batch_indices.to(t.x.device), t.num_accepted_tokens)
+        lanes = lane_is_live(src, P, t.null_slot_id).nonzero().squeeze(1)  # live lanes, in batch order
+        rows = src[lanes]
+    else:
+        lanes = rows = torch.arange(t.batch, device=t.x.device)
+    dense = t.dense_lanes(lanes, rows)  # copies: every read happens before any write
+    finals = _run_tokens(t, dense, lanes, update_kv_state, compute_dtype)
+    if t.pool:
+        dst = t.dst_state_batch_indices
+        if dst is None or dst.dim() == 1:
+            targets = src if dst is None else dst.to(device=t.x.device, dtype=torch.int64)
+            _write_rows(t, targets[lanes], *finals, update_kv_state)
+    else:
+        (t.state_out if t.state_out is not None else t.state).copy_(finals[0])
         if update_kv_state:
-            t.Bstate.copy_(t.B)
-            t.Xstate.copy_(t.x)
-        return out
-
-    P = t.state.shape[0]
-    src = t.state_batch_indices.to(device=t.x.device, dtype=torch.int64)
-    dst = src if t.dst_state_batch_indices is None else t.dst_state_batch_indices.to(
-        device=t.x.device, dtype=torch.int64
-    )
-    live = lane_is_live(src, P, t.null_slot_id)
-    writes = live & lane_is_live(dst, P, t.null_slot_id)
-    lanes = live.nonzero().squeeze(1)  # live lanes, in batch order
-
-    new_state, y = step_math(t.dense_lanes(lanes, src[lanes]), compute_dtype=compute_dtype)
-    result = torch.zeros(out.shape, dtype=out.dtype, device=out.device)
-    result[lanes] = y.to(out.dtype)
-    out.copy_(result)
-
-    sel = writes[lanes]  # which live lanes also write
-    wrows = dst[lanes][sel]
-    t.state[wrows] = new_state[sel].to(t.state.dtype)
-    if update_kv_state:
-        wlanes = lanes[sel]
-        t.Bstate[wrows] = t.B[wlanes].to(t.Bstate.dtype)
-        t.Xstate[wrows] = t.x[wlanes].to(t.Xstate.dtype)
+            t.Bstate.copy_(finals[1])
+            t.Xstate.copy_(finals[2])
     return out
+
+
+def _run_tokens(t: StepTensors, dense: StepTensors, lanes, update_kv_state: bool, compute_dtype) -> tuple:
+    """Run the T tokens of the live ``lanes`` (``dense``: their gathered rows and inputs); write
+    ``out`` (zeros for padding lanes) and per-token destinations; return the final
+    ``(state, B, x)`` of the live lanes (state in the stored dtype)."""
+    state, Bprev, xprev = dense.state, dense.Bstate, dense.Xstate
+    result = torch.zeros(t.out.shape, dtype=t.out.dtype, device=t.out.device)
+    per_token = t.pool and t.dst_state_batch_indices is not None and t.dst_state_batch_indices.dim() == 2
+    for k in range(t.tokens):
+        tok = t.token(k)
+        lane_inputs = {f: (None if getattr(tok, f) is None else getattr(tok, f).index_select(0, lanes))
+                       for f in LANE_FIELDS}
+        step = dense._replace(state=state, Bstate=Bprev, Xstate=xprev, **lane_inputs)
+        new_state, y = step_math(step, compute_dtype=compute_dtype)
+        (result[:, k] if t.x.dim() == 4 else result)[lanes] = y.to(result.dtype)
+        state = new_state.to(t.state.dtype)  # the precision the state is stored in between tokens
+        Bprev, xprev = lane_inputs["B"], lane_inputs["x"]
+        if per_token:
+            targets = t.dst_state_batch_indices[:, k].to(device=t.x.device, dtype=torch.int64)
+            _write_rows(t, targets[lanes], state, Bprev, xprev, update_kv_state)
+    t.out.copy_(result)
+    return state, Bprev, xprev
+
+
+def _write_rows(t: StepTensors, targets, state, B, x, update_kv_state: bool) -> None:
+    """Rows ``targets`` (one per live lane; padding targets skipped) get ``state`` (and B/x)."""
+    write = lane_is_live(targets, t.state.shape[0], t.null_slot_id)
+    rows = targets[write]
+    t.state[rows] = state[write].to(t.state.dtype)
+    if update_kv_state:
+        t.Bstate[rows] = B[write].to(t.Bstate.dtype)
+        t.Xstate[rows] = x[write].to(t.Xstate.dtype)

@@ -20,7 +20,7 @@ from .contract import DTYPE_BYTES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R  # noqa
 from .contract import KV_DTYPES, PROJ_DTYPES, STATE_DTYPES, X_DTYPES
 from .tiling import default_tiling, shape_problem, tiling_problem
 
-__all__ = ["FLAGSHIP_HEADS", "StepSpec", "complete_spec", "flagship_spec"]
+__all__ = ["FLAGSHIP_HEADS", "MAX_TOKENS", "StepSpec", "complete_spec", "flagship_spec", "mode_problem"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,12 @@ class StepSpec:
         has_z: gate with ``z`` / ``zproj``.
         has_outproj: reduce over R with ``outproj`` (out is (B, H, D), else (B, R, H, D)).
         has_state_out: dense mode writes the new state to ``state_out``.
+        tokens: T, tokens per lane in this step (speculative decoding's verify pass: the
+            state carries from token to token; 1 is the ordinary decode step).
+        dst_per_token: ``dst_state_batch_indices`` is (B, T): the state after token t goes to
+            row ``dst[b, t]`` (else (B,): only the final state is written).
+        num_accepted: ``state_batch_indices`` is (B, K) and the source row of lane b is
+            ``state_batch_indices[b, num_accepted_tokens[b] - 1]``.
     """
 
     dstate: int
@@ -60,6 +66,9 @@ class StepSpec:
     has_z: bool = True
     has_outproj: bool = True
     has_state_out: bool = False
+    tokens: int = 1
+    dst_per_token: bool = False
+    num_accepted: bool = False
 
     def replace(self, **changes) -> "StepSpec":
         return dataclasses.replace(self, **changes)
@@ -79,7 +88,7 @@ class StepSpec:
 
     def with_default_tiling(self) -> "StepSpec":
         """Fill ``tile_D`` / ``num_warps`` left at 0 with the per-configuration default."""
-        tile_D, num_warps = default_tiling(self.dstate, self.headdim, self.mimo, self.state_dtype)
+        tile_D, num_warps = default_tiling(self.dstate, self.headdim, self.mimo, self.state_dtype, self.tokens)
         return self.replace(
             tile_D=self.tile_D or tile_D,
             num_warps=self.num_warps or num_warps,
@@ -134,7 +143,26 @@ def complete_spec(spec) -> StepSpec:
         raise ValueError(f"spec: {problem}")
     if spec.tile_D == 0 or spec.num_warps == 0:
         spec = spec.with_default_tiling()
-    problem = tiling_problem(spec)
+    problem = tiling_problem(spec) or mode_problem(spec)
     if problem is not None:
         raise ValueError(f"spec: {problem}")
     return spec
+
+
+#: most tokens per lane a step takes (the kernel unrolls its token loop: code grows with T)
+MAX_TOKENS = 16
+
+
+def mode_problem(spec: StepSpec) -> str | None:
+    """Why ``spec``'s mode flags cannot go together, or None."""
+    if isinstance(spec.tokens, bool) or not isinstance(spec.tokens, int) or not 1 <= spec.tokens <= MAX_TOKENS:
+        return f"tokens must be an int in [1, {MAX_TOKENS}], got {spec.tokens!r}"
+    if spec.dst_per_token and not spec.has_dst:
+        return "dst_per_token needs has_dst (per-token destinations are dst_state_batch_indices (B, T))"
+    if spec.num_accepted and not spec.pool:
+        return "num_accepted needs pool mode (it selects the source row among state_batch_indices (B, K))"
+    if spec.has_dst and not spec.pool:
+        return "has_dst needs pool mode"
+    if spec.has_state_out and spec.pool:
+        return "has_state_out is dense mode only"
+    return None

@@ -18,7 +18,8 @@ import torch
 
 from .contract import out_shape
 
-__all__ = ["LANE_FIELDS", "ROW_FIELDS", "StepTensors", "WEIGHT_FIELDS", "kernel_arguments"]
+__all__ = ["KERNEL_ARGUMENT_NAMES", "LANE_FIELDS", "ROW_FIELDS", "StepTensors", "TOKEN_FIELDS", "WEIGHT_FIELDS",
+           "kernel_arguments"]
 
 Tensor = torch.Tensor
 
@@ -28,6 +29,12 @@ ROW_FIELDS = ("state", "Bstate", "Xstate")
 LANE_FIELDS = ("A", "B", "C", "x", "dt", "trap", "z")
 #: the layer's weights (no lane dimension)
 WEIGHT_FIELDS = ("D", "xproj", "zproj", "outproj")
+#: fields with a token axis after the lane axis when T > 1: (B, T, ...)
+TOKEN_FIELDS = ("A", "B", "C", "x", "dt", "trap", "z", "out")
+#: the names of :func:`kernel_arguments`' entries, in order (the last is null_slot)
+KERNEL_ARGUMENT_NAMES = ("state", "Bstate", "Xstate", "A", "B", "C", "D", "x", "dt", "trap", "xproj", "zproj",
+                         "outproj", "z", "out", "state_out", "state_batch_indices", "dst_state_batch_indices",
+                         "num_accepted_tokens", "null_slot")
 
 
 class StepTensors(NamedTuple):
@@ -53,9 +60,10 @@ class StepTensors(NamedTuple):
     out: Optional[Tensor] = None  # (B, H, D) with outproj, else (B, R, H, D)
     z: Optional[Tensor] = None  # (B, H, D)
     zproj: Optional[Tensor] = None  # (R, H, D)
-    state_batch_indices: Optional[Tensor] = None  # (B,) int32: pool mode
-    dst_state_batch_indices: Optional[Tensor] = None  # (B,) int32
+    state_batch_indices: Optional[Tensor] = None  # (B,) or with num_accepted_tokens (B, K) int32: pool mode
+    dst_state_batch_indices: Optional[Tensor] = None  # (B,) or (B, T) int32
     null_slot_id: Optional[int] = None
+    num_accepted_tokens: Optional[Tensor] = None  # (B,) int32, with a (B, K) state_batch_indices
 
     @property
     def batch(self) -> int:
@@ -66,6 +74,19 @@ class StepTensors(NamedTuple):
     def pool(self) -> bool:
         """Pool mode: ``state_batch_indices`` given."""
         return self.state_batch_indices is not None
+
+    @property
+    def tokens(self) -> int:
+        """T, tokens per lane: the second dimension of a (B, T, H, D) ``x``; 1 for (B, H, D)."""
+        return self.x.shape[1] if self.x.dim() == 4 else 1
+
+    def token(self, t: int) -> "StepTensors":
+        """Token ``t``'s per-lane inputs (and ``out``) without the token axis; the rows, weights and
+        indices unchanged. A T-less bundle is its own token 0."""
+        if self.x.dim() != 4:
+            return self
+        picked = {f: (None if getattr(self, f) is None else getattr(self, f)[:, t]) for f in TOKEN_FIELDS}
+        return self._replace(**picked)
 
     def with_out(self) -> "StepTensors":
         """This bundle with ``out`` allocated (x's dtype and device) when it is None."""
@@ -91,7 +112,8 @@ class StepTensors(NamedTuple):
 def kernel_arguments(spec, tensors: StepTensors) -> list:
     """The compiled kernel's runtime arguments, in the order of ``Mamba3StepKernel.__call__``.
 
-    18 tensors (``None`` where ``spec`` has none) then ``null_slot`` (-1 for none); no stream
+    19 tensors (``None`` where ``spec`` has none) then ``null_slot`` (-1 for none), named by
+    :data:`KERNEL_ARGUMENT_NAMES`; no stream
     (tvm-ffi launches on the current one). ``mamba3_step.kernel.kernel_arguments`` is this
     function: it lives here, free of cutlass, so that launching a cached kernel never imports
     the DSL. ``spec`` is the call's :class:`~mamba3_step.spec.StepSpec`.
@@ -106,5 +128,6 @@ def kernel_arguments(spec, tensors: StepTensors) -> list:
         t.state_out if spec.has_state_out else None,
         t.state_batch_indices if spec.pool else None,
         t.dst_state_batch_indices if spec.has_dst else None,
+        t.num_accepted_tokens if spec.num_accepted else None,
         -1 if t.null_slot_id is None else int(t.null_slot_id),
     ]

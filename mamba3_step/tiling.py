@@ -63,13 +63,17 @@ MAX_GROUP_PARTIALS = 32
 MAX_CACHED_OPERAND_WORDS = 48
 
 
-def thread_layout(dstate: int, tile_D: int, num_warps: int, state_dtype: str, mimo: int = 1) -> ThreadLayout:
+def thread_layout(dstate: int, tile_D: int, num_warps: int, state_dtype: str, mimo: int = 1,
+                  tokens: int = 1) -> ThreadLayout:
     """The thread layout of one specialisation (see the module docstring).
 
     All ``rows_per_thread`` rows of a thread are loaded at once (at most 64 state words,
     :func:`tiling_problem`); they are updated and reduced in ``row_groups`` groups of
     ``rows_per_group`` rows whose ``rows_per_group * R`` partial sums fit
-    :data:`MAX_GROUP_PARTIALS` (a group is at least one row).
+    :data:`MAX_GROUP_PARTIALS` (a group is at least one row). With more than one token the
+    whole state stays in registers across the token loop (``preload`` is required) and the
+    loop keeps more values live: groups hold half as many partials and the register model
+    reserves :data:`TOKEN_LOOP_RESERVE` more.
     """
     VN = VECTOR_BYTES // DTYPE_BYTES[state_dtype]
     TPR = min(WARP, dstate // VN)
@@ -80,9 +84,13 @@ def thread_layout(dstate: int, tile_D: int, num_warps: int, state_dtype: str, mi
     words = rows_per_thread * CPT * VN * DTYPE_BYTES[state_dtype] // 4
     cache = 3 * mimo * VN * CPT <= MAX_CACHED_OPERAND_WORDS
     budget = min(MAX_REGISTERS, REGISTER_FILE // (num_warps * WARP)) - REGISTER_RESERVE
+    max_partials = MAX_GROUP_PARTIALS
+    if tokens > 1:
+        budget -= TOKEN_LOOP_RESERVE
+        max_partials //= 2
     rows_per_group = rows_per_thread
     while rows_per_group % 2 == 0 and (
-            rows_per_group * mimo > MAX_GROUP_PARTIALS
+            rows_per_group * mimo > max_partials
             or _registers(words // (rows_per_thread // rows_per_group), rows_per_group * mimo, mimo, VN * CPT,
                           cache) > budget):
         rows_per_group //= 2
@@ -97,6 +105,8 @@ def thread_layout(dstate: int, tile_D: int, num_warps: int, state_dtype: str, mi
 REGISTER_FILE = 65536
 MAX_REGISTERS = 255
 REGISTER_RESERVE = 40
+#: registers the token loop keeps live besides the state (its addresses, the next token's indices)
+TOKEN_LOOP_RESERVE = 32
 
 
 def _registers(state_words: int, partials: int, mimo: int, elements: int, cache: bool) -> int:
@@ -113,7 +123,7 @@ def launch_grid(batch, heads, headdim: int, tile_D: int) -> tuple:
     return (batch, heads, headdim // tile_D)
 
 
-def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str) -> tuple[int, int]:
+def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, tokens: int = 1) -> tuple[int, int]:
     """Per-configuration default ``(tile_D, num_warps)``.
 
     ``tile_D = headdim``: one CTA owns a whole (lane, head), which is what makes
@@ -121,11 +131,13 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str) -> tu
     ``num_warps`` is the smallest power of two in [1, 16] that keeps the state fragment at
     about 64 registers per thread: few threads with many elements each, so the per-row and
     per-thread overheads (coefficients, reductions, staging) are spread over more state;
-    it is lowered if the CTA would have more rows per pass than the tile has rows.
+    it is lowered if the CTA would have more rows per pass than the tile has rows. With more
+    than one token the target is half as many words (the token loop keeps more values live).
     """
     tile_D = headdim
     slab_bytes = tile_D * dstate * DTYPE_BYTES[state_dtype]
-    want = slab_bytes // (WARP * 4 * TARGET_STATE_WORDS_PER_THREAD)
+    target = TARGET_STATE_WORDS_PER_THREAD if tokens == 1 else TARGET_STATE_WORDS_PER_THREAD // 2
+    want = slab_bytes // (WARP * 4 * target)
     num_warps = 1
     while num_warps < want and num_warps < 16:
         num_warps *= 2
@@ -146,7 +158,7 @@ def tiling_problem(spec) -> str | None:
         return (
             f"tile_D must be a power of two dividing headdim={spec.headdim}, got {spec.tile_D}"
         )
-    lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo)
+    lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo, spec.tokens)
     if lay.rows_per_pass > spec.tile_D:
         return (
             f"tile_D={spec.tile_D} is smaller than the {lay.rows_per_pass} rows that "
@@ -158,6 +170,13 @@ def tiling_problem(spec) -> str | None:
             f"tile_D={spec.tile_D}, num_warps={spec.num_warps} would hold "
             f"{lay.state_words_per_thread} state registers per thread (at most 64): "
             "use more warps or a smaller tile_D"
+        )
+    if spec.tokens > 1 and not lay.preload:
+        return (
+            f"tokens={spec.tokens} keeps each thread's whole share of the state in registers from "
+            f"token to token, which tile_D={spec.tile_D}, num_warps={spec.num_warps} cannot "
+            f"(N={spec.dstate}, R={spec.mimo}, {spec.state_dtype} state, {lay.state_words_per_thread} "
+            f"state registers per thread): use a smaller tile_D (without update_kv_state) or a 16-bit state"
         )
     if spec.update_kv_state and spec.tile_D < spec.headdim:
         return (

@@ -27,6 +27,7 @@ from mamba3_step import build, cli
 from mamba3_step import compile_cache as cc
 from mamba3_step.compile_cache import front, key, store
 from mamba3_step.spec import StepSpec, flagship_spec
+from mamba3_step.tensors import KERNEL_ARGUMENT_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = "sm_90a"
@@ -326,9 +327,9 @@ def test_second_process_loads_flagship_with_the_jit_calling_convention(isolated_
     assert res["stats"]["compiles"] == 0 and res["stats"]["disk_loads"] == 1
     assert res["cutlass_imported"] is False  # a cache hit needs no DSL import
     assert res["type"] == "Function"  # tvm_ffi.Function, as for a fresh compile
-    # same signature as the JIT-compiled function (19 runtime arguments, no stream)
+    # same signature as the JIT-compiled function (the runtime arguments, no stream)
     assert res["loaded_signature"] == res["jit_signature"] == manifest["signature"]
-    assert res["loaded_signature"].count(":") == 19 and "mState: Tensor([n0, n1, 64, 128], float32)" \
+    assert res["loaded_signature"].count(":") == len(KERNEL_ARGUMENT_NAMES) and "mState: Tensor([n0, n1, 64, 128], float32)" \
         in res["loaded_signature"]
     # called with CPU tensors, both reject them identically (argument count/types accepted)
     assert res["loaded_cpu_call"] == res["jit_cpu_call"]
