@@ -130,6 +130,9 @@ def mamba3_step_reference(
     ``Xstate[dst]`` (cast). All reads happen before any write, so a (racy) dst that is another
     lane's src reads the old row.
 
+    Runs under ``torch.no_grad()`` (no output carries a ``grad_fn``) and computes every written
+    value before writing any, so an error part-way leaves the tensors unchanged.
+
     Args:
         tensors: the step's tensors; ``out`` (optional) receives the result cast to its dtype
             and is allocated with x's dtype/device when None.
@@ -139,19 +142,33 @@ def mamba3_step_reference(
         ``out``.
     """
     t = tensors.with_out()
-    out = t.out
     if t.batch == 0:
-        return out
+        return t.out
+    with torch.no_grad():  # in-place writes of a step: no autograd graph, no grad_fn on any output
+        writes = _pool_writes(t, update_kv_state, compute_dtype) if t.pool else \
+            _dense_writes(t, update_kv_state, compute_dtype)
+        # Commit: every value is computed and cast; nothing below allocates a result or can fail
+        # on validated inputs, so a failure above leaves every tensor as it was.
+        for target, rows, value in writes:
+            if rows is None:
+                target.copy_(value)
+            else:
+                target[rows] = value
+    return t.out
 
-    if not t.pool:
-        new_state, y = step_math(t, compute_dtype=compute_dtype)
-        out.copy_(y)
-        (t.state_out if t.state_out is not None else t.state).copy_(new_state)
-        if update_kv_state:
-            t.Bstate.copy_(t.B)
-            t.Xstate.copy_(t.x)
-        return out
 
+def _dense_writes(t: StepTensors, update_kv_state: bool, compute_dtype) -> list:
+    """``(target, None, value)`` for each tensor a dense step writes."""
+    new_state, y = step_math(t, compute_dtype=compute_dtype)
+    target = t.state_out if t.state_out is not None else t.state
+    writes = [(t.out, None, y.to(t.out.dtype)), (target, None, new_state.to(target.dtype))]
+    if update_kv_state:
+        writes += [(t.Bstate, None, t.B.to(t.Bstate.dtype)), (t.Xstate, None, t.x.to(t.Xstate.dtype))]
+    return writes
+
+
+def _pool_writes(t: StepTensors, update_kv_state: bool, compute_dtype) -> list:
+    """``(target, rows or None, value)`` for each tensor a pool-mode step writes."""
     P = t.state.shape[0]
     src = t.state_batch_indices.to(device=t.x.device, dtype=torch.int64)
     dst = src if t.dst_state_batch_indices is None else t.dst_state_batch_indices.to(
@@ -162,15 +179,13 @@ def mamba3_step_reference(
     lanes = live.nonzero().squeeze(1)  # live lanes, in batch order
 
     new_state, y = step_math(t.dense_lanes(lanes, src[lanes]), compute_dtype=compute_dtype)
-    result = torch.zeros(out.shape, dtype=out.dtype, device=out.device)
-    result[lanes] = y.to(out.dtype)
-    out.copy_(result)
+    result = torch.zeros(t.out.shape, dtype=t.out.dtype, device=t.out.device)
+    result[lanes] = y.to(t.out.dtype)
 
     sel = writes[lanes]  # which live lanes also write
     wrows = dst[lanes][sel]
-    t.state[wrows] = new_state[sel].to(t.state.dtype)
+    todo = [(t.out, None, result), (t.state, wrows, new_state[sel].to(t.state.dtype))]
     if update_kv_state:
         wlanes = lanes[sel]
-        t.Bstate[wrows] = t.B[wlanes].to(t.Bstate.dtype)
-        t.Xstate[wrows] = t.x[wlanes].to(t.Xstate.dtype)
-    return out
+        todo += [(t.Bstate, wrows, t.B[wlanes].to(t.Bstate.dtype)), (t.Xstate, wrows, t.x[wlanes].to(t.Xstate.dtype))]
+    return todo
