@@ -22,7 +22,23 @@ from ..tiling import shape_problem, tiling_problem
 from . import checks
 from .table import LETTER_SOURCES, RULES, is_written, shape_letters
 
-__all__ = ["check_step_inputs"]
+__all__ = ["check_options", "check_step_inputs"]
+
+
+def check_options(*, null_slot_id=None, update_kv_state=False, tile_D=None, num_warps=None,
+                  validate_indices=False) -> dict:
+    """The step's non-tensor options, type-checked, as a dict of the same names.
+
+    Integers may be any ``numbers.Integral`` but bool (numpy integers become ints); flags must be
+    real bools. Raises TypeError naming the option.
+    """
+    return dict(
+        null_slot_id=checks.check_int_option("null_slot_id", null_slot_id),
+        update_kv_state=checks.check_bool_option("update_kv_state", update_kv_state),
+        tile_D=checks.check_int_option("tile_D", tile_D),
+        num_warps=checks.check_int_option("num_warps", num_warps),
+        validate_indices=checks.check_bool_option("validate_indices", validate_indices),
+    )
 
 
 def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=None, num_warps=None) -> StepSpec:
@@ -53,10 +69,9 @@ def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=Non
     """
     for rule in RULES:
         checks.check_is_tensor(rule.name, getattr(tensors, rule.name), optional=not rule.required)
-    null_slot_id = checks.check_int_option("null_slot_id", tensors.null_slot_id)
-    tile_D = checks.check_int_option("tile_D", tile_D)
-    num_warps = checks.check_int_option("num_warps", num_warps)
-    checks.check_bool_option("update_kv_state", update_kv_state)
+    options = check_options(null_slot_id=tensors.null_slot_id, update_kv_state=update_kv_state, tile_D=tile_D,
+                            num_warps=num_warps)
+    null_slot_id, tile_D, num_warps = options["null_slot_id"], options["tile_D"], options["num_warps"]
     _check_modes(tensors, null_slot_id)
     N, Dh, R = _check_shapes(tensors)
     dtypes = _check_dtypes(tensors)
