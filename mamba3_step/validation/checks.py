@@ -144,7 +144,7 @@ def check_bool_option(name: str, value) -> bool:
 
 def data_address(t: torch.Tensor) -> int | None:
     """``t``'s data pointer, or None when it has no memory (a meta tensor, a FakeTensor)."""
-    if t.device.type == "meta" or is_fake(t):
+    if t.is_meta or (type(t) is not torch.Tensor and is_fake(t)):
         return None
     return t.data_ptr()
 
@@ -195,13 +195,14 @@ def check_no_internal_overlap(name: str, t: torch.Tensor) -> None:
         span += (size - 1) * stride
 
 
-def check_disjoint(name: str, t: torch.Tensor, other_name: str, other: torch.Tensor, other_written: bool) -> None:
-    """A written ``t`` may not share a byte with another argument (read or written).
+def check_disjoint(name: str, span: tuple[int, int] | None, other_name: str, other_span: tuple[int, int] | None,
+                   other_written: bool) -> None:
+    """A written tensor may not share a byte with another argument (read or written).
 
-    Conservative: byte ranges are compared, so two views that interleave without sharing an
-    element are refused too.
+    ``span``/``other_span`` are the tensors' :func:`byte_span`. Conservative: byte ranges are
+    compared, so two views that interleave without sharing an element are refused too.
     """
-    a, b = byte_span(t), byte_span(other)
+    a, b = span, other_span
     if a is None or b is None or a[1] <= b[0] or b[1] <= a[0]:
         return
     verb = "writes" if other_written else "reads"

@@ -171,11 +171,13 @@ def _check_writes(t: StepTensors, update_kv_state: bool) -> None:
         if rule.name in written:
             checks.check_write_target(rule.name, value, inference_mode)
             checks.check_no_internal_overlap(rule.name, value)
-    for rule, value in present:
-        if rule.name in written:
-            for other, other_value in present:
+    spans = {rule.name: checks.byte_span(value) for rule, value in present}
+    for rule, _ in present:
+        if rule.name in written and spans[rule.name] is not None:
+            for other, _ in present:
                 if other.name != rule.name:
-                    checks.check_disjoint(rule.name, value, other.name, other_value, other.name in written)
+                    checks.check_disjoint(rule.name, spans[rule.name], other.name, spans[other.name],
+                                          other.name in written)
 
 
 def _check_grid(t: StepTensors) -> None:
