@@ -133,7 +133,7 @@ def mamba3_step_fn(
     )
     options = dict(update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
                    validate_indices=validate_indices)
-    if torch.compiler.is_compiling() or (isinstance(x, torch.Tensor) and is_fake(x)):
+    if torch.compiler.is_compiling() or (isinstance(x, torch.Tensor) and type(x) is not torch.Tensor and is_fake(x)):
         return step_through_op(tensors, **options)
     spec, tensors = prepare_step(tensors, **options)
     if tensors.batch == 0 or x.device.type == "meta":
