@@ -3,20 +3,27 @@ does before the work itself.
 
 CUDA tensors run the CuteDSL kernel through :mod:`mamba3_step.launch` (there is no fallback: a
 CUDA call that cannot launch raises); CPU tensors run the PyTorch implementation of the same
-contract (:mod:`mamba3_step.reference`).
+contract (:mod:`mamba3_step.reference`); meta tensors are validated and nothing is computed.
+
+While traced (``torch.compile``, or FakeTensors), the call goes through the registered custom op
+``torch.ops.mamba3_step.step`` instead, whose fake implementation validates the same way and whose
+real implementation is this function. The op is reached through ``torch.ops`` by name, not by an
+import (``mamba3_step.ops`` sits above this module; the package's ``__init__`` registers it).
 """
 
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
+from .contract import out_shape
 from .launch import launch_step
 from .reference import mamba3_step_reference
 from .spec import StepSpec
 from .tensors import StepTensors
-from .validation import check_indices, check_step_inputs
+from .validation import check_indices, check_options, check_step_inputs
 
-__all__ = ["mamba3_step_fn", "prepare_step"]
+__all__ = ["mamba3_step_fn", "prepare_step", "step_through_op"]
 
 
 def mamba3_step_fn(
@@ -106,7 +113,13 @@ def mamba3_step_fn(
 
     Devices: CUDA tensors run the CuteDSL kernel (on the current stream; no allocation except
     ``out`` when it is None, no synchronisation unless ``validate_indices``). CPU tensors run
-    the PyTorch implementation of the same contract (:mod:`mamba3_step.reference`) in float32.
+    the PyTorch implementation of the same contract (:mod:`mamba3_step.reference`) in float32,
+    without autograd. Meta tensors are validated and nothing is computed. Under
+    ``torch.compile`` (or with FakeTensors) the call is traced as ``torch.ops.mamba3_step.step``.
+
+    A call that raises has written nothing. Written tensors (``out``, ``state``/``state_out``,
+    ``Bstate``/``Xstate`` with ``update_kv_state``) must not require grad, must be writable
+    here, and must share no memory with themselves or with any other argument.
 
     Returns:
         ``out``.
@@ -119,10 +132,13 @@ def mamba3_step_fn(
         state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
         state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens,
     )
-    spec, tensors = prepare_step(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
-                                 validate_indices=validate_indices)
-    if tensors.batch == 0:
-        return tensors.out
+    options = dict(update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
+                   validate_indices=validate_indices)
+    if torch.compiler.is_compiling() or (isinstance(x, torch.Tensor) and type(x) is not torch.Tensor and is_fake(x)):
+        return step_through_op(tensors, **options)
+    spec, tensors = prepare_step(tensors, **options)
+    if tensors.batch == 0 or x.device.type == "meta":
+        return tensors.out  # meta tensors: validated, shapes only
     if x.is_cuda:
         launch_step(spec, tensors)  # the CuteDSL kernel; compiled once per specialisation
     else:
@@ -139,9 +155,45 @@ def prepare_step(tensors: StepTensors, *, update_kv_state=False, tile_D=None, nu
     Returns ``(spec, tensors)``: the specialisation and the bundle with ``out`` set. With
     ``B == 0`` the caller returns ``out`` at once.
     """
+    validate_indices = check_options(validate_indices=validate_indices)["validate_indices"]
     spec = check_step_inputs(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
+    if tensors.null_slot_id is not None:
+        tensors = tensors._replace(null_slot_id=int(tensors.null_slot_id))  # e.g. a numpy integer
     tensors = tensors.with_out()
+    if validate_indices and tensors.pool and tensors.x.device.type == "meta":
+        raise ValueError("validate_indices: expected index tensors holding values, got meta tensors "
+                         "(pass validate_indices=False to check shapes only)")
     if validate_indices and tensors.pool and tensors.batch > 0:
         check_indices(tensors.state_batch_indices, tensors.dst_state_batch_indices, tensors.state.shape[0],
                       tensors.null_slot_id)
     return spec, tensors
+
+
+def step_through_op(tensors: StepTensors, *, update_kv_state=False, tile_D=None, num_warps=None,
+                    validate_indices=False) -> torch.Tensor:
+    """The step as one call of ``torch.ops.mamba3_step.step`` (what a tracer records); returns ``out``.
+
+    The options are type-checked first (numpy integers become ints), so the op sees exactly what
+    :func:`mamba3_step_fn` accepts; ``out`` is allocated (x's dtype and device) when it is None.
+    """
+    opts = check_options(null_slot_id=tensors.null_slot_id, update_kv_state=update_kv_state, tile_D=tile_D,
+                         num_warps=num_warps, validate_indices=validate_indices)
+    t = tensors
+    out = t.out if t.out is not None else _new_out(t)
+    torch.ops.mamba3_step.step(
+        t.state, t.Bstate, t.Xstate, t.A, t.B, t.C, t.D, t.x, t.dt, t.trap, t.xproj, out, t.outproj,
+        t.state_out, t.z, t.zproj, t.state_batch_indices, t.dst_state_batch_indices, opts["null_slot_id"],
+        opts["update_kv_state"], opts["tile_D"], opts["num_warps"], opts["validate_indices"],
+    )
+    return out
+
+
+def _new_out(t: StepTensors):
+    """A fresh ``out`` for ``t`` (x's dtype and device), or, when ``x``/``xproj`` are too malformed to
+    say its shape, an empty stand-in: the op's validation then reports what is wrong with them."""
+    x, xproj = t.x, t.xproj
+    if not isinstance(x, torch.Tensor):
+        return torch.empty(0)
+    if not isinstance(xproj, torch.Tensor) or x.dim() != 3 or xproj.dim() != 3:
+        return torch.empty(0, dtype=x.dtype, device=x.device)
+    return torch.empty(out_shape(x, xproj, t.outproj is not None), dtype=x.dtype, device=x.device)

@@ -21,20 +21,31 @@ over-approximation (the compiler just does not reorder reads of them around the 
 
 Shapes, dtypes and semantics are those of ``mamba3_step_fn`` (docs/contract.md); letters B P H D N R.
 The op has no autograd formula (decode is inference-only).
+
+The op refuses what ``mamba3_step_fn`` refuses, with the same named errors: its real
+implementation is ``mamba3_step_fn`` and its fake implementation runs the same validation
+(``validation.check_step_inputs``) on the fake tensors. The non-tensor options are declared as
+``Scalar`` in the schema so that the dispatcher passes them on as given: with ``int``/``bool``
+types it would turn ``null_slot_id=True`` into 1 and ``update_kv_state=1`` into True before
+the validation could see them. ``mamba3_step_fn`` itself is traceable too: while compiling it
+calls this op (``api.step_through_op``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from .api import mamba3_step_fn
-from .contract import out_shape
+from .api import mamba3_step_fn, step_through_op
+from .tensors import StepTensors
+from .validation import check_options, check_step_inputs
 
 __all__ = ["mamba3_step_op", "step"]
 
 _MUTATED = ("state", "Bstate", "Xstate", "state_out", "out")
+#: schema type ``Scalar``: keeps bool and int apart (the validation refuses True for an int, 1 for a bool)
+Scalar = Union[int, float, bool]
 
 
 @torch.library.custom_op("mamba3_step::step", mutates_args=_MUTATED)
@@ -57,11 +68,11 @@ def step(
     zproj: Optional[torch.Tensor] = None,
     state_batch_indices: Optional[torch.Tensor] = None,
     dst_state_batch_indices: Optional[torch.Tensor] = None,
-    null_slot_id: Optional[int] = None,
-    update_kv_state: bool = False,
-    tile_D: Optional[int] = None,
-    num_warps: Optional[int] = None,
-    validate_indices: bool = False,
+    null_slot_id: Optional[Scalar] = None,
+    update_kv_state: Scalar = False,
+    tile_D: Optional[Scalar] = None,
+    num_warps: Optional[Scalar] = None,
+    validate_indices: Scalar = False,
 ) -> None:
     """The step, in place (see ``mamba3_step_fn``). ``out`` is required and written.
 
@@ -87,11 +98,15 @@ def _step_fake(
     z=None, zproj=None, state_batch_indices=None, dst_state_batch_indices=None,
     null_slot_id=None, update_kv_state=False, tile_D=None, num_warps=None, validate_indices=False,
 ) -> None:
-    # Everything is written in place into caller-provided tensors: no new outputs, so the
-    # fake implementation only checks what the compiler needs to trust about ``out``.
-    want = out_shape(x, xproj, outproj is not None)
-    torch._check(tuple(out.shape) == want, lambda: f"out: expected shape {want}, got {tuple(out.shape)}")
-    torch._check(out.dtype == x.dtype, lambda: f"out: expected dtype {x.dtype} (x's), got {out.dtype}")
+    # Everything is written in place into caller-provided tensors: no new outputs. The checks are
+    # the real ones (metadata only; address comparisons are skipped for fake tensors and happen
+    # when the real implementation runs).
+    check_options(validate_indices=validate_indices)
+    check_step_inputs(
+        StepTensors(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
+                    state_batch_indices, dst_state_batch_indices, null_slot_id),
+        update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
+    )
     return None
 
 
@@ -126,11 +141,7 @@ def mamba3_step_op(
     Allocates ``out`` (x's dtype and device; ``(B, H, D)`` with outproj, else ``(B, R, H, D)``)
     when it is None, and returns it. Safe to call inside ``torch.compile(fullgraph=True)``.
     """
-    if out is None:
-        out = torch.empty(out_shape(x, xproj, outproj is not None), dtype=x.dtype, device=x.device)
-    torch.ops.mamba3_step.step(
-        state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, out, outproj, state_out, z, zproj,
-        state_batch_indices, dst_state_batch_indices, null_slot_id, update_kv_state, tile_D,
-        num_warps, validate_indices,
-    )
-    return out
+    tensors = StepTensors(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
+                          state_batch_indices, dst_state_batch_indices, null_slot_id)
+    return step_through_op(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
+                           validate_indices=validate_indices)

@@ -12,7 +12,8 @@ Two layers:
   ``.sum(-1)`` over N (whose summation order depends on N alone). No matmul / einsum / bmm,
   whose blocking (and so rounding) may change with the batch size.
 * :func:`mamba3_step_reference` is the full in-place contract of ``mamba3_step_fn``: dense
-  mode, pool mode with padding lanes, separate destination rows and ``update_kv_state``.
+  mode, pool mode with padding lanes, separate destination rows, ``update_kv_state`` and
+  multi-token steps (speculative decoding: per-token destinations, accepted-token sources).
   ``mamba3_step_fn`` runs it on CPU tensors (in float32); tests run it in float64.
 
 Both take the step's tensors as one :class:`~mamba3_step.tensors.StepTensors`. Neither
@@ -135,6 +136,9 @@ def mamba3_step_reference(
     (B, T) ``dst_state_batch_indices`` the state after token t (and token t's B/x) go to row
     ``dst[b, t]`` instead. All reads happen before any write.
 
+    Runs under ``torch.no_grad()`` (no output carries a ``grad_fn``) and computes every written
+    value before writing any, so an error part-way leaves the tensors unchanged.
+
     Args:
         tensors: the step's tensors; ``out`` (optional) receives the result cast to its dtype
             and is allocated with x's dtype/device when None.
@@ -144,38 +148,57 @@ def mamba3_step_reference(
         ``out``.
     """
     t = tensors.with_out()
-    out = t.out
     if t.batch == 0:
-        return out
+        return t.out
+    with torch.no_grad():  # in-place writes of a step: no autograd graph, no grad_fn on any output
+        writes = _step_writes(t, update_kv_state, compute_dtype)
+        # Commit, in order (a later write to a row wins): every value is computed and cast;
+        # nothing below allocates a result or can fail on validated inputs, so a failure above
+        # leaves every tensor as it was.
+        for target, rows, value in writes:
+            if rows is None:
+                target.copy_(value)
+            else:
+                target[rows] = value
+    return t.out
+
+
+def _step_writes(t: StepTensors, update_kv_state: bool, compute_dtype) -> list:
+    """``(target, rows or None, value)`` for each tensor the step writes, in write order."""
     if t.pool:
-        P = t.state.shape[0]
         src = source_rows(t.state_batch_indices.to(t.x.device), t.num_accepted_tokens)
-        lanes = lane_is_live(src, P, t.null_slot_id).nonzero().squeeze(1)  # live lanes, in batch order
+        lanes = lane_is_live(src, t.state.shape[0], t.null_slot_id).nonzero().squeeze(1)  # in batch order
         rows = src[lanes]
     else:
         lanes = rows = torch.arange(t.batch, device=t.x.device)
-    dense = t.dense_lanes(lanes, rows)  # copies: every read happens before any write
-    finals = _run_tokens(t, dense, lanes, update_kv_state, compute_dtype)
-    if t.pool:
-        dst = t.dst_state_batch_indices
-        if dst is None or dst.dim() == 1:
-            targets = src if dst is None else dst.to(device=t.x.device, dtype=torch.int64)
-            _write_rows(t, targets[lanes], *finals, update_kv_state)
-    else:
-        (t.state_out if t.state_out is not None else t.state).copy_(finals[0])
+    result, states = _run_tokens(t, t.dense_lanes(lanes, rows), lanes, compute_dtype)
+    writes = [(t.out, None, result)]
+    if not t.pool:
+        state, B, x = states[-1]
+        target = t.state_out if t.state_out is not None else t.state
+        writes.append((target, None, state.to(target.dtype)))
         if update_kv_state:
-            t.Bstate.copy_(finals[1])
-            t.Xstate.copy_(finals[2])
-    return out
+            writes += [(t.Bstate, None, B.to(t.Bstate.dtype)), (t.Xstate, None, x.to(t.Xstate.dtype))]
+        return writes
+    dst = t.dst_state_batch_indices
+    if dst is not None and dst.dim() == 2:  # a row per token
+        for k, finals in enumerate(states):
+            targets = dst[:, k].to(device=t.x.device, dtype=torch.int64)
+            writes += _row_writes(t, targets[lanes], *finals, update_kv_state)
+    else:
+        targets = src if dst is None else dst.to(device=t.x.device, dtype=torch.int64)
+        writes += _row_writes(t, targets[lanes], *states[-1], update_kv_state)
+    return writes
 
 
-def _run_tokens(t: StepTensors, dense: StepTensors, lanes, update_kv_state: bool, compute_dtype) -> tuple:
-    """Run the T tokens of the live ``lanes`` (``dense``: their gathered rows and inputs); write
-    ``out`` (zeros for padding lanes) and per-token destinations; return the final
-    ``(state, B, x)`` of the live lanes (state in the stored dtype)."""
+def _run_tokens(t: StepTensors, dense: StepTensors, lanes, compute_dtype) -> tuple:
+    """Run the T tokens of the live ``lanes`` (``dense``: their gathered rows and inputs).
+
+    Returns ``out``'s new value (zeros for padding lanes) and, per token, the live lanes'
+    ``(state, B, x)`` after it (state in the stored dtype, as it is kept between tokens)."""
     state, Bprev, xprev = dense.state, dense.Bstate, dense.Xstate
     result = torch.zeros(t.out.shape, dtype=t.out.dtype, device=t.out.device)
-    per_token = t.pool and t.dst_state_batch_indices is not None and t.dst_state_batch_indices.dim() == 2
+    states = []
     for k in range(t.tokens):
         tok = t.token(k)
         lane_inputs = {f: (None if getattr(tok, f) is None else getattr(tok, f).index_select(0, lanes))
@@ -183,20 +206,17 @@ def _run_tokens(t: StepTensors, dense: StepTensors, lanes, update_kv_state: bool
         step = dense._replace(state=state, Bstate=Bprev, Xstate=xprev, **lane_inputs)
         new_state, y = step_math(step, compute_dtype=compute_dtype)
         (result[:, k] if t.x.dim() == 4 else result)[lanes] = y.to(result.dtype)
-        state = new_state.to(t.state.dtype)  # the precision the state is stored in between tokens
+        state = new_state.to(t.state.dtype)
         Bprev, xprev = lane_inputs["B"], lane_inputs["x"]
-        if per_token:
-            targets = t.dst_state_batch_indices[:, k].to(device=t.x.device, dtype=torch.int64)
-            _write_rows(t, targets[lanes], state, Bprev, xprev, update_kv_state)
-    t.out.copy_(result)
-    return state, Bprev, xprev
+        states.append((state, Bprev, xprev))
+    return result, states
 
 
-def _write_rows(t: StepTensors, targets, state, B, x, update_kv_state: bool) -> None:
-    """Rows ``targets`` (one per live lane; padding targets skipped) get ``state`` (and B/x)."""
+def _row_writes(t: StepTensors, targets, state, B, x, update_kv_state: bool) -> list:
+    """Writes of ``state`` (and B/x) to rows ``targets``, one per live lane (padding targets skipped)."""
     write = lane_is_live(targets, t.state.shape[0], t.null_slot_id)
     rows = targets[write]
-    t.state[rows] = state[write].to(t.state.dtype)
+    writes = [(t.state, rows, state[write].to(t.state.dtype))]
     if update_kv_state:
-        t.Bstate[rows] = B[write].to(t.Bstate.dtype)
-        t.Xstate[rows] = x[write].to(t.Xstate.dtype)
+        writes += [(t.Bstate, rows, B[write].to(t.Bstate.dtype)), (t.Xstate, rows, x[write].to(t.Xstate.dtype))]
+    return writes

@@ -137,3 +137,115 @@ def test_compiled_toy_layer_fullgraph_same_bytes_as_eager(backend):
     assert bits_equal(got2, ref2)
     for a, b in zip(pool.layer_tensors(0), eager_pool):
         assert bits_equal(a, b)
+
+
+# --------------------------------------------------------------------------- issue 13, item 7
+def _call_args(seed=7):
+    pool, w, inp, slots, dst = _setup(seed)
+    st, bs, xs = (t.clone() for t in pool.layer_tensors(0))
+    out = torch.zeros(NB, H, D, dtype=torch.bfloat16)
+    args = [st, bs, xs, inp["A"], inp["B"], inp["C"], w["D"], inp["x"], inp["dt"], inp["trap"], w["xproj"], out,
+            w["outproj"], None, inp["z"], w["zproj"], slots, dst]
+    return args
+
+
+@pytest.mark.parametrize("option,value", [("null_slot_id", True), ("update_kv_state", 1),
+                                          ("validate_indices", 1), ("tile_D", True), ("num_warps", 4.0)])
+def test_op_refuses_what_mamba3_step_fn_refuses(option, value):
+    """The dispatcher used to turn null_slot_id=True into 1 and update_kv_state=1 into True."""
+    args = _call_args()
+    before = [a.clone() for a in args if isinstance(a, torch.Tensor)]
+    kw = {option: value}
+    with pytest.raises(TypeError, match=rf"^{option}: expected") as direct:
+        torch.ops.mamba3_step.step(*args, **kw)
+    names = ("state", "Bstate", "Xstate", "A", "B", "C", "D", "x", "dt", "trap", "xproj", "out", "outproj",
+             "state_out", "z", "zproj", "state_batch_indices", "dst_state_batch_indices")
+    call = dict(zip(names, args))
+    with pytest.raises(TypeError) as wrapped:
+        mamba3_step_op(**call, **kw)
+    with pytest.raises(TypeError) as fn:
+        mamba3_step_fn(**call, **kw)
+    assert str(direct.value) == str(wrapped.value) == str(fn.value)
+    after = [a for a in args if isinstance(a, torch.Tensor)]
+    assert all(bits_equal(a, b) for a, b in zip(after, before))
+
+
+def test_op_accepts_numpy_integers_like_mamba3_step_fn():
+    np = pytest.importorskip("numpy")
+    args = _call_args()
+    names = ("state", "Bstate", "Xstate", "A", "B", "C", "D", "x", "dt", "trap", "xproj", "out", "outproj",
+             "state_out", "z", "zproj", "state_batch_indices", "dst_state_batch_indices")
+    call = dict(zip(names, args))
+    ref = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in call.items()}
+    mamba3_step_fn(**ref, null_slot_id=0, tile_D=D)
+    mamba3_step_op(**call, null_slot_id=np.int64(0), tile_D=np.int32(D))
+    assert bits_equal(call["out"], ref["out"]) and bits_equal(call["state"], ref["state"])
+
+
+def test_op_refuses_a_write_target_defect_with_the_named_error_and_writes_nothing():
+    args = _call_args()
+    args[11] = args[11].requires_grad_(True)  # out
+    before = [a.detach().clone() for a in args if isinstance(a, torch.Tensor)]
+    with pytest.raises(ValueError, match="^out: expected a tensor that does not require grad"):
+        torch.ops.mamba3_step.step(*args, update_kv_state=True)
+    after = [a.detach() for a in args if isinstance(a, torch.Tensor)]
+    assert all(bits_equal(a, b) for a, b in zip(after, before))
+
+
+def test_mamba3_step_fn_under_fake_tensor_mode_validates_with_named_errors():
+    """Used to fail inside the CPU path (a data-dependent nonzero) with an error naming nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = _call_args()
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        st, bs, xs, A, B, C, Dw, x, dt, trap, xproj, out, outproj, _, z, zproj, slots, dst = fake
+        got = mamba3_step_fn(st, bs, xs, A, B, C, Dw, x, dt, trap, xproj, outproj, z=z, zproj=zproj,
+                             state_batch_indices=slots, dst_state_batch_indices=dst, update_kv_state=True)
+        assert tuple(got.shape) == (NB, H, D) and got.dtype == torch.bfloat16
+        with pytest.raises(ValueError, match=r"^C: expected shape"):
+            mamba3_step_fn(st, bs, xs, A, B, C[:, :, :1], Dw, x, dt, trap, xproj, outproj, z=z, zproj=zproj,
+                           state_batch_indices=slots)
+        with pytest.raises(TypeError, match=r"^update_kv_state: expected a bool"):
+            mamba3_step_fn(st, bs, xs, A, B, C, Dw, x, dt, trap, xproj, outproj, z=z, zproj=zproj,
+                           state_batch_indices=slots, update_kv_state=1)
+
+
+class FnLayer(torch.nn.Module):
+    """ToyLayer calling mamba3_step_fn itself (not the op wrapper)."""
+
+    def __init__(self, w):
+        super().__init__()
+        for k, v in w.items():
+            self.register_buffer(k, v)
+
+    def forward(self, state, Bstate, Xstate, slots, hidden, A, dt, trap, B, C, z):
+        n = hidden.shape[0]
+        x = (hidden * 0.5).to(torch.bfloat16).view(n, H, D)
+        out = mamba3_step_fn(state, Bstate, Xstate, A, B, C, self.D, x, dt, trap, self.xproj, self.outproj,
+                             z=z, zproj=self.zproj, state_batch_indices=slots, null_slot_id=0,
+                             update_kv_state=True)
+        return hidden + out.float().reshape(n, H * D)
+
+
+def test_mamba3_step_fn_compiles_fullgraph_with_the_same_bytes_as_eager():
+    """torch.compile(fullgraph=True) used to fail on mamba3_step_fn (only the op was traceable)."""
+    torch._dynamo.reset()
+    pool, w, inp, _, _ = _setup(8, null_slot=True)
+    slots = torch.tensor([6, 0, 2, 7, 8], dtype=torch.int32)
+    layer = FnLayer(w)
+    hidden = torch.randn(NB, H * D, generator=torch.Generator().manual_seed(9))
+    tail = (slots, hidden, inp["A"], inp["dt"], inp["trap"], inp["B"], inp["C"], inp["z"])
+    eager_pool = [t.clone() for t in pool.layer_tensors(0)]
+    ref = layer(*eager_pool, *tail)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    got = compiled(*pool.layer_tensors(0), *tail)
+    assert bits_equal(got, ref)
+    for a, b in zip(pool.layer_tensors(0), eager_pool):
+        assert bits_equal(a, b)
+    # a bad input inside the compiled function still gets the named error: dynamo reports the
+    # fake implementation's ValueError inside its own exception, by text
+    with pytest.raises(Exception) as info:
+        compiled(*pool.layer_tensors(0), slots, hidden, inp["A"], inp["dt"], inp["trap"], inp["B"][:, :1],
+                 inp["C"], inp["z"])
+    assert "ValueError('Bstate: expected shape (P, R, H, N)" in str(info.value), str(info.value)[:500]

@@ -7,6 +7,7 @@ Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank, L
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -409,3 +410,163 @@ def test_demo_style_decode_detects_a_stray_write():
     base = snapshot(pool)
     pool.state(0)[4, 1, 3, 5] += 1.0
     assert not bits_equal(pool.state(0), base[0][0])
+
+
+# ---- issue 13: misuse of the serving pieces ---------------------------------------------------
+def _bad_lane_inputs(n):
+    """(named argument, inputs) pairs, each one defect that copy_ would broadcast or cast away."""
+    good = lane_inputs(n, H, D, N, R, generator=torch.Generator().manual_seed(50))
+    return [
+        ("A", dict(good, A=good["A"][:, :1])),  # (n, 1): broadcast over the heads
+        ("B", dict(good, B=good["B"][:, :, :1])),  # (n, R, 1, N): head 0's B for every head
+        ("B", dict(good, B=good["B"].double())),  # float64: cast
+        ("Bstate", dict(good, B=good["B"].float())),  # float32 into a bf16 pool: cast (B sets the group)
+        ("x", dict(good, x=(good["x"] * 4).to(torch.int32))),  # integer x: cast
+        ("dt", dict(good, dt=good["dt"][:1].expand(n, H).contiguous()[:, :1])),
+        ("z", dict(good, z=good["z"][:, :, :1])),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_runner_validates_bucketed_steps_exactly_like_eager_ones(case):
+    """The bucketed path used to copy_ the inputs into its buffers, broadcasting and casting."""
+    pool = make_pool(L=1, P=8)
+    w = layer_weights(H, D, R, generator=torch.Generator().manual_seed(51))
+    bucketed = CudaGraphStepRunner(pool, 0, buckets=(4,), **w)
+    eager = CudaGraphStepRunner(pool, 0, buckets=(1,), **w)
+    slots = pool.alloc(3)
+    name, inp = _bad_lane_inputs(3)[case]
+    base = snapshot(pool)
+    errors = []
+    for runner in (bucketed, eager):
+        with pytest.raises((TypeError, ValueError)) as info:
+            runner.step(slots, **inp)
+        errors.append((type(info.value), str(info.value)))
+        assert str(info.value).startswith(f"{name}: expected"), str(info.value)
+    assert errors[0] == errors[1]
+    for a, b in zip(pool.layer_tensors(0), base[0]):  # nothing written
+        assert bits_equal(a, b)
+    assert 4 not in bucketed._static or not bucketed._static[4]["out"].any()
+
+
+def test_runner_still_takes_cpu_slots_for_its_static_buffer():
+    pool = make_pool(L=1, P=8)
+    w = layer_weights(H, D, R, generator=torch.Generator().manual_seed(52))
+    runner = CudaGraphStepRunner(pool, 0, buckets=(4,), **w)
+    slots = pool.alloc(3)
+    inp = lane_inputs(3, H, D, N, R, generator=torch.Generator().manual_seed(53))
+    base = snapshot(pool)
+    out = runner.step(slots, **inp)
+    st, bs, xs = base[0]
+    ref = gather_scatter_step(st, bs, xs, inp["A"], inp["B"], inp["C"], w["D"], inp["x"], inp["dt"], inp["trap"],
+                              w["xproj"], w["outproj"], z=inp["z"], zproj=w["zproj"], slots=slots,
+                              update_kv_state=True)
+    assert bits_equal(out, ref)
+
+
+class _YieldingHeapq:
+    """heapq whose operations first give the GIL away: a thread switch lands between the
+    allocator's check and its update as often as possible (what a busy server does sometimes)."""
+
+    def __getattr__(self, name):
+        import heapq
+        import time
+
+        fn = getattr(heapq, name)
+
+        def wrapped(*args):
+            time.sleep(0)
+            return fn(*args)
+        return wrapped
+
+
+def test_allocator_is_thread_safe(monkeypatch):
+    """8 threads doing free(alloc(3)) on 16 slots used to raise IndexError and lose slots."""
+    import sys
+    import threading
+
+    from mamba3_step.serving import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "heapq", _YieldingHeapq())
+    pool = StatePool(1, 16, H, D, N, R)
+    errors, held, guard = [], set(), threading.Lock()
+    start = threading.Barrier(8)
+
+    def worker():
+        start.wait()
+        for _ in range(400):
+            try:
+                got = pool.alloc(3).tolist()
+            except PoolExhaustedError:
+                continue
+            except Exception as e:  # noqa: BLE001 - any other error is the bug
+                errors.append(repr(e))
+                return
+            with guard:
+                if held & set(got) or len(set(got)) != 3:
+                    errors.append(f"slots {got} handed out twice")
+                held.update(got)
+            with guard:
+                held.difference_update(got)
+            try:
+                pool.free(got)
+            except Exception as e:  # noqa: BLE001
+                errors.append(repr(e))
+                return
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show up at once
+    try:
+        threads = [threading.Thread(target=worker) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors[:5]
+    assert pool.num_free == 16 and pool.num_allocated == 0
+    assert sorted(pool.alloc(16).tolist()) == list(range(16))
+
+
+def test_pool_refuses_unsupported_sizes_at_construction():
+    """headdim 48 / dstate 48 / mimo 3 used to be accepted and fail only at the first step."""
+    from mamba3_step.contract import SUPPORTED_D, SUPPORTED_N, SUPPORTED_R
+
+    for name, kw, listing in (("headdim", dict(headdim=48), SUPPORTED_D), ("dstate", dict(dstate=48), SUPPORTED_N),
+                              ("mimo", dict(mimo=3), SUPPORTED_R)):
+        args = dict(num_layers=1, num_slots=4, nheads=H, headdim=D, dstate=N, mimo=R)
+        args.update(kw)
+        with pytest.raises(ValueError, match=rf"^{name}: expected one of {re.escape(str(listing))}.*got"):
+            StatePool(**args)
+
+
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_pool_reserve_null_slot_must_be_a_bool(value):
+    """'no' used to reserve the null slot."""
+    with pytest.raises(TypeError, match=r"^reserve_null_slot: expected a bool"):
+        StatePool(1, 4, H, D, N, R, reserve_null_slot=value)
+
+
+def test_pool_on_cuda_without_cuda_is_a_clear_error(monkeypatch):
+    """Used to raise torch's AssertionError ('Torch not compiled with CUDA enabled')."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^device: expected .*got 'cuda'.*CUDA is not available"):
+        StatePool(1, 4, H, D, N, R, device="cuda")
+    with pytest.raises(ValueError, match=r"^device: expected"):
+        StatePool(1, 4, H, D, N, R, device="nonsense")
+
+
+def test_pool_takes_numpy_integers_where_it_takes_ints():
+    np = pytest.importorskip("numpy")
+    pool = StatePool(np.int64(1), np.int32(6), np.int64(H), np.int64(D), np.int64(N), np.int64(R))
+    got = pool.alloc(np.int64(3))
+    assert got.tolist() == [0, 1, 2]
+    pool.free(np.int64(1))
+    pool.free([np.int32(0)])
+    pool.free(np.array([2]))
+    assert pool.num_free == 6
+    pool.alloc(np.int64(2), zero=True)
+    assert pool.state(np.int64(0)).shape == (6, H, D, N)
+    with pytest.raises(ValueError, match="n: expected a non-negative int, got True"):
+        pool.alloc(True)

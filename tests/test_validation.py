@@ -388,3 +388,51 @@ def test_validate_indices_refuses_under_graph_capture(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA graph"):
         check_indices(torch.tensor([0, 1], dtype=torch.int32), None, 4)
+
+
+# --------------------------------------------------------------------------- issue 13, item 7
+def test_numpy_bool_update_kv_state_is_refused_with_a_message_that_says_what_arrived():
+    """Used to say "expected a bool, got bool" (numpy's bool type is also called bool)."""
+    np = pytest.importorskip("numpy")
+    msg = raises(TypeError, "update_kv_state", pool_call(update_kv_state=np.bool_(True)), "numpy")
+    assert "got bool" not in msg
+
+
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_validate_indices_must_be_a_bool(value):
+    """'no' used to switch the check on (any truthy value did)."""
+    raises(TypeError, "validate_indices", dict(pool_call(), validate_indices=value), "bool", "got")
+
+
+def test_numpy_integers_are_accepted_where_ints_are():
+    np = pytest.importorskip("numpy")
+    kw = _pool_indices_call([0, 1, 5, -1], [2, 3, 4, -1], null_slot_id=np.int64(5))
+    mamba3_step_fn(**kw, tile_D=np.int32(DH), validate_indices=True)
+
+
+@pytest.mark.parametrize("null_slot_id", [P, P + 3])
+def test_validate_indices_accepts_a_null_slot_at_or_beyond_P(null_slot_id):
+    """Lanes holding null_slot_id are padding whatever its value; they used to be reported as
+    'indices >= P ... padding must be negative or null_slot_id', which they were."""
+    src, dst = [0, null_slot_id, 2, -1], [3, 4, null_slot_id, -1]
+    kw = _pool_indices_call(src, dst, null_slot_id=null_slot_id)
+    expected = gather_dense_scatter(kw, kw["state_batch_indices"], kw["dst_state_batch_indices"],
+                                    null_slot_id=null_slot_id)
+    got = clone_inputs(kw)
+    mamba3_step_fn(**got, validate_indices=True)
+    assert_bits_equal(got["state"], expected["state"], "state")
+    # a real out-of-range index next to it is still reported, and only that lane
+    kw = _pool_indices_call([0, null_slot_id, P + 7, -1], None, null_slot_id=null_slot_id)
+    raises(ValueError, "state_batch_indices", dict(kw, validate_indices=True), "[2]", f"P={P}")
+
+
+def test_meta_tensors_in_pool_mode_are_validated_and_computed_as_shapes_only():
+    """Used to fail inside the CPU path with an error naming no argument."""
+    kw = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in pool_call().items()}
+    out = mamba3_step_fn(**kw, update_kv_state=True)
+    assert out is kw["out"] and out.device.type == "meta"
+    kw["out"] = None
+    assert mamba3_step_fn(**kw).shape == (NB, H, DH)
+    raises(ValueError, "C", dict(kw, C=kw["C"][:, :, :1]), "expected shape")
+    raises(TypeError, "B", dict(kw, B=kw["B"].float()), "expected dtype")
+    raises(ValueError, "validate_indices", dict(kw, validate_indices=True), "meta")

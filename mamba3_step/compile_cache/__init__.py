@@ -36,7 +36,7 @@ Layers (each a module; none imports a layer above it):
 =================  ===============================================================
 ``key``            the disk key (fingerprint, versions, env) and an entry's path
 ``counters``       the process-wide counts
-``store``          the on-disk entries: verified load, atomic publish, locks
+``store``          the on-disk entries: trust checks, verified load, atomic publish, locks
 ``front``          the in-memory dict, the builder, fallbacks; ``obtain``, ``precompile``
 ``cli``            the ``precompile`` subcommand
 =================  ===============================================================

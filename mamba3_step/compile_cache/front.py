@@ -6,8 +6,10 @@ Letters (docs/contract.md): B lanes, P pool rows, H heads (none of them is part 
 tries the disk entry (:mod:`.store`), and failing that compiles with the current
 :class:`~mamba3_step.build.KernelBuilder`, exports and publishes the entry. When the disk cannot
 be used (unwritable directory, no linker, an export error) it compiles in memory for this
-process and says why once (:class:`CompileCacheWarning`). Compiles are serialised by one
-process-wide lock, so a kernel is never compiled twice in one process.
+process and says why once (:class:`CompileCacheWarning`); so it does when the directory cannot
+be trusted (:func:`store.tree_problem`: another user could have written it) or inspected.
+Compiles are serialised by one process-wide lock, so a kernel is never compiled twice in one
+process.
 """
 
 from __future__ import annotations
@@ -129,7 +131,10 @@ def _obtain_uncached(spec: StepSpec, arch: str):
     if not builder.exportable:
         return store.memory_callable(compile_now()[0]), "compiled-in-memory", None
     key = _key.entry_key(spec, arch, builder)
-    entry = _key.entry_dir(_key.cache_dir(), spec, arch, key)
+    root = _key.cache_dir()
+    entry = _key.entry_dir(root, spec, arch, key)
+    if not _tree_usable(root, entry.parent):
+        return store.memory_callable(compile_now()[0]), "compiled-in-memory", None
     fn, problem = store.try_load(entry, key)
     if fn is not None:
         COUNTERS.disk_loads += 1
@@ -156,15 +161,46 @@ def _obtain_uncached(spec: StepSpec, arch: str):
         return fn, ("rebuilt" if (problem2 or problem) else "compiled"), entry
 
 
+def _tree_usable(root: Path, arch_dir: Path) -> bool:
+    """Create the cache's directories (0700) and check that the tree can be trusted; warn once if not.
+
+    Nothing is read from the disk cache, and nothing written to it, unless this returns True.
+    """
+    try:
+        store.make_private_dirs(arch_dir)
+    except OSError as e:
+        _warn_unwritable(arch_dir, f"{type(e).__name__}: {e}")
+        return False
+    try:
+        problem = store.tree_problem(root, arch_dir)
+    except OSError as e:
+        _warn_once("unreadable", f"mamba3_step: kernel cache directory {root} cannot be inspected "
+                   f"({type(e).__name__}: {e}); compiling kernels in memory for this process only. Set "
+                   f"{_key.ENV_CACHE_DIR} to a directory of your own.")
+        return False
+    if problem is not None:
+        _warn_once("untrusted", f"mamba3_step: kernel cache directory {root} is not safe to load code from: "
+                   f"{problem}. Compiling kernels in memory for this process only. The cache and every "
+                   f"directory in it must be owned by you and not writable by group or others (chmod 700); "
+                   f"each directory above it must be owned by you or root and not writable by group or "
+                   f"others unless sticky (like /tmp). Set {_key.ENV_CACHE_DIR} to a private directory.")
+        return False
+    return True
+
+
+def _warn_unwritable(directory: Path, why: str) -> None:
+    _warn_once("unwritable", f"mamba3_step: kernel cache directory {directory} is not writable "
+               f"({why}); compiling kernels in memory for this process only. Set "
+               f"{_key.ENV_CACHE_DIR} to a writable directory to keep compiled kernels.")
+
+
 def _disk_usable(entry: Path, problem: Optional[str]) -> tuple:
     """``(linker, None)`` when an entry can be written, else ``(None, why)`` (warned once)."""
     why_not = store.writable_dir(entry.parent)
     if why_not is not None:
         if problem is not None:
             COUNTERS.rebuilds += 1
-        _warn_once("unwritable", f"mamba3_step: kernel cache directory {entry.parent} is not writable "
-                   f"({why_not}); compiling kernels in memory for this process only. Set "
-                   f"{_key.ENV_CACHE_DIR} to a writable directory to keep compiled kernels.")
+        _warn_unwritable(entry.parent, why_not)
         return None, why_not
     linker = store.find_linker()
     if linker is None:

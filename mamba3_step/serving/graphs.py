@@ -10,7 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .hook import decode_step
+from ..tensors import StepTensors
+from ..validation import check_step_inputs
+from .hook import decode_step, kv_update_in_kernel
 from .pool import StatePool
 
 __all__ = ["CudaGraphStepRunner", "DEFAULT_BUCKETS", "choose_bucket", "pad_lanes", "pad_slots"]
@@ -114,6 +116,26 @@ class CudaGraphStepRunner:
         self._static: dict[int, dict[str, torch.Tensor]] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
+    def _check_step(self, bucket: int, n: int, inputs: dict, with_dst: bool) -> None:
+        """Validate the caller's lane tensors with the pool and weights, as ``mamba3_step_fn`` would.
+
+        The index tensors stand in for the caller's slots (already checked to be ``(n,)`` int32,
+        possibly on another device): the bucket's static slot buffer, or a fresh one before the
+        bucket's first capture. Metadata only.
+        """
+        p, s = self.pool, self._static.get(bucket)
+        idx = s["slots"][:n] if s is not None else torch.empty(n, dtype=torch.int32, device=p.device)
+        dst = None
+        if with_dst:
+            dst = s["dst"][:n] if s is not None else torch.empty(n, dtype=torch.int32, device=p.device)
+        tensors = StepTensors(
+            *p.layer_tensors(self.layer), inputs["A"], inputs["B"], inputs["C"], self.D, inputs["x"], inputs["dt"],
+            inputs["trap"], self.xproj, self.outproj, None, None if s is None else s["out"][:n], inputs.get("z"),
+            self.zproj, idx, dst, p.null_slot_id,
+        )
+        in_kernel = kv_update_in_kernel(p.headdim, p.dstate, p.mimo, p.state_dtype, self.tile_D)
+        check_step_inputs(tensors, update_kv_state=in_kernel, tile_D=self.tile_D, num_warps=self.num_warps)
+
     # static buffers -------------------------------------------------------------------
     def _make_static(self, bucket: int) -> dict[str, torch.Tensor]:
         p, dev = self.pool, self.pool.device
@@ -190,6 +212,10 @@ class CudaGraphStepRunner:
         ``slots`` (and ``dst_slots``) are ``(n,)`` int32, on any device (copied into the
         static buffer). With ``clone=False`` the result is a view of the static output
         buffer, overwritten by the next step of the same bucket.
+
+        Every input is validated as the eager path (``mamba3_step_fn``) validates it, before
+        anything is copied: exact shapes, dtypes and device, never broadcast or cast into the
+        static buffers. A refused step changes nothing.
         """
         if not isinstance(slots, torch.Tensor) or slots.dim() != 1:
             raise ValueError(f"slots: expected a 1-d int32 tensor, got {getattr(slots, 'shape', type(slots))}")
@@ -222,6 +248,7 @@ class CudaGraphStepRunner:
                 dst_slots=None if not self.with_dst else (slots if dst_slots is None else dst_slots).to(dev),
                 tile_D=self.tile_D, num_warps=self.num_warps,
             )
+        self._check_step(bucket, n, inputs, dst_slots is not None or self.with_dst)
         if bucket not in self._static:
             self.capture([bucket])
         s = self._static[bucket]

@@ -7,11 +7,13 @@ size, ``R`` MIMO rank, ``L`` layers.
 from __future__ import annotations
 
 import heapq
+import numbers
+import threading
 from collections.abc import Iterable
 
 import torch
 
-from ..contract import PAD_SLOT_ID, as_torch_dtype
+from ..contract import PAD_SLOT_ID, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, as_torch_dtype
 
 __all__ = ["PoolExhaustedError", "SlotError", "StatePool"]
 
@@ -24,8 +26,14 @@ class PoolExhaustedError(RuntimeError):
     """``alloc(n)`` asked for more slots than are free."""
 
 
+def _is_int(v) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def _slot_list(slots, name: str) -> list[int]:
-    """Slots as a Python list of ints (accepts int, sequence, or an integer tensor)."""
+    """Slots as a Python list of ints (accepts an int, a sequence of ints, or an integer tensor;
+    numpy integers and arrays count as ints)."""
     if isinstance(slots, torch.Tensor):
         if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
             raise TypeError(f"{name}: expected an integer tensor of slots, got dtype {slots.dtype}")
@@ -34,19 +42,44 @@ def _slot_list(slots, name: str) -> list[int]:
         return [int(v) for v in slots.reshape(-1).tolist()]
     if isinstance(slots, bool):
         raise TypeError(f"{name}: expected slot ints, got bool")
-    if isinstance(slots, int):
-        return [slots]
+    if _is_int(slots):
+        return [int(slots)]
     if isinstance(slots, Iterable):
         out = []
         for v in slots:
-            if isinstance(v, bool) or not isinstance(v, int):
-                if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.dtype.is_floating_point:
+            if not _is_int(v):
+                if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.dtype.is_floating_point \
+                        and v.dtype != torch.bool:
                     v = int(v)
                 else:
                     raise TypeError(f"{name}: expected slot ints, got element {v!r}")
             out.append(int(v))
         return out
     raise TypeError(f"{name}: expected an int, a sequence of ints or an integer tensor, got {type(slots).__name__}")
+
+
+def _checked_size(name: str, v, supported=None) -> int:
+    if not _is_int(v) or v < 1:
+        raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    if supported is not None and v not in supported:
+        raise ValueError(f"{name}: expected one of {supported} (the sizes the step supports), got {v!r}")
+    return int(v)
+
+
+def _checked_device(device) -> torch.device:
+    """``device`` as a torch.device that exists here; ValueError naming it otherwise."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {device!r} ({e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: expected a device this process can use, got {device!r}, but CUDA "
+                             f"is not available (torch.cuda.is_available() is False)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device: expected a CUDA device index below {torch.cuda.device_count()} "
+                             f"(the visible GPUs), got {device!r}")
+    return dev
 
 
 class StatePool:
@@ -65,7 +98,9 @@ class StatePool:
     B/x itself (``tile_D < headdim``). The pool is zero-initialised.
 
     Allocator: ``alloc(n)`` hands out the ``n`` lowest free slots as a CPU int32 tensor;
-    ``free(slots)`` returns them. Freeing a slot twice, an unknown slot (out of range) or the
+    ``free(slots)`` returns them. The allocator is thread-safe: ``alloc``, ``free``, ``reset``,
+    ``copy``, ``fork`` and the counts hold one re-entrant lock per pool, so scheduler threads may
+    share a pool (the tensors themselves are not locked: steps on them are the caller's to order). Freeing a slot twice, an unknown slot (out of range) or the
     reserved null slot raises :class:`SlotError`; asking for more slots than are free raises
     :class:`PoolExhaustedError` and allocates nothing.
 
@@ -90,16 +125,14 @@ class StatePool:
         device="cpu",
         reserve_null_slot: bool = False,
     ):
-        for name, v in (
-            ("num_layers", num_layers),
-            ("num_slots", num_slots),
-            ("nheads", nheads),
-            ("headdim", headdim),
-            ("dstate", dstate),
-            ("mimo", mimo),
-        ):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        num_layers, num_slots, nheads = (_checked_size(n, v) for n, v in (
+            ("num_layers", num_layers), ("num_slots", num_slots), ("nheads", nheads)))
+        headdim = _checked_size("headdim", headdim, SUPPORTED_D)
+        dstate = _checked_size("dstate", dstate, SUPPORTED_N)
+        mimo = _checked_size("mimo", mimo, SUPPORTED_R)
+        if not isinstance(reserve_null_slot, bool):
+            raise TypeError(f"reserve_null_slot: expected a bool, got {type(reserve_null_slot).__name__} "
+                            f"{reserve_null_slot!r}")
         if reserve_null_slot and num_slots < 2:
             raise ValueError(
                 f"num_slots: reserve_null_slot=True needs at least 2 slots (row 0 is reserved), got {num_slots}"
@@ -113,8 +146,8 @@ class StatePool:
         self.state_dtype = as_torch_dtype(state_dtype, "state_dtype")
         self.kv_dtype = as_torch_dtype(kv_dtype, "kv_dtype")
         self.x_dtype = self.kv_dtype if x_dtype is None else as_torch_dtype(x_dtype, "x_dtype")
-        self.device = torch.device(device)
-        self.reserve_null_slot = bool(reserve_null_slot)
+        self.device = _checked_device(device)
+        self.reserve_null_slot = reserve_null_slot
 
         L, P, H, D, N, R = num_layers, num_slots, nheads, headdim, dstate, mimo
         self._state = torch.zeros((L, P, H, D, N), dtype=self.state_dtype, device=self.device)
@@ -123,6 +156,7 @@ class StatePool:
         self._Xstate = torch.zeros((L, P + 1, H, D), dtype=self.x_dtype, device=self.device)
 
         first = 1 if self.reserve_null_slot else 0
+        self._lock = threading.RLock()  # guards the free list and the allocated flags
         self._free_heap: list[int] = list(range(first, P))
         heapq.heapify(self._free_heap)
         self._allocated = bytearray(P)  # 1 where the slot is allocated
@@ -155,9 +189,9 @@ class StatePool:
         return self.state(layer), self.Bstate(layer), self.Xstate(layer)
 
     def _layer(self, layer: int) -> int:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+        if not _is_int(layer) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
-        return layer
+        return int(layer)
 
     @property
     def bytes_per_slot_per_layer(self) -> int:
@@ -182,11 +216,13 @@ class StatePool:
     # ---- allocator ----------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free_heap)
+        with self._lock:
+            return len(self._free_heap)
 
     @property
     def num_allocated(self) -> int:
-        return sum(self._allocated)
+        with self._lock:
+            return sum(self._allocated)
 
     @property
     def capacity(self) -> int:
@@ -194,19 +230,27 @@ class StatePool:
         return self.num_slots - (1 if self.reserve_null_slot else 0)
 
     def is_allocated(self, slot: int) -> bool:
-        return 0 <= slot < self.num_slots and bool(self._allocated[slot])
+        with self._lock:
+            return _is_int(slot) and 0 <= slot < self.num_slots and bool(self._allocated[slot])
 
     def allocated_slots(self) -> list[int]:
-        return [i for i, a in enumerate(self._allocated) if a]
+        with self._lock:
+            return [i for i, a in enumerate(self._allocated) if a]
 
     def alloc(self, n: int, *, zero: bool = False) -> torch.Tensor:
         """Allocate ``n`` slots (the lowest free ones). Returns ``(n,)`` int32 on the CPU.
 
         With ``zero=True`` their rows are reset (all layers) before returning. Raises
         :class:`PoolExhaustedError` (allocating nothing) when fewer than ``n`` are free.
+        Thread-safe (like every allocator method): the pool's lock is held throughout.
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if not _is_int(n) or n < 0:
             raise ValueError(f"n: expected a non-negative int, got {n!r}")
+        n = int(n)
+        with self._lock:
+            return self._alloc_locked(n, zero)
+
+    def _alloc_locked(self, n: int, zero: bool) -> torch.Tensor:
         if n > len(self._free_heap):
             raise PoolExhaustedError(
                 f"StatePool exhausted: asked for {n} slot(s), {len(self._free_heap)} free of "
@@ -228,10 +272,11 @@ class StatePool:
         reserved null slot, a slot that is not allocated (double free) or one listed twice
         raises :class:`SlotError` and frees nothing. Rows keep their contents.
         """
-        lst = self._checked_allocated(slots, "slots", what="free")
-        for s in lst:
-            self._allocated[s] = 0
-            heapq.heappush(self._free_heap, s)
+        with self._lock:
+            lst = self._checked_allocated(slots, "slots", what="free")
+            for s in lst:
+                self._allocated[s] = 0
+                heapq.heappush(self._free_heap, s)
 
     def _checked_allocated(self, slots, name: str, *, what: str, unique: bool = True) -> list[int]:
         lst = _slot_list(slots, name)
@@ -257,13 +302,14 @@ class StatePool:
     # ---- row operations -------------------------------------------------------------
     def reset(self, slots) -> None:
         """Zero the rows of ``slots`` (allocated slots) in every layer: state, Bstate, Xstate."""
-        lst = self._checked_allocated(slots, "slots", what="reset")
-        if not lst:
-            return
-        idx = self._index(lst)
-        self._state.index_fill_(1, idx, 0)
-        self._Bstate.index_fill_(1, idx, 0)
-        self._Xstate.index_fill_(1, idx, 0)
+        with self._lock:  # the slots stay allocated (to their owner) until the rows are zeroed
+            lst = self._checked_allocated(slots, "slots", what="reset")
+            if not lst:
+                return
+            idx = self._index(lst)
+            self._state.index_fill_(1, idx, 0)
+            self._Bstate.index_fill_(1, idx, 0)
+            self._Xstate.index_fill_(1, idx, 0)
 
     def copy(self, src, dst) -> None:
         """Fork rows: every layer's ``state``/``Bstate``/``Xstate`` row ``dst[i]`` := row ``src[i]``.
@@ -272,25 +318,27 @@ class StatePool:
         slots (beam search reordering). All slots must be allocated; ``dst`` must not repeat.
         Sources are read before any destination is written, so ``src`` and ``dst`` may overlap.
         """
-        s = self._checked_allocated(src, "src", what="copy from", unique=False)
-        d = self._checked_allocated(dst, "dst", what="copy to")
-        if len(s) == 1 and len(d) != 1:
-            s = s * len(d)
-        if len(s) != len(d):
-            raise ValueError(f"src: expected 1 or len(dst)={len(d)} slots, got {len(s)}")
-        if not d:
-            return
-        si, di = self._index(s), self._index(d)
-        for t in (self._state, self._Bstate, self._Xstate):
-            t.index_copy_(1, di, t.index_select(1, si))
+        with self._lock:
+            s = self._checked_allocated(src, "src", what="copy from", unique=False)
+            d = self._checked_allocated(dst, "dst", what="copy to")
+            if len(s) == 1 and len(d) != 1:
+                s = s * len(d)
+            if len(s) != len(d):
+                raise ValueError(f"src: expected 1 or len(dst)={len(d)} slots, got {len(s)}")
+            if not d:
+                return
+            si, di = self._index(s), self._index(d)
+            for t in (self._state, self._Bstate, self._Xstate):
+                t.index_copy_(1, di, t.index_select(1, si))
 
     def fork(self, src: int, n: int) -> torch.Tensor:
         """Allocate ``n`` slots holding copies of slot ``src``'s rows (parallel sampling)."""
-        self._checked_allocated(src, "src", what="fork")
-        new = self.alloc(n)
-        if n:
-            self.copy(src, new)
-        return new
+        with self._lock:
+            self._checked_allocated(src, "src", what="fork")
+            new = self.alloc(n)
+            if len(new):
+                self.copy(src, new)
+            return new
 
     def __repr__(self) -> str:
         return (

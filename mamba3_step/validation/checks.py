@@ -1,7 +1,10 @@
 """One check per property of one argument; each raises a message that names the argument and says
 what was expected and what was got (docs/contract.md, "Errors").
 
-Dtype problems raise TypeError, everything else ValueError. These read metadata only.
+Dtype problems raise TypeError, everything else ValueError. These read metadata only: shapes,
+strides, dtypes, flags and data pointers; each is a pure function of its arguments (the one global
+that matters, whether inference mode is on, is passed in). A tensor without memory of its own
+(``meta``, or a FakeTensor while tracing) has no address: the checks that compare addresses skip it.
 """
 
 from __future__ import annotations
@@ -9,12 +12,14 @@ from __future__ import annotations
 import numbers
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..contract import INT32_MAX, VECTOR_BYTES, dtype_name
 
 __all__ = [
-    "check_dtype", "check_int_option", "check_is_tensor", "check_rank", "check_shape",
-    "check_inner_offsets_int32", "check_unit_inner_stride", "check_vector_aligned",
+    "byte_span", "check_bool_option", "check_disjoint", "check_dtype", "check_int_option", "check_is_tensor",
+    "check_no_internal_overlap", "check_rank", "check_shape", "check_inner_offsets_int32",
+    "check_unit_inner_stride", "check_vector_aligned", "check_write_target", "data_address",
 ]
 
 
@@ -86,8 +91,8 @@ def check_vector_aligned(name: str, t: torch.Tensor) -> None:
     """The kernel moves ``t`` with 16-byte vectors: base and outer strides must allow it."""
     if t.numel() == 0:
         return
-    ptr = t.data_ptr()
-    if ptr % VECTOR_BYTES:
+    ptr = data_address(t)
+    if ptr is not None and ptr % VECTOR_BYTES:
         raise ValueError(
             f"{name}: expected a data pointer aligned to {VECTOR_BYTES} bytes (the kernel "
             f"moves the state with {VECTOR_BYTES}-byte vectors), got address {ptr:#x} "
@@ -125,3 +130,84 @@ def check_int_option(name: str, value) -> int | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected an int or None, got {type(value).__name__}")
     return int(value)
+
+
+def check_bool_option(name: str, value) -> bool:
+    """A flag must be a real ``bool`` (not 1, "no" or a numpy bool)."""
+    if not isinstance(value, bool):
+        kind = type(value).__qualname__
+        module = type(value).__module__
+        kind = kind if module == "builtins" else f"{module}.{kind}"
+        raise TypeError(f"{name}: expected a bool, got {kind} {value!r} (pass True or False)")
+    return value
+
+
+def data_address(t: torch.Tensor) -> int | None:
+    """``t``'s data pointer, or None when it has no memory (a meta tensor, a FakeTensor)."""
+    if t.is_meta or (type(t) is not torch.Tensor and is_fake(t)):
+        return None
+    return t.data_ptr()
+
+
+def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """``[first, end)``: the bytes ``t``'s elements lie in (None: empty or without memory)."""
+    if t.numel() == 0:
+        return None
+    start = data_address(t)
+    if start is None:
+        return None
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))  # strides are >= 0
+    return start, start + (extent + 1) * t.element_size()
+
+
+def check_write_target(name: str, t: torch.Tensor, inference_mode: bool) -> None:
+    """The step writes ``t`` in place: refuse what PyTorch would refuse halfway through."""
+    if t.requires_grad:
+        raise ValueError(
+            f"{name}: expected a tensor that does not require grad (the step writes it in place and "
+            f"has no autograd formula; decode is inference-only), got requires_grad=True"
+        )
+    if t.is_inference() and not inference_mode:
+        raise ValueError(
+            f"{name}: expected a tensor that can be written here, got an inference tensor (made under "
+            f"torch.inference_mode()) outside inference mode; call the step inside "
+            f"torch.inference_mode() or pass a tensor made outside it"
+        )
+
+
+def check_no_internal_overlap(name: str, t: torch.Tensor) -> None:
+    """No two elements of a written ``t`` may share memory (e.g. stride 0 from ``expand``).
+
+    Proven from the strides alone: taken from the smallest up, each stride must exceed the span
+    of the dimensions below it. A layout that only an element-by-element walk could clear is
+    refused too.
+    """
+    dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size > 1)
+    span = 0
+    for stride, size in dims:
+        if stride <= span:
+            why = " (stride 0: a broadcast view, e.g. from expand)" if stride == 0 else ""
+            raise ValueError(
+                f"{name}: expected a tensor whose elements do not overlap in memory (the step writes "
+                f"it), got shape {tuple(t.shape)} with strides {tuple(t.stride())}{why}; pass a "
+                f"tensor with its own memory per element (e.g. .clone())"
+            )
+        span += (size - 1) * stride
+
+
+def check_disjoint(name: str, span: tuple[int, int] | None, other_name: str, other_span: tuple[int, int] | None,
+                   other_written: bool) -> None:
+    """A written tensor may not share a byte with another argument (read or written).
+
+    ``span``/``other_span`` are the tensors' :func:`byte_span`. Conservative: byte ranges are
+    compared, so two views that interleave without sharing an element are refused too.
+    """
+    a, b = span, other_span
+    if a is None or b is None or a[1] <= b[0] or b[1] <= a[0]:
+        return
+    verb = "writes" if other_written else "reads"
+    raise ValueError(
+        f"{name}: expected memory disjoint from {other_name} (the step writes {name} and {verb} "
+        f"{other_name}), got overlapping bytes [{a[0]:#x}, {a[1]:#x}) and [{b[0]:#x}, {b[1]:#x}); "
+        f"pass separate tensors (e.g. {other_name}.clone())"
+    )

@@ -32,8 +32,9 @@ def check_indices(
     Negative indices and ``null_slot_id`` are legitimate padding. Raises ValueError listing
     the offending lanes for:
 
-    * an index ``>= P`` in ``state_batch_indices`` or ``dst_state_batch_indices`` (the kernel
-      would treat it as padding, but outside a padded graph replay it is almost always a bug);
+    * an index ``>= P`` in ``state_batch_indices`` or ``dst_state_batch_indices`` that is not
+      ``null_slot_id`` (the kernel would treat it as padding, but outside a padded graph replay
+      it is almost always a bug);
     * two live lanes writing the same destination row (a race);
     * a live lane's destination equal to another live lane's source (a read/write race).
 
@@ -62,7 +63,7 @@ def check_indices(
     for name, values in (("state_batch_indices", src), ("dst_state_batch_indices", dst)):
         if name == "dst_state_batch_indices" and dst_state_batch_indices is None:
             continue
-        bad = [b for b, v in enumerate(values) if v >= P]
+        bad = [b for b, v in enumerate(values) if v >= P and v != null_slot_id]  # the null slot is padding
         if bad:
             problems.append(
                 f"{name}: lanes {_lanes_str(bad)} hold indices >= P={P} "

@@ -4,20 +4,41 @@ Letters (docs/contract.md): B lanes, P pool rows, H heads, D head dim, N state s
 
 The phases run in this order, so that the first problem reported is the most basic one: kinds
 of argument, mode flags, shapes (the letters come from ``x`` and ``B``), supported sizes,
-dtypes (groups, then "same as"), devices, strides, alignment, launch grid, tiling. Each phase
-walks the table rows in order. Only metadata is read: no synchronisation, safe under capture.
+dtypes (groups, then "same as"), devices, strides, alignment, launch grid, written tensors
+(writable in place, no self-overlap), aliasing (no written tensor shares memory with another
+argument), tiling. Each phase walks the table rows in order. Only metadata is read (shapes, strides,
+dtypes, flags, data pointers): no synchronisation, safe under capture. The result depends on
+those, on the options and on one global, whether ``torch.inference_mode`` is on.
 """
 
 from __future__ import annotations
+
+import torch
 
 from ..contract import INT32_MAX, INT32_MIN, MAX_GRID_X, MAX_GRID_Y
 from ..spec import StepSpec
 from ..tensors import StepTensors
 from ..tiling import shape_problem, tiling_problem
 from . import checks
-from .table import LETTER_SOURCES, RULES, shape_letters
+from .table import LETTER_SOURCES, RULES, is_written, shape_letters
 
-__all__ = ["check_step_inputs"]
+__all__ = ["check_options", "check_step_inputs"]
+
+
+def check_options(*, null_slot_id=None, update_kv_state=False, tile_D=None, num_warps=None,
+                  validate_indices=False) -> dict:
+    """The step's non-tensor options, type-checked, as a dict of the same names.
+
+    Integers may be any ``numbers.Integral`` but bool (numpy integers become ints); flags must be
+    real bools. Raises TypeError naming the option.
+    """
+    return dict(
+        null_slot_id=checks.check_int_option("null_slot_id", null_slot_id),
+        update_kv_state=checks.check_bool_option("update_kv_state", update_kv_state),
+        tile_D=checks.check_int_option("tile_D", tile_D),
+        num_warps=checks.check_int_option("num_warps", num_warps),
+        validate_indices=checks.check_bool_option("validate_indices", validate_indices),
+    )
 
 
 def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=None, num_warps=None) -> StepSpec:
@@ -32,10 +53,14 @@ def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=Non
 
     Raises:
         TypeError: a non-tensor where a tensor belongs; an unsupported or mismatched dtype;
-            indices that are not int32; a non-int ``null_slot_id``/``tile_D``/``num_warps``.
+            indices that are not int32; a non-int ``null_slot_id``/``tile_D``/``num_warps``; a
+            non-bool ``update_kv_state``.
         ValueError: wrong ranks or shapes; unsupported N/D/R; tensors on different devices;
             a non-unit innermost stride; a row spanning more than 2**31 - 1 elements (32-bit
             offsets below the first dimension); ``state``/``state_out`` not 16-byte aligned;
+            a written tensor (``out``, ``state``/``state_out``, ``Bstate``/``Xstate`` with
+            ``update_kv_state``) that requires grad, is an inference tensor outside inference
+            mode, has elements sharing memory, or shares memory with any other argument;
             ``state_out`` in pool mode; ``dst_state_batch_indices`` without
             ``state_batch_indices``; ``null_slot_id`` without pool mode; ``z`` without
             ``zproj`` or the reverse; a batch or head count too large for the launch grid;
@@ -44,16 +69,15 @@ def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=Non
     """
     for rule in RULES:
         checks.check_is_tensor(rule.name, getattr(tensors, rule.name), optional=not rule.required)
-    null_slot_id = checks.check_int_option("null_slot_id", tensors.null_slot_id)
-    tile_D = checks.check_int_option("tile_D", tile_D)
-    num_warps = checks.check_int_option("num_warps", num_warps)
-    if not isinstance(update_kv_state, bool):
-        raise TypeError(f"update_kv_state: expected a bool, got {type(update_kv_state).__name__}")
+    options = check_options(null_slot_id=tensors.null_slot_id, update_kv_state=update_kv_state, tile_D=tile_D,
+                            num_warps=num_warps)
+    null_slot_id, tile_D, num_warps = options["null_slot_id"], options["tile_D"], options["num_warps"]
     _check_modes(tensors, null_slot_id)
     N, Dh, R = _check_shapes(tensors)
     dtypes = _check_dtypes(tensors)
     _check_memory(tensors)
     _check_grid(tensors)
+    _check_writes(tensors, update_kv_state)
     spec = StepSpec(
         dstate=N, headdim=Dh, mimo=R, **dtypes,
         tile_D=tile_D or 0, num_warps=num_warps or 0,
@@ -134,6 +158,26 @@ def _check_memory(t: StepTensors) -> None:
     for rule, value in present:
         if rule.vector_aligned:
             checks.check_vector_aligned(rule.name, value)
+
+
+def _check_writes(t: StepTensors, update_kv_state: bool) -> None:
+    """Written tensors: writable in place, no element sharing memory with another, and no byte
+    shared with any other argument (docs/contract.md, "Written tensors and aliasing")."""
+    present = [(rule, getattr(t, rule.name)) for rule in RULES if getattr(t, rule.name) is not None]
+    has_state_out = t.state_out is not None
+    written = {rule.name for rule, _ in present if is_written(rule, has_state_out, update_kv_state)}
+    inference_mode = torch.is_inference_mode_enabled()
+    for rule, value in present:
+        if rule.name in written:
+            checks.check_write_target(rule.name, value, inference_mode)
+            checks.check_no_internal_overlap(rule.name, value)
+    spans = {rule.name: checks.byte_span(value) for rule, value in present}
+    for rule, _ in present:
+        if rule.name in written and spans[rule.name] is not None:
+            for other, _ in present:
+                if other.name != rule.name:
+                    checks.check_disjoint(rule.name, spans[rule.name], other.name, spans[other.name],
+                                          other.name in written)
 
 
 def _check_grid(t: StepTensors) -> None:

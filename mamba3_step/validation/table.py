@@ -9,6 +9,12 @@ the rows letter of the pool tensors: ``P`` in pool mode, ``B`` in dense mode. ``
 only without ``outproj``. The order of the rows is the order of the checks (the letter sources
 ``x`` and ``B`` first), so which of several problems is reported first is decided here.
 
+A row also says when the step writes the argument (``written``): ``out`` and ``state_out``
+always, ``state`` unless ``state_out`` takes the new state, ``Bstate``/``Xstate`` with
+``update_kv_state``. Every other argument is only read. A written tensor must be writable in
+place and may share no memory with any other argument (docs/contract.md, "Written tensors and
+aliasing").
+
 A new tensor argument is one row here (and one field of ``StepTensors``).
 """
 
@@ -18,7 +24,13 @@ from typing import NamedTuple
 
 from ..contract import KV_DTYPES, PROJ_DTYPES, STATE_DTYPES, X_DTYPES
 
-__all__ = ["RULES", "Rule", "LETTER_SOURCES", "shape_letters"]
+__all__ = ["RULES", "Rule", "LETTER_SOURCES", "WRITE_ALWAYS", "WRITE_KV", "WRITE_UNLESS_STATE_OUT",
+           "is_written", "shape_letters"]
+
+#: values of ``Rule.written``: when the step writes the argument
+WRITE_ALWAYS = "always"
+WRITE_UNLESS_STATE_OUT = "unless state_out"
+WRITE_KV = "update_kv_state"
 
 
 class Rule(NamedTuple):
@@ -29,15 +41,16 @@ class Rule(NamedTuple):
     required: bool = False
     vector_aligned: bool = False
     hint: str = ""  # appended to a single-dtype message, e.g. how to convert
+    written: str = ""  # when the step writes it (WRITE_*); "" = only read
 
 
 RULES = (
     Rule("x", "B H D", X_DTYPES, required=True),
     Rule("B", "B R H N", KV_DTYPES, required=True),
-    Rule("state", "S H D N", STATE_DTYPES, required=True, vector_aligned=True),
-    Rule("state_out", "B H D N", same_as="state", vector_aligned=True),
-    Rule("Bstate", "S R H N", same_as="B", required=True),
-    Rule("Xstate", "S H D", same_as="x", required=True),
+    Rule("state", "S H D N", STATE_DTYPES, required=True, vector_aligned=True, written=WRITE_UNLESS_STATE_OUT),
+    Rule("state_out", "B H D N", same_as="state", vector_aligned=True, written=WRITE_ALWAYS),
+    Rule("Bstate", "S R H N", same_as="B", required=True, written=WRITE_KV),
+    Rule("Xstate", "S H D", same_as="x", required=True, written=WRITE_KV),
     Rule("A", "B H", ("float32",), required=True),
     Rule("dt", "B H", ("float32",), required=True),
     Rule("trap", "B H", ("float32",), required=True),
@@ -47,7 +60,7 @@ RULES = (
     Rule("zproj", "R H D", same_as="xproj"),
     Rule("outproj", "R H D", same_as="xproj"),
     Rule("z", "B H D", same_as="x"),
-    Rule("out", "B [R] H D", same_as="x"),
+    Rule("out", "B [R] H D", same_as="x", written=WRITE_ALWAYS),
     Rule("state_batch_indices", "B", ("int32",), hint=" (convert with .to(torch.int32))"),
     Rule("dst_state_batch_indices", "B", ("int32",), hint=" (convert with .to(torch.int32))"),
 )
@@ -60,3 +73,14 @@ def shape_letters(rule: Rule, pool: bool, has_outproj: bool) -> str:
     """The rule's shape letters for this call: ``S`` resolved, ``[R]`` kept or dropped."""
     letters = rule.letters.replace("S", "P" if pool else "B")
     return letters.replace("[R] ", "" if has_outproj else "R ")
+
+
+def is_written(rule: Rule, has_state_out: bool, update_kv_state: bool) -> bool:
+    """Whether a call with these options writes the rule's argument."""
+    if rule.written == WRITE_ALWAYS:
+        return True
+    if rule.written == WRITE_UNLESS_STATE_OUT:
+        return not has_state_out
+    if rule.written == WRITE_KV:
+        return update_kv_state
+    return False
