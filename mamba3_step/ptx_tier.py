@@ -129,7 +129,7 @@ def run_step_ptx(spec: StepSpec, tensors: StepTensors, *, arch: str = "sm_90a", 
         params.append(ptx.pack(ltype, _leaves(mask, values[name])))
     for name, t in (extra_regions or {}).items():
         memory.add(name, t, writable=False)
-    grid = launch_grid(tensors.batch, spec.nheads, spec.headdim, spec.tile_D)
+    grid = launch_grid(tensors.batch, tensors.xproj.shape[1], spec.headdim, spec.tile_D)
     result = ptx.run(k.module, grid=grid, block=k.block, params=params, memory=memory,
                      dynamic_smem=k.dynamic_smem, record=record, record_shared=record_shared)
     result.extra["memory"] = memory
