@@ -13,6 +13,8 @@ import (``mamba3_step.ops`` sits above this module; the package's ``__init__`` r
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
@@ -23,7 +25,7 @@ from .spec import StepSpec
 from .tensors import StepTensors
 from .validation import check_indices, check_options, check_step_inputs
 
-__all__ = ["mamba3_step_fn", "prepare_step", "step_through_op"]
+__all__ = ["PreparedStep", "mamba3_step_fn", "prepare_step", "step_through_op"]
 
 
 def mamba3_step_fn(
@@ -136,37 +138,47 @@ def mamba3_step_fn(
                    validate_indices=validate_indices)
     if torch.compiler.is_compiling() or (isinstance(x, torch.Tensor) and type(x) is not torch.Tensor and is_fake(x)):
         return step_through_op(tensors, **options)
-    spec, tensors = prepare_step(tensors, **options)
+    spec, tensors, out = prepare_step(tensors, **options)
     if tensors.batch == 0 or x.device.type == "meta":
-        return tensors.out  # meta tensors: validated, shapes only
+        return out  # meta tensors: validated, shapes only
     if x.is_cuda:
         launch_step(spec, tensors)  # the CuteDSL kernel; compiled once per specialisation
     else:
         mamba3_step_reference(tensors, update_kv_state=update_kv_state, compute_dtype=torch.float32)
-    return tensors.out
+    return out
+
+
+class PreparedStep(NamedTuple):
+    """What :func:`prepare_step` hands an executor."""
+
+    spec: StepSpec  # the specialisation, tiling filled in
+    tensors: StepTensors  # the kernel's form of the call (``out`` set; a one-token axis squeezed)
+    out: torch.Tensor  # what the call returns: ``out`` in the caller's shape
 
 
 def prepare_step(tensors: StepTensors, *, update_kv_state=False, tile_D=None, num_warps=None,
-                 validate_indices=False) -> tuple[StepSpec, StepTensors]:
+                 validate_indices=False) -> PreparedStep:
     """Everything :func:`mamba3_step_fn` does before the work itself, for every executor.
 
     Validates the inputs (raising what :func:`mamba3_step_fn` documents), allocates ``out``
-    when it is None, and with ``validate_indices`` checks the indices (pool mode, ``B > 0``).
-    Returns ``(spec, tensors)``: the specialisation and the bundle with ``out`` set. With
-    ``B == 0`` the caller returns ``out`` at once.
+    when it is None, views a one-token step given with a token axis as the plain step
+    (:meth:`StepTensors.one_token_squeezed`), and with ``validate_indices`` checks the index
+    values (pool mode, ``B > 0``). With ``B == 0`` the caller returns ``out`` at once.
     """
     validate_indices = check_options(validate_indices=validate_indices)["validate_indices"]
     spec = check_step_inputs(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
     if tensors.null_slot_id is not None:
         tensors = tensors._replace(null_slot_id=int(tensors.null_slot_id))  # e.g. a numpy integer
     tensors = tensors.with_out()
+    out = tensors.out
+    tensors = tensors.one_token_squeezed()
     if validate_indices and tensors.pool and tensors.x.device.type == "meta":
         raise ValueError("validate_indices: expected index tensors holding values, got meta tensors "
                          "(pass validate_indices=False to check shapes only)")
     if validate_indices and tensors.pool and tensors.batch > 0:
         check_indices(tensors.state_batch_indices, tensors.dst_state_batch_indices, tensors.state.shape[0],
-                      tensors.null_slot_id)
-    return spec, tensors
+                      tensors.null_slot_id, tensors.num_accepted_tokens)
+    return PreparedStep(spec, tensors, out)
 
 
 def step_through_op(tensors: StepTensors, *, update_kv_state=False, tile_D=None, num_warps=None,
@@ -183,7 +195,7 @@ def step_through_op(tensors: StepTensors, *, update_kv_state=False, tile_D=None,
     torch.ops.mamba3_step.step(
         t.state, t.Bstate, t.Xstate, t.A, t.B, t.C, t.D, t.x, t.dt, t.trap, t.xproj, out, t.outproj,
         t.state_out, t.z, t.zproj, t.state_batch_indices, t.dst_state_batch_indices, opts["null_slot_id"],
-        opts["update_kv_state"], opts["tile_D"], opts["num_warps"], opts["validate_indices"],
+        opts["update_kv_state"], opts["tile_D"], opts["num_warps"], opts["validate_indices"], t.num_accepted_tokens,
     )
     return out
 
@@ -194,6 +206,6 @@ def _new_out(t: StepTensors):
     x, xproj = t.x, t.xproj
     if not isinstance(x, torch.Tensor):
         return torch.empty(0)
-    if not isinstance(xproj, torch.Tensor) or x.dim() != 3 or xproj.dim() != 3:
+    if not isinstance(xproj, torch.Tensor) or x.dim() not in (3, 4) or xproj.dim() != 3:
         return torch.empty(0, dtype=x.dtype, device=x.device)
     return torch.empty(out_shape(x, xproj, t.outproj is not None), dtype=x.dtype, device=x.device)

@@ -28,12 +28,18 @@ entry                          bytes                                 note
 ``D``                          H * 4                                once per step
 ``xproj``, ``zproj``,          R * H * D * pb each                  once per step; zproj with
 ``outproj``                                                          z, outproj with outproj
-``state_batch_indices``        B * 4                                pool mode
+``state_batch_indices``        B * 4                                pool mode (one entry a lane)
 ``dst_state_batch_indices``    B * 4                                pool mode with dst
+``num_accepted_tokens``        B * 4                                with num_accepted
 =============================  ===================================  ===========================
 
 "with kv" means ``update_kv_state``. A padding lane (pool mode) reads its index and writes
 zeros to ``out``; it moves nothing else.
+
+A T-token step (``spec.tokens``) reads the state, Bstate and Xstate rows once and every
+per-lane input and ``out`` T times; it writes each live lane's rows once, or T times with a
+destination per token (``dst_per_token``: then ``dst_state_batch_indices`` is read T times
+per live lane). :func:`token_saving` compares it with T one-token steps.
 
 ``mode="gather_scatter"`` is what a server does without pool indexing: gather the batch's
 rows out of the pool into dense tensors, run the dense kernel, scatter the new state
@@ -56,6 +62,7 @@ __all__ = [
     "bytes_per_step",
     "predicted_seconds",
     "predicted_speedup",
+    "token_saving",
 ]
 
 MODES = ("pool", "gather_scatter", "dense")
@@ -97,30 +104,32 @@ def _check(spec: StepSpec, batch: int, heads: int, live_lanes, mode: str) -> int
 
 def _kernel_bytes(spec: StepSpec, batch: int, live: int, heads: int, pool: bool) -> dict:
     """Per-tensor bytes of one launch of the step kernel (dense or pool mode)."""
-    N, D, R, H = spec.dstate, spec.headdim, spec.mimo, heads
+    N, D, R, H, T = spec.dstate, spec.headdim, spec.mimo, heads, spec.tokens
     sb = DTYPE_BYTES[spec.state_dtype]
     kb = DTYPE_BYTES[spec.kv_dtype]
     xb = DTYPE_BYTES[spec.x_dtype]
     pb = DTYPE_BYTES[spec.proj_dtype]
-    kv = 2 if spec.update_kv_state else 1
+    writes = T if spec.dst_per_token else 1  # rows each live lane writes
+    kv = 1 + writes if spec.update_kv_state else 1
     out = {
-        "state": 2 * live * H * D * N * sb,
+        "state": (1 + writes) * live * H * D * N * sb,
         "Bstate": kv * live * R * H * N * kb,
         "Xstate": kv * live * H * D * xb,
-        "B": live * R * H * N * kb,
-        "C": live * R * H * N * kb,
-        "x": live * H * D * xb,
-        "z": live * H * D * xb if spec.has_z else 0,
-        "out": batch * H * D * xb if spec.has_outproj else batch * R * H * D * xb,
-        "A": live * H * _F32,
-        "dt": live * H * _F32,
-        "trap": live * H * _F32,
+        "B": T * live * R * H * N * kb,
+        "C": T * live * R * H * N * kb,
+        "x": T * live * H * D * xb,
+        "z": T * live * H * D * xb if spec.has_z else 0,
+        "out": T * batch * H * D * xb if spec.has_outproj else T * batch * R * H * D * xb,
+        "A": T * live * H * _F32,
+        "dt": T * live * H * _F32,
+        "trap": T * live * H * _F32,
         "D": H * _F32,
         "xproj": R * H * D * pb,
         "zproj": R * H * D * pb if spec.has_z else 0,
         "outproj": R * H * D * pb if spec.has_outproj else 0,
         "state_batch_indices": batch * _I32 if pool else 0,
-        "dst_state_batch_indices": batch * _I32 if pool and spec.has_dst else 0,
+        "dst_state_batch_indices": (T * live if spec.dst_per_token else batch) * _I32 if pool and spec.has_dst else 0,
+        "num_accepted_tokens": batch * _I32 if pool and spec.num_accepted else 0,
     }
     return out
 
@@ -154,6 +163,9 @@ def bytes_per_step(
     live = _check(spec, batch, heads, live_lanes, mode)
     if mode in ("pool", "dense"):
         out = _kernel_bytes(spec, batch, live, heads, pool=(mode == "pool"))
+    elif spec.tokens > 1:
+        raise ValueError(f"mode='gather_scatter' models one-token steps, got tokens={spec.tokens} "
+                         f"(compare T-token steps with token_saving)")
     else:
         N, D, R, H = spec.dstate, spec.headdim, spec.mimo, heads
         sb = DTYPE_BYTES[spec.state_dtype]
@@ -191,3 +203,17 @@ def predicted_speedup(spec: StepSpec, batch: int, heads: int) -> float:
     pool = bytes_per_step(spec, batch, heads, mode="pool")["total"]
     gs = bytes_per_step(spec, batch, heads, mode="gather_scatter")["total"]
     return gs / pool if pool else float("nan")
+
+
+def token_saving(spec: StepSpec, batch: int, heads: int) -> dict:
+    """Bytes of one T-token step (``spec``, ``spec.tokens`` = T) next to T one-token steps doing
+    the same work (each reading and writing the state rows; with a destination per token the
+    one-token steps write the same rows, else only the last writes, the others update in place
+    a scratch row: counted as a full step each, which is what a server without the T-token
+    step pays). Returns ``{"tokens", "t_token_bytes", "one_token_steps_bytes", "ratio"}``."""
+    T = spec.tokens
+    one = spec.replace(tokens=1, dst_per_token=False)
+    t_bytes = bytes_per_step(spec, batch, heads)["total"]
+    singles = T * bytes_per_step(one, batch, heads)["total"]
+    return {"tokens": T, "t_token_bytes": t_bytes, "one_token_steps_bytes": singles,
+            "ratio": singles / t_bytes if t_bytes else float("nan")}

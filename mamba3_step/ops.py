@@ -73,18 +73,22 @@ def step(
     tile_D: Optional[Scalar] = None,
     num_warps: Optional[Scalar] = None,
     validate_indices: Scalar = False,
+    num_accepted_tokens: Optional[torch.Tensor] = None,  # last: positional callers of the T-less schema still fit
 ) -> None:
     """The step, in place (see ``mamba3_step_fn``). ``out`` is required and written.
 
     state (B|P, H, D, N); Bstate (B|P, R, H, N); Xstate (B|P, H, D); A, dt, trap (B, H) fp32;
     B, C (B, R, H, N); D (H,) fp32; x, z (B, H, D); xproj, zproj, outproj (R, H, D);
-    out (B, H, D) with outproj else (B, R, H, D); indices (B,) int32.
+    out (B, H, D) with outproj else (B, R, H, D); indices (B,) int32. A T-token step puts a
+    token axis after B in A, dt, trap, B, C, x, z and out; state_batch_indices may be (B, K)
+    with num_accepted_tokens (B,), dst_state_batch_indices (B, T).
     """
     mamba3_step_fn(
         state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
         state_batch_indices=state_batch_indices,
         dst_state_batch_indices=dst_state_batch_indices,
         null_slot_id=null_slot_id,
+        num_accepted_tokens=num_accepted_tokens,
         update_kv_state=update_kv_state,
         tile_D=tile_D,
         num_warps=num_warps,
@@ -97,6 +101,7 @@ def _step_fake(
     state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, out, outproj=None, state_out=None,
     z=None, zproj=None, state_batch_indices=None, dst_state_batch_indices=None,
     null_slot_id=None, update_kv_state=False, tile_D=None, num_warps=None, validate_indices=False,
+    num_accepted_tokens=None,
 ) -> None:
     # Everything is written in place into caller-provided tensors: no new outputs. The checks are
     # the real ones (metadata only; address comparisons are skipped for fake tensors and happen
@@ -104,7 +109,7 @@ def _step_fake(
     check_options(validate_indices=validate_indices)
     check_step_inputs(
         StepTensors(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
-                    state_batch_indices, dst_state_batch_indices, null_slot_id),
+                    state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens),
         update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
     )
     return None
@@ -131,6 +136,7 @@ def mamba3_step_op(
     state_batch_indices: torch.Tensor | None = None,
     dst_state_batch_indices: torch.Tensor | None = None,
     null_slot_id: int | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
     update_kv_state: bool = False,
     tile_D: int | None = None,
     num_warps: int | None = None,
@@ -142,6 +148,6 @@ def mamba3_step_op(
     when it is None, and returns it. Safe to call inside ``torch.compile(fullgraph=True)``.
     """
     tensors = StepTensors(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
-                          state_batch_indices, dst_state_batch_indices, null_slot_id)
+                          state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens)
     return step_through_op(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
                            validate_indices=validate_indices)

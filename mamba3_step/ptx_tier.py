@@ -148,8 +148,8 @@ def ptx_step_fn(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj=N
     """
     tensors = StepTensors(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
                           state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens)
-    spec, tensors = prepare_step(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
-                                 validate_indices=validate_indices)
+    spec, tensors, out = prepare_step(tensors, update_kv_state=update_kv_state, tile_D=tile_D,
+                                      num_warps=num_warps, validate_indices=validate_indices)
     if tensors.batch > 0:
         run_step_ptx(spec, tensors, arch=arch)
-    return tensors.out
+    return out

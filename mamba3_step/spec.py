@@ -88,7 +88,8 @@ class StepSpec:
 
     def with_default_tiling(self) -> "StepSpec":
         """Fill ``tile_D`` / ``num_warps`` left at 0 with the per-configuration default."""
-        tile_D, num_warps = default_tiling(self.dstate, self.headdim, self.mimo, self.state_dtype, self.tokens)
+        tile_D, num_warps = default_tiling(self.dstate, self.headdim, self.mimo, self.state_dtype, self.tokens,
+                                           whole_head=self.update_kv_state)
         return self.replace(
             tile_D=self.tile_D or tile_D,
             num_warps=self.num_warps or num_warps,

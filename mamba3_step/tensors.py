@@ -88,6 +88,19 @@ class StepTensors(NamedTuple):
         picked = {f: (None if getattr(self, f) is None else getattr(self, f)[:, t]) for f in TOKEN_FIELDS}
         return self._replace(**picked)
 
+    def one_token_squeezed(self) -> "StepTensors":
+        """The kernel's form of a one-token step given with a token axis: ``x`` (B, 1, H, D) and the
+        other per-lane tensors (and ``out``) viewed without the axis, a (B, 1)
+        ``dst_state_batch_indices`` as (B,). Views: writing through them writes the caller's
+        tensors. Any other bundle is returned as it is."""
+        if self.x.dim() != 4 or self.x.shape[1] != 1:
+            return self
+        picked = {f: (None if getattr(self, f) is None else getattr(self, f).select(1, 0)) for f in TOKEN_FIELDS}
+        dst = self.dst_state_batch_indices
+        if dst is not None and dst.dim() == 2:
+            picked["dst_state_batch_indices"] = dst.select(1, 0)
+        return self._replace(**picked)
+
     def with_out(self) -> "StepTensors":
         """This bundle with ``out`` allocated (x's dtype and device) when it is None."""
         if self.out is not None:

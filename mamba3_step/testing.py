@@ -10,7 +10,9 @@ Letters (docs/contract.md): B lanes, P pool rows, H heads, D head dim, N state s
   random finite values in every row of a ``StatePool``.
 * :func:`bits` / :func:`bits_equal`: NaN-safe bit-for-bit comparison.
 * :func:`padded_indices`: race-free pool indices whose padding lanes hold every padding kind
-  (-1, INT32_MIN, P, INT32_MAX, the null slot), for the PTX tier's tests and ``verify``.
+  (-1, INT32_MIN, P, INT32_MAX, the null slot), for the PTX tier's tests and ``verify``;
+  :func:`speculative_indices`: the same for a T-token step (candidate source rows, accepted
+  counts, a destination row per token).
 
 Values are O(1), like a normalised model's, so that chained layers (the demo feeds one layer's
 ``out`` to the next) stay O(1): state, Xstate, x, z, D ~ N(0, 1); B, C, Bstate ~ N(0, 0.5^2);
@@ -28,8 +30,8 @@ import torch
 
 from .contract import INT32_MAX, INT32_MIN, as_torch_dtype
 
-__all__ = ["bits", "bits_equal", "lane_inputs", "layer_weights", "make_inputs", "padded_indices", "poison_",
-           "poison_pool", "row_tensors"]
+__all__ = ["SPECULATIVE_PAD_KINDS", "bits", "bits_equal", "lane_inputs", "layer_weights", "make_inputs",
+           "padded_indices", "poison_", "poison_pool", "row_tensors", "speculative_indices"]
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK_ELEMENTS = 1 << 26  # values drawn on the host at once (a benchmark pool is GBs)
@@ -63,16 +65,18 @@ def row_tensors(rows, H, D, N, R, *, state_dtype="float32", kv_dtype="bfloat16",
                 Bstate=d.normal(rows, R, H, N, dtype=kv_dtype, scale=0.5), Xstate=d.normal(rows, H, D, dtype=x_dtype))
 
 
-def lane_inputs(B, H, D, N, R, *, kv_dtype="bfloat16", x_dtype="bfloat16", has_z=True, generator=None,
-                device="cpu") -> dict:
+def lane_inputs(B, H, D, N, R, *, kv_dtype="bfloat16", x_dtype="bfloat16", has_z=True, tokens=None,
+                generator=None, device="cpu") -> dict:
     """This step's per-lane inputs for ``B`` lanes: ``A``, ``dt``, ``trap`` (B, H) fp32; ``B``,
-    ``C`` (B, R, H, N); ``x``, ``z`` (B, H, D) (``z`` None without ``has_z``)."""
+    ``C`` (B, R, H, N); ``x``, ``z`` (B, H, D) (``z`` None without ``has_z``). With ``tokens=T``
+    each gets a token axis after the lane axis: (B, T, H), (B, T, R, H, N), (B, T, H, D)."""
     d = _Draw(generator, device)
+    L = (B,) if tokens is None else (B, tokens)
     return dict(
-        A=-torch.exp(d.normal(B, H, scale=0.5)), B=d.normal(B, R, H, N, dtype=kv_dtype, scale=0.5),
-        C=d.normal(B, R, H, N, dtype=kv_dtype, scale=0.5), x=d.normal(B, H, D, dtype=x_dtype),
-        dt=d.uniform(B, H, lo=0.01, hi=0.51), trap=d.uniform(B, H, lo=0.0, hi=1.0),
-        z=d.normal(B, H, D, dtype=x_dtype) if has_z else None,
+        A=-torch.exp(d.normal(*L, H, scale=0.5)), B=d.normal(*L, R, H, N, dtype=kv_dtype, scale=0.5),
+        C=d.normal(*L, R, H, N, dtype=kv_dtype, scale=0.5), x=d.normal(*L, H, D, dtype=x_dtype),
+        dt=d.uniform(*L, H, lo=0.01, hi=0.51), trap=d.uniform(*L, H, lo=0.0, hi=1.0),
+        z=d.normal(*L, H, D, dtype=x_dtype) if has_z else None,
     )
 
 
@@ -91,12 +95,13 @@ def layer_weights(H, D, R, *, proj_dtype="bfloat16", has_z=True, has_outproj=Tru
 
 def make_inputs(B: int, P: int | None = None, H: int = 2, D: int = 32, N: int = 32, R: int = 2, *,
                 state_dtype="float32", kv_dtype="bfloat16", x_dtype="bfloat16", proj_dtype="bfloat16",
-                has_z: bool = True, has_outproj: bool = True, seed: int = 0, generator=None,
-                device="cpu") -> dict:
+                has_z: bool = True, has_outproj: bool = True, tokens: int | None = None, seed: int = 0,
+                generator=None, device="cpu") -> dict:
     """Fresh random inputs for one step, as a dict of ``mamba3_step_fn`` keyword arguments.
 
     ``P`` is the number of rows of ``state``, ``Bstate`` and ``Xstate``; ``P=None`` means dense
-    mode (rows = B). Keys ``outproj``, ``z``, ``zproj`` are None when disabled. ``generator``
+    mode (rows = B). Keys ``outproj``, ``z``, ``zproj`` are None when disabled. ``tokens=T``
+    gives the per-lane inputs a token axis (a T-token step, :func:`lane_inputs`). ``generator``
     (a CPU ``torch.Generator``) overrides ``seed``.
     """
     g = generator if generator is not None else torch.Generator().manual_seed(seed)
@@ -104,8 +109,8 @@ def make_inputs(B: int, P: int | None = None, H: int = 2, D: int = 32, N: int = 
     return {
         **row_tensors(rows, H, D, N, R, state_dtype=state_dtype, kv_dtype=kv_dtype, x_dtype=x_dtype,
                       generator=g, device=device),
-        **lane_inputs(B, H, D, N, R, kv_dtype=kv_dtype, x_dtype=x_dtype, has_z=has_z, generator=g,
-                      device=device),
+        **lane_inputs(B, H, D, N, R, kv_dtype=kv_dtype, x_dtype=x_dtype, has_z=has_z, tokens=tokens,
+                      generator=g, device=device),
         **layer_weights(H, D, R, proj_dtype=proj_dtype, has_z=has_z, has_outproj=has_outproj, generator=g,
                         device=device),
     }
@@ -203,3 +208,66 @@ def padded_indices(B: int, P: int, *, null_slot_id: int | None = None, with_dst:
     dst_t = torch.tensor([dst[i] for i in order], dtype=torch.int32, device=device) if with_dst else None
     return src_t, dst_t, [kinds[i] for i in order]
 
+
+
+#: lane kinds of :func:`speculative_indices` that are padding (they touch no pool row)
+SPECULATIVE_PAD_KINDS = ("count_zero", "count_over", "negative", "oob", "null")
+
+
+def speculative_indices(B: int, P: int, T: int, *, null_slot_id: int | None = None, layout: str = "shared",
+                        seed: int = 0, device="cpu"):
+    """Race-free indices of a T-token (speculative) step whose padding lanes hold every kind.
+
+    Each live lane owns T rows, its destinations: the state after token t goes to its row t.
+    ``layout="shared"`` is how a server lays out speculative state (the source candidates are
+    the same rows, K = T: the lane continues from the row of its last accepted token);
+    ``"separate"`` gives each lane K = T candidate rows nobody writes. Up to five lanes are
+    padding: accepted count 0 (``"count_zero"``) or K + 1 (``"count_over"``; both refused by
+    ``validate_indices``), a selected source of -1 or INT32_MIN (``"negative"``), P or
+    INT32_MAX (``"oob"``), or the null slot (``"null"``); a live lane of kind ``"live_gaps"`` has
+    padding destinations for every other token, cycling through -1, INT32_MIN, P, INT32_MAX and
+    the null slot. Returns ``(state_batch_indices (B, K), num_accepted_tokens (B,),
+    dst_state_batch_indices (B, T), kinds)``, int32.
+
+    Raises ValueError when the pool is too small.
+    """
+    if layout not in ("shared", "separate"):
+        raise ValueError(f"layout: expected 'shared' or 'separate', got {layout!r}")
+    rng = random.Random(seed)
+    pads = ["count_zero", "count_over", "negative", "oob"] + (["null"] if null_slot_id is not None else [])
+    pads = pads[: max(0, B - 1)]
+    kinds = ["live"] * (B - len(pads)) + pads
+    if len(kinds) - len(pads) > 1:
+        kinds[0] = "live_gaps"
+    rows = [r for r in range(P) if r != null_slot_id]
+    per_lane = T if layout == "shared" else 2 * T
+    if per_lane * B > len(rows):
+        raise ValueError(f"P={P}: a pool of {len(rows)} usable rows is too small for {B} lanes of {per_lane} rows")
+    rng.shuffle(rows)
+    K = T
+    src, nat, dst = [], [], []
+    for kind in kinds:
+        mine, rows = rows[:per_lane], rows[per_lane:]
+        d = mine[:T]
+        cand = list(d) if layout == "shared" else mine[T:]
+        n = rng.randint(1, K)
+        if kind == "live_gaps":
+            gaps = [-1, INT32_MIN, P, INT32_MAX] + ([null_slot_id] if null_slot_id is not None else [])
+            d = [r if t % 2 == 0 else gaps[(t // 2) % len(gaps)] for t, r in enumerate(d)]
+        elif kind == "count_zero":
+            n = 0
+        elif kind == "count_over":
+            n = K + 1
+        elif kind in ("negative", "oob", "null"):
+            cand[n - 1] = {"negative": rng.choice([-1, INT32_MIN]), "oob": rng.choice([P, INT32_MAX]),
+                           "null": null_slot_id}[kind]
+        src.append(cand)
+        nat.append(n)
+        dst.append(d)
+    order = list(range(B))
+    rng.shuffle(order)
+
+    def pick(values):
+        return torch.tensor([values[i] for i in order], dtype=torch.int32, device=device)
+
+    return pick(src), pick(nat), pick(dst), [kinds[i] for i in order]

@@ -123,7 +123,8 @@ def launch_grid(batch, heads, headdim: int, tile_D: int) -> tuple:
     return (batch, heads, headdim // tile_D)
 
 
-def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, tokens: int = 1) -> tuple[int, int]:
+def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, tokens: int = 1,
+                   whole_head: bool = True) -> tuple[int, int]:
     """Per-configuration default ``(tile_D, num_warps)``.
 
     ``tile_D = headdim``: one CTA owns a whole (lane, head), which is what makes
@@ -132,18 +133,42 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
     about 64 registers per thread: few threads with many elements each, so the per-row and
     per-thread overheads (coefficients, reductions, staging) are spread over more state;
     it is lowered if the CTA would have more rows per pass than the tile has rows. With more
-    than one token the target is half as many words (the token loop keeps more values live).
+    than one token the target is half as many *values* (the token loop keeps more of them
+    live, and a 16-bit state word unpacks into two fp32 values): 32 words of fp32 state, 16
+    of a 16-bit one. (At 32 words of fp16 state, N=32 D=128 R=1 T=6 compiled to 128
+    registers and 20 spilled bytes.) With more than one token, when the thread's share of the
+    state cannot stay in registers across the tokens, fewer warps (more registers each) are
+    tried, then, without ``whole_head`` (no update_kv_state), half the tile_D (N=256 D=128 R=8
+    fp32: tile_D=64 with 8 warps).
     """
     tile_D = headdim
+    while True:
+        default = _default_warps(dstate, tile_D, state_dtype, tokens)
+        if tokens == 1:
+            return tile_D, default
+        num_warps = default
+        while num_warps > 1 and not thread_layout(dstate, tile_D, num_warps, state_dtype, mimo, tokens).preload:
+            num_warps //= 2
+        if thread_layout(dstate, tile_D, num_warps, state_dtype, mimo, tokens).preload:
+            return tile_D, num_warps
+        if whole_head or tile_D <= 8:
+            return tile_D, default  # no tiling keeps the state: tiling_problem says so
+        tile_D //= 2
+
+
+def _default_warps(dstate: int, tile_D: int, state_dtype: str, tokens: int) -> int:
+    """The default warp count for a tile (see :func:`default_tiling`)."""
     slab_bytes = tile_D * dstate * DTYPE_BYTES[state_dtype]
-    target = TARGET_STATE_WORDS_PER_THREAD if tokens == 1 else TARGET_STATE_WORDS_PER_THREAD // 2
+    target = TARGET_STATE_WORDS_PER_THREAD
+    if tokens > 1:
+        target = target // 2 * DTYPE_BYTES[state_dtype] // 4
     want = slab_bytes // (WARP * 4 * target)
     num_warps = 1
     while num_warps < want and num_warps < 16:
         num_warps *= 2
     while num_warps > 1 and thread_layout(dstate, tile_D, num_warps, state_dtype).rows_per_pass > tile_D:
         num_warps //= 2
-    return tile_D, num_warps
+    return num_warps
 
 
 def tiling_problem(spec) -> str | None:

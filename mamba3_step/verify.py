@@ -152,7 +152,7 @@ def verify_spec(spec: StepSpec, arch: str = "sm_90a", batch: int = 8, heads: int
         row["compile_seconds"] = round(time.perf_counter() - t0, 3)
         t1 = time.perf_counter()
         tensors, kinds = _inputs(spec, batch, heads, seed)
-        s, executed = prepare_step(_clone(tensors), update_kv_state=spec.update_kv_state, **_tiling(spec))
+        s, executed, _ = prepare_step(_clone(tensors), update_kv_state=spec.update_kv_state, **_tiling(spec))
         result = run_step_ptx(s, executed, arch=arch, record_shared=True)
         row["execute_seconds"] = round(time.perf_counter() - t1, 3)
         row.update(_accuracy(spec, tensors, executed))
@@ -182,7 +182,7 @@ def executed_facts(spec: StepSpec, arch: str = "sm_90a", batch: int = 4, heads: 
         tensors = tensors._replace(state_batch_indices=rows, null_slot_id=None, dst_state_batch_indices=(
             rows + batch if spec.has_dst else None))
         assert 2 * batch <= P
-    s, tensors = prepare_step(tensors, update_kv_state=spec.update_kv_state, **_tiling(spec))
+    s, tensors, _ = prepare_step(tensors, update_kv_state=spec.update_kv_state, **_tiling(spec))
     result = run_step_ptx(s, tensors, arch=arch, record_shared=True)
     ctas = result.grid[0] * result.grid[1] * result.grid[2]
     coalescing = analysis.coalescing(result)

@@ -30,10 +30,10 @@ import random
 import torch
 
 from mamba3_step import mamba3_step_fn
-from mamba3_step.contract import lane_is_live
+from mamba3_step.contract import lane_is_live, source_rows
 from mamba3_step.serving import gather_dense_scatter as _gather_dense_scatter
 from mamba3_step.tensors import StepTensors
-from mamba3_step.testing import bits, bits_equal, make_inputs, poison_  # noqa: F401  (re-exported)
+from mamba3_step.testing import SPECULATIVE_PAD_KINDS, bits, bits_equal, make_inputs, poison_  # noqa: F401
 
 PAD_KINDS = ("negative", "oob", "null")
 LANE_KINDS = ("live", "live_nodst") + PAD_KINDS
@@ -168,9 +168,18 @@ def make_pool_indices(
                               seed=seed + 1, device=device)
 
 
-def read_rows(src: torch.Tensor, P: int, null_slot_id=None) -> set[int]:
-    """The pool rows live lanes read."""
-    return {v for v in src.tolist() if lane_is_live(v, P, null_slot_id)}
+def read_rows(src: torch.Tensor, P: int, null_slot_id=None, num_accepted_tokens=None) -> set[int]:
+    """The pool rows live lanes read (``src`` (B,), or (B, K) with ``num_accepted_tokens``)."""
+    return {v for v in source_rows(src, num_accepted_tokens).tolist() if lane_is_live(v, P, null_slot_id)}
+
+
+def written_rows(src: torch.Tensor, dst: torch.Tensor | None, P: int, null_slot_id=None,
+                 num_accepted_tokens=None) -> set[int]:
+    """The pool rows live lanes write: their real destination rows (every token's with a (B, T) dst)."""
+    rows = source_rows(src, num_accepted_tokens)
+    targets = rows.unsqueeze(1) if dst is None else dst.long().view(dst.shape[0], -1)
+    return {r for b, lane in enumerate(targets.tolist()) if lane_is_live(int(rows[b]), P, null_slot_id)
+            for r in lane if lane_is_live(r, P, null_slot_id)}
 
 
 def gather_dense_scatter(
@@ -181,6 +190,7 @@ def gather_dense_scatter(
     null_slot_id: int | None = None,
     update_kv_state: bool = False,
     step_fn=None,
+    num_accepted_tokens: torch.Tensor | None = None,
 ) -> dict:
     """Expected pool-mode result, the way docs/contract.md defines it, without touching ``inputs``.
 
@@ -189,7 +199,8 @@ def gather_dense_scatter(
     ``out``, ``state``, ``Bstate``, ``Xstate`` (the expected tensors).
     """
     fields = {k: v for k, v in clone_inputs(inputs).items() if k in StepTensors._fields}
-    fields.update(out=None, state_batch_indices=src, dst_state_batch_indices=dst, null_slot_id=null_slot_id)
+    fields.update(out=None, state_batch_indices=src, dst_state_batch_indices=dst, null_slot_id=null_slot_id,
+                  num_accepted_tokens=num_accepted_tokens)
     tensors = StepTensors(**fields)
     out = _gather_dense_scatter(tensors, update_kv_state=update_kv_state, step_fn=step_fn or mamba3_step_fn)
     return {"out": out, "state": tensors.state, "Bstate": tensors.Bstate, "Xstate": tensors.Xstate}
@@ -208,6 +219,7 @@ def check_pool_parity(
     update_kv_state: bool = False,
     seed: int = 0,
     step_fn=None,
+    num_accepted_tokens: torch.Tensor | None = None,
 ) -> None:
     """Assert that a pool-mode call is bit-identical to :func:`gather_dense_scatter`.
 
@@ -218,23 +230,26 @@ def check_pool_parity(
     padding lanes' out is +0.0; rows no live lane writes are unchanged (and Bstate/Xstate
     entirely without ``update_kv_state``); indices and per-lane inputs are unchanged.
     ``step_fn`` (default ``mamba3_step_fn``) runs both the pool call and the dense twin.
+    A T-token step (``inputs`` from ``make_inputs(tokens=T)``, indices from
+    :func:`mamba3_step.testing.speculative_indices`) is checked against T one-token dense steps.
     """
     step_fn = step_fn or mamba3_step_fn
     inputs = clone_inputs(inputs)
     P = inputs["state"].shape[0]
-    unread = sorted(set(range(P)) - read_rows(src, P, null_slot_id))
+    unread = sorted(set(range(P)) - read_rows(src, P, null_slot_id, num_accepted_tokens))
     for i, key in enumerate(POOL_STATE_KEYS):
         poison_rows_(inputs[key], unread, seed=seed * 7 + i)
     before = clone_inputs(inputs)
 
-    expected = gather_dense_scatter(inputs, src, dst, null_slot_id=null_slot_id,
-                                    update_kv_state=update_kv_state, step_fn=step_fn)
+    expected = gather_dense_scatter(inputs, src, dst, null_slot_id=null_slot_id, update_kv_state=update_kv_state,
+                                    step_fn=step_fn, num_accepted_tokens=num_accepted_tokens)
 
     out = poison_(torch.empty_like(expected["out"]), seed=seed + 99)
-    src_before = src.clone()
-    dst_before = None if dst is None else dst.clone()
-    ret = step_fn(**inputs, out=out, state_batch_indices=src, dst_state_batch_indices=dst,
-                  null_slot_id=null_slot_id, update_kv_state=update_kv_state)
+    indices = {"state_batch_indices": src, "dst_state_batch_indices": dst}
+    if num_accepted_tokens is not None:
+        indices["num_accepted_tokens"] = num_accepted_tokens
+    indices_before = {k: None if v is None else v.clone() for k, v in indices.items()}
+    ret = step_fn(**inputs, out=out, **indices, null_slot_id=null_slot_id, update_kv_state=update_kv_state)
     assert ret is out, "the function must return the out it was given"
 
     assert_bits_equal(out, expected["out"], "out")
@@ -242,17 +257,18 @@ def check_pool_parity(
         assert_bits_equal(inputs[key], expected[key], key)
 
     # Independent of the twin: padding lanes give +0.0 bits, unwritten rows keep their bits.
-    pad = torch.tensor([k in PAD_KINDS for k in kinds], dtype=torch.bool, device=out.device)
+    pad = torch.tensor([k in PAD_KINDS + SPECULATIVE_PAD_KINDS for k in kinds], dtype=torch.bool,
+                       device=out.device)
     assert_bits_equal(out[pad], torch.zeros_like(out[pad]), "padding lanes' out")
-    written = {d for k, d in zip(kinds, (src if dst is None else dst).tolist()) if k == "live"}
+    written = written_rows(src, dst, P, null_slot_id, num_accepted_tokens)
     untouched = torch.tensor(sorted(set(range(P)) - written), dtype=torch.int64, device=out.device)
     for key in POOL_STATE_KEYS:
         if key != "state" and not update_kv_state:
             assert_bits_equal(inputs[key], before[key], f"{key} (no update_kv_state)")
         assert_bits_equal(inputs[key][untouched], before[key][untouched], f"{key} untouched rows")
-    assert torch.equal(src, src_before), "state_batch_indices was modified"
-    if dst is not None:
-        assert torch.equal(dst, dst_before), "dst_state_batch_indices was modified"
+    for key, value in indices.items():
+        if value is not None:
+            assert torch.equal(value, indices_before[key]), f"{key} was modified"
     for key, value in inputs.items():
         if key not in POOL_STATE_KEYS and value is not None:
             assert_bits_equal(value, before[key], f"{key} (read-only input)")

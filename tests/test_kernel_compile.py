@@ -47,6 +47,30 @@ COVERING = {
 }
 
 
+def _speculative(**changes) -> dict:
+    """A speculative verify step's flags: (B, K) sources picked by num_accepted_tokens, a row per token."""
+    return dict(pool=True, has_dst=True, dst_per_token=True, num_accepted=True, **changes)
+
+
+# Multi-token steps (issue 10): every T-specific path (per-token and final destinations, accepted
+# counts, dense with state_out, several CTAs per lane, each state dtype) at least once.
+MULTI_TOKEN = {
+    "flagship-T2-spec": flagship_spec(tokens=2, **_speculative()),
+    "flagship-T4-spec": flagship_spec(tokens=4, **_speculative()),
+    "flagship-T8-spec": flagship_spec(tokens=8, **_speculative()),
+    "flagship-T3-final-dst": flagship_spec(tokens=3, has_dst=True),
+    "flagship-T4-dense-stateout": flagship_spec(tokens=4, pool=False, update_kv_state=False, has_state_out=True),
+    "N64-D64-R4-bf16state-T4-spec-tileD32": StepSpec(
+        64, 64, 4, "bfloat16", "bfloat16", "bfloat16", "bfloat16", tile_D=32, tokens=4, **_speculative()),
+    "N256-D32-R8-bf16state-T2-spec-kv": StepSpec(
+        256, 32, 8, "bfloat16", "bfloat16", "bfloat16", "bfloat16", tokens=2, update_kv_state=True, **_speculative()),
+    "N32-D128-R1-fp16state-T6-spec-noz-noout": StepSpec(
+        32, 128, 1, "float16", "float32", "float16", "float32", tokens=6, has_z=False, has_outproj=False,
+        update_kv_state=True, **_speculative()),
+    "N256-D128-R8-fp32-T4-dense": StepSpec(256, 128, 8, "float32", "float32", "bfloat16", "bfloat16", tokens=4),
+}
+
+
 def _full_matrix():
     specs = {}
     for N, D, R, sd, kv in itertools.product(SUPPORTED_N, SUPPORTED_D, SUPPORTED_R, STATE_DTYPES, KV_DTYPES):
@@ -74,16 +98,18 @@ def facts_for(spec: StepSpec, arch: str):
 def check_compiler_facts(spec: StepSpec, arch: str) -> None:
     spec = spec.with_default_tiling()
     f = facts_for(spec, arch)
-    lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo)
+    lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo, spec.tokens)
     where = f"{spec.key()} @ {arch}"
     assert f.stack_bytes == 0, f"{where}: {f.stack_bytes} stack bytes"
     assert f.spill_bytes == 0, f"{where}: {f.spill_bytes} spill bytes"
     assert f.threads == lay.num_threads, where
     assert f.registers * f.threads <= 65536 and f.registers <= 255, f"{where}: {f.registers} registers"
-    # The state is the only 16-byte global traffic: one LDG.128 and one STG.128 per vector a thread owns.
+    # The state is the only 16-byte global traffic: one LDG.128 per vector a thread owns, and one
+    # STG.128 per vector and row written (T rows with a destination per token, else one).
     vectors = lay.rows_per_thread * lay.CPT
+    writes = spec.tokens if spec.dst_per_token else 1
     assert f.count("LDG", 128) == vectors, (where, f.sass)
-    assert f.count("STG", 128) == vectors, (where, f.sass)
+    assert f.count("STG", 128) == vectors * writes, (where, f.sass)
     assert f.count("LDG", 64) == 0 and f.count("STG", 64) == 0, where
     if spec.pool:
         check_padding_guard(f.sass_text, where)
@@ -132,6 +158,12 @@ def check_padding_guard(sass_text: str, where: str) -> None:
 @pytest.mark.parametrize("name", list(COVERING))
 def test_compiles_with_clean_compiler_facts(name, arch):
     check_compiler_facts(COVERING[name], arch)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", list(MULTI_TOKEN))
+def test_multi_token_compiles_with_clean_compiler_facts(name, arch):
+    check_compiler_facts(MULTI_TOKEN[name], arch)
 
 
 def test_covering_set_covers_every_supported_value():

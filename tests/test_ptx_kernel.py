@@ -137,9 +137,10 @@ def _run_recorded(spec, B, P, seed, *, record_shared=False):
     x = inputs["x"]
     out = poison_(torch.empty((B, x.shape[1], x.shape[2]) if spec.has_outproj else
                               (B, spec.mimo, x.shape[1], x.shape[2]), dtype=x.dtype))
-    s, tensors = prepare_step(StepTensors(**inputs, out=out, state_batch_indices=src,
-                                          dst_state_batch_indices=dst if spec.has_dst else None, null_slot_id=NULL),
-                              update_kv_state=spec.update_kv_state, **_tiling(spec))
+    s, tensors, _ = prepare_step(StepTensors(**inputs, out=out, state_batch_indices=src,
+                                             dst_state_batch_indices=dst if spec.has_dst else None,
+                                             null_slot_id=NULL),
+                                 update_kv_state=spec.update_kv_state, **_tiling(spec))
     assert s == spec
     res = run_step_ptx(spec, tensors, record_shared=record_shared)
     return res, tensors, src, dst, kinds
@@ -236,8 +237,8 @@ def test_executed_bytes_equal_the_bytes_model(name):
     inputs = make_inputs(B, P, **_shape(spec), **_dtypes(spec), seed=2)
     src = torch.tensor([4, 0, 13, 2, 8, 5], dtype=torch.int32)
     dst = torch.tensor([1, 3, 6, 7, 9, 12], dtype=torch.int32) if spec.has_dst else None
-    s, tensors = prepare_step(StepTensors(**inputs, state_batch_indices=src, dst_state_batch_indices=dst),
-                              update_kv_state=spec.update_kv_state)
+    s, tensors, _ = prepare_step(StepTensors(**inputs, state_batch_indices=src, dst_state_batch_indices=dst),
+                                 update_kv_state=spec.update_kv_state)
     res = run_step_ptx(s, tensors)
     touched = analysis.bytes_touched(res, res.extra["memory"])
     model = bytes_per_step(s, B, H)

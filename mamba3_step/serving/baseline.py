@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..api import mamba3_step_fn
-from ..contract import lane_is_live, out_shape
+from ..contract import lane_is_live, out_shape, source_rows
 from ..tensors import StepTensors
 from .hook import kv_update_in_kernel
 
@@ -33,39 +33,57 @@ def gather_dense_scatter(tensors: StepTensors, *, update_kv_state: bool = True, 
     ``tile_D``/``num_warps`` pick the dense kernel's tiling (compare like with like); when
     ``tile_D < headdim`` the B/x rows are stored by a copy after the dense step instead of by the
     kernel's ``update_kv_state``. It synchronises (boolean masking): for tests, demos, debugging.
+
+    A T-token bundle (``x`` (B, T, H, D); ``state_batch_indices`` (B, K) with
+    ``num_accepted_tokens``; ``dst_state_batch_indices`` (B,) or (B, T)) runs as T one-token
+    dense steps on the gathered rows, token t's B/x becoming token t + 1's previous B/x; with a
+    (B, T) destination the rows are scattered after each token, else after the last.
     """
     step_fn = mamba3_step_fn if step_fn is None else step_fn
     t = tensors
     P = t.state.shape[0]
-    src = t.state_batch_indices
-    dst = src if t.dst_state_batch_indices is None else t.dst_state_batch_indices
+    src = source_rows(t.state_batch_indices, t.num_accepted_tokens)
     live = lane_is_live(src, P, t.null_slot_id)
-    write = live & lane_is_live(dst, P, t.null_slot_id)
     out = torch.zeros(out_shape(t.x, t.xproj, t.outproj is not None), dtype=t.x.dtype, device=t.x.device)
     lanes = torch.nonzero(live).flatten()
     if lanes.numel() == 0:
         return out
-    dense = t.dense_lanes(lanes, src[lanes].long())  # the gathered rows are copies
-    in_kernel = kv_update_in_kernel(t.x.shape[2], t.B.shape[3], t.B.shape[1], t.state.dtype, tile_D)
-    o = step_fn(**dense._asdict(), update_kv_state=update_kv_state and in_kernel, tile_D=tile_D,
-                num_warps=num_warps)
-    if update_kv_state and not in_kernel:
-        dense.Bstate.copy_(dense.B)
-        dense.Xstate.copy_(dense.x)
-    out.index_copy_(0, lanes, o)
-    wl = torch.nonzero(write[lanes]).flatten()
-    if wl.numel():
-        rows = dst[lanes[wl]].long()
-        t.state.index_copy_(0, rows, dense.state.index_select(0, wl))
-        if update_kv_state:
-            t.Bstate.index_copy_(0, rows, dense.Bstate.index_select(0, wl))
-            t.Xstate.index_copy_(0, rows, dense.Xstate.index_select(0, wl))
+    dense = t.dense_lanes(lanes, src[lanes])  # the gathered rows are copies
+    in_kernel = kv_update_in_kernel(t.x.shape[-1], t.B.shape[-1], t.B.shape[-3], t.state.dtype, tile_D)
+    dst = t.dst_state_batch_indices
+    for k in range(t.tokens):
+        token = dense.token(k)
+        # the copies always take this token's B/x: the next token's previous B/x
+        o = step_fn(**token._asdict(), update_kv_state=in_kernel, tile_D=tile_D, num_warps=num_warps)
+        if not in_kernel:
+            token.Bstate.copy_(token.B)
+            token.Xstate.copy_(token.x)
+        (out[:, k] if t.x.dim() == 4 else out).index_copy_(0, lanes, o)
+        if dst is not None and dst.dim() == 2:
+            _scatter(t, dense, lanes, dst[:, k], update_kv_state)
+    if dst is None or dst.dim() == 1:
+        _scatter(t, dense, lanes, src if dst is None else dst, update_kv_state)
     return out
 
 
+def _scatter(t: StepTensors, dense: StepTensors, lanes: torch.Tensor, targets: torch.Tensor,
+             update_kv_state: bool) -> None:
+    """The dense rows of ``lanes`` to pool rows ``targets[lanes]`` (padding targets skipped)."""
+    rows = targets[lanes].long()
+    keep = torch.nonzero(lane_is_live(rows, t.state.shape[0], t.null_slot_id)).flatten()
+    if keep.numel() == 0:
+        return
+    rows = rows[keep]
+    t.state.index_copy_(0, rows, dense.state.index_select(0, keep))
+    if update_kv_state:
+        t.Bstate.index_copy_(0, rows, dense.Bstate.index_select(0, keep))
+        t.Xstate.index_copy_(0, rows, dense.Xstate.index_select(0, keep))
+
+
 def gather_scatter_step(*args, slots: torch.Tensor, dst_slots: torch.Tensor | None = None,
-                        null_slot_id: int | None = None, update_kv_state: bool = True,
-                        tile_D: int | None = None, num_warps: int | None = None, **kwargs) -> torch.Tensor:
+                        null_slot_id: int | None = None, num_accepted_tokens: torch.Tensor | None = None,
+                        update_kv_state: bool = True, tile_D: int | None = None, num_warps: int | None = None,
+                        **kwargs) -> torch.Tensor:
     """:func:`gather_dense_scatter` with ``mamba3_step_fn``'s flat arguments.
 
     ``args``/``kwargs`` are ``mamba3_step_fn``'s tensors (``state``, ``Bstate``, ``Xstate``, ``A``,
@@ -73,5 +91,5 @@ def gather_scatter_step(*args, slots: torch.Tensor, dst_slots: torch.Tensor | No
     ``slots``/``dst_slots`` are the pool indices. Same effects; returns a fresh ``out``.
     """
     tensors = StepTensors(*args, **kwargs, state_batch_indices=slots, dst_state_batch_indices=dst_slots,
-                          null_slot_id=null_slot_id)
+                          null_slot_id=null_slot_id, num_accepted_tokens=num_accepted_tokens)
     return gather_dense_scatter(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)

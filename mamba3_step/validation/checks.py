@@ -31,11 +31,12 @@ def check_is_tensor(name: str, t, optional: bool = False) -> None:
         raise TypeError(f"{name}: expected {what}, got {type(t).__name__}")
 
 
-def check_rank(name: str, t: torch.Tensor, letters: str) -> None:
+def check_rank(name: str, t: torch.Tensor, letters: str, why: str = "") -> None:
+    """``t`` has one dimension per letter; ``why`` (e.g. " (x is 4-D: ...)") follows the expectation."""
     rank = len(letters.split())
     if t.dim() != rank:
         raise ValueError(
-            f"{name}: expected a {rank}-D tensor of shape ({', '.join(letters.split())}), "
+            f"{name}: expected a {rank}-D tensor of shape ({', '.join(letters.split())}){why}, "
             f"got {t.dim()}-D with shape {tuple(t.shape)}"
         )
 
@@ -46,7 +47,7 @@ def check_shape(name: str, t: torch.Tensor, letters: str, dims: tuple[int, ...])
         shape = f"({', '.join(letters.split())}) = {tuple(dims)}"
         raise ValueError(
             f"{name}: expected shape {shape}, got {tuple(t.shape)} "
-            f"(B, H, D are taken from x, R and N from B, P from state)"
+            f"(B, T, H, D are taken from x, R and N from B, P from state, K from state_batch_indices)"
         )
 
 

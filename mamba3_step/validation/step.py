@@ -3,7 +3,8 @@
 Letters (docs/contract.md): B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
 
 The phases run in this order, so that the first problem reported is the most basic one: kinds
-of argument, mode flags, shapes (the letters come from ``x`` and ``B``), supported sizes,
+of argument, mode flags, the optional axes (token axis, per-token destinations, accepted-token
+sources: :class:`~mamba3_step.validation.table.Layout`), shapes (the letters come from ``x`` and ``B``), supported sizes,
 dtypes (groups, then "same as"), devices, strides, alignment, launch grid, written tensors
 (writable in place, no self-overlap), aliasing (no written tensor shares memory with another
 argument), tiling. Each phase walks the table rows in order. Only metadata is read (shapes, strides,
@@ -16,11 +17,11 @@ from __future__ import annotations
 import torch
 
 from ..contract import INT32_MAX, INT32_MIN, MAX_GRID_X, MAX_GRID_Y
-from ..spec import StepSpec
+from ..spec import MAX_TOKENS, StepSpec
 from ..tensors import StepTensors
 from ..tiling import shape_problem, tiling_problem
 from . import checks
-from .table import LETTER_SOURCES, RULES, is_written, shape_letters
+from .table import LETTER_SOURCES, RULE_BY_NAME, RULES, Layout, is_written, shape_letters
 
 __all__ = ["check_options", "check_step_inputs"]
 
@@ -63,7 +64,9 @@ def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=Non
             mode, has elements sharing memory, or shares memory with any other argument;
             ``state_out`` in pool mode; ``dst_state_batch_indices`` without
             ``state_batch_indices``; ``null_slot_id`` without pool mode; ``z`` without
-            ``zproj`` or the reverse; a batch or head count too large for the launch grid;
+            ``zproj`` or the reverse; a token count T outside [1, MAX_TOKENS]; a (B, T)
+            ``dst_state_batch_indices`` without a token axis; ``num_accepted_tokens`` without a
+            (B, K) ``state_batch_indices`` (K >= 1) or the reverse; a batch or head count too large for the launch grid;
             an impossible ``tile_D``/``num_warps`` (including ``update_kv_state`` with
             ``tile_D < headdim``).
     """
@@ -73,7 +76,8 @@ def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=Non
                             num_warps=num_warps)
     null_slot_id, tile_D, num_warps = options["null_slot_id"], options["tile_D"], options["num_warps"]
     _check_modes(tensors, null_slot_id)
-    N, Dh, R = _check_shapes(tensors)
+    layout = _check_layout(tensors)
+    N, Dh, R = _check_shapes(tensors, layout)
     dtypes = _check_dtypes(tensors)
     _check_memory(tensors)
     _check_grid(tensors)
@@ -84,6 +88,8 @@ def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=Non
         pool=tensors.pool, has_dst=tensors.dst_state_batch_indices is not None,
         update_kv_state=update_kv_state, has_z=tensors.z is not None,
         has_outproj=tensors.outproj is not None, has_state_out=tensors.state_out is not None,
+        tokens=tensors.tokens, dst_per_token=layout.per_token_dst and tensors.tokens > 1,
+        num_accepted=layout.accepted,
     )
     return _check_tiling(spec, tile_D, num_warps)
 
@@ -112,19 +118,50 @@ def _check_modes(t: StepTensors, null_slot_id) -> None:
         raise ValueError(f"{missing}: expected a tensor because {given} is given (z and zproj come together), got None")
 
 
-def _check_shapes(t: StepTensors) -> tuple[int, int, int]:
+def _check_layout(t: StepTensors) -> Layout:
+    """The call's optional axes, from the ranks of ``x``, ``state_batch_indices`` and
+    ``dst_state_batch_indices`` and the presence of ``num_accepted_tokens``."""
+    if t.x.dim() not in (3, 4):
+        raise ValueError(f"x: expected a 3-D tensor (B, H, D), or 4-D (B, T, H, D) for T tokens per lane, "
+                         f"got {t.x.dim()}-D with shape {tuple(t.x.shape)}")
+    tokens = t.x.dim() == 4
+    if tokens and not 1 <= t.x.shape[1] <= MAX_TOKENS:
+        raise ValueError(f"x: expected T (dimension 1 of x (B, T, H, D)) in [1, {MAX_TOKENS}], got T={t.x.shape[1]}")
+    src, dst, accepted = t.state_batch_indices, t.dst_state_batch_indices, t.num_accepted_tokens is not None
+    if accepted and src is None:
+        raise ValueError("num_accepted_tokens: expected None without state_batch_indices (it picks each lane's "
+                         "source row among its pool indices), got a tensor")
+    if src is not None and src.dim() == 2 and not accepted:
+        raise ValueError("num_accepted_tokens: expected a (B,) int32 tensor because state_batch_indices is 2-D "
+                         "(B, K) (lane b reads row state_batch_indices[b, num_accepted_tokens[b] - 1]), got None")
+    if accepted and src.dim() != 2:
+        raise ValueError(f"state_batch_indices: expected a 2-D tensor (B, K) with num_accepted_tokens (K "
+                         f"candidate source rows per lane), got {src.dim()}-D with shape {tuple(src.shape)}")
+    if accepted and src.shape[1] == 0:
+        raise ValueError(f"state_batch_indices: expected K >= 1 candidate source rows per lane, got shape "
+                         f"{tuple(src.shape)}")
+    per_token_dst = dst is not None and dst.dim() == 2
+    if per_token_dst and not tokens:
+        raise ValueError(f"dst_state_batch_indices: expected a 1-D tensor (B,) (a (B, T) destination per token "
+                         f"needs x with a token axis, (B, T, H, D)), got shape {tuple(dst.shape)}")
+    return Layout(t.pool, t.outproj is not None, tokens, per_token_dst, accepted)
+
+
+def _check_shapes(t: StepTensors, layout: Layout) -> tuple[int, int, int]:
     """Ranks of the letter sources, then every shape against the letters; returns (N, D, R)."""
-    for name, letters in LETTER_SOURCES.items():
-        checks.check_rank(name, getattr(t, name), letters)
-    nb, H, Dh = t.x.shape
-    R, N = t.B.shape[1], t.B.shape[3]
-    pool, has_outproj = t.pool, t.outproj is not None
-    checks.check_rank("state", t.state, "P H D N" if pool else "B H D N")
-    sizes = {"B": nb, "P": t.state.shape[0] if pool else nb, "H": H, "D": Dh, "N": N, "R": R}
+    why = (" because x is 4-D (B, T, H, D), a step of T tokens per lane" if layout.tokens else
+           " because x is 3-D (B, H, D), a step without a token axis")
+    for name in LETTER_SOURCES:
+        checks.check_rank(name, getattr(t, name), shape_letters(RULE_BY_NAME[name], layout), why)
+    nb, H, Dh = t.x.shape[0], t.x.shape[-2], t.x.shape[-1]
+    R, N = t.B.shape[-3], t.B.shape[-1]
+    checks.check_rank("state", t.state, "P H D N" if layout.pool else "B H D N")
+    sizes = {"B": nb, "T": t.tokens, "P": t.state.shape[0] if layout.pool else nb, "H": H, "D": Dh, "N": N,
+             "R": R, "K": t.state_batch_indices.shape[-1] if layout.accepted else 0}
     for rule in RULES:
         value = getattr(t, rule.name)
         if value is not None:
-            letters = shape_letters(rule, pool, has_outproj)
+            letters = shape_letters(rule, layout)
             checks.check_shape(rule.name, value, letters, tuple(sizes[c] for c in letters.split()))
     problem = shape_problem(N, Dh, R)
     if problem:
@@ -182,7 +219,7 @@ def _check_writes(t: StepTensors, update_kv_state: bool) -> None:
 
 def _check_grid(t: StepTensors) -> None:
     """The launch grid is (B, H, D / tile_D)."""
-    nb, H = t.x.shape[0], t.x.shape[1]
+    nb, H = t.x.shape[0], t.x.shape[-2]
     if nb > MAX_GRID_X:
         raise ValueError(
             f"x: batch B={nb} is too large for the launch grid (grid.x = B must be at most "

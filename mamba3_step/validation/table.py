@@ -5,9 +5,13 @@ Letters (docs/contract.md): B lanes, P pool rows, H heads, D head dim, N state s
 A row says the argument's shape in letters, the dtypes it may have (a group of the contract, or
 "the same as" another argument), whether it is required, and whether the kernel moves it with
 16-byte vectors (then its base and outer strides must be 16-byte aligned). ``S`` in a shape is
-the rows letter of the pool tensors: ``P`` in pool mode, ``B`` in dense mode. ``[R]`` is present
-only without ``outproj``. The order of the rows is the order of the checks (the letter sources
-``x`` and ``B`` first), so which of several problems is reported first is decided here.
+the rows letter of the pool tensors: ``P`` in pool mode, ``B`` in dense mode. A letter in
+brackets is an axis only some calls have (:class:`Layout` says which): ``[R]`` without
+``outproj``; ``[T]`` when the call has a token axis (``x`` (B, T, H, D): T tokens per lane);
+``[K]`` with ``num_accepted_tokens`` (``state_batch_indices`` (B, K): K candidate source rows);
+``[Tdst]`` when ``dst_state_batch_indices`` has a row per token (resolved to ``T``). The order
+of the rows is the order of the checks (the letter sources ``x`` and ``B`` first), so which of
+several problems is reported first is decided here.
 
 A row also says when the step writes the argument (``written``): ``out`` and ``state_out``
 always, ``state`` unless ``state_out`` takes the new state, ``Bstate``/``Xstate`` with
@@ -24,7 +28,7 @@ from typing import NamedTuple
 
 from ..contract import KV_DTYPES, PROJ_DTYPES, STATE_DTYPES, X_DTYPES
 
-__all__ = ["RULES", "Rule", "LETTER_SOURCES", "WRITE_ALWAYS", "WRITE_KV", "WRITE_UNLESS_STATE_OUT",
+__all__ = ["Layout", "RULES", "RULE_BY_NAME", "Rule", "LETTER_SOURCES", "WRITE_ALWAYS", "WRITE_KV", "WRITE_UNLESS_STATE_OUT",
            "is_written", "shape_letters"]
 
 #: values of ``Rule.written``: when the step writes the argument
@@ -45,34 +49,51 @@ class Rule(NamedTuple):
 
 
 RULES = (
-    Rule("x", "B H D", X_DTYPES, required=True),
-    Rule("B", "B R H N", KV_DTYPES, required=True),
+    Rule("x", "B [T] H D", X_DTYPES, required=True),
+    Rule("B", "B [T] R H N", KV_DTYPES, required=True),
     Rule("state", "S H D N", STATE_DTYPES, required=True, vector_aligned=True, written=WRITE_UNLESS_STATE_OUT),
     Rule("state_out", "B H D N", same_as="state", vector_aligned=True, written=WRITE_ALWAYS),
     Rule("Bstate", "S R H N", same_as="B", required=True, written=WRITE_KV),
     Rule("Xstate", "S H D", same_as="x", required=True, written=WRITE_KV),
-    Rule("A", "B H", ("float32",), required=True),
-    Rule("dt", "B H", ("float32",), required=True),
-    Rule("trap", "B H", ("float32",), required=True),
-    Rule("C", "B R H N", same_as="B", required=True),
+    Rule("A", "B [T] H", ("float32",), required=True),
+    Rule("dt", "B [T] H", ("float32",), required=True),
+    Rule("trap", "B [T] H", ("float32",), required=True),
+    Rule("C", "B [T] R H N", same_as="B", required=True),
     Rule("D", "H", ("float32",), required=True),
     Rule("xproj", "R H D", PROJ_DTYPES, required=True),
     Rule("zproj", "R H D", same_as="xproj"),
     Rule("outproj", "R H D", same_as="xproj"),
-    Rule("z", "B H D", same_as="x"),
-    Rule("out", "B [R] H D", same_as="x", written=WRITE_ALWAYS),
-    Rule("state_batch_indices", "B", ("int32",), hint=" (convert with .to(torch.int32))"),
-    Rule("dst_state_batch_indices", "B", ("int32",), hint=" (convert with .to(torch.int32))"),
+    Rule("z", "B [T] H D", same_as="x"),
+    Rule("out", "B [T] [R] H D", same_as="x", written=WRITE_ALWAYS),
+    Rule("state_batch_indices", "B [K]", ("int32",), hint=" (convert with .to(torch.int32))"),
+    Rule("dst_state_batch_indices", "B [Tdst]", ("int32",), hint=" (convert with .to(torch.int32))"),
+    Rule("num_accepted_tokens", "B", ("int32",), hint=" (convert with .to(torch.int32))"),
 )
 
-#: the arguments the letters are read from: B, H, D from ``x``; R, N from ``B``; P from ``state``
-LETTER_SOURCES = {"x": "B H D", "B": "B R H N"}
+#: the arguments the letters are read from (their ranks are checked first): B, T, H, D from
+#: ``x``; R, N from ``B`` (then P from ``state``, K from ``state_batch_indices``)
+LETTER_SOURCES = ("x", "B")
+#: the rules by argument name
+RULE_BY_NAME = {rule.name: rule for rule in RULES}
 
 
-def shape_letters(rule: Rule, pool: bool, has_outproj: bool) -> str:
-    """The rule's shape letters for this call: ``S`` resolved, ``[R]`` kept or dropped."""
-    letters = rule.letters.replace("S", "P" if pool else "B")
-    return letters.replace("[R] ", "" if has_outproj else "R ")
+class Layout(NamedTuple):
+    """Which optional axes a call has (decided from ranks before any shape is compared)."""
+
+    pool: bool  # state_batch_indices given: S is P
+    has_outproj: bool  # out has no R axis
+    tokens: bool = False  # x is (B, T, H, D): the per-lane tensors and out have a T axis
+    per_token_dst: bool = False  # dst_state_batch_indices is (B, T)
+    accepted: bool = False  # num_accepted_tokens given: state_batch_indices is (B, K)
+
+
+def shape_letters(rule: Rule, layout: Layout) -> str:
+    """The rule's shape letters for this call: ``S`` resolved, each bracketed axis kept or dropped."""
+    kept = {"[R]": not layout.has_outproj, "[T]": layout.tokens, "[K]": layout.accepted,
+            "[Tdst]": layout.per_token_dst}
+    letters = [c for c in rule.letters.split() if kept.get(c, True)]
+    names = {"S": "P" if layout.pool else "B", "[R]": "R", "[T]": "T", "[K]": "K", "[Tdst]": "T"}
+    return " ".join(names.get(c, c) for c in letters)
 
 
 def is_written(rule: Rule, has_state_out: bool, update_kv_state: bool) -> bool:
