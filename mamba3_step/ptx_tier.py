@@ -53,6 +53,7 @@ class PTXKernel:
     param_types: tuple  # ptx.LType per kernel parameter
     block: tuple
     dynamic_smem: int
+    compiled: object  # the compile result (its cubin is the same as a plain compile's: compiler facts read it)
 
 
 _KERNELS: dict = {}
@@ -88,7 +89,7 @@ def ptx_kernel(spec: StepSpec, arch: str = "sm_90a") -> PTXKernel:
     block = launch["block"][0] if launch["block"] else (thread_layout(
         spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo, spec.tokens).num_threads, 1, 1)
     kernel = PTXKernel(spec, arch, text, module, tuple(n for n, _ in kept), tuple(m for _, m in kept), types,
-                       tuple(block), max(launch["smem"], default=0))
+                       tuple(block), max(launch["smem"], default=0), compiled)
     with _LOCK:
         _KERNELS[(spec, arch)] = kernel
     return kernel

@@ -160,6 +160,8 @@ def mode_problem(spec: StepSpec) -> str | None:
         return f"tokens must be an int in [1, {MAX_TOKENS}], got {spec.tokens!r}"
     if spec.dst_per_token and not spec.has_dst:
         return "dst_per_token needs has_dst (per-token destinations are dst_state_batch_indices (B, T))"
+    if spec.dst_per_token and spec.tokens == 1:
+        return "dst_per_token needs tokens > 1 (a one-token step's (B, 1) destinations are its (B,) ones)"
     if spec.num_accepted and not spec.pool:
         return "num_accepted needs pool mode (it selects the source row among state_batch_indices (B, K))"
     if spec.has_dst and not spec.pool:

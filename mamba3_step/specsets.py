@@ -11,7 +11,9 @@ new one) names them the same way, through :func:`add_spec_arguments` and
 * ``--state-dtype``, ``--kv-dtype``, ``--x-dtype``, ``--proj-dtype``: dtypes for every config
   (a config that names a different one is an error);
 * ``--mode pool|dense``, ``--dst``, ``--no-update-kv-state``, ``--no-z``, ``--no-outproj``,
-  ``--state-out``: the mode flags, applied to every config;
+  ``--state-out``: the mode flags, applied to every config; ``--tokens T`` (a T-token step),
+  ``--dst-per-token`` ((B, T) destinations) and ``--num-accepted`` ((B, K) sources picked by
+  ``num_accepted_tokens``), the multi-token flags;
 * ``--tile-d``, ``--num-warps``: the tiling (default: per configuration);
 * ``--arch``: the target (default: this machine's GPU, else sm_90a).
 
@@ -26,7 +28,7 @@ import itertools
 
 from .arch import DEFAULT_ARCH, check_arch, current_arch
 from .contract import KV_DTYPES, PROJ_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, X_DTYPES
-from .spec import StepSpec, flagship_spec
+from .spec import StepSpec, flagship_spec, mode_problem
 from .tiling import shape_problem, tiling_problem
 
 __all__ = ["CONFIG_HELP", "add_spec_arguments", "arch_from_args", "parse_spec_args", "spec_label",
@@ -50,6 +52,7 @@ def specs_for_config(config: str, **changes) -> list[StepSpec]:
     if text == "flagship":
         return [_checked(config, flagship_spec(**changes))]
     if text == "all":
+        _checked(config, flagship_spec(**changes))  # the flags themselves (tokens, modes) first
         every = (flagship_spec(dstate=n, headdim=d, mimo=r, **changes)
                  for n, d, r in itertools.product(SUPPORTED_N, SUPPORTED_D, SUPPORTED_R))
         return [s for s in every if tiling_problem(s) is None]
@@ -75,7 +78,7 @@ def specs_for_config(config: str, **changes) -> list[StepSpec]:
 
 
 def _checked(config: str, spec: StepSpec) -> StepSpec:
-    problem = tiling_problem(spec)
+    problem = mode_problem(spec) or tiling_problem(spec)
     if problem:
         raise ValueError(f"config {config!r}: {problem}")
     return spec
@@ -83,11 +86,13 @@ def _checked(config: str, spec: StepSpec) -> StepSpec:
 
 def spec_label(spec: StepSpec) -> str:
     """A short human-readable name: ``N128 D64 R4 float32/bfloat16/bfloat16/bfloat16 tD64 w8 pool+kv+z+outproj``."""
-    flags = [n for n, on in (("pool", spec.pool), ("dst", spec.has_dst), ("kv", spec.update_kv_state),
+    flags = [n for n, on in (("pool", spec.pool), ("dst", spec.has_dst), ("dst/token", spec.dst_per_token),
+                             ("accepted", spec.num_accepted), ("kv", spec.update_kv_state),
                              ("z", spec.has_z), ("outproj", spec.has_outproj),
                              ("state_out", spec.has_state_out)) if on]
+    tokens = f"T{spec.tokens} " if spec.tokens > 1 else ""
     return (f"N{spec.dstate} D{spec.headdim} R{spec.mimo} {spec.state_dtype}/{spec.kv_dtype}/"
-            f"{spec.x_dtype}/{spec.proj_dtype} tD{spec.tile_D} w{spec.num_warps} "
+            f"{spec.x_dtype}/{spec.proj_dtype} tD{spec.tile_D} w{spec.num_warps} {tokens}"
             f"{'+'.join(flags) or 'dense'}")
 
 
@@ -114,6 +119,12 @@ def add_spec_arguments(parser: argparse.ArgumentParser, *, modes: bool = True, a
         g.add_argument("--no-z", action="store_true", help="without the z gate")
         g.add_argument("--no-outproj", action="store_true", help="without outproj (out is (B, R, H, D))")
         g.add_argument("--state-out", action="store_true", help="dense mode with state_out")
+        g.add_argument("--tokens", type=int, default=1, metavar="T",
+                       help="tokens per lane (a multi-token step, e.g. speculative decoding's verify pass)")
+        g.add_argument("--dst-per-token", action="store_true",
+                       help="a destination row per token: dst_state_batch_indices (B, T) (implies --dst)")
+        g.add_argument("--num-accepted", action="store_true",
+                       help="state_batch_indices (B, K) with num_accepted_tokens picking each lane's source")
     if arch:
         g.add_argument("--arch", default=None, help=f"target architecture, e.g. sm_90a, sm_100a "
                                                     f"(default: this machine's GPU, else {DEFAULT_ARCH})")
@@ -132,8 +143,14 @@ def specs_from_args(args: argparse.Namespace) -> list[StepSpec]:
             raise ValueError("--dst needs --mode pool (dst_state_batch_indices exist in pool mode only)")
         if args.state_out and args.mode != "dense":
             raise ValueError("--state-out needs --mode dense")
-        changes.update(pool=args.mode == "pool", has_dst=args.dst, update_kv_state=not args.no_update_kv_state,
-                       has_z=not args.no_z, has_outproj=not args.no_outproj, has_state_out=args.state_out)
+        if (args.dst_per_token or args.num_accepted) and args.mode != "pool":
+            raise ValueError("--dst-per-token and --num-accepted need --mode pool")
+        if args.dst_per_token and args.tokens < 2:
+            raise ValueError(f"--dst-per-token needs --tokens of at least 2, got --tokens {args.tokens}")
+        changes.update(pool=args.mode == "pool", has_dst=args.dst or args.dst_per_token,
+                       update_kv_state=not args.no_update_kv_state, has_z=not args.no_z,
+                       has_outproj=not args.no_outproj, has_state_out=args.state_out, tokens=args.tokens,
+                       dst_per_token=args.dst_per_token, num_accepted=args.num_accepted)
     specs = []
     for config in args.config or ["flagship"]:
         for spec in specs_for_config(config, **changes):

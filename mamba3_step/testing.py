@@ -12,7 +12,8 @@ Letters (docs/contract.md): B lanes, P pool rows, H heads, D head dim, N state s
 * :func:`padded_indices`: race-free pool indices whose padding lanes hold every padding kind
   (-1, INT32_MIN, P, INT32_MAX, the null slot), for the PTX tier's tests and ``verify``;
   :func:`speculative_indices`: the same for a T-token step (candidate source rows, accepted
-  counts, a destination row per token).
+  counts, a destination row per token); :func:`step_indices`: either, in the form a given
+  specialisation takes (and :func:`pool_rows`, the pool size it needs).
 
 Values are O(1), like a normalised model's, so that chained layers (the demo feeds one layer's
 ``out`` to the next) stay O(1): state, Xstate, x, z, D ~ N(0, 1); B, C, Bstate ~ N(0, 0.5^2);
@@ -28,10 +29,11 @@ import random
 
 import torch
 
-from .contract import INT32_MAX, INT32_MIN, as_torch_dtype
+from .contract import INT32_MAX, INT32_MIN, as_torch_dtype, source_rows
 
 __all__ = ["SPECULATIVE_PAD_KINDS", "bits", "bits_equal", "lane_inputs", "layer_weights", "make_inputs",
-           "padded_indices", "poison_", "poison_pool", "row_tensors", "speculative_indices"]
+           "padded_indices", "poison_", "poison_pool", "pool_rows", "row_tensors", "speculative_indices",
+           "step_indices"]
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK_ELEMENTS = 1 << 26  # values drawn on the host at once (a benchmark pool is GBs)
@@ -215,36 +217,44 @@ SPECULATIVE_PAD_KINDS = ("count_zero", "count_over", "negative", "oob", "null")
 
 
 def speculative_indices(B: int, P: int, T: int, *, null_slot_id: int | None = None, layout: str = "shared",
-                        seed: int = 0, device="cpu"):
+                        kinds: list | None = None, K: int | None = None, seed: int = 0, device="cpu"):
     """Race-free indices of a T-token (speculative) step whose padding lanes hold every kind.
 
     Each live lane owns T rows, its destinations: the state after token t goes to its row t.
     ``layout="shared"`` is how a server lays out speculative state (the source candidates are
     the same rows, K = T: the lane continues from the row of its last accepted token);
-    ``"separate"`` gives each lane K = T candidate rows nobody writes. Up to five lanes are
-    padding: accepted count 0 (``"count_zero"``) or K + 1 (``"count_over"``; both refused by
-    ``validate_indices``), a selected source of -1 or INT32_MIN (``"negative"``), P or
-    INT32_MAX (``"oob"``), or the null slot (``"null"``); a live lane of kind ``"live_gaps"`` has
-    padding destinations for every other token, cycling through -1, INT32_MIN, P, INT32_MAX and
-    the null slot. Returns ``(state_batch_indices (B, K), num_accepted_tokens (B,),
+    ``"separate"`` gives each lane K (default T) candidate rows nobody writes. By default up to
+    five lanes are padding, in a shuffled order: accepted count 0 (``"count_zero"``) or K + 1
+    (``"count_over"``; both refused by ``validate_indices``), a selected source of -1 or
+    INT32_MIN (``"negative"``), P or INT32_MAX (``"oob"``), or the null slot (``"null"``); a
+    live lane of kind ``"live_gaps"`` has padding destinations for every other token, cycling
+    through -1, INT32_MIN, P, INT32_MAX and the null slot. ``kinds`` (one per lane, in order)
+    overrides the mix. Returns ``(state_batch_indices (B, K), num_accepted_tokens (B,),
     dst_state_batch_indices (B, T), kinds)``, int32.
 
-    Raises ValueError when the pool is too small.
+    Raises ValueError for an unknown layout or kind, or when the pool is too small.
     """
     if layout not in ("shared", "separate"):
         raise ValueError(f"layout: expected 'shared' or 'separate', got {layout!r}")
+    K = T if K is None or layout == "shared" else K
     rng = random.Random(seed)
-    pads = ["count_zero", "count_over", "negative", "oob"] + (["null"] if null_slot_id is not None else [])
-    pads = pads[: max(0, B - 1)]
-    kinds = ["live"] * (B - len(pads)) + pads
-    if len(kinds) - len(pads) > 1:
-        kinds[0] = "live_gaps"
+    if kinds is None:
+        pads = ["count_zero", "count_over", "negative", "oob"] + (["null"] if null_slot_id is not None else [])
+        pads = pads[: max(0, B - 1)]
+        kinds = ["live"] * (B - len(pads)) + pads
+        if len(kinds) - len(pads) > 1:
+            kinds[0] = "live_gaps"
+        rng.shuffle(kinds)
+    unknown = set(kinds) - {"live", "live_gaps", *SPECULATIVE_PAD_KINDS}
+    if len(kinds) != B or unknown or ("null" in kinds and null_slot_id is None):
+        raise ValueError(f"kinds: expected {B} of live, live_gaps, {', '.join(SPECULATIVE_PAD_KINDS)} ('null' "
+                         f"with a null_slot_id), got {kinds!r}")
     rows = [r for r in range(P) if r != null_slot_id]
-    per_lane = T if layout == "shared" else 2 * T
+    per_lane = T if layout == "shared" else T + K
     if per_lane * B > len(rows):
         raise ValueError(f"P={P}: a pool of {len(rows)} usable rows is too small for {B} lanes of {per_lane} rows")
     rng.shuffle(rows)
-    K = T
+    gaps = [-1, INT32_MIN, P, INT32_MAX] + ([null_slot_id] if null_slot_id is not None else [])
     src, nat, dst = [], [], []
     for kind in kinds:
         mine, rows = rows[:per_lane], rows[per_lane:]
@@ -252,7 +262,6 @@ def speculative_indices(B: int, P: int, T: int, *, null_slot_id: int | None = No
         cand = list(d) if layout == "shared" else mine[T:]
         n = rng.randint(1, K)
         if kind == "live_gaps":
-            gaps = [-1, INT32_MIN, P, INT32_MAX] + ([null_slot_id] if null_slot_id is not None else [])
             d = [r if t % 2 == 0 else gaps[(t // 2) % len(gaps)] for t, r in enumerate(d)]
         elif kind == "count_zero":
             n = 0
@@ -264,10 +273,53 @@ def speculative_indices(B: int, P: int, T: int, *, null_slot_id: int | None = No
         src.append(cand)
         nat.append(n)
         dst.append(d)
-    order = list(range(B))
-    rng.shuffle(order)
 
-    def pick(values):
-        return torch.tensor([values[i] for i in order], dtype=torch.int32, device=device)
+    def tensor(values, width=None):
+        t = torch.tensor(values, dtype=torch.int32, device=device)
+        return t if width is None else t.reshape(B, width)
 
-    return pick(src), pick(nat), pick(dst), [kinds[i] for i in order]
+    return tensor(src, K), tensor(nat), tensor(dst, T), list(kinds)
+
+
+def step_indices(spec, B: int, P: int, *, null_slot_id: int | None = None, layout: str | None = None,
+                 live_only: bool = False, seed: int = 0, device="cpu") -> tuple[dict, list]:
+    """Pool indices in the form a specialisation takes, with every padding kind: the one index
+    factory of the PTX tier's tests and ``verify``.
+
+    ``spec`` is a pool-mode :class:`~mamba3_step.spec.StepSpec`. One-token specialisations get
+    :func:`padded_indices` (``layout`` "interleaved" or "trailing"); multi-token ones, or those
+    with ``num_accepted``, get :func:`speculative_indices` (``layout`` "separate" or "shared")
+    reduced to the specialisation's form: (B,) sources (the accepted entry; a count outside
+    [1, K] becomes a -1 source) without ``num_accepted``, the last token's row as a (B,)
+    destination without ``dst_per_token``, none without ``has_dst``. ``live_only``: every lane
+    live, on rows of its own (for byte counts). Returns the keyword arguments
+    (``state_batch_indices``, ``dst_state_batch_indices``, ``num_accepted_tokens``,
+    ``null_slot_id``) and the lane kinds. :func:`pool_rows` says how large P must be.
+    """
+    if spec.tokens == 1 and not spec.num_accepted:
+        if live_only:
+            src = torch.arange(B, dtype=torch.int32, device=device)
+            dst = src + B if spec.has_dst else None
+            kinds = ["live"] * B
+        else:
+            src, dst, kinds = padded_indices(B, P, null_slot_id=null_slot_id, with_dst=spec.has_dst,
+                                             layout=layout or "interleaved", seed=seed, device=device)
+        return dict(state_batch_indices=src, dst_state_batch_indices=dst, num_accepted_tokens=None,
+                    null_slot_id=null_slot_id), kinds
+    sbi, nat, dst, kinds = speculative_indices(B, P, spec.tokens, null_slot_id=null_slot_id,
+                                               layout=layout or "separate", kinds=["live"] * B if live_only else None,
+                                               seed=seed, device=device)
+    if not spec.num_accepted:
+        sbi, nat = source_rows(sbi, nat).to(torch.int32), None
+        kinds = ["negative" if k in ("count_zero", "count_over") else k for k in kinds]
+    if not spec.dst_per_token:
+        dst = dst[:, -1].contiguous() if spec.has_dst else None
+    return dict(state_batch_indices=sbi, dst_state_batch_indices=dst, num_accepted_tokens=nat,
+                null_slot_id=null_slot_id), kinds
+
+
+def pool_rows(spec, B: int) -> int:
+    """A pool size P that :func:`step_indices` can fill for ``B`` lanes of ``spec`` (any layout)."""
+    if spec.tokens == 1 and not spec.num_accepted:
+        return 2 * B + 4
+    return 2 * spec.tokens * B + 4

@@ -37,6 +37,7 @@ import torch
 from . import ptx
 from .api import mamba3_step_fn, prepare_step
 from .bytes_model import bytes_per_step
+from .contract import source_rows
 from .ptx import analysis
 from .ptx_tier import ptx_kernel, ptx_step_fn, run_step_ptx
 from .reference import mamba3_step_reference
@@ -44,7 +45,7 @@ from .serving import gather_dense_scatter
 from .spec import StepSpec
 from .specsets import add_spec_arguments, parse_spec_args, spec_label
 from .tensors import ROW_FIELDS, StepTensors
-from .testing import bits_equal, make_inputs, padded_indices, poison_
+from .testing import bits_equal, make_inputs, poison_, pool_rows, step_indices
 
 __all__ = ["HELP", "add_arguments", "executed_facts", "run", "tolerance", "verify_spec"]
 
@@ -59,16 +60,19 @@ def tolerance(budget: float, scale: float) -> float:
     return 2 * budget + 1e-6 * max(scale, 1.0)
 
 
-def _inputs(spec: StepSpec, batch: int, heads: int, seed: int) -> tuple[StepTensors, list]:
-    """A call of ``spec``: fresh inputs; in pool mode indices with every padding kind."""
-    P = 2 * batch + 4 if spec.pool else None
+def _inputs(spec: StepSpec, batch: int, heads: int, seed: int, live_only: bool = False) -> tuple[StepTensors, list]:
+    """A call of ``spec``: fresh inputs; in pool mode indices with every padding kind
+    (:func:`mamba3_step.testing.step_indices`), or with ``live_only`` every lane live on rows of its own."""
+    P = pool_rows(spec, batch) if spec.pool else None
     kw = make_inputs(batch, P, heads, spec.headdim, spec.dstate, spec.mimo, state_dtype=spec.state_dtype,
                      kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype, proj_dtype=spec.proj_dtype,
-                     has_z=spec.has_z, has_outproj=spec.has_outproj, seed=seed)
+                     has_z=spec.has_z, has_outproj=spec.has_outproj, tokens=spec.tokens if spec.tokens > 1 else None,
+                     seed=seed)
     kinds = ["live"] * batch
     if spec.pool:
-        src, dst, kinds = padded_indices(batch, P, null_slot_id=NULL_SLOT, with_dst=spec.has_dst, seed=seed)
-        kw.update(state_batch_indices=src, dst_state_batch_indices=dst, null_slot_id=NULL_SLOT)
+        indices, kinds = step_indices(spec, batch, P, null_slot_id=None if live_only else NULL_SLOT,
+                                      live_only=live_only, seed=seed)
+        kw.update(indices)
     if spec.has_state_out:
         kw["state_out"] = poison_(torch.empty_like(kw["state"]), seed=seed)
     return StepTensors(**kw), kinds
@@ -107,7 +111,7 @@ def _padding_bytes(result, tensors: StepTensors, kinds: list) -> int:
     """Bytes of the pools that padding lanes' CTAs touched, from the recorded addresses."""
     log = result.log.arrays()
     lanes = analysis.cta_of(result, log["thread"]) % result.grid[0]
-    pad = torch.tensor([k not in ("live", "live_nodst") for k in kinds])
+    pad = torch.tensor([k not in ("live", "live_nodst", "live_gaps") for k in kinds])
     mine = pad.numpy()[lanes]
     touched = 0
     for name in ROW_FIELDS:
@@ -121,9 +125,10 @@ def _padding_bytes(result, tensors: StepTensors, kinds: list) -> int:
 def _parity(spec: StepSpec, batch: int, heads: int, seed: int) -> bool:
     """Pool mode (of ``spec``, or its pool twin) bit-identical to gather -> executed dense -> scatter."""
     twin = spec if spec.pool else spec.replace(pool=True, has_dst=True, has_state_out=False,
-                                               update_kv_state=spec.tile_D >= spec.headdim)
+                                               update_kv_state=spec.tile_D >= spec.headdim,
+                                               dst_per_token=spec.tokens > 1, num_accepted=spec.tokens > 1)
     tensors, _ = _inputs(twin, batch, heads, seed + 1)
-    rows = set(tensors.state_batch_indices.tolist())
+    rows = set(source_rows(tensors.state_batch_indices, tensors.num_accepted_tokens).tolist())
     for name in ROW_FIELDS:  # poison every row no live lane reads
         t = getattr(tensors, name)
         for r in range(t.shape[0]):
@@ -175,13 +180,7 @@ def executed_facts(spec: StepSpec, arch: str = "sm_90a", batch: int = 4, heads: 
     wavefronts and the minimum; unique bytes read + written per tensor next to
     :func:`mamba3_step.bytes_model.bytes_per_step` (``bytes_agree``).
     """
-    tensors, _ = _inputs(spec, batch, heads, seed)
-    if spec.pool:  # every lane live, each on its own row
-        P = tensors.state.shape[0]
-        rows = torch.arange(batch, dtype=torch.int32)
-        tensors = tensors._replace(state_batch_indices=rows, null_slot_id=None, dst_state_batch_indices=(
-            rows + batch if spec.has_dst else None))
-        assert 2 * batch <= P
+    tensors, _ = _inputs(spec, batch, heads, seed, live_only=True)  # every lane live, on rows of its own
     s, tensors, _ = prepare_step(tensors, update_kv_state=spec.update_kv_state, **_tiling(spec))
     result = run_step_ptx(s, tensors, arch=arch, record_shared=True)
     ctas = result.grid[0] * result.grid[1] * result.grid[2]

@@ -15,6 +15,7 @@ from mamba3_step.bytes_model import (
     bytes_per_step,
     predicted_seconds,
     predicted_speedup,
+    token_saving,
 )
 from mamba3_step.spec import FLAGSHIP_HEADS, flagship_spec
 
@@ -170,3 +171,32 @@ def test_bad_arguments(kwargs, exc, message):
         bytes_per_step(**args)
     with pytest.raises(ValueError, match="gpu must be one of"):
         predicted_seconds(1, "A100")
+
+
+def test_speculative_step_by_hand():
+    """T = 3 tokens, (B, K) sources with accepted counts, a row per token: the state and the B/x
+    rows are read once and written three times; per-lane inputs and out three times."""
+    spec = flagship_spec(tokens=3, has_dst=True, dst_per_token=True, num_accepted=True)
+    b = bytes_per_step(spec, batch=3, heads=5)
+    one = bytes_per_step(flagship_spec(has_dst=True), batch=3, heads=5)
+    assert b["state"] == (1 + 3) * 3 * 5 * 64 * 128 * 4
+    assert b["Bstate"] == (1 + 3) * 3 * 4 * 5 * 128 * 2 and b["Xstate"] == (1 + 3) * 3 * 5 * 64 * 2
+    for key in ("B", "C", "x", "z", "out", "A", "dt", "trap"):
+        assert b[key] == 3 * one[key], key
+    for key in ("D", "xproj", "zproj", "outproj", "state_batch_indices"):
+        assert b[key] == one[key], key
+    assert b["dst_state_batch_indices"] == 3 * 3 * 4 and b["num_accepted_tokens"] == 3 * 4
+    final = bytes_per_step(flagship_spec(tokens=3, has_dst=True), batch=3, heads=5)
+    assert final["state"] == 2 * 3 * 5 * 64 * 128 * 4  # a final destination: written once
+
+
+def test_token_saving_against_one_token_steps():
+    spec = flagship_spec(tokens=4, has_dst=True, dst_per_token=True, num_accepted=True)
+    s = token_saving(spec, 64, FLAGSHIP_HEADS)
+    one = flagship_spec(has_dst=True, num_accepted=True)
+    assert s["one_token_steps_bytes"] == 4 * bytes_per_step(one, 64, FLAGSHIP_HEADS)["total"]
+    assert s["t_token_bytes"] == bytes_per_step(spec, 64, FLAGSHIP_HEADS)["total"]
+    assert 1.5 < s["ratio"] < 1.6  # the state is read once instead of four times
+    assert token_saving(flagship_spec(), 64, FLAGSHIP_HEADS)["ratio"] == 1.0
+    with pytest.raises(ValueError, match="gather_scatter"):
+        bytes_per_step(spec, 4, 2, mode="gather_scatter")

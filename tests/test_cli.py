@@ -71,3 +71,20 @@ def test_no_or_unknown_subcommand_exits_2(capsys):
     assert cli.main([]) == 2
     assert cli.main(["frobnicate"]) == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_multi_token_flags_name_the_speculative_specialisation():
+    args = _args("precompile", "--tokens", "4", "--dst-per-token", "--num-accepted")
+    assert specs_from_args(args) == [flagship_spec(tokens=4, has_dst=True, dst_per_token=True, num_accepted=True)]
+    assert specs_from_args(_args("inspect", "--tokens", "3")) == [flagship_spec(tokens=3)]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tokens", "0"], "tokens must be an int in"),
+    (["--tokens", "17"], "tokens must be an int in"),
+    (["--dst-per-token"], "--dst-per-token needs --tokens of at least 2"),
+    (["--tokens", "2", "--num-accepted", "--mode", "dense", "--no-update-kv-state"], "need --mode pool"),
+])
+def test_bad_multi_token_flags_are_refused_with_the_flag_named(argv, message):
+    with pytest.raises(ValueError, match=message):
+        specs_from_args(_args("precompile", *argv))

@@ -21,9 +21,10 @@ import pytest
 from mamba3_step.inspection import kernel_facts
 from mamba3_step.issue_model import GPUS, issue_model, slab_bytes
 from mamba3_step.kernel import compile_step_kernel
+from mamba3_step.ptx_tier import ptx_kernel
 from mamba3_step.contract import KV_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R
 from mamba3_step.spec import StepSpec, flagship_spec
-from mamba3_step.tiling import thread_layout
+from mamba3_step.tiling import thread_layout, tiling_problem
 
 ARCHS = ("sm_90a", "sm_100a")
 
@@ -57,6 +58,8 @@ def _speculative(**changes) -> dict:
 MULTI_TOKEN = {
     "flagship-T2-spec": flagship_spec(tokens=2, **_speculative()),
     "flagship-T4-spec": flagship_spec(tokens=4, **_speculative()),
+    "flagship-T3-spec": flagship_spec(tokens=3, **_speculative()),
+    "flagship-T6-spec": flagship_spec(tokens=6, **_speculative()),
     "flagship-T8-spec": flagship_spec(tokens=8, **_speculative()),
     "flagship-T3-final-dst": flagship_spec(tokens=3, has_dst=True),
     "flagship-T4-dense-stateout": flagship_spec(tokens=4, pool=False, update_kv_state=False, has_state_out=True),
@@ -69,6 +72,19 @@ MULTI_TOKEN = {
         update_kv_state=True, **_speculative()),
     "N256-D128-R8-fp32-T4-dense": StepSpec(256, 128, 8, "float32", "float32", "bfloat16", "bfloat16", tokens=4),
 }
+
+
+def with_tokens(spec: StepSpec, T: int) -> StepSpec:
+    """``spec`` as a T-token step: pool specs take (B, K) sources and a row per token for T = 2, 8
+    and a final destination for T = 4; the explicit tiling is kept when it still fits, else the
+    T-token default is taken."""
+    per_token = spec.pool and T != 4
+    s = spec.replace(tokens=T, num_accepted=per_token, dst_per_token=per_token and spec.has_dst)
+    return s if tiling_problem(s.with_default_tiling()) is None else s.replace(tile_D=0, num_warps=0)
+
+
+#: the covering set with T in {2, 4, 8} (T = 1 is COVERING itself)
+COVERING_TOKENS = {f"{name}-T{T}": with_tokens(spec, T) for name, spec in COVERING.items() for T in (2, 4, 8)}
 
 
 def _full_matrix():
@@ -89,9 +105,11 @@ _CACHE: dict = {}
 
 
 def facts_for(spec: StepSpec, arch: str):
+    """Compiler facts of ``spec`` for ``arch``, from the compile the PTX execution tier keeps (one
+    compile per specialisation and process serves both: the cubin is the same as a plain compile's)."""
     key = (spec.with_default_tiling(), arch)
     if key not in _CACHE:
-        _CACHE[key] = kernel_facts(compile_step_kernel(key[0], arch))
+        _CACHE[key] = kernel_facts(ptx_kernel(key[0], arch).compiled)
     return _CACHE[key]
 
 
@@ -164,6 +182,12 @@ def test_compiles_with_clean_compiler_facts(name, arch):
 @pytest.mark.parametrize("name", list(MULTI_TOKEN))
 def test_multi_token_compiles_with_clean_compiler_facts(name, arch):
     check_compiler_facts(MULTI_TOKEN[name], arch)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", list(COVERING_TOKENS))
+def test_covering_set_with_tokens_compiles_with_clean_compiler_facts(name, arch):
+    check_compiler_facts(COVERING_TOKENS[name], arch)
 
 
 def test_covering_set_covers_every_supported_value():

@@ -60,3 +60,20 @@ def test_inspect_executed_json(argv, capsys):
     assert cli.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["executed"]["bytes_agree"] and report["executed"]["ctas"] == 4 * 2
+
+
+@pytest.mark.parametrize("changes", [dict(tokens=3, has_dst=True, dst_per_token=True, num_accepted=True),
+                                     dict(tokens=2, pool=False, update_kv_state=False)],
+                         ids=["speculative", "dense"])
+def test_verify_rows_of_multi_token_specialisations_pass(changes):
+    row = verify.verify_spec(flagship_spec(dstate=32, headdim=32, mimo=2, **changes), "sm_90a", batch=7, heads=1)
+    assert row["ok"] and row["parity"] and row["padding_bytes"] == 0 and row["races"] == 0, row
+    assert "T" + str(changes["tokens"]) in row["label"]
+
+
+def test_executed_facts_of_a_speculative_step_agree_with_the_bytes_model():
+    spec = flagship_spec(dstate=32, headdim=32, mimo=2, tokens=3, has_dst=True, dst_per_token=True,
+                         num_accepted=True)
+    facts = verify.executed_facts(spec, "sm_90a", batch=2, heads=1)
+    assert facts["bytes_agree"], facts["bytes"]
+    assert facts["bytes"]["state"]["executed"] == 2 * 32 * 32 * 4 * (1 + 3)  # read once, written per token

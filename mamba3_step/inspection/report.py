@@ -88,7 +88,10 @@ def _fmt_bytes(n: float) -> str:
 def format_report(report: dict) -> str:
     s = report["spec"]
     mode = "pool" if s["pool"] else "dense"
-    flags = [k for k in ("has_dst", "update_kv_state", "has_z", "has_outproj") if s[k]]
+    flags = [k for k in ("has_dst", "dst_per_token", "num_accepted", "update_kv_state", "has_z", "has_outproj",
+                         "has_state_out") if s.get(k)]
+    if s.get("tokens", 1) > 1:
+        flags.insert(0, f"tokens={s['tokens']}")
     lines = [
         f"mamba3_step kernel for {report['arch']}: N={s['dstate']} D={s['headdim']} R={s['mimo']} "
         f"state={s['state_dtype']} kv={s['kv_dtype']} x={s['x_dtype']} proj={s['proj_dtype']} "

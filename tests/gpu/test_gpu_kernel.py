@@ -12,6 +12,9 @@ Run on a GPU machine with ``bash bench/gpu_all.sh`` (this suite + the GPU benchm
   for every supported N, D and R and every state / B-x dtype.
 * No memory outside the pools is touched, whatever the indices hold (guard zones).
 * A padded step captured in a CUDA graph and replayed with new indices and inputs equals eager.
+* Multi-token steps (T in 1..8, every index form, both index layouts): bit-identical to T one-token
+  dense kernel steps on the gathered rows; accurate against float64 for every state dtype; a
+  captured speculative step replays like eager.
 
 Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
 """
@@ -24,8 +27,10 @@ from helpers import (PAD_KINDS, assert_bits_equal, check_pool_parity, clone_inpu
                       make_pool_indices, poison_)
 
 from mamba3_step import mamba3_step_fn
+from mamba3_step.contract import source_rows
 from mamba3_step.reference import mamba3_step_reference
 from mamba3_step.tensors import StepTensors
+from mamba3_step.testing import speculative_indices
 
 pytestmark = [
     pytest.mark.gpu,
@@ -233,3 +238,90 @@ def test_cuda_graph_replay_with_new_indices_and_inputs_equals_eager():
             assert_bits_equal(static[key], eager[key], f"{key}, replay {step}")
         pad = torch.tensor([k in PAD_KINDS for k in kinds], device=DEV)
         assert_bits_equal(out[pad], torch.zeros_like(out[pad]), "padded lanes' out")
+
+
+# --------------------------------------------------------------------------- multi-token steps
+TOKEN_FORMS = ["accepted+per-token", "accepted+final", "plain+per-token", "plain+final"]
+
+
+def _token_indices(B, P, T, form, layout, seed):
+    """speculative_indices in one of the index forms: (B, K) + counts or (B,), (B, T) or (B,) dst."""
+    sbi, nat, dst, kinds = speculative_indices(B, P, T, null_slot_id=0, layout=layout, seed=seed, device=DEV)
+    accepted, target = form.split("+")
+    if accepted == "plain":
+        sbi, nat = source_rows(sbi, nat).to(torch.int32), None
+        kinds = ["negative" if k in ("count_zero", "count_over") else k for k in kinds]
+    if target == "final":
+        dst = dst[:, -1].contiguous()
+    return sbi, nat, dst, kinds
+
+
+@pytest.mark.parametrize("layout", ["shared", "separate"])
+@pytest.mark.parametrize("form", TOKEN_FORMS)
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 6, 8])
+def test_multi_token_parity_against_t_dense_steps(T, form, layout):
+    """A T-token kernel step is bit-identical to T one-token dense kernel steps on the gathered rows."""
+    B = 11
+    P = B * 2 * T + 3
+    inputs = make_inputs(B, P, **SHAPE, tokens=T, seed=T * 10 + len(form), device=DEV)
+    sbi, nat, dst, kinds = _token_indices(B, P, T, form, layout, seed=T)
+    check_pool_parity(inputs, sbi, dst, kinds, num_accepted_tokens=nat, null_slot_id=0, update_kv_state=True,
+                      seed=T)
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("T", [2, 4, 8])
+def test_multi_token_accuracy(T, state_dtype):
+    """Error vs the float64 reference <= 2x PyTorch-float32's + a small atol, every token."""
+    B, P = 6, 100
+    inputs = make_inputs(B, P, H=3, D=64, N=128, R=4, state_dtype=state_dtype, tokens=T, seed=T, device=DEV)
+    sbi, nat, dst, _ = _token_indices(B, P, T, "accepted+per-token", "separate", seed=T)
+    idx = dict(state_batch_indices=sbi, num_accepted_tokens=nat, dst_state_batch_indices=dst, null_slot_id=0)
+    ref64 = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+             for k, v in clone_inputs(inputs).items()}
+    out64 = mamba3_step_reference(StepTensors(**ref64, **idx), compute_dtype=torch.float64)
+    t32 = clone_inputs(inputs)
+    out32 = mamba3_step_reference(StepTensors(**t32, **idx), compute_dtype=torch.float32)
+    run = clone_inputs(inputs)
+    out = mamba3_step_fn(**run, **idx)
+    torch.cuda.synchronize()
+    for what, got, want, fp32 in (("out", out, out64, out32), ("state", run["state"], ref64["state"], t32["state"])):
+        budget = (fp32.double() - want).abs().max().item()
+        err = (got.double() - want).abs().max().item()
+        assert err <= 2 * budget + 1e-6 * max(want.abs().max().item(), 1.0), (what, err, budget)
+
+
+def test_multi_token_cuda_graph_replay_equals_eager():
+    """A captured speculative step (T = 4, (B, K) sources, (B, T) destinations) replayed with new
+    indices, counts and inputs equals eager calls, bit for bit."""
+    B, T = 8, 4
+    P = B * 2 * T + 3
+    static = make_inputs(B, P, **SHAPE, tokens=T, seed=40, device=DEV)
+    sbi = torch.full((B, T), -1, dtype=torch.int32, device=DEV)
+    nat = torch.ones(B, dtype=torch.int32, device=DEV)
+    dst = torch.full((B, T), -1, dtype=torch.int32, device=DEV)
+    out = torch.empty(B, T, SHAPE["H"], SHAPE["D"], dtype=static["x"].dtype, device=DEV)
+    kwargs = dict(state_batch_indices=sbi, num_accepted_tokens=nat, dst_state_batch_indices=dst, null_slot_id=0,
+                  update_kv_state=True)
+    mamba3_step_fn(**clone_inputs(static), out=out.clone(), **kwargs)  # compile + warm up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mamba3_step_fn(**static, out=out, **kwargs)
+    for step in range(3):
+        fresh = make_inputs(B, P, **SHAPE, tokens=T, seed=200 + step, device=DEV)
+        s, n, d, _ = speculative_indices(B, P, T, null_slot_id=0, seed=step, device=DEV)
+        eager = clone_inputs(static)
+        for key in ("A", "B", "C", "x", "dt", "trap", "z"):
+            static[key].copy_(fresh[key])
+            eager[key].copy_(fresh[key])
+        sbi.copy_(s)
+        nat.copy_(n)
+        dst.copy_(d)
+        graph.replay()
+        eager_out = mamba3_step_fn(**eager, state_batch_indices=s, num_accepted_tokens=n, dst_state_batch_indices=d,
+                                   null_slot_id=0, update_kv_state=True)
+        torch.cuda.synchronize()
+        assert_bits_equal(out, eager_out, f"out, replay {step}")
+        for key in ("state", "Bstate", "Xstate"):
+            assert_bits_equal(static[key], eager[key], f"{key}, replay {step}")
