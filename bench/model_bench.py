@@ -1,10 +1,11 @@
 """Model benchmark (runs anywhere, no GPU): bytes one decode step moves and the time that
-costs at HBM bandwidth, for pool mode, gather -> dense -> scatter and dense mode.
+costs at HBM bandwidth, for pool mode, gather -> dense -> scatter and dense mode; and for
+speculative decoding, one T-token step against T one-token steps.
 
     python bench/model_bench.py [--out DIR] [--heads 48] [--no-plot]
 
-Prints a table per configuration, writes ``model_bench.json`` and ``model_bench.png`` to
-``bench/results/`` (or ``--out``). Every number here is *modelled* (``mamba3_step.bytes_model``:
+Prints a table per configuration and the T-token table, writes ``model_bench.json`` and
+``model_bench.png`` to ``bench/results/`` (or ``--out``). Every number here is *modelled* (``mamba3_step.bytes_model``:
 compulsory bytes / peak HBM bandwidth), not measured; ``bench/gpu_bench.py`` measures.
 """
 
@@ -17,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _util  # noqa: E402  (also puts the repository on sys.path)
 
-from mamba3_step.bytes_model import HBM_BANDWIDTH, MODES, bytes_per_step  # noqa: E402
+from mamba3_step.bytes_model import HBM_BANDWIDTH, MODES, bytes_per_step, token_saving  # noqa: E402
 from mamba3_step.spec import FLAGSHIP_HEADS, flagship_spec  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -51,6 +52,34 @@ def model_rows(configs: dict | None = None, batches=BATCHES, heads: int = FLAGSH
             row["speedup_pool_vs_gather_scatter"] = row["bytes_gather_scatter"] / row["bytes_pool"]
             rows.append(row)
     return rows
+
+
+TOKENS = (1, 2, 3, 4, 6, 8)
+TOKEN_BATCHES = (1, 64, 256)
+
+
+def token_rows(batches=TOKEN_BATCHES, tokens=TOKENS, heads: int = FLAGSHIP_HEADS) -> list[dict]:
+    """The flagship's speculative verify step (T tokens, (B, K) sources, a row per token, update_kv_state)
+    against T one-token steps: bytes and predicted microseconds on each GPU."""
+    rows = []
+    for batch in batches:
+        for T in tokens:
+            spec = flagship_spec(tokens=T, has_dst=True, dst_per_token=T > 1, num_accepted=True)
+            s = token_saving(spec, batch, heads)
+            row = {"batch": batch, "tokens": T, "heads": heads, "mib_t_token": s["t_token_bytes"] / 2**20,
+                   "mib_one_token_steps": s["one_token_steps_bytes"] / 2**20, "saving": s["ratio"]}
+            for gpu in GPUS:
+                row[f"us_t_token_{gpu}"] = s["t_token_bytes"] / HBM_BANDWIDTH[gpu] * 1e6
+                row[f"us_one_token_steps_{gpu}"] = s["one_token_steps_bytes"] / HBM_BANDWIDTH[gpu] * 1e6
+            rows.append(row)
+    return rows
+
+
+TOKEN_COLUMNS = [("batch", "B", ">d"), ("tokens", "T", ">d"), ("mib_t_token", "T-token MiB", ">.1f"),
+                 ("mib_one_token_steps", "T x 1-token MiB", ">.1f")] + [
+    (f"us_{k}_H100", f"H100 {label} us", ">.1f") for k, label in (("t_token", "T-token"),
+                                                                   ("one_token_steps", "T x 1-token"))
+] + [("saving", "saving", ">.2f")]
 
 
 TABLE_COLUMNS = [
@@ -132,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--heads must be >= 1, got {args.heads}")
     rows = model_rows(heads=args.heads)
     print(format_tables(rows))
+    tokens = token_rows(heads=args.heads)
+    print(f"speculative verify step, flagship, H={args.heads}: one T-token step ((B, K) sources, a row per token, "
+          "update_kv_state) vs T one-token steps; modelled (bytes / peak HBM bandwidth)")
+    print(_util.format_table(tokens, TOKEN_COLUMNS))
     out = _util.results_dir(args.out)
     payload = {
         "what": "modelled, not measured: compulsory HBM bytes per decode step (mamba3_step.bytes_model) "
@@ -140,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         "hbm_bandwidth_bytes_per_s": HBM_BANDWIDTH,
         "configs": {name: spec.as_dict() for name, spec in configurations().items()},
         "rows": rows,
+        "tokens": tokens,
     }
     print(f"wrote {_util.write_json(out / 'model_bench.json', payload)}")
     if not args.no_plot:

@@ -78,6 +78,14 @@ def test_model_bench_bytes_equal_hand_count(tmp_path, capsys):
     assert f"{_hand_bytes(256, 48, 'pool') / 2**20:.1f}" in row256.split()
     assert f"{_hand_bytes(256, 48, 'gather_scatter') / 2**20:.1f}" in row256.split()
     assert len(payload["configs"]) == len(model_bench.configurations()) >= 4
+    # the speculative table: T = 1 is the one-token step; the state is read once per T tokens
+    tokens = payload["tokens"]
+    for r in tokens:
+        state = 48 * 64 * 128 * 4 * r["batch"]  # one read of every lane's state
+        saved = (r["tokens"] - 1) * state  # T one-token steps read it T times
+        assert (r["mib_one_token_steps"] - r["mib_t_token"]) * 2**20 >= saved, r
+        assert (r["saving"] == 1.0) == (r["tokens"] == 1)
+    assert "speculative verify step" in text
 
 
 def test_model_bench_plot(tmp_path):
