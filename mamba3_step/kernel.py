@@ -21,6 +21,12 @@ device work is split into small ``@cute.jit`` stages (thread layout: :mod:`mamba
 7. :meth:`Mamba3StepKernel.store_state`     16-byte stores of the new state to row dst
 8. :meth:`Mamba3StepKernel.epilogue`        y + D x xproj, z gate, outproj -> out
 
+A T-token specialisation (speculative decoding) loads the slab once (2) and runs 3-8 once per
+token, :meth:`Mamba3StepKernel.token_step`, in a loop unrolled at trace time: the state stays
+in registers between tokens, the previous token's B stays in the other half of a two-parity
+shared buffer and its x is re-read from ``x``; the state (and B/x) is stored after every token
+with a (B, T) destination, else once after the last.
+
 Without a GPU the compiled kernel is verified by executing its PTX on the CPU
 (:mod:`mamba3_step.ptx_tier`, docs/ptx-tier.md).
 

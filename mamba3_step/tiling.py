@@ -19,8 +19,9 @@ The per-row output ``y[r, d] = sum_n new_state[d, n] * C[r, n]`` leaves each thr
 ``rows_per_group * R`` partial sums per row group. They are completed over the TPR lanes
 of a row by a *transposed* butterfly: in each shuffle round a lane sends half of its
 values and keeps the other half, so ``K`` partials over ``TPR`` lanes cost ``K - 1``
-shuffle/add pairs (plus two selects each) instead of ``K * log2(TPR)``, and each lane
-ends holding whole sums that it stores directly (docs/performance.md).
+shuffle/add pairs instead of ``K * log2(TPR)``, with no selects (each lane keeps its partials
+in a lane-dependent order), and each lane ends holding whole sums that it stores directly
+(docs/design.md).
 """
 
 from __future__ import annotations
