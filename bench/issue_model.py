@@ -1,6 +1,6 @@
 """Instructions per state byte, side by side with upstream, and the static issue model (no GPU).
 
-    python bench/issue_model.py [--out DIR] [--no-execute]
+    python bench/issue_model.py [--out DIR] [--no-execute] [--tokens 2,4,8]
 
 Compiles the flagship as servers run it (pool mode with update_kv_state; N=128, D=64, R=4, fp32
 state, bf16 B/x/proj, z and outproj) for sm_90a and sm_100a, counts its SASS, executes its PTX
@@ -11,7 +11,10 @@ on the CPU (``--no-execute`` skips that), and prints
    stated constant (``mamba3_step.issue_model.UPSTREAM``, with its source) next to this
    project's kernel;
 2. the issue model (``mamba3_step.issue_model``): per SM and slab, issue time vs memory time on
-   H100, H200 and B200 datasheet figures, from static SASS counts and from executed PTX counts.
+   H100, H200 and B200 datasheet figures, from static SASS counts and from executed PTX counts;
+3. the same model for the speculative verify step (``--tokens``: T tokens, (B, K) sources, a row
+   per token): per slab the state is read once and written T times, and T tokens' instructions
+   are issued.
 
 Writes ``issue_model.json`` and, with matplotlib, ``issue_model.png`` to ``bench/results/``.
 These are compiler facts and a model, not GPU measurements.
@@ -68,6 +71,33 @@ def model_rows(spec, compiled: list[dict], executed: float | None) -> list[dict]
     return out
 
 
+def token_rows(tokens) -> list[dict]:
+    """Static counts and the issue model of the flagship's speculative verify step for each T."""
+    rows = []
+    for T in tokens:
+        spec = flagship_spec(tokens=T, has_dst=True, dst_per_token=True, num_accepted=True)
+        nbytes = slab_bytes(spec)
+        for arch in ARCHS:
+            f = kernel_facts(compile_kernel(spec, arch))
+            per_thread = sum(v for k, v in f.sass.items() if k not in ("total", "NOP"))
+            slab = per_thread * f.threads // 32 * (spec.headdim // spec.tile_D)
+            row = {"tokens": T, "arch": arch, "per_thread": per_thread, "threads": f.threads,
+                   "registers": f.registers, "spill_bytes": f.spill_bytes, "slab": slab, "per_token": slab / T,
+                   "slab_bytes": nbytes}
+            for name, gpu in GPUS.items():
+                if gpu.arch == arch:
+                    row[f"ratio_{name}"] = issue_model(slab, nbytes, gpu)["ratio"]
+            rows.append(row)
+    return rows
+
+
+TOKENS_TABLE = [("tokens", "T", ">d"), ("arch", "arch", "<"), ("per_thread", "SASS instr/thread", ">,d"),
+                ("threads", "threads/CTA", ">d"), ("registers", "regs", ">d"), ("spill_bytes", "spill B", ">d"),
+                ("slab", "warp-instr per slab", ">,d"), ("per_token", "per token", ">,.0f"),
+                ("slab_bytes", "bytes/slab", ">,.0f")] + [
+    (f"ratio_{g}", f"{g} issue/memory", ">.2f") for g in GPUS]
+
+
 TABLE = [("kernel", "kernel", "<"), ("arch", "arch", "<"), ("per_thread", "SASS instr/thread", ">,d"),
          ("threads", "threads/CTA", ">d"), ("slab", "warp-instr per slab", ">,.0f"), ("registers", "regs", ">d"),
          ("vs_upstream", "vs upstream", ">.2f")]
@@ -101,7 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="output folder (default bench/results)")
     p.add_argument("--no-execute", action="store_true", help="static counts only (skip the PTX tier)")
+    p.add_argument("--tokens", default="2,4,8", help="T values of the speculative step to model ('' for none)")
     args = p.parse_args(argv)
+    try:
+        tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+    except ValueError:
+        p.error(f"--tokens: expected comma-separated ints, got {args.tokens!r}")
     t0 = time.perf_counter()
     spec = flagship_spec()
     compiled = compiled_rows(spec)
@@ -112,9 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     print("\nissue model per SM and slab: issue time = warp-instructions / (4 per clock x clock), memory "
           "time = bytes per slab / (HBM bandwidth / SMs)")
     print(_util.format_table(rows, MODEL))
+    spec_rows = token_rows(tokens)
+    if spec_rows:
+        print("\nspeculative verify step, flagship, T tokens ((B, K) sources, a row per token, update_kv_state): "
+              "static SASS; a ratio uses the GPU's own target (H100/H200: sm_90a, B200: sm_100a)")
+        print(_util.format_table(spec_rows, [c for c in TOKENS_TABLE
+                                             if any(c[0] in r for r in spec_rows)]))
     out = _util.results_dir(args.out)
     payload = {"what": "static SASS counts, executed PTX counts and a model; no GPU measurement",
-               "environment": _util.environment(), "compiled": compiled, "model": rows,
+               "environment": _util.environment(), "compiled": compiled, "model": rows, "tokens": spec_rows,
                "gpus": {k: vars(v) | {"clock_hz": v.clock_hz} for k, v in GPUS.items()}}
     print(f"\nwrote {_util.write_json(out / 'issue_model.json', payload)}")
     png = plot(rows, out / "issue_model.png")
