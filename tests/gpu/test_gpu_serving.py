@@ -72,7 +72,7 @@ def test_graph_replay_matches_eager_for_every_bucket(null_slot, tile_D):
             inp = {k: v.cuda() for k, v in lane_inputs(n, H, D, N, R, generator=g).items()}
             before = [t.clone() for t in graph_pool.layer_tensors(0)]
             chosen = choose_bucket(n, BUCKETS)
-            runner._static[chosen]["out"].fill_(float("nan"))  # the replay must write every lane
+            runner.buffers(chosen)["out"].fill_(float("nan"))  # the replay must write every lane
             out = runner.step(slots, dst_slots=dst, **inp)
             eager = decode_step(eager_pool, 0, slots, inp["A"], inp["B"], inp["C"], w["D"], inp["x"], inp["dt"],
                                 inp["trap"], w["xproj"], w["outproj"], z=inp["z"], zproj=w["zproj"], dst_slots=dst,
@@ -93,7 +93,7 @@ def test_graph_replay_matches_eager_for_every_bucket(null_slot, tile_D):
             for a, b in zip(graph_pool.layer_tensors(0), before):
                 assert bits_equal(a[untouched], b[untouched]), (bucket, n)
             # the padded part of the static out buffer is zeros
-            assert not runner._static[chosen]["out"][n:].any()
+            assert not runner.buffers(chosen)["out"][n:].any()
     assert seen == set(BUCKETS)  # every bucket was replayed, padded and unpadded
 
 
@@ -105,10 +105,10 @@ def test_static_buffers_stay_put_across_steps():
     runner.capture()
     slots = pool.alloc(40).cuda()
     inp = {k: v.cuda() for k, v in lane_inputs(40, H, D, N, R, generator=g).items()}
-    ptrs = {k: v.data_ptr() for k, v in runner._static[64].items()}
+    ptrs = {k: v.data_ptr() for k, v in runner.buffers(64).items()}
     runner.step(slots, **inp)
     runner.step(slots[:5], **{k: v[:5] for k, v in inp.items()})
-    assert {k: v.data_ptr() for k, v in runner._static[64].items()} == ptrs
+    assert {k: v.data_ptr() for k, v in runner.buffers(64).items()} == ptrs
 
 
 def test_demo_decode_on_gpu_with_graphs():
