@@ -8,6 +8,12 @@ A second copy of the pool is driven by the gather -> dense -> scatter baseline; 
 layer and step the outputs, every pool row and the untouched rows are compared bit for bit,
 and the outputs are compared with a float64 reference for an error figure.
 
+Then a speculative-decoding round (:mod:`mamba3_step.demo_speculative`): each request owns a
+group of T rows, verifies T tokens (its last token and T - 1 random drafts) in one T-token step
+per layer, accepts a random number of them and continues from the accepted state (by index,
+nothing copied); every accepted token's ``out`` and state rows must equal one-token-at-a-time
+decoding of the accepted tokens, bit for bit.
+
 Letters (docs/contract.md): B lanes, P pool rows (slots), H heads, D head dim, N state size,
 R MIMO rank, L layers. The specialisation is named like everywhere else (``--config``, dtype
 flags; default: the flagship); the mode is the server's (pool mode, destination rows,
@@ -23,13 +29,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .demo_speculative import SpecRecord, SpecResult, run_speculative_decode
 from .reference import step_math
 from .serving import CudaGraphStepRunner, StatePool, choose_bucket, gather_dense_scatter
+from .spec import MAX_TOKENS
 from .specsets import add_spec_arguments, parse_spec_args
 from .tensors import StepTensors
 from .testing import bits_equal, lane_inputs, layer_weights, poison_pool
 
-__all__ = ["DemoResult", "HELP", "StepRecord", "add_arguments", "run", "run_toy_decode"]
+__all__ = ["DemoResult", "HELP", "SpecRecord", "SpecResult", "StepRecord", "add_arguments", "run",
+           "run_speculative_decode", "run_toy_decode"]
 
 HELP = "run a small pool-mode decode and check it against gather -> dense -> scatter"
 
@@ -211,6 +220,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--null-slot", action="store_true", help="reserve row 0 as a null block (pad with 0)")
     p.add_argument("--no-graphs", action="store_true", help="on CUDA, run the padded steps eagerly")
     p.add_argument("--quiet", action="store_true", help="only the summary")
+    p.add_argument("--spec-tokens", type=int, default=4,
+                   help="T of the speculative-decoding round: tokens per verify step (default 4; 0 skips it)")
+    p.add_argument("--spec-rounds", type=int, default=4, help="verify steps of the speculative round (default 4)")
     add_spec_arguments(p, modes=False, arch=False)
 
 
@@ -228,6 +240,10 @@ def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser):
     for name in ("steps", "layers", "slots", "heads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.spec_tokens <= MAX_TOKENS:
+        parser.error(f"--spec-tokens must be in [0, {MAX_TOKENS}] (0 skips the round), got {args.spec_tokens}")
+    if args.spec_rounds < 1:
+        parser.error(f"--spec-rounds must be >= 1, got {args.spec_rounds}")
     if not 1 <= args.max_batch <= args.slots - (1 if args.null_slot else 0):
         parser.error(f"--max-batch must be in [1, usable slots], got {args.max_batch}")
     specs, _ = parse_spec_args(args, parser)
@@ -276,4 +292,32 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"{verdict}: pool mode vs gather -> dense -> scatter is "
           f"{'byte-identical' if res.parity else 'NOT byte-identical'} (out, every pool row, untouched rows); "
           f"error vs float64 {'within' if err_ok else 'OUTSIDE'} tolerance  [{time.perf_counter() - t0:.1f} s]")
-    return 0 if res.parity and err_ok else 1
+    spec_ok = args.spec_tokens == 0 or _speculative_round(args, dev, buckets, spec)
+    return 0 if res.parity and err_ok and spec_ok else 1
+
+
+def _speculative_round(args: argparse.Namespace, dev: torch.device, buckets, spec) -> bool:
+    """Run and report :func:`run_speculative_decode`; True when it held."""
+    t0, T = time.perf_counter(), args.spec_tokens
+    res = run_speculative_decode(
+        rounds=args.spec_rounds, tokens=T, layers=args.layers, buckets=buckets, H=args.heads, D=spec.headdim,
+        N=spec.dstate, R=spec.mimo, state_dtype=spec.state_dtype, kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype,
+        proj_dtype=spec.proj_dtype, null_slot=args.null_slot, seed=args.seed, device=dev,
+        use_cuda_graph=False if args.no_graphs else None, log=None if args.quiet else _log_spec_row,
+    )
+    for f in res.failures[:10]:
+        print("  " + f)
+    print(f"speculative decoding: {len(res.records)} verify steps x {args.layers} layers, T={T} tokens each "
+          f"({T - 1} random drafts), {res.accepted} of {res.verified} tokens accepted, each request continuing "
+          f"from its accepted row (by index, no copy); out of every accepted token and its state/B/x rows "
+          f"{'byte-identical' if res.parity else 'NOT byte-identical'} to one-token-at-a-time decoding of the "
+          f"accepted tokens, rows outside the requests' groups untouched: "
+          f"{'SPECULATIVE CHECK PASSED' if res.parity else 'SPECULATIVE CHECK FAILED'}  "
+          f"[{time.perf_counter() - t0:.1f} s]")
+    return res.parity
+
+
+def _log_spec_row(rec: SpecRecord) -> None:
+    bucket = "eager" if rec.bucket is None else f"bucket {rec.bucket}, {rec.bucket - rec.live} padded"
+    print(f"spec round {rec.round}: {rec.live} requests ({bucket}), joined {rec.joined}, left {rec.left}, "
+          f"accepted {rec.accepted}: {'ok' if rec.parity else 'FAIL'}")

@@ -36,7 +36,7 @@ LAYERS = [
     ["launch"],
     ["api"],
     ["ops", "serving"],
-    ["inspection", "demo", "ptx_tier", "verify"],
+    ["inspection", "demo", "demo_speculative", "ptx_tier", "verify"],
     ["cli", "__main__"],
 ]
 MAX_MODULE_LINES = 450

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from mamba3_step import cli, demo
+from mamba3_step import cli, demo, demo_speculative
+from mamba3_step.serving import StatePool
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,3 +78,85 @@ def test_demo_as_module_subprocess():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PARITY HELD" in proc.stdout and "device=cpu" in proc.stdout
+
+
+# ---- the speculative-decoding round (issue 10) ----------------------------------------------------
+_SPEC_SUMMARY = (r"speculative decoding: (\d+) verify steps x (\d+) layers, T=(\d+) tokens each \((\d+) random "
+                 r"drafts\), (\d+) of (\d+) tokens accepted")
+
+
+def test_demo_speculative_round_ran_and_matched_one_token_decoding(capsys):
+    rc = cli.main(["demo", "--steps", "2", "--spec-rounds", "5", "--spec-tokens", "3", "--seed", "4"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    rows = [line for line in text.splitlines() if line.startswith("spec round ")]
+    assert len(rows) == 5 and all(r.endswith(": ok") for r in rows), text
+    m = re.search(_SPEC_SUMMARY, text)
+    assert m, text
+    steps, layers, T, drafts, accepted, verified = map(int, m.groups())
+    assert (steps, layers, T, drafts) == (5, 2, 3, 2)
+    assert 5 <= accepted < verified  # at least one token per request and round stands; some drafts were rejected
+    assert "byte-identical to one-token-at-a-time decoding" in text and "SPECULATIVE CHECK PASSED" in text
+    assert re.search(r"spec round \d: \d requests \(bucket \d, [1-9]\d* padded\)", text), text  # padded lanes
+
+
+def test_speculative_round_records_and_skipping_it(capsys):
+    res = demo.run_speculative_decode(rounds=6, tokens=4, requests=3, layers=2, H=2, D=32, N=32, R=2, seed=5)
+    assert res.parity and not res.failures and len(res.records) == 6
+    assert all(1 <= a <= 4 for r in res.records for a in r.accepted) and res.verified == 4 * sum(
+        r.live for r in res.records)
+    assert sum(r.left for r in res.records) > 0 and sum(r.joined for r in res.records) > 3  # requests came and went
+    assert len({a for r in res.records for a in r.accepted}) > 1  # different numbers of tokens accepted
+    assert cli.main(["demo", "--steps", "1", "--quiet", "--spec-tokens", "0"]) == 0
+    assert "speculative decoding" not in capsys.readouterr().out
+    assert cli.main(["demo", "--spec-tokens", "17"]) == 2
+    assert cli.main(["demo", "--spec-rounds", "0"]) == 2
+
+
+def test_demo_speculative_round_catches_a_wrong_rollback(capsys, monkeypatch):
+    """A server that continues from the row before the accepted one (an off-by-one commit)."""
+    real = StatePool.commit_accepted
+
+    def off_by_one(self, groups, num_accepted_tokens):
+        real(self, groups, [max(1, int(n) - 1) for n in num_accepted_tokens])
+
+    monkeypatch.setattr(StatePool, "commit_accepted", off_by_one)
+    rc = cli.main(["demo", "--steps", "1", "--spec-rounds", "3", "--quiet", "--seed", "1"])
+    text = capsys.readouterr().out
+    assert rc == 1, text
+    assert "SPECULATIVE CHECK FAILED" in text and "NOT byte-identical" in text
+    assert "differs from one-token decoding" in text and "current_rows is not the accepted row" in text
+    assert "PARITY HELD" in text  # the toy decode before it was fine
+
+
+def test_demo_speculative_round_compares_every_accepted_token(monkeypatch):
+    """One bit of one accepted token's out in the one-token twin is enough to fail the round."""
+    real = demo_speculative.decode_step
+    calls = []
+
+    def flipped(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 7:  # some token of some layer of some round
+            out.view(-1).view(torch.int16)[0] ^= 1
+        return out
+
+    monkeypatch.setattr(demo_speculative, "decode_step", flipped)
+    res = demo.run_speculative_decode(rounds=3, tokens=3, layers=2, H=2, D=32, N=32, R=2, seed=2)
+    assert not res.parity
+    assert [f for f in res.failures if "out differs from one-token decoding" in f], res.failures
+
+
+def test_demo_speculative_round_catches_a_stray_write(monkeypatch):
+    """A verify step that also wrote a row no request owns (the pool's last row is never allocated)."""
+    real = demo_speculative._verify
+
+    def stray(runners, idx, inputs):
+        outs = real(runners, idx, inputs)
+        runners[-1].pool.Xstate(1)[-1] += 1.0
+        return outs
+
+    monkeypatch.setattr(demo_speculative, "_verify", stray)
+    res = demo.run_speculative_decode(rounds=2, tokens=2, layers=2, H=2, D=32, N=32, R=2, seed=6)
+    assert not res.parity
+    assert "round 0: layer 1: Xstate rows outside the groups changed" in res.failures, res.failures

@@ -236,7 +236,7 @@ def test_runner_bucket_buffers_and_padding_on_cpu():
     slots = four[:3]
     inp = lane_inputs(3, H, D, N, R, generator=torch.Generator().manual_seed(4))
     runner.step(slots, **inp)  # the same bucket again: lane 3 must be re-padded
-    s = runner._static[4]
+    s = runner.buffers(4)
     assert s["slots"].tolist() == slots.tolist() + [0]  # padded with the null slot (pad id 0)
     for name in ("A", "dt", "trap", "B", "C", "x", "z"):
         assert bits_equal(s[name][:3], inp[name]) and not s[name][3].any(), name
@@ -244,7 +244,7 @@ def test_runner_bucket_buffers_and_padding_on_cpu():
     # a smaller step reuses the buffers: stale lanes are re-padded
     inp2 = lane_inputs(1, H, D, N, R, generator=torch.Generator().manual_seed(5))
     runner.step(slots[:1], **inp2)
-    assert runner._static[2]["slots"].tolist() == [int(slots[0]), 0]
+    assert runner.buffers(2)["slots"].tolist() == [int(slots[0]), 0]
     with pytest.raises(ValueError, match=r"x: expected 3 lanes \(len\(slots\)\)"):
         runner.step(slots, **{**inp, "x": inp["x"][:2]})
     with pytest.raises(TypeError, match="slots: expected dtype torch.int32, got torch.int64"):
@@ -395,7 +395,7 @@ def test_runner_larger_than_every_bucket_runs_eagerly():
     slots = pool.alloc(5)
     inp = lane_inputs(5, H, D, N, R, generator=torch.Generator().manual_seed(9))
     out = runner.step(slots, **inp)
-    assert 5 not in runner._static
+    assert runner.captured == ()
     st, bs, xs = base[0]
     ref = gather_scatter_step(st, bs, xs, inp["A"], inp["B"], inp["C"], w["D"], inp["x"], inp["dt"], inp["trap"],
                               w["xproj"], w["outproj"], z=inp["z"], zproj=w["zproj"], slots=slots, update_kv_state=True)
@@ -446,7 +446,7 @@ def test_runner_validates_bucketed_steps_exactly_like_eager_ones(case):
     assert errors[0] == errors[1]
     for a, b in zip(pool.layer_tensors(0), base[0]):  # nothing written
         assert bits_equal(a, b)
-    assert 4 not in bucketed._static or not bucketed._static[4]["out"].any()
+    assert bucketed.buffers(4) is None or not bucketed.buffers(4)["out"].any()
 
 
 def test_runner_still_takes_cpu_slots_for_its_static_buffer():

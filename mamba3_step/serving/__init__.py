@@ -1,14 +1,17 @@
 """Serving pieces around ``mamba3_step_fn``'s pool mode.
 
 Letters (docs/contract.md): ``B`` lanes this step, ``P`` pool rows (slots), ``H`` heads,
-``D`` head dim, ``N`` state size, ``R`` MIMO rank, ``L`` layers.
+``D`` head dim, ``N`` state size, ``R`` MIMO rank, ``L`` layers, ``T`` tokens per lane (a
+speculative verify step).
 
-=============  ==========================================================================
-``pool``       :class:`StatePool`: per-layer state pools and the slot allocator
-``hook``       :func:`decode_step`: one layer's step over the pool (the decode hook)
-``graphs``     :class:`CudaGraphStepRunner`: batch-size buckets, padding, graph replay
-``baseline``   :func:`gather_dense_scatter`: what pool mode must equal, byte for byte
-=============  ==========================================================================
+===============  ========================================================================
+``pool``         :class:`StatePool`: per-layer state pools and the slot allocator
+``hook``         :func:`decode_step`: one layer's step over the pool (the decode hook)
+``graphs``       :class:`CudaGraphStepRunner`: batch-size buckets, padding, graph replay
+``baseline``     :func:`gather_dense_scatter`: what pool mode must equal, byte for byte
+``speculative``  :class:`SpecIndices` and the bookkeeping of ``StatePool``'s speculative groups
+``slots``        what a slot argument is; :class:`SlotError`, :class:`PoolExhaustedError`
+===============  ========================================================================
 
 A server's Mamba-3 layer step becomes::
 
@@ -21,17 +24,30 @@ A server's Mamba-3 layer step becomes::
     ...
     pool.free(slots)                           # when it finishes
 
-See docs/integration.md for the full wiring (null block, prefix caching, CUDA graphs).
+Speculative decoding (a verify step of ``T`` tokens per request)::
+
+    groups = pool.alloc_spec(1, T)             # a request's T rows, (1, T)
+    idx = pool.spec_indices(batch_groups)      # (B, T) sources + num_accepted_tokens, (B, T) destinations
+    out = decode_step(pool, layer, idx.state_batch_indices, A, B, C, Dskip, x, dt, trap, xproj, outproj,
+                      num_accepted_tokens=idx.num_accepted_tokens,
+                      dst_slots=idx.dst_state_batch_indices)   # x (B, T, H, D) ...
+    pool.commit_accepted(batch_groups, accepted)   # continue from row groups[b, accepted[b] - 1]
+    pool.free_spec(groups)                     # when it finishes
+
+See docs/integration.md for the full wiring (null block, prefix caching, CUDA graphs, speculative
+decoding).
 """
 
 from ..contract import PAD_SLOT_ID, lane_is_live
 from .baseline import gather_dense_scatter, gather_scatter_step
-from .graphs import DEFAULT_BUCKETS, CudaGraphStepRunner, choose_bucket, pad_lanes, pad_slots
+from .graphs import DEFAULT_BUCKETS, CudaGraphStepRunner, StepForm, choose_bucket, pad_lanes, pad_slots
 from .hook import decode_step, kv_update_in_kernel
-from .pool import PoolExhaustedError, SlotError, StatePool
+from .pool import StatePool
+from .slots import PoolExhaustedError, SlotError
+from .speculative import SpecIndices
 
 __all__ = [
-    "DEFAULT_BUCKETS", "PAD_SLOT_ID", "CudaGraphStepRunner", "PoolExhaustedError", "SlotError", "StatePool",
-    "choose_bucket", "decode_step", "gather_dense_scatter", "gather_scatter_step", "kv_update_in_kernel",
-    "lane_is_live", "pad_lanes", "pad_slots",
+    "DEFAULT_BUCKETS", "PAD_SLOT_ID", "CudaGraphStepRunner", "PoolExhaustedError", "SlotError", "SpecIndices",
+    "StatePool", "StepForm", "choose_bucket", "decode_step", "gather_dense_scatter", "gather_scatter_step",
+    "kv_update_in_kernel", "lane_is_live", "pad_lanes", "pad_slots",
 ]

@@ -1,21 +1,25 @@
 """``CudaGraphStepRunner``: a layer's decode step captured per batch-size bucket, replayed padded.
 
-Letters (docs/contract.md): ``n`` live lanes, ``B`` bucket size, ``P`` pool rows (slots),
-``H`` heads, ``D`` head dim, ``N`` state size, ``R`` MIMO rank.
+Letters (docs/contract.md): ``n`` live lanes, ``B`` bucket size, ``T`` tokens per lane, ``K``
+candidate source rows per lane, ``P`` pool rows (slots), ``H`` heads, ``D`` head dim, ``N`` state
+size, ``R`` MIMO rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
+from ..contract import source_rows
+from ..spec import MAX_TOKENS
 from ..tensors import StepTensors
 from ..validation import check_step_inputs
 from .hook import decode_step, kv_update_in_kernel
 from .pool import StatePool
 
-__all__ = ["CudaGraphStepRunner", "DEFAULT_BUCKETS", "choose_bucket", "pad_lanes", "pad_slots"]
+__all__ = ["CudaGraphStepRunner", "DEFAULT_BUCKETS", "StepForm", "choose_bucket", "pad_lanes", "pad_slots"]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
@@ -62,6 +66,50 @@ def pad_lanes(t: torch.Tensor, bucket: int) -> torch.Tensor:
     return padded
 
 
+class StepForm(NamedTuple):
+    """The shapes of a step, part of a bucket's key: each (bucket, form) has its own static buffers and
+    graph (and its own kernel specialisation: ``T``, like the index forms, is compile-time).
+
+    ``tokens``: ``T``, per-lane inputs ``(n, T, ...)`` and ``out`` ``(n, T, ...)``; None: no token
+    axis (the plain step; a token axis of ``T = 1`` is another form). ``candidates``: ``K``,
+    ``slots`` ``(n, K)`` with ``num_accepted_tokens`` ``(n,)``; None: ``slots`` ``(n,)``.
+    ``dst_per_token``: ``dst_slots`` ``(n, T)`` (a runner built ``with_dst``; else ``(n,)`` or none).
+    """
+
+    tokens: int | None = None
+    candidates: int | None = None
+    dst_per_token: bool = False
+
+    @classmethod
+    def speculative(cls, T: int) -> "StepForm":
+        """A verify step in vLLM's layout (``StatePool.spec_indices``): ``T`` tokens, ``(n, T)`` groups
+        as sources with ``num_accepted_tokens``, ``(n, T)`` per-token destinations."""
+        return cls(T, T, True)
+
+    def problem(self, with_dst: bool) -> str:
+        """Why a runner (``with_dst``) cannot capture this form, or ""."""
+        def bad(v, top):
+            return v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top)
+        if bad(self.tokens, MAX_TOKENS):
+            return f"tokens must be None or an int in [1, {MAX_TOKENS}], got {self.tokens!r}"
+        if bad(self.candidates, 2**31 - 1):
+            return f"candidates must be None or a positive int, got {self.candidates!r}"
+        if not isinstance(self.dst_per_token, bool):
+            return f"dst_per_token must be a bool, got {self.dst_per_token!r}"
+        if self.dst_per_token and (self.tokens is None or not with_dst):
+            return "dst_per_token needs tokens (a token axis) and a runner built with with_dst=True"
+        return ""
+
+
+PLAIN = StepForm()
+
+
+def _form_of(x: torch.Tensor, slots: torch.Tensor, dst_slots) -> StepForm:
+    """The form of a step's tensors (read before they are validated: a bad form finds no buffers)."""
+    return StepForm(x.shape[1] if x.dim() == 4 else None, slots.shape[1] if slots.dim() == 2 else None,
+                    isinstance(dst_slots, torch.Tensor) and dst_slots.dim() == 2)
+
+
 class CudaGraphStepRunner:
     """Runs :func:`decode_step` for one layer at a fixed set of batch-size buckets.
 
@@ -79,6 +127,13 @@ class CudaGraphStepRunner:
     when ``zproj`` is given) ``(n, H, D)``. With ``with_dst=True`` a static destination-slot
     buffer is captured too and :meth:`step` takes ``dst_slots`` (prefix caching).
     Capture happens lazily on first use of a bucket, or eagerly with :meth:`capture`.
+
+    Multi-token steps (speculative decoding's verify pass): the per-lane inputs may carry a token
+    axis, ``(n, T, ...)``, ``slots`` may be ``(n, K)`` with ``num_accepted_tokens`` ``(n,)``, and
+    ``dst_slots`` ``(n, T)``. Each combination is a :class:`StepForm`, part of the bucket's key: a
+    (bucket, form) pair has its own buffers and graph (``capture(form=StepForm.speculative(T))`` at
+    start-up). A padded lane's slots row is all ``pool.pad_id``, its count 1, its destinations
+    ``pool.pad_id``: padding. T-less steps are the form ``StepForm()``, unchanged.
     """
 
     def __init__(
@@ -113,70 +168,97 @@ class CudaGraphStepRunner:
         self.graph_pool = graph_pool
         if self.use_cuda_graph and self.graph_pool is None:
             self.graph_pool = torch.cuda.graph_pool_handle()
-        self._static: dict[int, dict[str, torch.Tensor]] = {}
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._static: dict[tuple[int, StepForm], dict[str, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, StepForm], torch.cuda.CUDAGraph] = {}
 
-    def _check_step(self, bucket: int, n: int, inputs: dict, with_dst: bool) -> None:
+    def _check_step(self, key: tuple[int, StepForm], n: int, inputs: dict, slots, dst_slots,
+                    num_accepted_tokens) -> None:
         """Validate the caller's lane tensors with the pool and weights, as ``mamba3_step_fn`` would.
 
-        The index tensors stand in for the caller's slots (already checked to be ``(n,)`` int32,
-        possibly on another device): the bucket's static slot buffer, or a fresh one before the
-        bucket's first capture. Metadata only.
+        The index tensors are stood in for (they may live on another device: they are copied into
+        the static buffers) by tensors of their shapes and dtypes on the pool's device: the bucket's
+        static slices when they match, else fresh ones (before the bucket's first capture, or for a
+        step that does not fit its form). A ``with_dst`` runner's default destination is ``(n,)``.
+        Metadata only.
         """
-        p, s = self.pool, self._static.get(bucket)
-        idx = s["slots"][:n] if s is not None else torch.empty(n, dtype=torch.int32, device=p.device)
-        dst = None
-        if with_dst:
-            dst = s["dst"][:n] if s is not None else torch.empty(n, dtype=torch.int32, device=p.device)
+        p, s = self.pool, self._static.get(key)
+
+        def stand_in(name, t, shape=None):
+            if shape is None and not isinstance(t, torch.Tensor):
+                return t  # validation names it
+            shape, dtype = (tuple(t.shape), t.dtype) if shape is None else (shape, torch.int32)
+            buf = None if s is None else s.get(name)
+            if buf is not None and tuple(buf[:n].shape) == shape and buf.dtype == dtype:
+                return buf[:n]
+            return torch.empty(shape, dtype=dtype, device=p.device)
+
+        if dst_slots is not None:
+            dst = stand_in("dst", dst_slots)
+        else:  # a with_dst runner's default destination is (n,)
+            dst = stand_in("dst", None, (n,)) if self.with_dst else None
+        nat = None if num_accepted_tokens is None else stand_in("nat", num_accepted_tokens)
         tensors = StepTensors(
             *p.layer_tensors(self.layer), inputs["A"], inputs["B"], inputs["C"], self.D, inputs["x"], inputs["dt"],
             inputs["trap"], self.xproj, self.outproj, None, None if s is None else s["out"][:n], inputs.get("z"),
-            self.zproj, idx, dst, p.null_slot_id,
+            self.zproj, stand_in("slots", slots), dst, p.null_slot_id, nat,
         )
         in_kernel = kv_update_in_kernel(p.headdim, p.dstate, p.mimo, p.state_dtype, self.tile_D)
         check_step_inputs(tensors, update_kv_state=in_kernel, tile_D=self.tile_D, num_warps=self.num_warps)
 
     # static buffers -------------------------------------------------------------------
-    def _make_static(self, bucket: int) -> dict[str, torch.Tensor]:
+    def _make_static(self, bucket: int, form: StepForm) -> dict[str, torch.Tensor]:
         p, dev = self.pool, self.pool.device
         H, Dh, N, R = p.nheads, p.headdim, p.dstate, p.mimo
         f32 = torch.float32
+        lanes = (bucket,) if form.tokens is None else (bucket, form.tokens)
         s = {
-            "slots": torch.full((bucket,), p.pad_id, dtype=torch.int32, device=dev),
-            "A": torch.zeros((bucket, H), dtype=f32, device=dev),
-            "dt": torch.zeros((bucket, H), dtype=f32, device=dev),
-            "trap": torch.zeros((bucket, H), dtype=f32, device=dev),
-            "B": torch.zeros((bucket, R, H, N), dtype=p.kv_dtype, device=dev),
-            "C": torch.zeros((bucket, R, H, N), dtype=p.kv_dtype, device=dev),
-            "x": torch.zeros((bucket, H, Dh), dtype=p.x_dtype, device=dev),
+            "slots": torch.full((bucket,) + ((form.candidates,) if form.candidates else ()), p.pad_id,
+                                dtype=torch.int32, device=dev),
+            "A": torch.zeros(lanes + (H,), dtype=f32, device=dev),
+            "dt": torch.zeros(lanes + (H,), dtype=f32, device=dev),
+            "trap": torch.zeros(lanes + (H,), dtype=f32, device=dev),
+            "B": torch.zeros(lanes + (R, H, N), dtype=p.kv_dtype, device=dev),
+            "C": torch.zeros(lanes + (R, H, N), dtype=p.kv_dtype, device=dev),
+            "x": torch.zeros(lanes + (H, Dh), dtype=p.x_dtype, device=dev),
         }
         if self.zproj is not None:
-            s["z"] = torch.zeros((bucket, H, Dh), dtype=p.x_dtype, device=dev)
+            s["z"] = torch.zeros(lanes + (H, Dh), dtype=p.x_dtype, device=dev)
+        if form.candidates:
+            s["nat"] = torch.ones((bucket,), dtype=torch.int32, device=dev)
         if self.with_dst:
-            s["dst"] = torch.full((bucket,), p.pad_id, dtype=torch.int32, device=dev)
-        lane_shape = (bucket, H, Dh) if self.outproj is not None else (bucket, R, H, Dh)
-        s["out"] = torch.zeros(lane_shape, dtype=p.x_dtype, device=dev)
+            dst_shape = (bucket, form.tokens) if form.dst_per_token else (bucket,)
+            s["dst"] = torch.full(dst_shape, p.pad_id, dtype=torch.int32, device=dev)
+        out_shape = lanes + ((H, Dh) if self.outproj is not None else (R, H, Dh))
+        s["out"] = torch.zeros(out_shape, dtype=p.x_dtype, device=dev)
         return s
 
     def _run(self, s: dict[str, torch.Tensor]) -> torch.Tensor:
         return decode_step(
             self.pool, self.layer, s["slots"], s["A"], s["B"], s["C"], self.D, s["x"], s["dt"],
             s["trap"], self.xproj, self.outproj, z=s.get("z"), zproj=self.zproj,
-            dst_slots=s.get("dst"), out=s["out"], tile_D=self.tile_D, num_warps=self.num_warps,
+            dst_slots=s.get("dst"), num_accepted_tokens=s.get("nat"), out=s["out"], tile_D=self.tile_D,
+            num_warps=self.num_warps,
         )
 
-    def capture(self, buckets: Sequence[int] | None = None) -> None:
-        """Build static buffers (and, on CUDA, capture graphs) for ``buckets`` (default: all).
+    def capture(self, buckets: Sequence[int] | None = None, form: StepForm | None = None) -> None:
+        """Build static buffers (and, on CUDA, capture graphs) for ``buckets`` (default: all) in
+        ``form`` (default: the plain T-less step, ``StepForm()``).
 
         During capture every slot is the pad id, so the warm-up and capture runs touch no
         pool row. The warm-up runs outside the graph (it compiles the kernel).
         """
+        form = PLAIN if form is None else form
+        if not isinstance(form, StepForm):
+            raise TypeError(f"form: expected a StepForm or None, got {type(form).__name__}")
+        problem = form.problem(self.with_dst)
+        if problem:
+            raise ValueError(f"form: {problem}")
         for b in self.buckets if buckets is None else buckets:
             if b not in self.buckets:
                 raise ValueError(f"buckets: {b} is not one of this runner's buckets {self.buckets}")
-            if b in self._static:
+            if (b, form) in self._static:
                 continue
-            s = self._make_static(b)
+            s = self._make_static(b, form)
             if self.use_cuda_graph:
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
@@ -186,12 +268,24 @@ class CudaGraphStepRunner:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.graph_pool):
                     self._run(s)
-                self._graphs[b] = g
-            self._static[b] = s
+                self._graphs[(b, form)] = g
+            self._static[(b, form)] = s
+
+    @property
+    def captured(self) -> tuple[tuple[int, StepForm], ...]:
+        """The (bucket, form) pairs with buffers (and, on CUDA, a graph)."""
+        keys = self._graphs if self.use_cuda_graph else self._static
+        return tuple(sorted(keys, key=lambda k: (k[0], str(k[1]))))
 
     @property
     def captured_buckets(self) -> tuple[int, ...]:
-        return tuple(sorted(self._graphs if self.use_cuda_graph else self._static))
+        """The buckets captured for the plain T-less form."""
+        return tuple(b for b, form in self.captured if form == PLAIN)
+
+    def buffers(self, bucket: int, form: StepForm | None = None) -> dict[str, torch.Tensor] | None:
+        """The static buffers of ``(bucket, form)`` (default form: the plain step), or None before
+        its capture: ``slots``, the per-lane inputs, ``out``, and ``nat``/``dst`` where the form has them."""
+        return self._static.get((bucket, PLAIN if form is None else form))
 
     def step(
         self,
@@ -205,22 +299,48 @@ class CudaGraphStepRunner:
         x: torch.Tensor,
         z: torch.Tensor | None = None,
         dst_slots: torch.Tensor | None = None,
+        num_accepted_tokens: torch.Tensor | None = None,
         clone: bool = True,
     ) -> torch.Tensor:
         """One padded step for ``n = len(slots)`` live lanes; returns their ``out`` ``(n, ...)``.
 
-        ``slots`` (and ``dst_slots``) are ``(n,)`` int32, on any device (copied into the
-        static buffer). With ``clone=False`` the result is a view of the static output
-        buffer, overwritten by the next step of the same bucket.
+        ``slots`` (and ``dst_slots``, ``num_accepted_tokens``) are int32, on any device (copied into
+        the static buffers): ``slots`` ``(n,)`` or ``(n, K)`` with ``num_accepted_tokens`` ``(n,)``;
+        ``dst_slots`` ``(n,)`` or, with a token axis on the inputs, ``(n, T)``. With ``clone=False``
+        the result is a view of the static output buffer, overwritten by the next step of the same
+        bucket and form.
 
         Every input is validated as the eager path (``mamba3_step_fn``) validates it, before
         anything is copied: exact shapes, dtypes and device, never broadcast or cast into the
         static buffers. A refused step changes nothing.
         """
-        if not isinstance(slots, torch.Tensor) or slots.dim() != 1:
-            raise ValueError(f"slots: expected a 1-d int32 tensor, got {getattr(slots, 'shape', type(slots))}")
+        inputs = self._lane_inputs(slots, dict(A=A, dt=dt, trap=trap, B=B, C=C, x=x, z=z), dst_slots)
+        n = slots.shape[0]
+        bucket = choose_bucket(n, self.buckets)
+        if bucket is None:  # too big for any bucket: run eagerly, unpadded
+            return self._eager(slots, inputs, dst_slots, num_accepted_tokens)
+        key = (bucket, _form_of(x, slots, dst_slots))
+        self._check_step(key, n, inputs, slots, dst_slots, num_accepted_tokens)
+        if key not in self._static:
+            self.capture([bucket], key[1])
+        s = self._static[key]
+        self._fill(s, n, slots, dst_slots, num_accepted_tokens, inputs)
+        if self.use_cuda_graph:
+            self._graphs[key].replay()
+        else:
+            self._run(s)
+        res = s["out"][:n]
+        return res.clone() if clone else res
+
+    def _lane_inputs(self, slots, inputs: dict, dst_slots) -> dict:
+        """The runner's own checks (slots' kind, z against zproj, ``dst_slots`` against ``with_dst``,
+        every per-lane input a tensor of ``n`` lanes); returns the per-lane inputs given."""
+        if not isinstance(slots, torch.Tensor) or slots.dim() not in (1, 2):
+            raise ValueError(f"slots: expected a (n,) or (n, K) int32 tensor, got "
+                             f"{getattr(slots, 'shape', type(slots))}")
         if slots.dtype != torch.int32:
             raise TypeError(f"slots: expected dtype torch.int32, got {slots.dtype}")
+        z = inputs.pop("z")
         if (z is None) != (self.zproj is None):
             raise ValueError(
                 "z: expected a (n, H, D) tensor because the runner has zproj"
@@ -230,39 +350,41 @@ class CudaGraphStepRunner:
         if dst_slots is not None and not self.with_dst:
             raise ValueError("dst_slots: this runner was built with with_dst=False; pass with_dst=True")
         n = slots.shape[0]
-        inputs = {"A": A, "dt": dt, "trap": trap, "B": B, "C": C, "x": x}
         if z is not None:
             inputs["z"] = z
         for name, t in inputs.items():
             if not isinstance(t, torch.Tensor) or t.shape[:1] != (n,):
                 raise ValueError(f"{name}: expected {n} lanes (len(slots)), got shape {tuple(getattr(t, 'shape', ()))}")
-        if dst_slots is not None:
-            if dst_slots.dtype != torch.int32 or tuple(dst_slots.shape) != (n,):
-                raise ValueError(f"dst_slots: expected ({n},) int32, got {tuple(dst_slots.shape)} {dst_slots.dtype}")
-        bucket = choose_bucket(n, self.buckets)
-        if bucket is None:  # too big for any bucket: run eagerly, unpadded
-            dev = self.pool.device
-            return decode_step(
-                self.pool, self.layer, slots.to(dev), A, B, C, self.D, x, dt, trap, self.xproj,
-                self.outproj, z=z, zproj=self.zproj,
-                dst_slots=None if not self.with_dst else (slots if dst_slots is None else dst_slots).to(dev),
-                tile_D=self.tile_D, num_warps=self.num_warps,
-            )
-        self._check_step(bucket, n, inputs, dst_slots is not None or self.with_dst)
-        if bucket not in self._static:
-            self.capture([bucket])
-        s = self._static[bucket]
+        return inputs
+
+    def _eager(self, slots, inputs: dict, dst_slots, num_accepted_tokens) -> torch.Tensor:
+        """The step, unpadded, through :func:`decode_step` (validated there)."""
+        dev = self.pool.device
+        if dst_slots is None and self.with_dst and slots.dim() == 1:
+            dst_slots = slots
+
+        def moved(t):
+            return t.to(dev) if isinstance(t, torch.Tensor) else t
+
+        return decode_step(
+            self.pool, self.layer, slots.to(dev), inputs["A"], inputs["B"], inputs["C"], self.D, inputs["x"],
+            inputs["dt"], inputs["trap"], self.xproj, self.outproj, z=inputs.get("z"), zproj=self.zproj,
+            dst_slots=moved(dst_slots), num_accepted_tokens=moved(num_accepted_tokens), tile_D=self.tile_D,
+            num_warps=self.num_warps,
+        )
+
+    def _fill(self, s: dict, n: int, slots, dst_slots, num_accepted_tokens, inputs: dict) -> None:
+        """Copy the live lanes into the static buffers and pad the rest (pad ids, count 1, zeros)."""
         s["slots"][:n].copy_(slots)
         s["slots"][n:].fill_(self.pool.pad_id)
-        if self.with_dst:
-            s["dst"][:n].copy_(slots if dst_slots is None else dst_slots)
+        if "nat" in s:
+            s["nat"][:n].copy_(num_accepted_tokens)
+            s["nat"][n:].fill_(1)
+        if "dst" in s:
+            if dst_slots is None:  # the default destination: each lane's source row
+                dst_slots = slots if "nat" not in s else source_rows(s["slots"][:n], s["nat"][:n])
+            s["dst"][:n].copy_(dst_slots)
             s["dst"][n:].fill_(self.pool.pad_id)
         for name, t in inputs.items():
             s[name][:n].copy_(t)
             s[name][n:].zero_()
-        if self.use_cuda_graph:
-            self._graphs[bucket].replay()
-        else:
-            self._run(s)
-        res = s["out"][:n]
-        return res.clone() if clone else res

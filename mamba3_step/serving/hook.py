@@ -1,7 +1,7 @@
 """``decode_step``: one layer's pool-mode step over a :class:`~mamba3_step.serving.pool.StatePool`.
 
-Letters (docs/contract.md): ``B`` lanes this step, ``P`` pool rows (slots), ``H`` heads,
-``D`` head dim, ``N`` state size, ``R`` MIMO rank.
+Letters (docs/contract.md): ``B`` lanes this step, ``T`` tokens per lane, ``K`` candidate source
+rows per lane, ``P`` pool rows (slots), ``H`` heads, ``D`` head dim, ``N`` state size, ``R`` MIMO rank.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..api import mamba3_step_fn
-from ..contract import dtype_name, lane_is_live
+from ..contract import dtype_name, lane_is_live, source_rows
 from ..tiling import default_tiling
 from .pool import StatePool
 
@@ -43,31 +43,40 @@ def decode_step(
     z: torch.Tensor | None = None,
     zproj: torch.Tensor | None = None,
     dst_slots: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     tile_D: int | None = None,
     num_warps: int | None = None,
     validate_indices: bool = False,
 ) -> torch.Tensor:
-    """One Mamba-3 decode step of one layer over the pool, in place.
+    """One Mamba-3 decode step of one layer over the pool, in place; ``T`` tokens per lane optional.
 
     Args:
         pool: the :class:`StatePool`; layer ``layer``'s rows are read and updated.
         slots: ``(B,)`` int32 on the pool's device: lane ``b`` reads (and by default writes)
-            row ``slots[b]``. Padding lanes (``< 0``, ``>= P``, or the pool's null slot) give
-            zero ``out`` and touch no row.
+            row ``slots[b]``; or ``(B, K)`` with ``num_accepted_tokens``: lane ``b`` reads row
+            ``slots[b, num_accepted_tokens[b] - 1]`` (a speculative verify step,
+            ``StatePool.spec_indices``). Padding lanes (a source ``< 0``, ``>= P``, the pool's null
+            slot, or a count outside ``[1, K]``) give zero ``out`` and touch no row.
         A, dt, trap: ``(B, H)`` fp32.  B, C: ``(B, R, H, N)`` ``pool.kv_dtype``.  D: ``(H,)`` fp32.
         x, z: ``(B, H, D)`` ``pool.x_dtype``.  xproj, zproj, outproj: ``(R, H, D)``.
-        dst_slots: optional ``(B,)`` int32 destination rows (prefix caching: read a cached
-            prefix row, write the request's own row).
-        out: optional output buffer, ``(B, H, D)`` with ``outproj``, else ``(B, R, H, D)``.
+            With ``T`` tokens per lane the per-lane inputs carry a token axis after the lane
+            axis: ``(B, T, H)``, ``(B, T, R, H, N)``, ``(B, T, H, D)`` (token ``t``'s previous B/x
+            is token ``t - 1``'s; ``T`` is compile-time: one kernel specialisation per ``T``).
+        dst_slots: optional int32 destination rows: ``(B,)`` (the final state; prefix caching:
+            read a cached prefix row, write the request's own row) or, with a token axis,
+            ``(B, T)`` (the state after token ``t`` to row ``dst_slots[b, t]``; a padding entry
+            skips that token's write).
+        num_accepted_tokens: ``(B,)`` int32, with ``(B, K)`` ``slots`` (see above).
+        out: optional output buffer, ``(B, [T,] H, D)`` with ``outproj``, else ``(B, [T,] R, H, D)``.
         tile_D, num_warps: kernel tiling, passed through unchanged (None = default).
 
     Effects: layer ``layer``'s ``state`` rows ``dst`` get the new state and its
-    ``Bstate``/``Xstate`` rows ``dst`` get this step's ``B``/``x`` (next step's "previous").
-    When ``tile_D >= headdim`` (the default) the kernel stores B/x itself
-    (``update_kv_state=True``); otherwise the hook keeps the user's ``tile_D`` and follows
-    the step with a masked scatter (graph-capturable: padded lanes go to a hidden scratch
-    row). Returns ``out``.
+    ``Bstate``/``Xstate`` rows ``dst`` get this step's ``B``/``x`` (next step's "previous"; per
+    token with a ``(B, T)`` ``dst_slots``, else the last token's). When ``tile_D >= headdim``
+    (the default) the kernel stores B/x itself (``update_kv_state=True``); otherwise the hook
+    keeps the user's ``tile_D`` and follows the step with a masked scatter (graph-capturable:
+    padded lanes and padding tokens go to a hidden scratch row). Returns ``out``.
     """
     state, Bstate, Xstate = pool.layer_tensors(layer)
     in_kernel = kv_update_in_kernel(pool.headdim, pool.dstate, pool.mimo, pool.state_dtype, tile_D)
@@ -91,23 +100,30 @@ def decode_step(
         state_batch_indices=slots,
         dst_state_batch_indices=dst_slots,
         null_slot_id=pool.null_slot_id,
+        num_accepted_tokens=num_accepted_tokens,
         update_kv_state=in_kernel,
         tile_D=tile_D,
         num_warps=num_warps,
         validate_indices=validate_indices,
     )
     if not in_kernel:
-        _masked_kv_scatter(pool, layer, slots, dst_slots, B, x)
+        _masked_kv_scatter(pool, layer, slots, dst_slots, num_accepted_tokens, B, x)
     return out
 
 
-def _masked_kv_scatter(pool: StatePool, layer: int, slots, dst_slots, B, x) -> None:
-    """Store B/x into rows ``dst`` of live lanes; padded lanes write the hidden scratch row."""
+def _masked_kv_scatter(pool: StatePool, layer: int, slots, dst_slots, num_accepted_tokens, B, x) -> None:
+    """Store B/x into the rows ``dst`` of live lanes (per token with a ``(B, T)`` ``dst_slots``, else
+    the last token's into the final row), in token order; padding goes to the hidden scratch row."""
     P = pool.num_slots
-    live = lane_is_live(slots, P, pool.null_slot_id)
-    target = slots if dst_slots is None else dst_slots
-    if dst_slots is not None:
-        live &= lane_is_live(dst_slots, P, pool.null_slot_id)
-    rows = torch.where(live, target.to(torch.long), torch.full_like(target, P, dtype=torch.long))
-    pool._Bstate[layer].index_copy_(0, rows, B.to(pool.kv_dtype))
-    pool._Xstate[layer].index_copy_(0, rows, x.to(pool.x_dtype))
+    src = source_rows(slots, num_accepted_tokens)
+    live = lane_is_live(src, P, pool.null_slot_id)
+    if dst_slots is not None and dst_slots.dim() == 2:  # a row per token
+        writes = [(dst_slots[:, t].to(torch.long), B[:, t], x[:, t]) for t in range(x.shape[1])]
+    else:
+        final = src if dst_slots is None else dst_slots.to(torch.long)
+        writes = [(final, B[:, -1], x[:, -1]) if x.dim() == 4 else (final, B, x)]
+    for rows, b, xt in writes:
+        keep = live & lane_is_live(rows, P, pool.null_slot_id)
+        rows = torch.where(keep, rows, torch.full_like(rows, P))
+        pool._Bstate[layer].index_copy_(0, rows, b.to(pool.kv_dtype))
+        pool._Xstate[layer].index_copy_(0, rows, xt.to(pool.x_dtype))

@@ -7,59 +7,20 @@ size, ``R`` MIMO rank, ``L`` layers.
 from __future__ import annotations
 
 import heapq
-import numbers
 import threading
-from collections.abc import Iterable
 
 import torch
 
 from ..contract import PAD_SLOT_ID, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, as_torch_dtype
+from ..spec import MAX_TOKENS
+from .slots import PoolExhaustedError, SlotError, int_list, is_int
+from .speculative import SpecGroups, SpecIndices
 
-__all__ = ["PoolExhaustedError", "SlotError", "StatePool"]
-
-
-class SlotError(ValueError):
-    """A slot handed to the allocator is unknown, reserved, or not allocated (double free)."""
-
-
-class PoolExhaustedError(RuntimeError):
-    """``alloc(n)`` asked for more slots than are free."""
-
-
-def _is_int(v) -> bool:
-    """An integer (Python or numpy), not a bool."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _slot_list(slots, name: str) -> list[int]:
-    """Slots as a Python list of ints (accepts an int, a sequence of ints, or an integer tensor;
-    numpy integers and arrays count as ints)."""
-    if isinstance(slots, torch.Tensor):
-        if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
-            raise TypeError(f"{name}: expected an integer tensor of slots, got dtype {slots.dtype}")
-        if slots.dim() > 1:
-            raise ValueError(f"{name}: expected a 0-d or 1-d tensor of slots, got shape {tuple(slots.shape)}")
-        return [int(v) for v in slots.reshape(-1).tolist()]
-    if isinstance(slots, bool):
-        raise TypeError(f"{name}: expected slot ints, got bool")
-    if _is_int(slots):
-        return [int(slots)]
-    if isinstance(slots, Iterable):
-        out = []
-        for v in slots:
-            if not _is_int(v):
-                if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.dtype.is_floating_point \
-                        and v.dtype != torch.bool:
-                    v = int(v)
-                else:
-                    raise TypeError(f"{name}: expected slot ints, got element {v!r}")
-            out.append(int(v))
-        return out
-    raise TypeError(f"{name}: expected an int, a sequence of ints or an integer tensor, got {type(slots).__name__}")
+__all__ = ["PoolExhaustedError", "SlotError", "SpecIndices", "StatePool"]
 
 
 def _checked_size(name: str, v, supported=None) -> int:
-    if not _is_int(v) or v < 1:
+    if not is_int(v) or v < 1:
         raise ValueError(f"{name}: expected a positive int, got {v!r}")
     if supported is not None and v not in supported:
         raise ValueError(f"{name}: expected one of {supported} (the sizes the step supports), got {v!r}")
@@ -100,9 +61,19 @@ class StatePool:
     Allocator: ``alloc(n)`` hands out the ``n`` lowest free slots as a CPU int32 tensor;
     ``free(slots)`` returns them. The allocator is thread-safe: ``alloc``, ``free``, ``reset``,
     ``copy``, ``fork`` and the counts hold one re-entrant lock per pool, so scheduler threads may
-    share a pool (the tensors themselves are not locked: steps on them are the caller's to order). Freeing a slot twice, an unknown slot (out of range) or the
-    reserved null slot raises :class:`SlotError`; asking for more slots than are free raises
-    :class:`PoolExhaustedError` and allocates nothing.
+    share a pool (the tensors themselves are not locked: steps on them are the caller's to order).
+    Freeing a slot twice, an unknown slot (out of range) or the reserved null slot raises
+    :class:`SlotError`; asking for more slots than are free raises :class:`PoolExhaustedError` and
+    allocates nothing.
+
+    Speculative decoding (``T`` tokens per verify step, vLLM's convention): ``alloc_spec(n, T)``
+    gives each of ``n`` requests a *group* of ``T`` rows, ``(n, T)``; ``spec_indices(groups)`` builds
+    a verify step's ``(B, T)`` sources with ``num_accepted_tokens`` and its ``(B, T)`` per-token
+    destinations; ``commit_accepted(groups, accepted)`` records how many tokens stood, by index (the
+    request continues from row ``groups[b, accepted[b] - 1]``; nothing is copied);
+    ``current_rows(groups)`` says which row that is; ``free_spec(groups)`` returns whole groups.
+    These hold the same lock, check everything before changing anything, and raise
+    :class:`SlotError` / ``ValueError`` / ``TypeError`` naming the argument.
 
     ``reserve_null_slot=True`` keeps row 0 out of the allocator for servers that pad with
     ``0`` rather than ``-1``: then ``null_slot_id == pad_id == 0`` and the kernel treats a
@@ -160,6 +131,7 @@ class StatePool:
         self._free_heap: list[int] = list(range(first, P))
         heapq.heapify(self._free_heap)
         self._allocated = bytearray(P)  # 1 where the slot is allocated
+        self._groups = SpecGroups()  # speculative groups among the allocated slots
 
     # ---- geometry -----------------------------------------------------------------
     @property
@@ -189,7 +161,7 @@ class StatePool:
         return self.state(layer), self.Bstate(layer), self.Xstate(layer)
 
     def _layer(self, layer: int) -> int:
-        if not _is_int(layer) or not 0 <= layer < self.num_layers:
+        if not is_int(layer) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
         return int(layer)
 
@@ -231,7 +203,7 @@ class StatePool:
 
     def is_allocated(self, slot: int) -> bool:
         with self._lock:
-            return _is_int(slot) and 0 <= slot < self.num_slots and bool(self._allocated[slot])
+            return is_int(slot) and 0 <= slot < self.num_slots and bool(self._allocated[slot])
 
     def allocated_slots(self) -> list[int]:
         with self._lock:
@@ -244,7 +216,7 @@ class StatePool:
         :class:`PoolExhaustedError` (allocating nothing) when fewer than ``n`` are free.
         Thread-safe (like every allocator method): the pool's lock is held throughout.
         """
-        if not _is_int(n) or n < 0:
+        if not is_int(n) or n < 0:
             raise ValueError(f"n: expected a non-negative int, got {n!r}")
         n = int(n)
         with self._lock:
@@ -269,17 +241,26 @@ class StatePool:
         """Return ``slots`` (int, sequence or integer tensor) to the allocator.
 
         All slots are checked before any is freed: an unknown slot (outside ``[0, P)``), the
-        reserved null slot, a slot that is not allocated (double free) or one listed twice
-        raises :class:`SlotError` and frees nothing. Rows keep their contents.
+        reserved null slot, a slot that is not allocated (double free), one listed twice or a
+        row of a speculative group (free the whole group with :meth:`free_spec`) raises
+        :class:`SlotError` and frees nothing. Rows keep their contents.
         """
         with self._lock:
             lst = self._checked_allocated(slots, "slots", what="free")
-            for s in lst:
-                self._allocated[s] = 0
-                heapq.heappush(self._free_heap, s)
+            for i, s in enumerate(lst):
+                group = self._groups.group_of(s)
+                if group is not None:
+                    raise SlotError(f"slots[{i}]: cannot free slot {s}: it is a row of the speculative group "
+                                    f"{list(group)}; free the whole group with free_spec")
+            self._release(lst)
+
+    def _release(self, lst: list[int]) -> None:
+        for s in lst:
+            self._allocated[s] = 0
+            heapq.heappush(self._free_heap, s)
 
     def _checked_allocated(self, slots, name: str, *, what: str, unique: bool = True) -> list[int]:
-        lst = _slot_list(slots, name)
+        lst = int_list(slots, name)
         seen = set()
         for i, s in enumerate(lst):
             if not 0 <= s < self.num_slots:
@@ -339,6 +320,86 @@ class StatePool:
             if len(new):
                 self.copy(src, new)
             return new
+
+    # ---- speculative groups (docs/integration.md, "Speculative decoding") -------------
+    def alloc_spec(self, n: int, T: int, *, zero: bool = False) -> torch.Tensor:
+        """Allocate ``n`` speculative groups of ``T`` rows: ``(n, T)`` int32 on the CPU, one row per request.
+
+        Request ``b`` owns rows ``groups[b]``: a verify step of ``T`` tokens writes the state after
+        token ``t`` to ``groups[b, t]``. A new group's committed row is ``groups[b, 0]`` (count 1):
+        write the request's prefill state there (or ``copy`` a cached prefix into it). With
+        ``zero=True`` the ``n * T`` rows are reset first. Raises ``ValueError`` for ``n``/``T``
+        (``1 <= T <= MAX_TOKENS``) and :class:`PoolExhaustedError` (allocating nothing) when fewer
+        than ``n * T`` slots are free.
+        """
+        if not is_int(n) or n < 0:
+            raise ValueError(f"n: expected a non-negative int (the number of requests), got {n!r}")
+        if not is_int(T) or not 1 <= T <= MAX_TOKENS:
+            raise ValueError(f"T: expected an int in [1, {MAX_TOKENS}] (tokens per verify step), got {T!r}")
+        n, T = int(n), int(T)
+        with self._lock:
+            if n * T > len(self._free_heap):
+                raise PoolExhaustedError(f"StatePool exhausted: asked for {n} speculative group(s) of T={T} rows "
+                                         f"({n * T} slots), {len(self._free_heap)} free of {self.capacity}")
+            groups = self._alloc_locked(n * T, zero).view(n, T)
+            self._groups.add([tuple(r) for r in groups.tolist()])
+            return groups
+
+    def free_spec(self, groups) -> None:
+        """Return whole groups (``(T,)`` or ``(n, T)``, as :meth:`alloc_spec` gave them) to the allocator.
+
+        Every group is checked before any row is freed: rows that are not one group in its order,
+        a group listed twice or freed before (double free) raise :class:`SlotError`, freeing nothing.
+        """
+        with self._lock:
+            gids = self._groups.resolve(groups, "groups", self.is_allocated)
+            rows = [r for g in gids for r in self._groups.rows(g)]
+            self._groups.remove(gids)
+            self._release(rows)
+
+    def commit_accepted(self, groups, num_accepted_tokens) -> None:
+        """After a verify step: request ``b`` continues from row ``groups[b, num_accepted_tokens[b] - 1]``.
+
+        Index remapping, no copy: the rows are not touched; the pool records the counts, which
+        :meth:`spec_indices` hands the next step as ``num_accepted_tokens`` (the kernel then reads
+        that row) and :meth:`current_rows` reports. ``num_accepted_tokens`` is ``(n,)`` ints (a
+        sequence or an integer tensor on any device: host bookkeeping, it synchronises), each in
+        ``[1, T]``. Everything is checked first: a bad group (:class:`SlotError`), a wrong count
+        of counts or a count outside ``[1, T]`` (``ValueError``), non-integers (``TypeError``)
+        change nothing.
+        """
+        with self._lock:
+            gids = self._groups.resolve(groups, "groups", self.is_allocated)
+            counts = self._groups.checked_counts(gids, num_accepted_tokens, "num_accepted_tokens")
+            self._groups.commit(gids, counts)
+
+    def spec_indices(self, groups, *, device=None) -> SpecIndices:
+        """A verify step's indices for requests ``groups`` (``(B, T)``, one ``T`` for the batch).
+
+        Returns :class:`SpecIndices`: ``state_batch_indices`` ``(B, T)`` (the groups),
+        ``num_accepted_tokens`` ``(B,)`` (their committed counts) and ``dst_state_batch_indices``
+        ``(B, T)`` (the groups again), int32 on ``device`` (default: the pool's). Each lane reads
+        its committed row and writes its own ``T`` rows: race-free, the one row it overwrites
+        being the one it read.
+        """
+        with self._lock:
+            gids = self._groups.resolve(groups, "groups", self.is_allocated)
+            T = self._groups.same_size(gids, "groups")
+            rows = torch.tensor([self._groups.rows(g) for g in gids], dtype=torch.int32).view(len(gids), T)
+            nat = torch.tensor([self._groups.accepted(g) for g in gids], dtype=torch.int32)
+        dev = self.device if device is None else _checked_device(device)
+        return SpecIndices(rows.to(dev), nat.to(dev), rows.clone().to(dev))
+
+    def current_rows(self, groups) -> torch.Tensor:
+        """``(n,)`` int32 on the CPU: the row each group's request continues from (its committed row).
+
+        For a one-token step of those requests (``decode_step(pool, l, current_rows(groups), ...)``
+        updates that row in place), or to ``copy`` a cached prefix in or a request's state out.
+        """
+        with self._lock:
+            gids = self._groups.resolve(groups, "groups", self.is_allocated)
+            return torch.tensor([self._groups.rows(g)[self._groups.accepted(g) - 1] for g in gids],
+                                dtype=torch.int32)
 
     def __repr__(self) -> str:
         return (

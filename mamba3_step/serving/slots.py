@@ -1,0 +1,54 @@
+"""What a slot argument is, and the allocator's errors (shared by ``pool`` and ``speculative``).
+
+Letters (docs/contract.md): ``P`` pool rows (slots), ``T`` tokens (rows of a speculative group).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["PoolExhaustedError", "SlotError", "int_list", "is_int"]
+
+
+class SlotError(ValueError):
+    """A slot handed to the allocator is unknown, reserved, or not allocated (double free)."""
+
+
+class PoolExhaustedError(RuntimeError):
+    """``alloc(n)`` asked for more slots than are free."""
+
+
+def is_int(v) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def int_list(values, name: str, what: str = "slot") -> list[int]:
+    """``values`` as a Python list of ints (accepts an int, a sequence of ints, or an integer tensor
+    of at most one dimension; numpy integers and arrays count as ints). ``what`` names one value in
+    the messages ("slot", "count")."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise TypeError(f"{name}: expected an integer tensor of {what}s, got dtype {values.dtype}")
+        if values.dim() > 1:
+            raise ValueError(f"{name}: expected a 0-d or 1-d tensor of {what}s, got shape {tuple(values.shape)}")
+        return [int(v) for v in values.reshape(-1).tolist()]
+    if isinstance(values, bool):
+        raise TypeError(f"{name}: expected {what} ints, got bool")
+    if is_int(values):
+        return [int(values)]
+    if isinstance(values, Iterable):
+        out = []
+        for v in values:
+            if not is_int(v):
+                if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.dtype.is_floating_point \
+                        and v.dtype != torch.bool:
+                    v = int(v)
+                else:
+                    raise TypeError(f"{name}: expected {what} ints, got element {v!r}")
+            out.append(int(v))
+        return out
+    raise TypeError(f"{name}: expected an int, a sequence of ints or an integer tensor, got {type(values).__name__}")
