@@ -33,6 +33,7 @@ from mamba3_step import mamba3_step_fn
 from mamba3_step.contract import lane_is_live, source_rows
 from mamba3_step.serving import gather_dense_scatter as _gather_dense_scatter
 from mamba3_step.tensors import StepTensors
+from mamba3_step.verify import tolerance
 from mamba3_step.testing import SPECULATIVE_PAD_KINDS, bits, bits_equal, make_inputs, poison_  # noqa: F401 (re-exported)
 
 PAD_KINDS = ("negative", "oob", "null")
@@ -272,3 +273,16 @@ def check_pool_parity(
     for key, value in inputs.items():
         if key not in POOL_STATE_KEYS and value is not None:
             assert_bits_equal(value, before[key], f"{key} (read-only input)")
+
+
+def assert_accurate(where: str, got: torch.Tensor, want64: torch.Tensor, torch32: torch.Tensor, scale: float,
+                    *, near_cpu: bool = False) -> None:
+    """``got`` within :func:`mamba3_step.verify.tolerance` of the float64 ``want64``: at most twice
+    the error of ``torch32`` (PyTorch float32 on the same inputs) plus 1e-6 of ``scale``; with
+    ``near_cpu`` also within three times that error of ``torch32`` itself."""
+    budget = (torch32.double() - want64).abs().max().item()
+    err = (got.double() - want64).abs().max().item()
+    assert err <= tolerance(budget, scale), f"{where}: error {err:.3g} vs PyTorch-fp32's {budget:.3g}"
+    if near_cpu:
+        diff = (got.double() - torch32.double()).abs().max().item()
+        assert diff <= tolerance(1.5 * budget, scale), f"{where}: differs from the CPU path by {diff:.3g}"

@@ -17,6 +17,11 @@ from mamba3_step.contract import SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, source_r
 from mamba3_step.testing import speculative_indices
 
 
+def _dtypes(draw) -> dict:
+    return {name: draw(st.sampled_from(group)) for name, group in (
+        ("state_dtype", STATE_DTYPES), ("kv_dtype", KV_DTYPES), ("x_dtype", X_DTYPES), ("proj_dtype", PROJ_DTYPES))}
+
+
 @st.composite
 def pool_cases(draw):
     P = draw(st.integers(1, 48))
@@ -32,12 +37,7 @@ def pool_cases(draw):
         D=draw(st.sampled_from(SUPPORTED_D)),
         N=draw(st.sampled_from(SUPPORTED_N)),
         R=draw(st.sampled_from(SUPPORTED_R)),
-        dtypes=dict(
-            state_dtype=draw(st.sampled_from(STATE_DTYPES)),
-            kv_dtype=draw(st.sampled_from(KV_DTYPES)),
-            x_dtype=draw(st.sampled_from(X_DTYPES)),
-            proj_dtype=draw(st.sampled_from(PROJ_DTYPES)),
-        ),
+        dtypes=_dtypes(draw),
         has_z=draw(st.booleans()),
         has_outproj=draw(st.booleans()),
         update_kv_state=draw(st.booleans()),
@@ -80,12 +80,7 @@ def token_cases(draw):
         D=draw(st.sampled_from(SUPPORTED_D)),
         N=draw(st.sampled_from(SUPPORTED_N[:3])),
         R=draw(st.sampled_from(SUPPORTED_R)),
-        dtypes=dict(
-            state_dtype=draw(st.sampled_from(STATE_DTYPES)),
-            kv_dtype=draw(st.sampled_from(KV_DTYPES)),
-            x_dtype=draw(st.sampled_from(X_DTYPES)),
-            proj_dtype=draw(st.sampled_from(PROJ_DTYPES)),
-        ),
+        dtypes=_dtypes(draw),
         has_z=draw(st.booleans()),
         has_outproj=draw(st.booleans()),
         update_kv_state=draw(st.booleans()),

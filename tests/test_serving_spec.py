@@ -32,8 +32,9 @@ from mamba3_step.serving import (
     StepForm,
     decode_step,
     gather_scatter_step,
+    kv_update_in_kernel,
 )
-from mamba3_step.testing import lane_inputs, layer_weights, poison_pool, speculative_indices
+from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_pool, speculative_indices
 
 H, D, N, R = 2, 32, 32, 2
 ROWS = ("state", "Bstate", "Xstate")
@@ -519,3 +520,33 @@ def test_runner_capture_refuses_impossible_forms():
     assert with_dst.captured == ((2, StepForm(2, 2, True)),)
     s = with_dst.buffers(2, StepForm.speculative(2))
     assert s["slots"].tolist() == [[-1, -1]] * 2 and s["nat"].tolist() == [1, 1]  # captured all padding
+
+
+def test_decode_step_stores_b_x_itself_when_no_whole_head_tiling_keeps_t_tokens():
+    """N=256 D=128 R=8 fp32 has no whole-head tiling for T > 1 (its default halves tile_D), so
+    update_kv_state cannot run in the kernel: decode_step stores B/x itself, and the T-token step
+    still equals T one-token steps."""
+    assert kv_update_in_kernel(128, 256, 8, torch.float32, None, tokens=1)
+    assert not kv_update_in_kernel(128, 256, 8, torch.float32, None, tokens=2)
+    T, n = 2, 2
+    pool, twin = (StatePool(1, 16, 1, 128, 256, 8, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16) for _ in "ab")
+    poison_pool(pool)
+    for a, b in zip(pool.layer_tensors(0), twin.layer_tensors(0)):
+        b.copy_(a)
+    groups = pool.alloc_spec(n, T)
+    assert torch.equal(twin.alloc_spec(n, T), groups)
+    idx = pool.spec_indices(groups)
+    w = layer_weights(1, 128, 8, generator=torch.Generator().manual_seed(3))
+    inp = lane_inputs(n, 1, 128, 256, 8, tokens=T, generator=torch.Generator().manual_seed(4))
+    out = decode_step(pool, 0, idx.state_batch_indices, inp["A"], inp["B"], inp["C"], w["D"], inp["x"], inp["dt"],
+                      inp["trap"], w["xproj"], w["outproj"], z=inp["z"], zproj=w["zproj"],
+                      num_accepted_tokens=idx.num_accepted_tokens, dst_slots=idx.dst_state_batch_indices)
+    rows = groups[:, 0].clone()
+    for t in range(T):
+        tok = {k: (v[:, t] if v is not None else None) for k, v in inp.items()}
+        o = decode_step(twin, 0, rows, tok["A"], tok["B"], tok["C"], w["D"], tok["x"], tok["dt"], tok["trap"],
+                        w["xproj"], w["outproj"], z=tok["z"], zproj=w["zproj"], dst_slots=groups[:, t].contiguous())
+        rows = groups[:, t].contiguous()
+        assert bits_equal(out[:, t], o)
+    for a, b in zip(pool.layer_tensors(0), twin.layer_tensors(0)):
+        assert bits_equal(a, b)

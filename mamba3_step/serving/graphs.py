@@ -202,7 +202,9 @@ class CudaGraphStepRunner:
             inputs["trap"], self.xproj, self.outproj, None, None if s is None else s["out"][:n], inputs.get("z"),
             self.zproj, stand_in("slots", slots), dst, p.null_slot_id, nat,
         )
-        in_kernel = kv_update_in_kernel(p.headdim, p.dstate, p.mimo, p.state_dtype, self.tile_D)
+        x = inputs["x"]
+        tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
+        in_kernel = kv_update_in_kernel(p.headdim, p.dstate, p.mimo, p.state_dtype, self.tile_D, tokens)
         check_step_inputs(tensors, update_kv_state=in_kernel, tile_D=self.tile_D, num_warps=self.num_warps)
 
     # static buffers -------------------------------------------------------------------

@@ -10,19 +10,26 @@ import torch
 
 from ..api import mamba3_step_fn
 from ..contract import dtype_name, lane_is_live, source_rows
-from ..tiling import default_tiling
+from ..tiling import default_tiling, thread_layout
 from .pool import StatePool
 
 __all__ = ["decode_step", "kv_update_in_kernel"]
 
 
-def kv_update_in_kernel(headdim: int, dstate: int, mimo: int, state_dtype, tile_D: int | None) -> bool:
+def kv_update_in_kernel(headdim: int, dstate: int, mimo: int, state_dtype, tile_D: int | None,
+                        tokens: int = 1) -> bool:
     """Whether ``update_kv_state``'s precondition (``tile_D >= headdim``) holds.
 
-    ``tile_D=None`` means the per-configuration default (:func:`tiling.default_tiling`).
+    ``tile_D=None`` means the per-configuration default (:func:`tiling.default_tiling`); with
+    ``tokens`` > 1 the whole-head default must also keep the state in registers across the
+    tokens (N=256 D=128 R=8 fp32 cannot: its T-token default halves tile_D, and the B/x rows are
+    then stored by the hook).
     """
     if tile_D is None:
-        tile_D, _ = default_tiling(dstate, headdim, mimo, dtype_name(state_dtype))
+        name = dtype_name(state_dtype)
+        tile_D, num_warps = default_tiling(dstate, headdim, mimo, name, tokens, whole_head=True)
+        if tokens > 1 and not thread_layout(dstate, tile_D, num_warps, name, mimo, tokens).preload:
+            return False
     return tile_D >= headdim
 
 
@@ -79,7 +86,8 @@ def decode_step(
     padded lanes and padding tokens go to a hidden scratch row). Returns ``out``.
     """
     state, Bstate, Xstate = pool.layer_tensors(layer)
-    in_kernel = kv_update_in_kernel(pool.headdim, pool.dstate, pool.mimo, pool.state_dtype, tile_D)
+    tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
+    in_kernel = kv_update_in_kernel(pool.headdim, pool.dstate, pool.mimo, pool.state_dtype, tile_D, tokens)
     out = mamba3_step_fn(
         state,
         Bstate,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import (PAD_KINDS, assert_bits_equal, check_pool_parity, clone_inputs, make_inputs,
+from helpers import (PAD_KINDS, assert_accurate, assert_bits_equal, check_pool_parity, clone_inputs, make_inputs,
                       make_pool_indices, poison_)
 
 from mamba3_step import mamba3_step_fn
@@ -99,12 +99,8 @@ def _accuracy_case(B, P, shape, dtypes, seed):
     rows = src[live].long()
     scale_out = out64.abs().max().item()
     scale_state = ref64["state"][rows].abs().max().item()
-    budget_out = (out32.double() - out64).abs().max().item()
-    budget_state = (t32["state"][rows].double() - ref64["state"][rows]).abs().max().item()
-    err_out = (out.double() - out64).abs().max().item()
-    err_state = (run["state"][rows].double() - ref64["state"][rows]).abs().max().item()
-    assert err_out <= 2 * budget_out + 1e-6 * scale_out, (err_out, budget_out)
-    assert err_state <= 2 * budget_state + 1e-6 * scale_state, (err_state, budget_state)
+    assert_accurate("out", out, out64, out32, scale_out)
+    assert_accurate("state", run["state"][rows], ref64["state"][rows], t32["state"][rows], scale_state)
     assert_bits_equal(out[~live], torch.zeros_like(out[~live]), "padding lanes' out")
 
 
@@ -286,9 +282,7 @@ def test_multi_token_accuracy(T, state_dtype):
     out = mamba3_step_fn(**run, **idx)
     torch.cuda.synchronize()
     for what, got, want, fp32 in (("out", out, out64, out32), ("state", run["state"], ref64["state"], t32["state"])):
-        budget = (fp32.double() - want).abs().max().item()
-        err = (got.double() - want).abs().max().item()
-        assert err <= 2 * budget + 1e-6 * max(want.abs().max().item(), 1.0), (what, err, budget)
+        assert_accurate(what, got, want, fp32, want.abs().max().item())
 
 
 def test_multi_token_cuda_graph_replay_equals_eager():
