@@ -23,7 +23,7 @@ from .launch import launch_step
 from .reference import mamba3_step_reference
 from .spec import StepSpec
 from .tensors import StepTensors
-from .validation import check_indices, check_options, check_step_inputs
+from .validation import check_indices, check_options, check_step_inputs_cached
 
 __all__ = ["PreparedStep", "mamba3_step_fn", "prepare_step", "step_through_op"]
 
@@ -160,13 +160,15 @@ def prepare_step(tensors: StepTensors, *, update_kv_state=False, tile_D=None, nu
                  validate_indices=False) -> PreparedStep:
     """Everything :func:`mamba3_step_fn` does before the work itself, for every executor.
 
-    Validates the inputs (raising what :func:`mamba3_step_fn` documents), allocates ``out``
+    Validates the inputs (raising what :func:`mamba3_step_fn` documents; through
+    :func:`mamba3_step.validation.check_step_inputs_cached`, so a repeated call signature is
+    validated once and afterwards only its addresses are checked), allocates ``out``
     when it is None, views a one-token step given with a token axis as the plain step
     (:meth:`StepTensors.one_token_squeezed`), and with ``validate_indices`` checks the index
     values (pool mode, ``B > 0``). With ``B == 0`` the caller returns ``out`` at once.
     """
     validate_indices = check_options(validate_indices=validate_indices)["validate_indices"]
-    spec = check_step_inputs(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
+    spec = check_step_inputs_cached(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
     if tensors.null_slot_id is not None:
         tensors = tensors._replace(null_slot_id=int(tensors.null_slot_id))  # e.g. a numpy integer
     tensors = tensors.with_out()
