@@ -122,6 +122,11 @@ def mamba3_step_fn(
     without autograd. Meta tensors are validated and nothing is computed. Under
     ``torch.compile`` (or with FakeTensors) the call is traced as ``torch.ops.mamba3_step.step``.
 
+    Validation runs in full once per call signature (shapes, strides, dtypes, devices, flags,
+    options); a repeated signature costs a guard and the address checks
+    (:mod:`mamba3_step.validation.cache`). :func:`mamba3_step.plan_step` validates a signature
+    once for a serving loop (``StepPlan.run`` per step).
+
     A call that raises has written nothing. Written tensors (``out``, ``state``/``state_out``,
     ``Bstate``/``Xstate`` with ``update_kv_state``) must not require grad, must be writable
     here, and must share no memory with themselves or with any other argument.
