@@ -177,7 +177,7 @@ def written_rows(src: torch.Tensor, dst: torch.Tensor | None, P: int, null_slot_
                  num_accepted_tokens=None) -> set[int]:
     """The pool rows live lanes write: their real destination rows (every token's with a (B, T) dst)."""
     rows = source_rows(src, num_accepted_tokens)
-    targets = rows.unsqueeze(1) if dst is None else dst.long().view(dst.shape[0], -1)
+    targets = rows.unsqueeze(1) if dst is None else (dst.long().unsqueeze(1) if dst.dim() == 1 else dst.long())
     return {r for b, lane in enumerate(targets.tolist()) if lane_is_live(int(rows[b]), P, null_slot_id)
             for r in lane if lane_is_live(r, P, null_slot_id)}
 
