@@ -325,8 +325,9 @@ def _mutate(draw, kw: dict) -> None:
         kw[other] = carve(buf, 0, o.detach())
         kw[name] = carve(buf, start, t.detach())
     elif kind == "misalign":  # a base 1..7 elements past a 16-byte boundary (the same strides)
-        if draw(st.booleans()):  # mostly the tensors that must be aligned
-            name = "state_out" if kw.get("state_out") is not None else "state"
+        aligned = [n for n in ("state", "state_out") if n in names]
+        if aligned and draw(st.booleans()):  # mostly the tensors that must be aligned
+            name = aligned[-1]
             t = kw[name]
         shift = draw(st.integers(1, 7))
         buf = torch.zeros(t.numel() + 8, dtype=t.dtype)
