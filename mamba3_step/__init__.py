@@ -1,7 +1,8 @@
 """mamba3_step: the Mamba-3 MIMO decode step over paged state pools.
 
 ``mamba3_step_fn`` runs the CuteDSL kernel on CUDA tensors and a PyTorch implementation
-of the same contract on CPU tensors. The contract: docs/contract.md; the layers of the
+of the same contract on CPU tensors; ``plan_step`` validates a call signature once for servers
+(``StepPlan.run`` per step). The contract: docs/contract.md; the layers of the
 package: docs/design.md, "Architecture".
 """
 
@@ -9,7 +10,9 @@ from . import ops  # noqa: F401  registers torch.ops.mamba3_step.step (torch.com
 from .api import mamba3_step_fn
 from .contract import PAD_SLOT_ID
 from .ops import mamba3_step_op
+from .plan import StepPlan, StepPlanMismatch, plan_step
 from .spec import StepSpec, flagship_spec
 
-__all__ = ["PAD_SLOT_ID", "StepSpec", "flagship_spec", "mamba3_step_fn", "mamba3_step_op"]
+__all__ = ["PAD_SLOT_ID", "StepPlan", "StepPlanMismatch", "StepSpec", "flagship_spec", "mamba3_step_fn",
+           "mamba3_step_op", "plan_step"]
 __version__ = "0.1.0"

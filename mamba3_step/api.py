@@ -23,9 +23,12 @@ from .launch import launch_step
 from .reference import mamba3_step_reference
 from .spec import StepSpec
 from .tensors import StepTensors
-from .validation import check_indices, check_options, check_step_inputs
+from .validation import check_indices, check_options, check_step_inputs_cached
 
-__all__ = ["PreparedStep", "mamba3_step_fn", "prepare_step", "step_through_op"]
+__all__ = ["PreparedStep", "check_index_values", "host_step", "mamba3_step_fn", "prepare_step", "runs_kernel",
+           "step_through_op"]
+
+_pack = tuple.__new__  # _pack(StepTensors, values): a NamedTuple without its Python-level __new__
 
 
 def mamba3_step_fn(
@@ -119,6 +122,11 @@ def mamba3_step_fn(
     without autograd. Meta tensors are validated and nothing is computed. Under
     ``torch.compile`` (or with FakeTensors) the call is traced as ``torch.ops.mamba3_step.step``.
 
+    Validation runs in full once per call signature (shapes, strides, dtypes, devices, flags,
+    options); a repeated signature costs a guard and the address checks
+    (:mod:`mamba3_step.validation.cache`). :func:`mamba3_step.plan_step` validates a signature
+    once for a serving loop (``StepPlan.run`` per step).
+
     A call that raises has written nothing. Written tensors (``out``, ``state``/``state_out``,
     ``Bstate``/``Xstate`` with ``update_kv_state``) must not require grad, must be writable
     here, and must share no memory with themselves or with any other argument.
@@ -130,22 +138,32 @@ def mamba3_step_fn(
         TypeError, ValueError: invalid inputs, naming the argument
             (:func:`mamba3_step.validation.check_step_inputs`).
     """
-    tensors = StepTensors(
+    tensors = _pack(StepTensors, (  # StepTensors(...) without the Python-level __new__ (the hot path)
         state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
         state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens,
-    )
-    options = dict(update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
-                   validate_indices=validate_indices)
-    if torch.compiler.is_compiling() or (isinstance(x, torch.Tensor) and type(x) is not torch.Tensor and is_fake(x)):
-        return step_through_op(tensors, **options)
-    spec, tensors, out = prepare_step(tensors, **options)
-    if tensors.batch == 0 or x.device.type == "meta":
+    ))
+    if torch.compiler.is_compiling() or (type(x) is not torch.Tensor and isinstance(x, torch.Tensor) and is_fake(x)):
+        return step_through_op(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
+                               validate_indices=validate_indices)
+    spec, tensors, out = _prepare(tensors, update_kv_state, tile_D, num_warps, validate_indices)
+    if tensors.x.shape[0] == 0 or x.is_meta:
         return out  # meta tensors: validated, shapes only
-    if x.is_cuda:
+    if runs_kernel(x):
         launch_step(spec, tensors)  # the CuteDSL kernel; compiled once per specialisation
     else:
-        mamba3_step_reference(tensors, update_kv_state=update_kv_state, compute_dtype=torch.float32)
+        host_step(spec, tensors)
     return out
+
+
+def runs_kernel(x: torch.Tensor) -> bool:
+    """Whether a step whose ``x`` is ``x`` runs the CuteDSL kernel (CUDA tensors) rather than
+    :func:`host_step` (``bench/bench_host.py`` replaces this to time the CUDA path on the CPU)."""
+    return x.is_cuda
+
+
+def host_step(spec: StepSpec, tensors: StepTensors) -> None:
+    """The step on CPU tensors: the PyTorch implementation of the contract, in float32."""
+    mamba3_step_reference(tensors, update_kv_state=spec.update_kv_state, compute_dtype=torch.float32)
 
 
 class PreparedStep(NamedTuple):
@@ -160,25 +178,43 @@ def prepare_step(tensors: StepTensors, *, update_kv_state=False, tile_D=None, nu
                  validate_indices=False) -> PreparedStep:
     """Everything :func:`mamba3_step_fn` does before the work itself, for every executor.
 
-    Validates the inputs (raising what :func:`mamba3_step_fn` documents), allocates ``out``
+    Validates the inputs (raising what :func:`mamba3_step_fn` documents; through
+    :func:`mamba3_step.validation.check_step_inputs_cached`, so a repeated call signature is
+    validated once and afterwards only its addresses are checked), allocates ``out``
     when it is None, views a one-token step given with a token axis as the plain step
     (:meth:`StepTensors.one_token_squeezed`), and with ``validate_indices`` checks the index
     values (pool mode, ``B > 0``). With ``B == 0`` the caller returns ``out`` at once.
     """
-    validate_indices = check_options(validate_indices=validate_indices)["validate_indices"]
-    spec = check_step_inputs(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
-    if tensors.null_slot_id is not None:
+    return PreparedStep(*_prepare(tensors, update_kv_state, tile_D, num_warps, validate_indices))
+
+
+def _prepare(tensors: StepTensors, update_kv_state, tile_D, num_warps, validate_indices) -> tuple:
+    """:func:`prepare_step` as a plain tuple ``(spec, tensors, out)`` (what the hot path unpacks)."""
+    if type(validate_indices) is not bool:
+        validate_indices = check_options(validate_indices=validate_indices)["validate_indices"]  # raises
+    spec = check_step_inputs_cached(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
+    if tensors.null_slot_id is not None and type(tensors.null_slot_id) is not int:
         tensors = tensors._replace(null_slot_id=int(tensors.null_slot_id))  # e.g. a numpy integer
     tensors = tensors.with_out()
     out = tensors.out
     tensors = tensors.one_token_squeezed()
-    if validate_indices and tensors.pool and tensors.x.device.type == "meta":
+    if validate_indices:
+        check_index_values(tensors)
+    return spec, tensors, out
+
+
+def check_index_values(tensors: StepTensors) -> None:
+    """What ``validate_indices=True`` adds to a validated call: in pool mode with ``B > 0``,
+    :func:`mamba3_step.validation.check_indices` (it synchronises); meta tensors are refused
+    (they hold no values)."""
+    if not tensors.pool:
+        return
+    if tensors.x.device.type == "meta":
         raise ValueError("validate_indices: expected index tensors holding values, got meta tensors "
                          "(pass validate_indices=False to check shapes only)")
-    if validate_indices and tensors.pool and tensors.batch > 0:
+    if tensors.batch > 0:
         check_indices(tensors.state_batch_indices, tensors.dst_state_batch_indices, tensors.state.shape[0],
                       tensors.null_slot_id, tensors.num_accepted_tokens)
-    return PreparedStep(spec, tensors, out)
 
 
 def step_through_op(tensors: StepTensors, *, update_kv_state=False, tile_D=None, num_warps=None,

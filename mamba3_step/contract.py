@@ -119,5 +119,5 @@ def source_rows(state_batch_indices, num_accepted_tokens=None):
 def out_shape(x: torch.Tensor, xproj: torch.Tensor, has_outproj: bool) -> tuple[int, ...]:
     """Shape of ``out``: (B, H, D) with outproj, else (B, R, H, D); x (B, H, D), xproj (R, H, D).
     With a token axis, x (B, T, H, D): (B, T, H, D) or (B, T, R, H, D)."""
-    lead, (H, D) = tuple(x.shape[:-2]), tuple(x.shape[-2:])
-    return lead + (H, D) if has_outproj else lead + (xproj.shape[0], H, D)
+    shape = tuple(x.shape)
+    return shape if has_outproj else shape[:-2] + (xproj.shape[0],) + shape[-2:]

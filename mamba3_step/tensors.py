@@ -105,8 +105,9 @@ class StepTensors(NamedTuple):
         """This bundle with ``out`` allocated (x's dtype and device) when it is None."""
         if self.out is not None:
             return self
-        shape = out_shape(self.x, self.xproj, self.outproj is not None)
-        return self._replace(out=torch.empty(shape, dtype=self.x.dtype, device=self.x.device))
+        x = self.x
+        out = torch.empty(out_shape(x, self.xproj, self.outproj is not None), dtype=x.dtype, device=x.device)
+        return tuple.__new__(StepTensors, self[:_OUT] + (out,) + self[_OUT + 1:])  # a fast _replace
 
     def dense_lanes(self, lanes: Tensor, rows: Tensor) -> "StepTensors":
         """A dense-mode bundle of lanes ``lanes`` reading pool rows ``rows`` (gathered copies).
@@ -120,6 +121,9 @@ class StepTensors(NamedTuple):
             picked[f] = None if t is None else t.index_select(0, lanes)
         weights = {f: getattr(self, f) for f in WEIGHT_FIELDS}
         return StepTensors(**picked, **weights)
+
+
+_OUT = StepTensors._fields.index("out")
 
 
 def kernel_arguments(spec, tensors: StepTensors) -> list:

@@ -34,7 +34,7 @@ LAYERS = [
     ["build"],  # the kernel's cutlass-free face: imports it lazily, on the first compile
     ["compile_cache"],
     ["launch"],
-    ["api"],
+    ["api", "plan"],  # plan: plan once, run many (StepPlan), beside the eager entry point
     ["ops", "serving"],
     ["inspection", "demo", "demo_speculative", "ptx_tier", "verify"],
     ["cli", "__main__"],

@@ -1,0 +1,203 @@
+"""Plan once, run many: the step for servers, validated once per call signature (issue 11).
+
+Letters (docs/contract.md): B lanes, T tokens, P pool rows, H heads, D head dim, N state size,
+R MIMO rank, K candidate source rows.
+
+::
+
+    plan = plan_step(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, out=out,
+                     z=z, zproj=zproj, state_batch_indices=slots, null_slot_id=0,
+                     update_kv_state=True)              # mamba3_step_fn's arguments: validated in full
+    ...
+    out = plan.run(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, out=out,
+                   z=z, zproj=zproj, state_batch_indices=slots, null_slot_id=0)   # every step
+
+:func:`plan_step` takes a call's arguments (a first step's tensors, or any tensors of the same
+shapes, strides, dtypes and device), validates them as :func:`mamba3_step.mamba3_step_fn` does and
+keeps the result as a :class:`~mamba3_step.validation.CheckedSignature`; on CUDA it also fetches
+the compiled kernel (compiling or loading it now, not during serving). :meth:`StepPlan.run` takes
+the tensor arguments again (the options are the plan's) and does, per call, only what can change
+between a server's steps: a guard that every tensor still has the planned type, shape, strides,
+dtype, device and ``requires_grad`` (and the planned arguments are None), that no written tensor
+is an inference tensor outside inference mode, that ``state``/``state_out`` start on 16 bytes and
+that no written tensor shares a byte with another argument. Then it launches the kernel (or runs
+the PyTorch path for CPU tensors) exactly as ``mamba3_step_fn`` would.
+
+A call the guard does not admit is validated in full first, so bad input gets exactly
+``mamba3_step_fn``'s named TypeError/ValueError and changes nothing. A *valid* call of another
+signature (another B, another ``null_slot_id``, a tensor with other strides, a different
+``torch.inference_mode`` state ...) raises :class:`StepPlanMismatch` (a ValueError) naming every
+argument that changed, planned vs got: a plan never falls back silently to the slow path. Make
+one plan per signature (per batch size, for instance); a signature shared by all the layers of
+a model needs one plan for all of them.
+
+``run`` allocates nothing but ``out`` when the plan was made without one (as ``mamba3_step_fn``
+does) and never synchronises (unless the plan was made with ``validate_indices=True``, the debug
+check, which synchronises and refuses CUDA-graph capture as ``mamba3_step_fn`` does), so it can
+be captured in a CUDA graph. A plan is immutable: threads may share it. Plans are for eager
+serving loops; under ``torch.compile`` call ``mamba3_step_fn`` (it becomes the custom op).
+"""
+
+from __future__ import annotations
+
+from operator import itemgetter
+
+import torch
+
+from .api import check_index_values, host_step, runs_kernel
+from .contract import out_shape
+from .launch import kernel_for
+from .spec import StepSpec
+from .tensors import KERNEL_ARGUMENT_NAMES, StepTensors, kernel_arguments
+from .validation import CheckedSignature, check_options, check_step_inputs
+from .validation.cache import ADMIT
+
+__all__ = ["StepPlan", "StepPlanMismatch", "plan_step"]
+
+_OUT = StepTensors._fields.index("out")
+#: the kernel's tensor arguments, picked from a validated call laid out like StepTensors (an
+#: absent optional tensor is None there, as :func:`~mamba3_step.tensors.kernel_arguments` passes it)
+_KERNEL_TENSORS = itemgetter(*(StepTensors._fields.index(name) for name in KERNEL_ARGUMENT_NAMES[:-1]))
+
+
+class StepPlanMismatch(ValueError):
+    """A valid call whose signature is not the plan's; the message names what changed."""
+
+
+class StepPlan:
+    """A validated call signature and what running it needs (see the module docstring).
+
+    Attributes:
+        spec: the :class:`~mamba3_step.spec.StepSpec` the planned calls compile to.
+        options: ``update_kv_state``, ``tile_D``, ``num_warps``, ``validate_indices`` as planned.
+    """
+
+    __slots__ = ("spec", "options", "_sig", "_inference", "_out_shape", "_out_dtype", "_out_device", "_trivial",
+                 "_kernel", "_null", "_fast", "_validate_indices")
+
+    def __init__(self, tensors: StepTensors, *, update_kv_state=False, tile_D=None, num_warps=None,
+                 validate_indices=False):
+        validate_indices = check_options(validate_indices=validate_indices)["validate_indices"]
+        spec = check_step_inputs(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
+        opts = check_options(update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
+        self.spec: StepSpec = spec
+        self.options = dict(update_kv_state=opts["update_kv_state"], tile_D=opts["tile_D"],
+                            num_warps=opts["num_warps"], validate_indices=validate_indices)
+        self._sig = CheckedSignature.from_call(spec, tensors)
+        self._inference = torch.is_inference_mode_enabled()
+        x = tensors.x
+        self._out_shape = out_shape(x, tensors.xproj, tensors.outproj is not None)
+        self._out_dtype, self._out_device = x.dtype, x.device
+        self._trivial = x.shape[0] == 0 or x.is_meta
+        self._validate_indices = validate_indices
+        if validate_indices and tensors.pool and x.is_meta:
+            check_index_values(tensors)  # raises: meta tensors hold no index values
+        self._null = -1 if tensors.null_slot_id is None else int(tensors.null_slot_id)
+        self._kernel = kernel_for(spec, x) if not self._trivial and runs_kernel(x) else None
+        one_token_axis = x.dim() == 4 and x.shape[1] == 1
+        self._fast = self._kernel is not None and not one_token_axis and not validate_indices
+
+    def run(self, state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj=None, state_out=None, out=None,
+            z=None, zproj=None, *, state_batch_indices=None, dst_state_batch_indices=None, null_slot_id=None,
+            num_accepted_tokens=None) -> torch.Tensor:
+        """One step of the planned signature: ``mamba3_step_fn``'s tensor arguments (shapes: its
+        docstring), without its options. Returns ``out`` (allocated when None, like
+        ``mamba3_step_fn``).
+
+        Raises:
+            TypeError, ValueError: bad input, exactly as ``mamba3_step_fn`` raises it.
+            StepPlanMismatch: a valid call of another signature (the message names what changed).
+        """
+        call = (state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
+                state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens)
+        if torch.is_inference_mode_enabled() is not self._inference or self._sig.admits(call) != ADMIT:
+            self._recheck(call)
+        if out is None:
+            out = torch.empty(self._out_shape, dtype=self._out_dtype, device=self._out_device)
+            call = call[:_OUT] + (out,) + call[_OUT + 1:]
+        if self._fast:
+            self._kernel(*_KERNEL_TENSORS(call), self._null)
+            return out
+        return self._execute(call, out)
+
+    __call__ = run
+
+    def _execute(self, call: tuple, out: torch.Tensor) -> torch.Tensor:
+        """What ``mamba3_step_fn`` does after its validation, for an admitted call with ``out``."""
+        tensors = StepTensors(*call)
+        if tensors.null_slot_id is not None:
+            tensors = tensors._replace(null_slot_id=self._null)  # e.g. a numpy integer
+        tensors = tensors.one_token_squeezed()
+        if self._validate_indices:
+            check_index_values(tensors)
+        if self._trivial:
+            return out
+        if self._kernel is not None:
+            self._kernel(*kernel_arguments(self.spec, tensors))
+        else:
+            host_step(self.spec, tensors)
+        return out
+
+    def _recheck(self, call: tuple) -> None:
+        """A call the guard did not admit: full validation (raising ``mamba3_step_fn``'s error for
+        bad input), then :class:`StepPlanMismatch` listing what differs from the plan. A call that
+        differs in nothing validation reads (e.g. a thread with other dispatch state) returns: it
+        has just been validated in full."""
+        options = {k: self.options[k] for k in ("update_kv_state", "tile_D", "num_warps")}
+        check_step_inputs(StepTensors(*call), **options)
+        changed = self._sig.differences(call)
+        mode = torch.is_inference_mode_enabled()
+        if mode is not self._inference:
+            changed.insert(0, f"torch.inference_mode: planned {'on' if self._inference else 'off'}, "
+                              f"got {'on' if mode else 'off'}")
+        if changed:
+            raise StepPlanMismatch(
+                "plan: this call is valid but is not the planned signature (" + "; ".join(changed) + "); make "
+                "a plan for it with mamba3_step.plan_step(...) or call mamba3_step_fn")
+
+    def __repr__(self) -> str:
+        return f"StepPlan({self.spec.key()}, out {tuple(self._out_shape)})"
+
+
+def plan_step(
+    state: torch.Tensor,
+    Bstate: torch.Tensor,
+    Xstate: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    trap: torch.Tensor,
+    xproj: torch.Tensor,
+    outproj: torch.Tensor | None = None,
+    state_out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    zproj: torch.Tensor | None = None,
+    *,
+    state_batch_indices: torch.Tensor | None = None,
+    dst_state_batch_indices: torch.Tensor | None = None,
+    null_slot_id: int | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    update_kv_state: bool = False,
+    tile_D: int | None = None,
+    num_warps: int | None = None,
+    validate_indices: bool = False,
+) -> StepPlan:
+    """A :class:`StepPlan` for calls with this signature: ``mamba3_step_fn``'s arguments (shapes,
+    dtypes, options: its docstring; B lanes, T tokens, P pool rows, H heads, D head dim, N state
+    size, R MIMO rank). The tensors are validated in full, as ``mamba3_step_fn`` validates them,
+    and nothing is computed or written; on CUDA the kernel is compiled or loaded now.
+
+    ``out`` None plans calls without ``out`` (each run allocates it); a given ``out`` plans calls
+    with an ``out`` of its signature. ``null_slot_id`` is part of the signature.
+
+    Raises:
+        TypeError, ValueError: what ``mamba3_step_fn`` raises for these arguments.
+    """
+    tensors = StepTensors(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
+                          state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens)
+    return StepPlan(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
+                    validate_indices=validate_indices)

@@ -1,0 +1,306 @@
+"""Validation once per signature: what ``check_step_inputs`` leaves behind, reused by later calls.
+
+Letters (docs/contract.md): B lanes, T tokens, P pool rows, H heads, D head dim, N state size,
+R MIMO rank, K candidate source rows.
+
+:func:`~mamba3_step.validation.step.check_step_inputs` (about 200 us for the flagship) reads
+the call's metadata (which arguments are given, and per tensor its Python type, shape, strides,
+dtype, device, ``requires_grad`` and whether it is an inference tensor), the options, whether
+``torch.inference_mode`` is on, and the data pointers. Between the calls of a server only the
+data pointers change. So a successful full validation is kept as a :class:`CheckedSignature`:
+
+* a **guard** on everything but the addresses: :func:`make_guard` (torch's C++ tensor guard,
+  the one ``torch.compile`` uses, comparing exact type, dispatch keys, dtype, device, sizes,
+  strides and ``requires_grad`` of every given tensor; a plain-Python tuple comparison where
+  that is unavailable), plus which arguments are None;
+* the **address plan**: which tensors must start on 16 bytes (``state``, ``state_out``), each
+  non-empty tensor's byte extent (fixed by its shape, strides and dtype), which are written.
+
+:meth:`CheckedSignature.admits` answers a later call: ``MISS`` (another signature),
+``ADMIT`` (same signature, aligned, no written tensor sharing a byte with another argument, no
+written inference tensor outside inference mode) or ``RECHECK`` (same signature, but one of
+those address or mode checks fails). The guard is only ever stricter than the full validation
+(a tensor it refuses may still be valid: then the full validation runs), and the address plan
+decides exactly what the full validation's address checks decide; on ``RECHECK`` the caller
+runs the full validation, which raises the named error, so the messages are always the full
+validation's own.
+
+:class:`ValidationCache` maps a cheap key (``x``'s shape, the options, the inference-mode flag)
+to a few signatures; :data:`VALIDATION_CACHE` is the process-wide one behind
+:func:`check_step_inputs_cached` (what ``mamba3_step_fn`` and ``prepare_step`` call).
+Failures are never cached: a refused call runs the full validation every time.
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left, bisect_right
+from operator import add, is_not, itemgetter
+from typing import Callable
+
+import torch
+
+from ..contract import VECTOR_BYTES
+from ..spec import StepSpec
+from ..tensors import StepTensors
+from . import checks
+from .step import check_step_inputs
+from .table import RULE_BY_NAME, is_written
+
+try:  # the guard torch.compile installs on tensors (C++); absent or changed -> plain Python
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - depends on the torch build
+    _TensorGuards = None
+
+__all__ = ["ADMIT", "CheckedSignature", "MISS", "RECHECK", "TENSOR_SLOTS", "VALIDATION_CACHE", "ValidationCache",
+           "check_step_inputs_cached", "make_guard", "python_guard", "tensor_signature"]
+
+#: verdicts of :meth:`CheckedSignature.admits`
+MISS, ADMIT, RECHECK = 0, 1, 2
+
+#: positions of the tensor arguments in a StepTensors (every field but ``null_slot_id``)
+TENSOR_SLOTS = tuple(i for i, name in enumerate(StepTensors._fields) if name != "null_slot_id")
+_NULL_SLOT = StepTensors._fields.index("null_slot_id")
+_X = StepTensors._fields.index("x")
+_STATE_OUT = StepTensors._fields.index("state_out")
+_data_ptr = torch.Tensor.data_ptr
+_is_inference = torch.Tensor.is_inference
+_Tensor = torch.Tensor
+
+
+def tensor_signature(t: torch.Tensor) -> tuple:
+    """What validation reads of one tensor besides its address: (type, shape, strides, dtype,
+    device, requires_grad, is_inference)."""
+    return (type(t), tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, t.is_inference())
+
+
+def python_guard(tensors: tuple) -> Callable[..., bool]:
+    """A guard in plain Python: ``guard(*tensors)`` is True when every tensor has the same
+    :func:`tensor_signature` as ``tensors`` (used where torch's C++ guard is unavailable)."""
+    expected = tuple(tensor_signature(t) for t in tensors)
+
+    def guard(*given) -> bool:
+        if len(given) != len(expected) or not all(isinstance(t, _Tensor) for t in given):
+            return False
+        return tuple(tensor_signature(t) for t in given) == expected
+
+    return guard
+
+
+def make_guard(tensors: tuple, prefer_cpp: bool = True) -> Callable[..., bool]:
+    """``guard(*given) -> bool``: True only if each given tensor matches the one in ``tensors`` in
+    exact Python type, dtype, device, sizes, strides and ``requires_grad`` (and, as far as the
+    thread's dispatch state lets dispatch keys tell, inference-ness: :meth:`CheckedSignature.admits`
+    checks that of written tensors itself). torch's C++ ``TensorGuards`` when it works here (about
+    0.1 us per tensor), else :func:`python_guard` (about 0.6 us per tensor)."""
+    if prefer_cpp and _TensorGuards is not None:
+        try:
+            g = _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                              dynamic_dims_strides=[list(t.stride()) for t in tensors])
+            if g.check(*tensors) is True:
+                return g.check
+        except Exception:  # noqa: BLE001 - another torch version's signature: use the Python guard
+            pass
+    return python_guard(tensors)
+
+
+_SPECS: dict = {}  # one object per distinct StepSpec handed out by signatures
+
+
+def _interned(spec: StepSpec) -> StepSpec:
+    """The one object equal to ``spec`` that every signature returns: a dict keyed by it (the
+    compile cache's) then finds it by identity, without comparing 18 fields."""
+    if len(_SPECS) > 4096:
+        _SPECS.clear()
+    return _SPECS.setdefault(spec, spec)
+
+
+def _tuple_getter(positions: tuple) -> Callable[[tuple], tuple]:
+    """``f(seq) -> tuple(seq[i] for i in positions)``, a C-level itemgetter where possible."""
+    if len(positions) >= 2:
+        return itemgetter(*positions)
+    if len(positions) == 1:
+        (i,) = positions
+        return lambda seq: (seq[i],)
+    return lambda seq: ()
+
+
+class CheckedSignature:
+    """One successful full validation, kept to admit later calls with the same signature.
+
+    Build it with :meth:`from_call` right after ``check_step_inputs`` accepted ``tensors`` with
+    these options. ``spec`` is that validation's result. ``call`` arguments below are any
+    sequence laid out like :class:`~mamba3_step.tensors.StepTensors` (a StepTensors, or a plain
+    tuple of its 20 fields).
+    """
+
+    __slots__ = ("spec", "inference_mode", "present", "_pick", "_absent", "_nones", "_guard", "_written",
+                 "_addr", "_extents", "_aligned", "_written_addr", "signatures", "null_slot_id")
+
+    def __init__(self, spec: StepSpec, tensors, inference_mode: bool, prefer_cpp: bool = True):
+        self.spec = _interned(spec)
+        self.inference_mode = inference_mode
+        self.null_slot_id = tensors[_NULL_SLOT]
+        self.present = tuple(i for i in TENSOR_SLOTS if tensors[i] is not None)
+        absent = tuple(i for i in TENSOR_SLOTS if tensors[i] is None)
+        self._pick = _tuple_getter(self.present)
+        self._absent = _tuple_getter(absent)
+        self._nones = (None,) * len(absent)
+        given = self._pick(tensors)
+        self._guard = make_guard(given, prefer_cpp)
+        self.signatures = tuple(tensor_signature(t) for t in given)  # for messages (what changed)
+        names = [StepTensors._fields[i] for i in self.present]
+        has_state_out = tensors[_STATE_OUT] is not None
+        written = [is_written(RULE_BY_NAME[n], has_state_out, spec.update_kv_state) for n in names]
+        self._written = _tuple_getter(tuple(k for k, w in enumerate(written) if w))
+        spans = [checks.byte_span(t) for t in given]
+        addr = [k for k, span in enumerate(spans) if span is not None]
+        self._addr = None if len(addr) == len(given) else _tuple_getter(tuple(addr))  # None: all of them
+        self._extents = tuple(spans[k][1] - spans[k][0] for k in addr)
+        self._aligned = tuple(j for j, k in enumerate(addr) if RULE_BY_NAME[names[k]].vector_aligned)
+        self._written_addr = tuple((j, self._extents[j]) for j, k in enumerate(addr) if written[k])
+
+    @classmethod
+    def from_call(cls, spec: StepSpec, tensors, prefer_cpp: bool = True) -> "CheckedSignature":
+        """The signature of a call that ``check_step_inputs`` just accepted (result ``spec``)."""
+        return cls(spec, tensors, torch.is_inference_mode_enabled(), prefer_cpp)
+
+    def admits(self, call) -> int:
+        """:data:`MISS`, :data:`ADMIT` or :data:`RECHECK` for ``call`` (see the module docstring).
+
+        Assumes the options and the inference-mode flag are those of this signature (the caller's
+        key or plan holds them); ``null_slot_id`` is compared here.
+        """
+        if any(map(is_not, self._absent(call), self._nones)):
+            return MISS
+        given = self._pick(call)
+        if not self._guard(*given):
+            return MISS
+        nsi = call[_NULL_SLOT]
+        if nsi is not self.null_slot_id and (type(nsi) is not type(self.null_slot_id) or nsi != self.null_slot_id):
+            return MISS
+        if not self.inference_mode and any(map(_is_inference, self._written(given))):
+            return RECHECK
+        return ADMIT if self._addresses_ok(given if self._addr is None else self._addr(given)) else RECHECK
+
+    def _addresses_ok(self, tensors: tuple) -> bool:
+        """16-byte alignment of the vector-aligned tensors, and no written tensor sharing a byte
+        with any other argument: the full validation's address checks, from the extents."""
+        starts = list(map(_data_ptr, tensors))
+        for j in self._aligned:
+            if starts[j] % VECTOR_BYTES:
+                return False
+        by_start, by_end = sorted(starts), sorted(map(add, starts, self._extents))
+        for j, extent in self._written_addr:
+            # the tensors overlapping [start, start + extent) are those starting before its end
+            # minus those ending at or before its start (all of which start before its end):
+            # itself and, if the call is refused, at least one more
+            start = starts[j]
+            if bisect_left(by_start, start + extent) - bisect_right(by_end, start) > 1:
+                return False
+        return True
+
+    def differences(self, call) -> list[str]:
+        """What differs between ``call`` and this signature, one phrase per argument (messages)."""
+        out = []
+        fields = StepTensors._fields
+        present = set(self.present)
+        for i in TENSOR_SLOTS:
+            name, t = fields[i], call[i]
+            if (i in present) != (t is not None):
+                out.append(f"{name}: planned {'a tensor' if i in present else 'None'}, got "
+                           f"{'None' if t is None else 'a tensor'}")
+            elif t is not None and isinstance(t, torch.Tensor):
+                want = self.signatures[self.present.index(i)]
+                got = tensor_signature(t)
+                for label, a, b in zip(_SIGNATURE_LABELS, want, got):
+                    if a != b:
+                        out.append(f"{name}: planned {label} {_show(a)}, got {_show(b)}")
+        if call[_NULL_SLOT] != self.null_slot_id or type(call[_NULL_SLOT]) is not type(self.null_slot_id):
+            out.append(f"null_slot_id: planned {self.null_slot_id!r}, got {call[_NULL_SLOT]!r}")
+        return out
+
+
+_SIGNATURE_LABELS = ("type", "shape", "strides", "dtype", "device", "requires_grad", "is_inference")
+
+
+def _show(value) -> str:
+    if isinstance(value, type):
+        return value.__qualname__
+    return str(value)
+
+
+class ValidationCache:
+    """Bounded, thread-safe map from a call's cheap key to the signatures validated under it.
+
+    :meth:`check` is ``check_step_inputs`` with a memory: the same result or the same exception
+    for every call. A lookup takes no lock (one dict read of an immutable tuple); inserting and
+    evicting (oldest key first, past ``max_keys``; at most ``per_key`` signatures a key, newest
+    first) take the lock.
+    """
+
+    def __init__(self, max_keys: int = 512, per_key: int = 4, prefer_cpp: bool = True):
+        self.max_keys, self.per_key, self.prefer_cpp = max_keys, per_key, prefer_cpp
+        self._entries: dict = {}
+        self._lock = threading.Lock()
+        self.full_validations = 0  # how often check() ran the full validation
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in list(self._entries.values()))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def check(self, tensors: StepTensors, *, update_kv_state=False, tile_D=None, num_warps=None) -> StepSpec:
+        """``check_step_inputs(tensors, ...)``, answered from the cache when a signature admits
+        the call; otherwise the full validation runs (raising its named error) and, for a call of
+        plain tensors and plain options, its result is kept."""
+        key = call_key(tensors, update_kv_state, tile_D, num_warps)
+        if key is not None:
+            for sig in self._entries.get(key, ()):
+                verdict = sig.admits(tensors)
+                if verdict == ADMIT:
+                    return sig.spec
+                if verdict == RECHECK:
+                    key = None  # the full validation below raises; if not, nothing new to keep
+                    break
+        with self._lock:
+            self.full_validations += 1
+        spec = check_step_inputs(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
+        if key is None:
+            return spec
+        sig = CheckedSignature.from_call(spec, tensors, self.prefer_cpp)
+        self.insert(key, sig)
+        return sig.spec
+
+    def insert(self, key, sig: CheckedSignature) -> None:
+        with self._lock:
+            old = self._entries.get(key)
+            if old is None and len(self._entries) >= self.max_keys:
+                del self._entries[next(iter(self._entries))]
+            self._entries[key] = (sig,) + (old or ())[: self.per_key - 1]
+
+
+def call_key(tensors, update_kv_state, tile_D, num_warps):
+    """The cache key of a call, or None when it is not cached (a non-plain ``x``, or an option of
+    another type than bool/int/None: those take the full validation every time)."""
+    x, nsi = tensors[_X], tensors[_NULL_SLOT]
+    if type(x) is not _Tensor or type(update_kv_state) is not bool:
+        return None
+    for v in (tile_D, num_warps, nsi):
+        if v is not None and type(v) is not int:
+            return None
+    return (x.shape, update_kv_state, tile_D, num_warps, nsi, torch.is_inference_mode_enabled())
+
+
+#: the process-wide cache behind :func:`check_step_inputs_cached`
+VALIDATION_CACHE = ValidationCache()
+
+
+def check_step_inputs_cached(tensors: StepTensors, *, update_kv_state=False, tile_D=None,
+                             num_warps=None) -> StepSpec:
+    """:func:`~mamba3_step.validation.step.check_step_inputs` through :data:`VALIDATION_CACHE`:
+    the same StepSpec or the same exception; a repeated signature costs the guard and the address
+    checks (a few microseconds for the flagship, ``bench/bench_host.py``) instead of about 250 us."""
+    return VALIDATION_CACHE.check(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
