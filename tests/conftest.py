@@ -11,6 +11,15 @@ Options and markers
 * ``@pytest.mark.gpu``: skipped when ``torch.cuda.is_available()`` is False. GPU tests live in
   ``tests/gpu/``.
 * Every test process uses its own kernel cache directory (``MAMBA3_STEP_CACHE_DIR``).
+
+Parallel runs
+-------------
+``pyproject.toml`` runs the suite on ``pytest-xdist`` workers (``-n auto --dist loadgroup``; at
+most :data:`MAX_WORKERS`, ``-n0`` for one process). Compiling a specialisation is the costly part
+and each process compiles a specialisation once per architecture (``ptx_tier.ptx_kernel`` and
+test_kernel_compile's facts), so the tests that take one specialisation as a parameter (its
+compiler facts, its executed checks) share an ``xdist_group`` per architecture and run in one
+process.
 """
 
 from __future__ import annotations
@@ -31,6 +40,34 @@ def pytest_addoption(parser):
     )
 
 
+#: at most this many xdist workers with ``-n auto`` (each imports torch and the DSL, and compiles)
+MAX_WORKERS = 8
+
+#: the tables of test_kernel_compile.py that name a specialisation by its ``name`` parameter (the
+#: PTX execution tier's test modules import COVERING and MULTI_TOKEN from there)
+_SPEC_TABLES = ("COVERING", "MULTI_TOKEN", "COVERING_TOKENS")
+
+
+def pytest_xdist_auto_num_workers(config):
+    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+
+
+def _compile_group(item) -> str | None:
+    """``key@arch`` of the specialisation a test compiles, when it takes one as a parameter (a
+    ``name`` of one of :data:`_SPEC_TABLES`, or a ``spec``; ``arch`` defaults to sm_90a, the PTX
+    execution tier's), else None."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    spec = params.get("spec")
+    if spec is None and "name" in params:
+        tables = [getattr(item.module, t, None) for t in _SPEC_TABLES]
+        spec = next((t[params["name"]] for t in tables if isinstance(t, dict) and params["name"] in t), None)
+    try:
+        key = spec.with_default_tiling().key()
+    except Exception:  # not a specialisation, or not a compilable one: no group
+        return None
+    return f"{key}@{params.get('arch', 'sm_90a')}"
+
+
 def pytest_collection_modifyitems(config, items):
     full = config.getoption("--full-matrix")
     has_cuda = torch.cuda.is_available()
@@ -41,6 +78,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_full)
         if item.get_closest_marker("gpu") is not None and not has_cuda:
             item.add_marker(skip_gpu)
+        group = _compile_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture
