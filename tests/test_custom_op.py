@@ -97,6 +97,8 @@ class ToyLayer(torch.nn.Module):
     bytes must agree exactly.
     """
 
+    step = staticmethod(mamba3_step_op)
+
     def __init__(self, w):
         super().__init__()
         for k, v in w.items():
@@ -105,9 +107,8 @@ class ToyLayer(torch.nn.Module):
     def forward(self, state, Bstate, Xstate, slots, hidden, A, dt, trap, B, C, z):
         n = hidden.shape[0]
         x = (hidden * 0.5).to(torch.bfloat16).view(n, H, D)
-        out = mamba3_step_op(state, Bstate, Xstate, A, B, C, self.D, x, dt, trap, self.xproj, self.outproj,
-                             z=z, zproj=self.zproj, state_batch_indices=slots, null_slot_id=0,
-                             update_kv_state=True)
+        out = self.step(state, Bstate, Xstate, A, B, C, self.D, x, dt, trap, self.xproj, self.outproj,
+                        z=z, zproj=self.zproj, state_batch_indices=slots, null_slot_id=0, update_kv_state=True)
         return hidden + out.float().reshape(n, H * D)
 
 
@@ -211,21 +212,10 @@ def test_mamba3_step_fn_under_fake_tensor_mode_validates_with_named_errors():
                            state_batch_indices=slots, update_kv_state=1)
 
 
-class FnLayer(torch.nn.Module):
+class FnLayer(ToyLayer):
     """ToyLayer calling mamba3_step_fn itself (not the op wrapper)."""
 
-    def __init__(self, w):
-        super().__init__()
-        for k, v in w.items():
-            self.register_buffer(k, v)
-
-    def forward(self, state, Bstate, Xstate, slots, hidden, A, dt, trap, B, C, z):
-        n = hidden.shape[0]
-        x = (hidden * 0.5).to(torch.bfloat16).view(n, H, D)
-        out = mamba3_step_fn(state, Bstate, Xstate, A, B, C, self.D, x, dt, trap, self.xproj, self.outproj,
-                             z=z, zproj=self.zproj, state_batch_indices=slots, null_slot_id=0,
-                             update_kv_state=True)
-        return hidden + out.float().reshape(n, H * D)
+    step = staticmethod(mamba3_step_fn)
 
 
 def test_mamba3_step_fn_compiles_fullgraph_with_the_same_bytes_as_eager():

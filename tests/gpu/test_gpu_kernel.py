@@ -82,19 +82,25 @@ def _parity(P, B, update_kv_state, with_dst, layout):
                       seed=B)
 
 
+def _kernel_and_references(inputs: dict, indices: dict) -> tuple:
+    """One step three ways on copies of ``inputs``: the kernel, the float64 reference (inputs
+    promoted) and PyTorch-float32; each as (its tensors after the step, its out)."""
+    ref64 = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+             for k, v in clone_inputs(inputs).items()}
+    out64 = mamba3_step_reference(StepTensors(**ref64, **indices), compute_dtype=torch.float64)
+    t32 = clone_inputs(inputs)
+    out32 = mamba3_step_reference(StepTensors(**t32, **indices), compute_dtype=torch.float32)
+    run = clone_inputs(inputs)
+    out = mamba3_step_fn(**run, **indices)
+    torch.cuda.synchronize()
+    return (run, out), (ref64, out64), (t32, out32)
+
+
 def _accuracy_case(B, P, shape, dtypes, seed):
     inputs = make_inputs(B, P, **shape, **dtypes, seed=seed, device=DEV)
     src, dst, kinds = make_pool_indices(B, P, n_pad=2, layout="interleaved", pad_kinds=("negative", "oob"),
                                         seed=seed, device=DEV)
-    pool = dict(state_batch_indices=src)
-    ref64 = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-             for k, v in clone_inputs(inputs).items()}
-    out64 = mamba3_step_reference(StepTensors(**ref64, **pool), compute_dtype=torch.float64)
-    t32 = clone_inputs(inputs)
-    out32 = mamba3_step_reference(StepTensors(**t32, **pool), compute_dtype=torch.float32)
-    run = clone_inputs(inputs)
-    out = mamba3_step_fn(**run, **pool)
-    torch.cuda.synchronize()
+    (run, out), (ref64, out64), (t32, out32) = _kernel_and_references(inputs, dict(state_batch_indices=src))
     live = torch.tensor([k == "live" for k in kinds], device=DEV)
     rows = src[live].long()
     scale_out = out64.abs().max().item()
@@ -273,14 +279,7 @@ def test_multi_token_accuracy(T, state_dtype):
     inputs = make_inputs(B, P, H=3, D=64, N=128, R=4, state_dtype=state_dtype, tokens=T, seed=T, device=DEV)
     sbi, nat, dst, _ = _token_indices(B, P, T, "accepted+per-token", "separate", seed=T)
     idx = dict(state_batch_indices=sbi, num_accepted_tokens=nat, dst_state_batch_indices=dst, null_slot_id=0)
-    ref64 = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-             for k, v in clone_inputs(inputs).items()}
-    out64 = mamba3_step_reference(StepTensors(**ref64, **idx), compute_dtype=torch.float64)
-    t32 = clone_inputs(inputs)
-    out32 = mamba3_step_reference(StepTensors(**t32, **idx), compute_dtype=torch.float32)
-    run = clone_inputs(inputs)
-    out = mamba3_step_fn(**run, **idx)
-    torch.cuda.synchronize()
+    (run, out), (ref64, out64), (t32, out32) = _kernel_and_references(inputs, idx)
     for what, got, want, fp32 in (("out", out, out64, out32), ("state", run["state"], ref64["state"], t32["state"])):
         assert_accurate(what, got, want, fp32, want.abs().max().item())
 
