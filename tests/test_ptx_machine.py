@@ -349,6 +349,20 @@ def test_race_detectors():
     assert analysis.intra_cta_races(res, shared=True) == []
 
 
+@pytest.mark.parametrize("batch", [1, 100, 300, 1 << 20])
+def test_intra_cta_races_are_the_same_in_batches_of_whole_ctas(batch, monkeypatch):
+    """The shared-memory race analysis runs a batch of whole CTAs at a time (bounded memory for
+    big launches): the same races, in CTA order, whatever the batch size (one CTA: 128 accesses)."""
+    decls = ".shared .align 16 .b8 buf[512];\n"
+    racy = SHARED_ROTATE.replace("  bar.sync 0;\n", "")
+    res = run_kernel(racy, {"out": _out(64 * 5)}, grid=(5, 1, 1), block=(64, 1, 1), decls=decls,
+                     record_shared=True)
+    whole = analysis.intra_cta_races(res, shared=True)
+    assert len(whole) == 10 and [cta for _, cta, _ in whole] == sorted(cta for _, cta, _ in whole)
+    monkeypatch.setattr(analysis, "RACE_BATCH_ACCESSES", batch)
+    assert analysis.intra_cta_races(res, shared=True) == whole
+
+
 def test_bytes_touched_per_region():
     src = torch.zeros(256, dtype=torch.int32)
     mem_out = _out()

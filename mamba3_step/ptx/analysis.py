@@ -206,15 +206,42 @@ def cta_races(result: RunResult) -> list:
     return races[:10]
 
 
+#: accesses analysed at once by :func:`intra_cta_races` (whole CTAs per batch): each access
+#: expands to one entry per byte and several int64 arrays, about 1 KiB per access in all
+RACE_BATCH_ACCESSES = 1 << 20
+
+
 def intra_cta_races(result: RunResult, shared: bool = False) -> list:
     """Bytes touched by two threads of one CTA between the same barriers, one of them writing:
-    ``[(address, cta, threads)]`` (at most 10)."""
+    ``[(address, cta, threads)]`` (at most 10), in CTA order.
+
+    A race is within one CTA, so the log is analysed a batch of whole CTAs at a time (about
+    :data:`RACE_BATCH_ACCESSES` accesses): the memory stays bounded however large the launch.
+    """
     a = _flat(result, shared)
     if not len(a["addr"]):
         return []
-    bytes_, owner = _byte_ranges(a["addr"], a["width"])
-    cta = cta_of(result, a["thread"])[owner]
-    epoch, thread, wr = a["epoch"][owner], a["thread"][owner], a["write"][owner]
+    cta = cta_of(result, a["thread"])
+    order = np.argsort(cta, kind="stable")
+    cta_sorted = cta[order]
+    firsts = np.flatnonzero(np.r_[True, cta_sorted[1:] != cta_sorted[:-1]])  # first access of each CTA
+    hits: list = []
+    start = 0
+    while start < len(order) and len(hits) < 10:
+        # whole CTAs, up to the batch size (a CTA larger than it is a batch of its own)
+        k = np.searchsorted(firsts, start + RACE_BATCH_ACCESSES, side="right") - 1
+        stop = int(firsts[k]) if firsts[k] > start else int(firsts[k + 1]) if k + 1 < len(firsts) else len(order)
+        sel = order[start:stop]
+        hits += _races_in(a["addr"][sel], a["width"][sel], cta[sel], a["epoch"][sel], a["thread"][sel],
+                          a["write"][sel])
+        start = stop
+    return hits[:10]
+
+
+def _races_in(addr, width, cta, epoch, thread, write) -> list:
+    """:func:`intra_cta_races` of the accesses given (flat arrays, whole CTAs)."""
+    bytes_, owner = _byte_ranges(addr, width)
+    cta, epoch, thread, wr = cta[owner], epoch[owner], thread[owner], write[owner]
     b = bytes_.astype(np.int64)
     order = np.lexsort((thread, b, epoch, cta))
     cta, epoch, b, thread, wr = cta[order], epoch[order], b[order], thread[order], wr[order]
