@@ -32,6 +32,11 @@ region subtracted); the calibration ops (``torch.add`` of two 16-element fp32 te
 ``torch.empty`` of the flagship's ``out``) are timed in the same rounds, interleaved, so the
 figures can be compared across machines as multiples of them. Host-side only: no GPU involved.
 
+The per-call check of a validated signature runs in C where ``mamba3_step.validation._admit``
+is built (``setup.py``), else in Python; the columns ``eager (py)`` and ``plan.run (py)`` time the
+same calls (``out`` given) with the Python check, in the same rounds, so the two can be read side
+by side (equal where the C module is not built: the header says which check the main columns use).
+
 Writes ``bench_host.json`` (and ``bench_host.png`` when matplotlib is importable) to
 ``bench/results/`` (or ``--out``).
 """
@@ -54,13 +59,13 @@ from mamba3_step import api, compile_cache, launch, mamba3_step_fn, plan, plan_s
 from mamba3_step.build import KernelBuilder  # noqa: E402
 from mamba3_step.spec import FLAGSHIP_HEADS  # noqa: E402
 from mamba3_step.tensors import StepTensors  # noqa: E402
-from mamba3_step.validation import VALIDATION_CACHE, ValidationCache, check_step_inputs  # noqa: E402
+from mamba3_step.validation import ValidationCache, cache, check_step_inputs  # noqa: E402
 
 BATCHES = (1, 64, 256)
 SETS = 8  # per-step tensor sets cycled through (two layers, alternating)
 H, D, N, R = FLAGSHIP_HEADS, 64, 128, 4
 CASES = ("torch.add", "torch.empty(out)", "eager (out given)", "eager (out=None)", "plan.run (out given)",
-         "plan.run (out=None)")
+         "plan.run (out=None)", "eager, Python check (out given)", "plan.run, Python check (out given)")
 FULL = "check_step_inputs (full validation)"
 MISS = "first call of a signature (cache miss)"
 
@@ -157,27 +162,37 @@ def measure_batch(B: int, kernel: NoopKernel, calls_per_round: int, rounds: int,
     options = dict(update_kv_state=True)
     p_out = plan_step(*calls[0][0], **calls[0][1], **options)
     p_none = plan_step(*no_out[0][0], **no_out[0][1], **options)
+    p_python = _python_check_plan(calls[0], options)
+    python_cache = ValidationCache(prefer_native=False)
     out_shape = tuple(calls[0][0][13].shape)
     eager = [(args, dict(kwargs, **options)) for args, kwargs in calls]
     eager_no_out = [(args, dict(kwargs, **options)) for args, kwargs in no_out]
-    cases = {  # name: (function, its calls (args, kwargs), whether each call must launch)
-        "torch.add": (torch.add, [((torch.ones(16), torch.ones(16)), {})], False),
-        "torch.empty(out)": (torch.empty, [((out_shape,), {"dtype": torch.bfloat16})], False),
-        "eager (out given)": (mamba3_step_fn, eager, True),
-        "eager (out=None)": (mamba3_step_fn, eager_no_out, True),
-        "plan.run (out given)": (p_out.run, calls, True),
-        "plan.run (out=None)": (p_none.run, no_out, True),
+    default_cache = cache.VALIDATION_CACHE
+    cases = {  # name: (function, its calls (args, kwargs), whether each call must launch, eager's cache)
+        "torch.add": (torch.add, [((torch.ones(16), torch.ones(16)), {})], False, default_cache),
+        "torch.empty(out)": (torch.empty, [((out_shape,), {"dtype": torch.bfloat16})], False, default_cache),
+        "eager (out given)": (mamba3_step_fn, eager, True, default_cache),
+        "eager (out=None)": (mamba3_step_fn, eager_no_out, True, default_cache),
+        "plan.run (out given)": (p_out.run, calls, True, default_cache),
+        "plan.run (out=None)": (p_none.run, no_out, True, default_cache),
+        "eager, Python check (out given)": (mamba3_step_fn, eager, True, python_cache),
+        "plan.run, Python check (out given)": (p_python.run, calls, True, default_cache),
     }
-    for fn, cs, _ in cases.values():  # warm-up: validation cache filled, kernel "compiled"
-        _timed(fn, cs, 2 * SETS, 0)
-    samples = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, (fn, cs, launches) in cases.items():
-            before = next(kernel.calls)
-            samples[name] += _timed(fn, cs, calls_per_round, overhead)
-            launched = next(kernel.calls) - before - 1
-            if launches and launched != calls_per_round:
-                raise AssertionError(f"{name}: {launched} launches for {calls_per_round} calls")
+    try:
+        for fn, cs, _, eager_cache in cases.values():  # warm-up: validation caches filled, kernel "compiled"
+            cache.VALIDATION_CACHE = eager_cache
+            _timed(fn, cs, 2 * SETS, 0)
+        samples = {name: [] for name in cases}
+        for _ in range(rounds):
+            for name, (fn, cs, launches, eager_cache) in cases.items():
+                cache.VALIDATION_CACHE = eager_cache
+                before = next(kernel.calls)
+                samples[name] += _timed(fn, cs, calls_per_round, overhead)
+                launched = next(kernel.calls) - before - 1
+                if launches and launched != calls_per_round:
+                    raise AssertionError(f"{name}: {launched} launches for {calls_per_round} calls")
+    finally:
+        cache.VALIDATION_CACHE = default_cache
     row = {"batch": B, "heads": H}
     for name, values in samples.items():
         row[name] = statistics.median(values) / 1000
@@ -190,9 +205,23 @@ def measure_batch(B: int, kernel: NoopKernel, calls_per_round: int, rounds: int,
     return row
 
 
+def _python_check_plan(call, options):
+    """A plan whose signature checks calls with the Python definition (``admits_python``), for
+    the side-by-side columns; the same plan otherwise."""
+    native = cache.NATIVE
+    cache.NATIVE = False
+    try:
+        p = plan_step(*call[0], **call[1], **options)
+    finally:
+        cache.NATIVE = native
+    assert not p._sig.native
+    return p
+
+
 HEADERS = {"torch.add": "torch.add", "torch.empty(out)": "torch.empty", "eager (out given)": "eager",
            "eager (out=None)": "eager out=None", "plan.run (out given)": "plan.run",
-           "plan.run (out=None)": "plan.run out=None", FULL: "full validation", MISS: "cache miss"}
+           "plan.run (out=None)": "plan.run out=None", "eager, Python check (out given)": "eager (py)",
+           "plan.run, Python check (out given)": "plan.run (py)", FULL: "full validation", MISS: "cache miss"}
 COLUMNS = [("batch", "B", ">d")] + [(c, HEADERS[c], ">.2f") for c in CASES] + \
     [(c, HEADERS[c], ">.0f") for c in (FULL, MISS)]
 
@@ -215,18 +244,21 @@ def main(argv=None) -> int:
     env = _util.environment()
     env["cpu_cores"] = os.cpu_count()
     mode = "inside torch.inference_mode()" if opts.inference_mode else "outside inference mode"
+    check = "in C (mamba3_step.validation._admit)" if cache.NATIVE else "in Python (the C module is not built here)"
     print(f"host overhead per step, median microseconds (CPU only, no GPU; {env['date_utc']}, "
           f"torch {env.get('torch')}, {os.cpu_count()} cores); flagship H={H} D={D} N={N} R={R}, pool mode, "
-          f"update_kv_state, {mode}; the kernel launch is a no-op")
+          f"update_kv_state, {mode}; the kernel launch is a no-op; per-call check {check}, '(py)': the Python "
+          f"check in the same run")
     print(_util.format_table(rows, COLUMNS))
     print("as multiples of torch.add: " + "; ".join(
         f"B={r['batch']}: eager {r['eager (out given)'] / r['torch.add']:.1f}x / "
         f"{r['eager (out=None)'] / r['torch.add']:.1f}x, plan.run {r['plan.run (out given)'] / r['torch.add']:.1f}x / "
         f"{r['plan.run (out=None)'] / r['torch.add']:.1f}x" for r in rows))
-    print(f"validation cache: {VALIDATION_CACHE.full_validations} full validations, {len(VALIDATION_CACHE)} signatures")
+    print(f"validation cache: {cache.VALIDATION_CACHE.full_validations} full validations, "
+          f"{len(cache.VALIDATION_CACHE)} signatures")
     out_dir = _util.results_dir(opts.out)
     payload = {"environment": env, "what": "median us from the Python call to the (no-op) kernel launch",
-               "inference_mode": opts.inference_mode,
+               "inference_mode": opts.inference_mode, "native_check": cache.NATIVE,
                "timer_overhead_ns": overhead, "calls_per_round": opts.calls, "rounds": opts.rounds, "rows": rows}
     print(f"wrote {_util.write_json(out_dir / 'bench_host.json', payload)}")
     plt = None if opts.no_plot else _util.pyplot()

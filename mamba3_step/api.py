@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from .contract import out_shape
+from .contract import new_out, out_shape
 from .launch import launch_step
 from .reference import mamba3_step_reference
 from .spec import StepSpec
@@ -244,4 +244,4 @@ def _new_out(t: StepTensors):
         return torch.empty(0)
     if not isinstance(xproj, torch.Tensor) or x.dim() not in (3, 4) or xproj.dim() != 3:
         return torch.empty(0, dtype=x.dtype, device=x.device)
-    return torch.empty(out_shape(x, xproj, t.outproj is not None), dtype=x.dtype, device=x.device)
+    return new_out(x, out_shape(x, xproj, t.outproj is not None))

@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .contract import out_shape
+from .contract import new_out, out_shape
 
 __all__ = ["KERNEL_ARGUMENT_NAMES", "LANE_FIELDS", "ROW_FIELDS", "StepTensors", "TOKEN_FIELDS", "WEIGHT_FIELDS",
            "kernel_arguments"]
@@ -106,7 +106,7 @@ class StepTensors(NamedTuple):
         if self.out is not None:
             return self
         x = self.x
-        out = torch.empty(out_shape(x, self.xproj, self.outproj is not None), dtype=x.dtype, device=x.device)
+        out = new_out(x, out_shape(x, self.xproj, self.outproj is not None))
         return tuple.__new__(StepTensors, self[:_OUT] + (out,) + self[_OUT + 1:])  # a fast _replace
 
     def dense_lanes(self, lanes: Tensor, rows: Tensor) -> "StepTensors":

@@ -25,6 +25,7 @@ from helpers import clone_inputs, make_inputs
 import mamba3_step.plan as plan_module
 from mamba3_step import StepPlan, StepPlanMismatch, api, compile_cache, launch, mamba3_step_fn, plan_step
 from mamba3_step.build import KernelBuilder
+from mamba3_step.contract import new_out
 from mamba3_step.tensors import StepTensors, kernel_arguments
 from mamba3_step.testing import padded_indices, speculative_indices
 from mamba3_step.validation import cache as validation_cache
@@ -348,19 +349,50 @@ def test_run_with_out_allocates_nothing_and_without_out_only_out(kernel_path, mo
     plan = plan_step(**tensors, **options)
     no_out = plan_step(**dict(tensors, out=None), **options)
     allocations = []
-    real_empty = torch.empty
 
-    def counting_empty(*args, **kwargs):
-        allocations.append(args)
-        return real_empty(*args, **kwargs)
+    def counting(name):
+        real = getattr(torch, name)
 
-    monkeypatch.setattr(torch, "empty", counting_empty)
+        def allocate(*args, **kwargs):
+            allocations.append(name)
+            return real(*args, **kwargs)
+
+        return allocate
+
+    for name in ("empty", "empty_like", "empty_strided", "zeros", "zeros_like"):
+        monkeypatch.setattr(torch, name, counting(name))
     for _ in range(3):
         plan.run(**tensors)
     assert allocations == []
     out = no_out.run(**dict(tensors, out=None))
     assert len(allocations) == 1 and tuple(out.shape) == (8, H, DH) and out.dtype == torch.bfloat16
+    assert out.is_contiguous() and out.device == tensors["x"].device and not out.requires_grad
     assert len(kernel_path.calls) == 4
+
+
+class _Tagged(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "permuted", "row-padded", "subclass", "other shape"])
+def test_a_new_out_is_a_plain_contiguous_tensor_of_the_asked_shape(layout):
+    """The allocation of run(out=None) and mamba3_step_fn(out=None): empty_like(x) where it can,
+    torch.empty elsewhere, the same kind of tensor either way."""
+    x = torch.randn(3, 2, 8).to(torch.bfloat16)
+    shape = x.shape
+    if layout == "permuted":
+        x = torch.randn(2, 3, 8).to(torch.bfloat16).transpose(0, 1)
+    elif layout == "row-padded":
+        x = torch.randn(3, 2, 16).to(torch.bfloat16)[..., :8]
+    elif layout == "subclass":
+        x = x.as_subclass(_Tagged)
+    elif layout == "other shape":
+        shape = torch.Size((3, 4, 2, 8))
+    x.requires_grad_(False)
+    out = new_out(x, shape)
+    assert type(out) is torch.Tensor and out.shape == shape and out.is_contiguous()
+    assert out.dtype == x.dtype and out.device == x.device and not out.requires_grad
+    assert out.data_ptr() != x.data_ptr()
 
 
 def test_threads_share_a_plan(kernel_path):

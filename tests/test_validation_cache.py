@@ -18,8 +18,12 @@ R MIMO rank, K candidate source rows.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
+import numpy as np
 import pytest
 import torch
 from helpers import clone_inputs, make_inputs
@@ -353,7 +357,7 @@ def _mutate(draw, kw: dict) -> None:
         kw[opt] = draw({"update_kv_state": st.sampled_from([True, False, 1]),
                         "tile_D": st.sampled_from([None, 8, 16, 32, 0]),
                         "num_warps": st.sampled_from([None, 1, 4, 3]),
-                        "null_slot_id": st.sampled_from([None, 0, 11, -5, 2**31, True])}[opt])
+                        "null_slot_id": st.sampled_from([None, 0, 11, -5, 2**31, True, np.int64(11)])}[opt])
     elif kind == "meta":
         kw[name] = t.detach().to("meta")
     elif kind == "not_a_tensor":
@@ -369,16 +373,136 @@ def call_pairs(draw):
     return base, later
 
 
-@pytest.mark.parametrize("prefer_cpp", [True, False], ids=["cpp-guard", "python-guard"])
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+#: the ways a signature can check a call: (C check or Python, torch's C++ guard or the Python
+#: guard, torch's C data-pointer function or data_ptr() calls); every one must answer alike
+BACKENDS = {
+    "c+torch-data-ptr-fn": (True, True, True),
+    "c+data_ptr-calls": (True, True, False),
+    "c+python-guard": (True, False, True),
+    "python": (False, True, False),
+    "python+python-guard": (False, False, False),
+}
+
+
+@pytest.fixture(params=list(BACKENDS))
+def backend_cache(request, monkeypatch) -> ValidationCache:
+    native, prefer_cpp, data_ptr_fn = BACKENDS[request.param]
+    if native and cache._Admitter is None:
+        require_native()
+        pytest.skip("the C admission check is not built here (no C compiler or Python headers at install)")
+    if native and data_ptr_fn and not cache._DATA_PTR_FN:
+        pytest.skip("this torch has no C data-pointer function that passes the probe")
+    if not data_ptr_fn:
+        monkeypatch.setattr(cache, "_DATA_PTR_FN", 0)
+    return ValidationCache(prefer_cpp=prefer_cpp, prefer_native=native)
+
+
+def require_native() -> None:
+    """CI sets MAMBA3_STEP_REQUIRE_NATIVE=1: there, a missing C module fails instead of skipping."""
+    if os.environ.get("MAMBA3_STEP_REQUIRE_NATIVE") == "1":
+        pytest.fail("MAMBA3_STEP_REQUIRE_NATIVE=1 but mamba3_step.validation._admit is not built "
+                    "(pip install -e . with a C compiler and Python's headers builds it)")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
 @given(pair=call_pairs())
-def test_the_cache_answers_what_the_full_validation_answers(prefer_cpp, pair):
+def test_the_cache_answers_what_the_full_validation_answers(backend_cache, pair):
     base, later = pair
-    c = ValidationCache(prefer_cpp=prefer_cpp)
+    c = backend_cache
+    c.clear()
     assert outcome(c.check, base) == outcome(check_step_inputs, base) and outcome(c.check, base)[0] == "ok"
     for _ in range(2):  # the second time, the later call may be cached too
         assert outcome(c.check, later) == outcome(check_step_inputs, later)
     assert outcome(c.check, _fresh_copy(base)) == outcome(check_step_inputs, base)
+    # verdict by verdict, the signature's check (C or Python) is the Python definition
+    for sigs in c._entries.values():
+        for s in sigs:
+            assert s.native == (c.prefer_native and cache._Admitter is not None)
+            for kw in (base, later):
+                t = tensors_and_options(kw)[0]
+                assert s.admits(t) == s.admits_python(t) == s.admits_python(tuple(t))
+
+
+def test_null_slot_id_must_be_the_planned_value_of_the_planned_type(backend_cache):
+    """3, np.int64(3) and True compare equal to 3 or 1 but are other signatures (the kernel's
+    scalar is built from the planned value)."""
+    kw = pool_call(seed=1)
+    t = tensors_and_options(kw)[0]
+    backend_cache.check(t, update_kv_state=True)
+    (sig,) = [s for sigs in backend_cache._entries.values() for s in sigs]
+    verdicts = {repr(v): sig.admits(t._replace(null_slot_id=v)) for v in (3, np.int64(3), 3.0, 4, None, True)}
+    assert verdicts == {"3": cache.ADMIT, "np.int64(3)": cache.MISS, "3.0": cache.MISS, "4": cache.MISS,
+                        "None": cache.MISS, "True": cache.MISS}
+    assert {repr(v): sig.admits_python(t._replace(null_slot_id=v)) for v in (3, np.int64(3), 3.0, 4, None, True)} \
+        == verdicts
+
+
+def test_tensor_subclasses_and_parameters_are_checked_alike(backend_cache):
+    """nn.Parameter weights (the C check reads their pointers with torch's C function) and a
+    Python tensor subclass (it calls data_ptr() on signatures holding one): the same verdicts."""
+
+    class Tagged(torch.Tensor):
+        pass
+
+    kw = pool_call(seed=1)
+    kw["xproj"] = torch.nn.Parameter(kw["xproj"], requires_grad=False)
+    kw["z"] = kw["z"].as_subclass(Tagged)
+    t = tensors_and_options(kw)[0]
+    backend_cache.check(t, update_kv_state=True)
+    (sig,) = [s for sigs in backend_cache._entries.values() for s in sigs]
+    later = pool_call(seed=2)
+    later["xproj"] = torch.nn.Parameter(later["xproj"], requires_grad=False)
+    later["z"] = later["z"].as_subclass(Tagged)
+    _out_inside_x(bad := dict(later))
+    for call, want in ((later, cache.ADMIT), (bad, cache.RECHECK), (pool_call(seed=3), cache.MISS)):
+        tt = tensors_and_options(call)[0]
+        assert sig.admits(tt) == sig.admits_python(tt) == want
+
+
+def test_the_c_check_is_what_new_signatures_use_where_it_is_built():
+    if cache._Admitter is None:
+        require_native()
+        pytest.skip("the C admission check is not built here")
+    kw = pool_call(seed=1)
+    t = tensors_and_options(kw)[0]
+    spec = check_step_inputs(t, update_kv_state=True)
+    assert cache.CheckedSignature.from_call(spec, t).native is cache.NATIVE
+    assert cache.CheckedSignature.from_call(spec, t, prefer_native=False).native is False
+    assert cache.CheckedSignature.from_call(spec, t, prefer_native=True).native is True
+
+
+def test_the_c_check_refuses_misuse_of_its_type():
+    if cache._Admitter is None:
+        require_native()
+        pytest.skip("the C admission check is not built here")
+    blank = cache._Admitter.__new__(cache._Admitter)
+    with pytest.raises(TypeError, match="not initialised"):
+        blank.admits((None,) * 20)
+    args = dict(n_fields=20, present=(0,), absent=(), null_pos=18, null_slot_id=None, guard=lambda *a: True,
+                check_inference=True, written=(), addr=(0,), extents=(4,), aligned=(), written_addr=(),
+                vector_bytes=16, data_ptr=torch.Tensor.data_ptr, is_inference=torch.Tensor.is_inference)
+    adm = cache._Admitter(**args)
+    with pytest.raises(TypeError, match="already initialised"):
+        adm.__init__(**args)
+    with pytest.raises(ValueError, match="call has 3 fields, expected 20"):
+        adm.admits((1, 2, 3))
+    for bad in (dict(null_pos=20), dict(present=(20,)), dict(addr=(1,)), dict(extents=()), dict(vector_bytes=0)):
+        with pytest.raises(ValueError):
+            cache._Admitter(**{**args, **bad})
+    assert adm.admits((torch.zeros(1),) + (None,) * 19) == cache.ADMIT
+
+
+def test_the_c_check_can_be_switched_off_by_environment(tmp_path):
+    """MAMBA3_STEP_NATIVE=0: new signatures use the Python check (a fresh interpreter reads it)."""
+    code = "from mamba3_step.validation import cache; print(cache.NATIVE, cache._Admitter is not None)"
+    env = dict(os.environ, MAMBA3_STEP_NATIVE="0")
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    on = subprocess.run([sys.executable, "-c", code], env={**env, "MAMBA3_STEP_NATIVE": "1"}, capture_output=True,
+                        text=True, check=True)
+    built = cache._Admitter is not None
+    assert off.stdout.split() == ["False", str(built)]
+    assert on.stdout.split() == [str(built), str(built)]
 
 
 # --------------------------------------------------------------------------- bound and threads

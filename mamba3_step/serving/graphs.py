@@ -15,7 +15,7 @@ import torch
 from ..contract import source_rows
 from ..spec import MAX_TOKENS
 from ..tensors import StepTensors
-from ..validation import check_step_inputs
+from ..validation import check_step_inputs_cached
 from .hook import decode_step, kv_update_in_kernel
 from .pool import StatePool
 
@@ -179,7 +179,8 @@ class CudaGraphStepRunner:
         the static buffers) by tensors of their shapes and dtypes on the pool's device: the bucket's
         static slices when they match, else fresh ones (before the bucket's first capture, or for a
         step that does not fit its form). A ``with_dst`` runner's default destination is ``(n,)``.
-        Metadata only.
+        Metadata only, through the validation cache: a repeated signature costs its guard and
+        address checks, not the full validation (docs/performance.md, "Host overhead").
         """
         p, s = self.pool, self._static.get(key)
 
@@ -205,7 +206,7 @@ class CudaGraphStepRunner:
         x = inputs["x"]
         tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
         in_kernel = kv_update_in_kernel(p.headdim, p.dstate, p.mimo, p.state_dtype, self.tile_D, tokens)
-        check_step_inputs(tensors, update_kv_state=in_kernel, tile_D=self.tile_D, num_warps=self.num_warps)
+        check_step_inputs_cached(tensors, update_kv_state=in_kernel, tile_D=self.tile_D, num_warps=self.num_warps)
 
     # static buffers -------------------------------------------------------------------
     def _make_static(self, bucket: int, form: StepForm) -> dict[str, torch.Tensor]:

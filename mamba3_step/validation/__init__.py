@@ -17,9 +17,9 @@ The single checks (``validation.checks``) each raise one message; dtype problems
 TypeError, everything else ValueError.
 """
 
-from .cache import VALIDATION_CACHE, CheckedSignature, ValidationCache, check_step_inputs_cached
+from .cache import NATIVE, VALIDATION_CACHE, CheckedSignature, ValidationCache, check_step_inputs_cached
 from .indices import check_indices
 from .step import check_options, check_step_inputs
 
-__all__ = ["VALIDATION_CACHE", "CheckedSignature", "ValidationCache", "check_indices", "check_options",
+__all__ = ["NATIVE", "VALIDATION_CACHE", "CheckedSignature", "ValidationCache", "check_indices", "check_options",
            "check_step_inputs", "check_step_inputs_cached"]

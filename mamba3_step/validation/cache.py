@@ -16,7 +16,7 @@ data pointers change. So a successful full validation is kept as a :class:`Check
 * the **address plan**: which tensors must start on 16 bytes (``state``, ``state_out``), each
   non-empty tensor's byte extent (fixed by its shape, strides and dtype), which are written.
 
-:meth:`CheckedSignature.admits` answers a later call: ``MISS`` (another signature),
+``CheckedSignature.admits`` answers a later call: ``MISS`` (another signature),
 ``ADMIT`` (same signature, aligned, no written tensor sharing a byte with another argument, no
 written inference tensor outside inference mode) or ``RECHECK`` (same signature, but one of
 those address or mode checks fails). The guard is only ever stricter than the full validation
@@ -24,6 +24,12 @@ those address or mode checks fails). The guard is only ever stricter than the fu
 decides exactly what the full validation's address checks decide; on ``RECHECK`` the caller
 runs the full validation, which raises the named error, so the messages are always the full
 validation's own.
+
+``admits`` runs once per call of a server, so its cost is the plan/run path's floor. It is
+written twice: in Python (:meth:`CheckedSignature.admits_python`, the definition) and in C
+(``_admit.c``, the same steps in the same order, built by ``setup.py`` where a C compiler and
+Python's headers exist; about 5.5 us less per flagship call, ``bench/bench_host.py``). Which one
+new signatures use: :data:`NATIVE` (``MAMBA3_STEP_NATIVE=0`` switches the C one off).
 
 :class:`ValidationCache` maps a cheap key (``x``'s shape, the options, the inference-mode flag)
 to a few signatures; :data:`VALIDATION_CACHE` is the process-wide one behind
@@ -33,6 +39,8 @@ Failures are never cached: a refused call runs the full validation every time.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import threading
 from bisect import bisect_left, bisect_right
 from operator import add, is_not, itemgetter
@@ -51,9 +59,44 @@ try:  # the guard torch.compile installs on tensors (C++); absent or changed -> 
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
 except ImportError:  # pragma: no cover - depends on the torch build
     _TensorGuards = None
+try:  # the address of torch's C function reading a tensor's data pointer (see _probe_data_ptr_function)
+    from torch._C._dynamo.guards import _torchinductor_pyobject_tensor_data_ptr as _DATA_PTR_FN_ADDRESS
+except ImportError:  # pragma: no cover - depends on the torch build
+    _DATA_PTR_FN_ADDRESS = None
 
-__all__ = ["ADMIT", "CheckedSignature", "MISS", "RECHECK", "TENSOR_SLOTS", "VALIDATION_CACHE", "ValidationCache",
-           "check_step_inputs_cached", "make_guard", "python_guard", "tensor_signature"]
+#: environment variable: ``0`` makes every new signature use the Python admission check even
+#: where the C module is built (debugging, comparisons)
+ENV_NATIVE = "MAMBA3_STEP_NATIVE"
+try:  # the admission check in C (setup.py builds it where a C compiler and Python's headers exist)
+    from ._admit import Admitter as _Admitter
+except ImportError:  # not built here: the Python definition below gives the same verdicts
+    _Admitter = None
+#: True when new signatures check calls in C (the module is built and not switched off)
+NATIVE = _Admitter is not None and os.environ.get(ENV_NATIVE, "1") != "0"
+
+#: tensor types whose data pointer the C check may read with torch's C function (plain tensors
+#: and parameters always have a storage; other subclasses may not, and the function throws then)
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _probe_data_ptr_function(address=_DATA_PTR_FN_ADDRESS) -> int:
+    """``address`` when it is that of a C function ``void *f(PyObject *tensor)`` answering
+    ``data_ptr()`` (torch's, for inductor's header-free wrappers) on probe tensors (a plain one,
+    offset views, a parameter, an empty one); else 0 (this torch has none, or it answers
+    something else)."""
+    if type(address) is not int or address <= 0:  # pragma: no cover - another torch's binding
+        return 0
+    read = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object)(address)  # called holding the GIL
+    base = torch.arange(64, dtype=torch.float32)
+    probes = (base, base[5:], base.view(8, 8)[:, 3], torch.nn.Parameter(base.clone()), torch.empty(0))
+    return address if all((read(t) or 0) == t.data_ptr() for t in probes) else 0
+
+
+#: what :func:`_probe_data_ptr_function` found (0: the C check calls ``data_ptr()``)
+_DATA_PTR_FN = _probe_data_ptr_function() if _Admitter is not None else 0
+
+__all__ = ["ADMIT", "CheckedSignature", "ENV_NATIVE", "MISS", "NATIVE", "RECHECK", "TENSOR_SLOTS", "VALIDATION_CACHE",
+           "ValidationCache", "check_step_inputs_cached", "make_guard", "python_guard", "tensor_signature"]
 
 #: verdicts of :meth:`CheckedSignature.admits`
 MISS, ADMIT, RECHECK = 0, 1, 2
@@ -132,12 +175,20 @@ class CheckedSignature:
     these options. ``spec`` is that validation's result. ``call`` arguments below are any
     sequence laid out like :class:`~mamba3_step.tensors.StepTensors` (a StepTensors, or a plain
     tuple of its 20 fields).
+
+    ``admits(call)`` answers :data:`MISS`, :data:`ADMIT` or :data:`RECHECK` (the module
+    docstring). It assumes the options and the inference-mode flag are those of this signature
+    (the caller's key or plan holds them); ``null_slot_id`` is compared there. It is the C
+    module's check where that is built and ``prefer_native`` allows it (None, the default,
+    follows :data:`NATIVE`), else :meth:`admits_python`: the same steps in the same order,
+    hence the same verdicts (tests compare them); ``native`` says which one this signature uses.
     """
 
     __slots__ = ("spec", "inference_mode", "present", "_pick", "_absent", "_nones", "_guard", "_written",
-                 "_addr", "_extents", "_aligned", "_written_addr", "signatures", "null_slot_id")
+                 "_addr", "_extents", "_aligned", "_written_addr", "signatures", "null_slot_id", "admits", "native")
 
-    def __init__(self, spec: StepSpec, tensors, inference_mode: bool, prefer_cpp: bool = True):
+    def __init__(self, spec: StepSpec, tensors, inference_mode: bool, prefer_cpp: bool = True,
+                 prefer_native: bool | None = None):
         self.spec = _interned(spec)
         self.inference_mode = inference_mode
         self.null_slot_id = tensors[_NULL_SLOT]
@@ -152,25 +203,34 @@ class CheckedSignature:
         names = [StepTensors._fields[i] for i in self.present]
         has_state_out = tensors[_STATE_OUT] is not None
         written = [is_written(RULE_BY_NAME[n], has_state_out, spec.update_kv_state) for n in names]
-        self._written = _tuple_getter(tuple(k for k, w in enumerate(written) if w))
+        written_given = tuple(k for k, w in enumerate(written) if w)
+        self._written = _tuple_getter(written_given)
         spans = [checks.byte_span(t) for t in given]
-        addr = [k for k, span in enumerate(spans) if span is not None]
-        self._addr = None if len(addr) == len(given) else _tuple_getter(tuple(addr))  # None: all of them
+        addr = tuple(k for k, span in enumerate(spans) if span is not None)
+        self._addr = None if len(addr) == len(given) else _tuple_getter(addr)  # None: all of them
         self._extents = tuple(spans[k][1] - spans[k][0] for k in addr)
         self._aligned = tuple(j for j, k in enumerate(addr) if RULE_BY_NAME[names[k]].vector_aligned)
         self._written_addr = tuple((j, self._extents[j]) for j, k in enumerate(addr) if written[k])
+        self.native = _Admitter is not None and (NATIVE if prefer_native is None else prefer_native)
+        if self.native:
+            self.admits = _Admitter(
+                n_fields=len(StepTensors._fields), present=self.present, absent=absent, null_pos=_NULL_SLOT,
+                null_slot_id=self.null_slot_id, guard=self._guard, check_inference=not inference_mode,
+                written=written_given, addr=addr, extents=self._extents, aligned=self._aligned,
+                written_addr=tuple(j for j, _ in self._written_addr), vector_bytes=VECTOR_BYTES,
+                data_ptr=_data_ptr, is_inference=_is_inference,
+                data_ptr_fn=_DATA_PTR_FN if all(type(t) in _PLAIN_TENSOR_TYPES for t in given) else 0).admits
+        else:
+            self.admits = self.admits_python
 
     @classmethod
-    def from_call(cls, spec: StepSpec, tensors, prefer_cpp: bool = True) -> "CheckedSignature":
+    def from_call(cls, spec: StepSpec, tensors, prefer_cpp: bool = True,
+                  prefer_native: bool | None = None) -> "CheckedSignature":
         """The signature of a call that ``check_step_inputs`` just accepted (result ``spec``)."""
-        return cls(spec, tensors, torch.is_inference_mode_enabled(), prefer_cpp)
+        return cls(spec, tensors, torch.is_inference_mode_enabled(), prefer_cpp, prefer_native)
 
-    def admits(self, call) -> int:
-        """:data:`MISS`, :data:`ADMIT` or :data:`RECHECK` for ``call`` (see the module docstring).
-
-        Assumes the options and the inference-mode flag are those of this signature (the caller's
-        key or plan holds them); ``null_slot_id`` is compared here.
-        """
+    def admits_python(self, call) -> int:
+        """``admits`` in Python: the definition the C module follows step by step."""
         if any(map(is_not, self._absent(call), self._nones)):
             return MISS
         given = self._pick(call)
@@ -239,8 +299,10 @@ class ValidationCache:
     first) take the lock.
     """
 
-    def __init__(self, max_keys: int = 512, per_key: int = 4, prefer_cpp: bool = True):
+    def __init__(self, max_keys: int = 512, per_key: int = 4, prefer_cpp: bool = True,
+                 prefer_native: bool | None = None):
         self.max_keys, self.per_key, self.prefer_cpp = max_keys, per_key, prefer_cpp
+        self.prefer_native = prefer_native
         self._entries: dict = {}
         self._lock = threading.Lock()
         self.full_validations = 0  # how often check() ran the full validation
@@ -270,7 +332,7 @@ class ValidationCache:
         spec = check_step_inputs(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
         if key is None:
             return spec
-        sig = CheckedSignature.from_call(spec, tensors, self.prefer_cpp)
+        sig = CheckedSignature.from_call(spec, tensors, self.prefer_cpp, self.prefer_native)
         self.insert(key, sig)
         return sig.spec
 
