@@ -133,4 +133,3 @@ def new_out(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     if type(x) is torch.Tensor and x.shape == shape:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
     return torch.empty(shape, dtype=x.dtype, device=x.device)
-

@@ -212,16 +212,20 @@ class CheckedSignature:
         self._aligned = tuple(j for j, k in enumerate(addr) if RULE_BY_NAME[names[k]].vector_aligned)
         self._written_addr = tuple((j, self._extents[j]) for j, k in enumerate(addr) if written[k])
         self.native = _Admitter is not None and (NATIVE if prefer_native is None else prefer_native)
-        if self.native:
-            self.admits = _Admitter(
-                n_fields=len(StepTensors._fields), present=self.present, absent=absent, null_pos=_NULL_SLOT,
-                null_slot_id=self.null_slot_id, guard=self._guard, check_inference=not inference_mode,
-                written=written_given, addr=addr, extents=self._extents, aligned=self._aligned,
-                written_addr=tuple(j for j, _ in self._written_addr), vector_bytes=VECTOR_BYTES,
-                data_ptr=_data_ptr, is_inference=_is_inference,
-                data_ptr_fn=_DATA_PTR_FN if all(type(t) in _PLAIN_TENSOR_TYPES for t in given) else 0).admits
-        else:
-            self.admits = self.admits_python
+        self.admits = self._c_admits(absent, written_given, addr, given) if self.native else self.admits_python
+
+    def _c_admits(self, absent: tuple, written: tuple, addr: tuple, given: tuple) -> Callable[..., int]:
+        """The C module's ``admits`` for this signature: the same tables as :meth:`admits_python`
+        reads (call positions of the absent arguments; given indices of the written tensors and
+        of those with a byte extent), and torch's data-pointer function where every tensor is a
+        plain tensor or parameter."""
+        plain = all(type(t) in _PLAIN_TENSOR_TYPES for t in given)
+        return _Admitter(
+            n_fields=len(StepTensors._fields), present=self.present, absent=absent, null_pos=_NULL_SLOT,
+            null_slot_id=self.null_slot_id, guard=self._guard, check_inference=not self.inference_mode,
+            written=written, addr=addr, extents=self._extents, aligned=self._aligned,
+            written_addr=tuple(j for j, _ in self._written_addr), vector_bytes=VECTOR_BYTES,
+            data_ptr=_data_ptr, is_inference=_is_inference, data_ptr_fn=_DATA_PTR_FN if plain else 0).admits
 
     @classmethod
     def from_call(cls, spec: StepSpec, tensors, prefer_cpp: bool = True,
