@@ -29,6 +29,9 @@ import os
 import pytest
 import torch
 
+from mamba3_step import compile_cache as cc
+from mamba3_step.compile_cache import front
+
 
 # --------------------------------------------------------------------------- options, markers
 def pytest_addoption(parser):
@@ -99,3 +102,21 @@ def _private_kernel_cache(tmp_path_factory):
         os.environ.pop("MAMBA3_STEP_CACHE_DIR", None)
     else:
         os.environ["MAMBA3_STEP_CACHE_DIR"] = old
+
+
+@pytest.fixture
+def isolated_cache(tmp_path, monkeypatch):
+    """A fresh kernel cache dir (also as ``$XDG_CACHE_HOME``'s default), memory cache, counters and
+    warn-once state for one test; the compile-cache test files use it for every test. Yields the
+    (not yet created) cache dir."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv(cc.ENV_CACHE_DIR, str(root))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(front, "_WARNED", set())
+    cc.set_builder(None)
+    cc.reset_memory_cache()
+    cc.COUNTERS.reset()
+    yield root
+    cc.set_builder(None)
+    cc.reset_memory_cache()
+

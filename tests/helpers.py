@@ -21,11 +21,20 @@ R MIMO rank.
 * :func:`check_pool_parity` - poison, run a pool-mode call and assert it bit-identical to
   :func:`gather_dense_scatter` (padding zeros, untouched rows, read-only inputs included);
   ``step_fn`` lets GPU tests run it on the kernel.
+* :func:`run_threads` / :func:`fast_thread_switching` / :class:`YieldingHeapq` - the race tests'
+  harness: callables in threads with the interpreter switching threads as often as it can, and
+  a ``heapq`` that gives the GIL away before every operation.
 """
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import random
+import sys
+import threading
+import time
+from typing import Callable, Iterable
 
 import torch
 
@@ -286,3 +295,39 @@ def assert_accurate(where: str, got: torch.Tensor, want64: torch.Tensor, torch32
     if near_cpu:
         diff = (got.double() - torch32.double()).abs().max().item()
         assert diff <= tolerance(1.5 * budget, scale), f"{where}: differs from the CPU path by {diff:.3g}"
+
+
+@contextlib.contextmanager
+def fast_thread_switching():
+    """Inside, the interpreter switches threads as often as it can: races show up at once."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
+
+
+def run_threads(targets: Iterable[Callable[[], None]]) -> None:
+    """Each callable in a thread of its own, all started, then all joined, with
+    :func:`fast_thread_switching`. The callables record their own errors."""
+    with fast_thread_switching():
+        threads = [threading.Thread(target=t) for t in targets]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+class YieldingHeapq:
+    """``heapq`` whose operations first give the GIL away: a thread switch lands between the
+    allocator's check and its update as often as possible (what a busy server does sometimes)."""
+
+    def __getattr__(self, name):
+        fn = getattr(heapq, name)
+
+        def wrapped(*args):
+            time.sleep(0)
+            return fn(*args)
+        return wrapped
+

@@ -24,7 +24,7 @@ import pytest
 
 from mamba3_step import cli
 from mamba3_step import compile_cache as cc
-from mamba3_step.compile_cache import front, store
+from mamba3_step.compile_cache import store
 from mamba3_step.spec import flagship_spec
 
 ARCH = "sm_90a"
@@ -33,17 +33,8 @@ IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 OTHER_UID = 4242 if not IS_ROOT or os.geteuid() != 4242 else 4243
 
 
-@pytest.fixture(autouse=True)
-def isolated_cache(tmp_path, monkeypatch):
-    root = tmp_path / "cache"
-    monkeypatch.setenv(cc.ENV_CACHE_DIR, str(root))
-    monkeypatch.setattr(front, "_WARNED", set())
-    cc.set_builder(None)
-    cc.reset_memory_cache()
-    cc.COUNTERS.reset()
-    yield root
-    cc.set_builder(None)
-    cc.reset_memory_cache()
+#: every test gets a fresh cache dir, memory cache, counters and warn-once state (conftest.py)
+pytestmark = pytest.mark.usefixtures("isolated_cache")
 
 
 class StandIn:

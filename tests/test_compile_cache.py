@@ -25,7 +25,7 @@ import torch
 import mamba3_step
 from mamba3_step import build, cli
 from mamba3_step import compile_cache as cc
-from mamba3_step.compile_cache import front, key, store
+from mamba3_step.compile_cache import key, store
 from mamba3_step.spec import StepSpec, flagship_spec
 from mamba3_step.tensors import KERNEL_ARGUMENT_NAMES
 
@@ -36,19 +36,8 @@ DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.flo
 
 
 # ------------------------------------------------------------------------------ fixtures
-@pytest.fixture(autouse=True)
-def isolated_cache(tmp_path, monkeypatch):
-    """A fresh cache dir, memory cache, counters and warn-once state for every test."""
-    root = tmp_path / "cache"
-    monkeypatch.setenv(cc.ENV_CACHE_DIR, str(root))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setattr(front, "_WARNED", set())
-    cc.set_builder(None)
-    cc.reset_memory_cache()
-    cc.COUNTERS.reset()
-    yield root
-    cc.set_builder(None)
-    cc.reset_memory_cache()
+#: every test gets a fresh cache dir, memory cache, counters and warn-once state (conftest.py)
+pytestmark = pytest.mark.usefixtures("isolated_cache")
 
 
 class RecordingBuilder:

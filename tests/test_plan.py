@@ -16,11 +16,9 @@ D head dim, N state size, R MIMO rank.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
-from helpers import clone_inputs, make_inputs
+from helpers import clone_inputs, make_inputs, run_threads
 
 import mamba3_step.plan as plan_module
 from mamba3_step import StepPlan, StepPlanMismatch, api, compile_cache, launch, mamba3_step_fn, plan_step
@@ -418,11 +416,7 @@ def test_threads_share_a_plan(kernel_path):
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(repr(e))
 
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    run_threads([work] * 4)
     assert not errors, errors[:3]
     assert len(kernel_path.calls) == 4 * 180
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import random
 import re
+import threading
 
 import pytest
 import torch
+from helpers import YieldingHeapq, run_threads
 
 from mamba3_step.reference import step_math
 from mamba3_step.serving import (
@@ -26,6 +28,7 @@ from mamba3_step.serving import (
     pad_lanes,
     pad_slots,
 )
+from mamba3_step.serving import pool as pool_module
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_, poison_pool
 
@@ -464,30 +467,9 @@ def test_runner_still_takes_cpu_slots_for_its_static_buffer():
     assert bits_equal(out, ref)
 
 
-class _YieldingHeapq:
-    """heapq whose operations first give the GIL away: a thread switch lands between the
-    allocator's check and its update as often as possible (what a busy server does sometimes)."""
-
-    def __getattr__(self, name):
-        import heapq
-        import time
-
-        fn = getattr(heapq, name)
-
-        def wrapped(*args):
-            time.sleep(0)
-            return fn(*args)
-        return wrapped
-
-
 def test_allocator_is_thread_safe(monkeypatch):
     """8 threads doing free(alloc(3)) on 16 slots used to raise IndexError and lose slots."""
-    import sys
-    import threading
-
-    from mamba3_step.serving import pool as pool_module
-
-    monkeypatch.setattr(pool_module, "heapq", _YieldingHeapq())
+    monkeypatch.setattr(pool_module, "heapq", YieldingHeapq())
     pool = StatePool(1, 16, H, D, N, R)
     errors, held, guard = [], set(), threading.Lock()
     start = threading.Barrier(8)
@@ -514,16 +496,7 @@ def test_allocator_is_thread_safe(monkeypatch):
                 errors.append(repr(e))
                 return
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show up at once
-    try:
-        threads = [threading.Thread(target=worker) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
+    run_threads([worker] * 8)
     assert not errors, errors[:5]
     assert pool.num_free == 16 and pool.num_allocated == 0
     assert sorted(pool.alloc(16).tolist()) == list(range(16))

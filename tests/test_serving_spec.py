@@ -16,12 +16,12 @@ N state size, R MIMO rank, L layers.
 
 from __future__ import annotations
 
-import sys
+import functools
 import threading
 
 import pytest
 import torch
-from helpers import assert_bits_equal
+from helpers import YieldingHeapq, assert_bits_equal, fast_thread_switching, run_threads
 
 from mamba3_step.contract import lane_is_live, source_rows
 from mamba3_step.serving import (
@@ -34,6 +34,7 @@ from mamba3_step.serving import (
     gather_scatter_step,
     kv_update_in_kernel,
 )
+from mamba3_step.serving import pool as pool_module
 from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_pool, speculative_indices
 
 H, D, N, R = 2, 32, 32, 2
@@ -202,11 +203,7 @@ def test_speculative_misuse_is_a_named_error_and_changes_nothing(case):
 
 def test_speculative_bookkeeping_is_thread_safe(monkeypatch):
     """Threads allocating, committing, reading and freeing groups at once never share a row or lose one."""
-    from test_serving import _YieldingHeapq
-
-    from mamba3_step.serving import pool as pool_module
-
-    monkeypatch.setattr(pool_module, "heapq", _YieldingHeapq())
+    monkeypatch.setattr(pool_module, "heapq", YieldingHeapq())
     pool = StatePool(1, 12, H, D, N, R)  # 6 threads want up to 24 rows at once: the pool runs out often
     errors, held, guard = [], set(), threading.Lock()
     start = threading.Barrier(6)
@@ -236,16 +233,7 @@ def test_speculative_bookkeeping_is_thread_safe(monkeypatch):
                 errors.append(repr(e))
                 return
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show up at once
-    try:
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
+    run_threads([functools.partial(worker, k) for k in range(6)])
     assert not errors, errors[:5]
     assert pool.num_free == 12 and pool.num_allocated == 0 and not pool._groups._rows
 
@@ -253,15 +241,9 @@ def test_speculative_bookkeeping_is_thread_safe(monkeypatch):
 def test_racing_frees_of_one_group_free_it_once(monkeypatch):
     """Four threads free the same group at once: exactly one succeeds, the others get SlotError, and
     no row lands in the free list twice."""
-    from test_serving import _YieldingHeapq
-
-    from mamba3_step.serving import pool as pool_module
-
-    monkeypatch.setattr(pool_module, "heapq", _YieldingHeapq())
+    monkeypatch.setattr(pool_module, "heapq", YieldingHeapq())
     pool = StatePool(1, 8, H, D, N, R)
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
+    with fast_thread_switching():
         for _ in range(60):
             group = pool.alloc_spec(1, 4)
             results, start = [], threading.Barrier(4)
@@ -276,15 +258,9 @@ def test_racing_frees_of_one_group_free_it_once(monkeypatch):
                 except Exception as e:  # noqa: BLE001 - anything else is the bug
                     results.append(repr(e))
 
-            threads = [threading.Thread(target=racer) for _ in range(4)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            run_threads([racer] * 4)
             assert sorted(results) == ["freed", "refused", "refused", "refused"], results
             assert pool.num_free == 8
-    finally:
-        sys.setswitchinterval(old)
     assert sorted(pool.alloc(8).tolist()) == list(range(8))
 
 

@@ -18,15 +18,15 @@ R MIMO rank, K candidate source rows.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
 import torch
-from helpers import clone_inputs, make_inputs
+from helpers import clone_inputs, make_inputs, run_threads
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -551,11 +551,7 @@ def test_threads_sharing_a_small_cache_get_the_full_validations_answers():
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(repr(e))
 
-    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    run_threads([functools.partial(work, n) for n in range(4)])
     assert not errors, errors[:3]
     assert len(c._entries) <= 2
 
