@@ -32,8 +32,9 @@ from .contract import DTYPE_BYTES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, VECTOR
 
 WARP = 32
 ALLOWED_NUM_WARPS = (1, 2, 4, 8, 16)
-#: the default num_warps aims at this many 32-bit state words held per thread
-TARGET_STATE_WORDS_PER_THREAD = 64
+#: the default num_warps aims at this many state values (fp32 words; twice as many 16-bit
+#: values would be unpacked into twice as many registers) held per thread
+TARGET_STATE_VALUES_PER_THREAD = 64
 
 
 @dataclass(frozen=True)
@@ -131,13 +132,15 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
     ``tile_D = headdim``: one CTA owns a whole (lane, head), which is what makes
     update_kv_state race-free and keeps the B/C staging cost paid once per (lane, head).
     ``num_warps`` is the smallest power of two in [1, 16] that keeps the state fragment at
-    about 64 registers per thread: few threads with many elements each, so the per-row and
+    about 64 *values* per thread (64 registers of fp32 state, 32 of a 16-bit one, whose words
+    unpack into two fp32 values each): few threads with many elements each, so the per-row and
     per-thread overheads (coefficients, reductions, staging) are spread over more state;
-    it is lowered if the CTA would have more rows per pass than the tile has rows. With more
-    than one token the target is half as many *values* (the token loop keeps more of them
-    live, and a 16-bit state word unpacks into two fp32 values): 32 words of fp32 state, 16
-    of a 16-bit one. (At 32 words of fp16 state, N=32 D=128 R=1 T=6 compiled to 128
-    registers and 20 spilled bytes.) With more than one token, when the thread's share of the
+    it is lowered if the CTA would have more rows per pass than the tile has rows. (At 64
+    words of 16-bit state, i.e. 128 values, seven configurations of the full compile matrix
+    used 16-40 bytes of stack on sm_90a, e.g. N=64 D=64 R=1 and R=8, N=32 D=128 R=8.) With
+    more than one token the target is half as many values (the token loop keeps more of them
+    live): 32 words of fp32 state, 16 of a 16-bit one. (At 32 words of fp16 state, N=32 D=128
+    R=1 T=6 compiled to 128 registers and 20 spilled bytes.) With more than one token, when the thread's share of the
     state cannot stay in registers across the tokens, fewer warps (more registers each) are
     tried, then, without ``whole_head`` (no update_kv_state), half the tile_D (N=256 D=128 R=8
     fp32: tile_D=64 with 8 warps).
@@ -160,9 +163,9 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
 def _default_warps(dstate: int, tile_D: int, state_dtype: str, tokens: int) -> int:
     """The default warp count for a tile (see :func:`default_tiling`)."""
     slab_bytes = tile_D * dstate * DTYPE_BYTES[state_dtype]
-    target = TARGET_STATE_WORDS_PER_THREAD
+    target = TARGET_STATE_VALUES_PER_THREAD * DTYPE_BYTES[state_dtype] // 4  # in 32-bit state words
     if tokens > 1:
-        target = target // 2 * DTYPE_BYTES[state_dtype] // 4
+        target //= 2
     want = slab_bytes // (WARP * 4 * target)
     num_warps = 1
     while num_warps < want and num_warps < 16:

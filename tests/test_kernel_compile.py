@@ -24,9 +24,9 @@ from mamba3_step.inspection import kernel_facts
 from mamba3_step.issue_model import GPUS, issue_model, slab_bytes
 from mamba3_step.kernel import compile_step_kernel
 from mamba3_step.ptx_tier import ptx_kernel
-from mamba3_step.contract import KV_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R
+from mamba3_step.contract import DTYPE_BYTES, KV_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R
 from mamba3_step.spec import StepSpec, flagship_spec
-from mamba3_step.tiling import thread_layout, tiling_problem
+from mamba3_step.tiling import default_tiling, thread_layout, tiling_problem
 
 ARCHS = ("sm_90a", "sm_100a")
 
@@ -292,6 +292,19 @@ def test_unsupported_tiling_is_refused_with_a_reason():
         compile_step_kernel(flagship_spec(tile_D=32), "sm_90a")  # update_kv_state needs tile_D >= D
     with pytest.raises(ValueError, match="num_warps"):
         compile_step_kernel(flagship_spec(num_warps=3), "sm_90a")
+
+
+def test_the_one_token_default_holds_at_most_64_state_values_per_thread():
+    """Counted in values, not words: at 64 words of a 16-bit state (128 values unpacked to fp32)
+    seven configurations of the full matrix used 16-40 bytes of stack on sm_90a (N=64 D=64 R=1
+    and R=8, N=32 D=128 R=8). No compile: the tiling rule itself, for every supported shape."""
+    held = {}
+    for N, D, R, dtype in itertools.product(SUPPORTED_N, SUPPORTED_D, SUPPORTED_R, STATE_DTYPES):
+        tile_D, num_warps = default_tiling(N, D, R, dtype)
+        words = thread_layout(N, tile_D, num_warps, dtype, R).state_words_per_thread
+        held[(N, D, R, dtype)] = words * 4 // DTYPE_BYTES[dtype]
+    assert max(held.values()) == 64, sorted(held.items(), key=lambda kv: -kv[1])[:5]
+    assert held[(64, 64, 1, "bfloat16")] == held[(64, 64, 1, "float32")] == 64
 
 
 def test_flagship_issue_model_leaves_hbm_the_bottleneck_on_h100():
