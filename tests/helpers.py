@@ -21,6 +21,7 @@ R MIMO rank.
 * :func:`check_pool_parity` - poison, run a pool-mode call and assert it bit-identical to
   :func:`gather_dense_scatter` (padding zeros, untouched rows, read-only inputs included);
   ``step_fn`` lets GPU tests run it on the kernel.
+* :func:`count_calls` - replace a module's function with one that records each call.
 * :func:`run_threads` / :func:`fast_thread_switching` / :class:`YieldingHeapq` - the race tests'
   harness: callables in threads with the interpreter switching threads as often as it can, and
   a ``heapq`` that gives the GIL away before every operation.
@@ -330,4 +331,18 @@ class YieldingHeapq:
             time.sleep(0)
             return fn(*args)
         return wrapped
+
+
+def count_calls(monkeypatch, module, name: str) -> list:
+    """``module.name`` replaced (for the test) by a wrapper appending one entry per call to the
+    returned list, then calling the real function."""
+    calls = []
+    real = getattr(module, name)
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
 

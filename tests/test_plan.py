@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import clone_inputs, make_inputs, run_threads
+from helpers import clone_inputs, count_calls, make_inputs, run_threads
 
 import mamba3_step.plan as plan_module
 from mamba3_step import StepPlan, StepPlanMismatch, api, compile_cache, launch, mamba3_step_fn, plan_step
@@ -104,15 +104,8 @@ def assert_same_bytes(a: dict, b: dict, what: str) -> None:
 
 @pytest.fixture
 def counted_full_validations(monkeypatch) -> list:
-    calls = []
-    real = plan_module.check_step_inputs
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(plan_module, "check_step_inputs", counting)
-    return calls
+    """Records every full validation a plan runs (one entry per call of check_step_inputs)."""
+    return count_calls(monkeypatch, plan_module, "check_step_inputs")
 
 
 # --------------------------------------------------------------------------- bit for bit

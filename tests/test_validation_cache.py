@@ -26,7 +26,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import clone_inputs, make_inputs, run_threads
+from helpers import clone_inputs, count_calls, make_inputs, run_threads
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -50,15 +50,7 @@ def fresh_cache(monkeypatch) -> ValidationCache:
 @pytest.fixture
 def full_calls(monkeypatch) -> list:
     """Records every full validation the cache runs (one entry per call of check_step_inputs)."""
-    calls = []
-    real = cache.check_step_inputs
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(cache, "check_step_inputs", counting)
-    return calls
+    return count_calls(monkeypatch, cache, "check_step_inputs")
 
 
 def pool_call(seed=0, **overrides) -> dict:

@@ -163,24 +163,30 @@ call_truth(PyObject *method, PyObject *t)
     return truth;
 }
 
+/* A tensor's data pointer: torch's C function where the signature allows it, else data_ptr().
+ * 0 on success, -1 with an exception. */
+static int
+data_ptr_of(Admitter *self, PyObject *t, unsigned long long *out)
+{
+    if (self->data_ptr_fn != NULL) {
+        *out = (unsigned long long)(uintptr_t)self->data_ptr_fn(t);
+        return 0;
+    }
+    PyObject *p = PyObject_CallOneArg(self->data_ptr, t);
+    if (p == NULL)
+        return -1;
+    *out = PyLong_AsUnsignedLongLong(p);
+    Py_DECREF(p);
+    return (*out == (unsigned long long)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
 /* Step 5: alignment and written-tensor overlap, from the data pointers. */
 static int
 addresses_verdict(Admitter *self, PyObject *const *given)
 {
     unsigned long long start[MAX_ARGS], end[MAX_ARGS];
-    if (self->data_ptr_fn != NULL) {
-        for (Py_ssize_t j = 0; j < self->n_addr; j++) {
-            start[j] = (unsigned long long)(uintptr_t)self->data_ptr_fn(given[self->addr[j]]);
-            end[j] = start[j] + self->extent[j];
-        }
-    }
-    for (Py_ssize_t j = 0; j < self->n_addr && self->data_ptr_fn == NULL; j++) {
-        PyObject *p = PyObject_CallOneArg(self->data_ptr, given[self->addr[j]]);
-        if (p == NULL)
-            return -1;
-        start[j] = PyLong_AsUnsignedLongLong(p);
-        Py_DECREF(p);
-        if (start[j] == (unsigned long long)-1 && PyErr_Occurred())
+    for (Py_ssize_t j = 0; j < self->n_addr; j++) {
+        if (data_ptr_of(self, given[self->addr[j]], &start[j]) < 0)
             return -1;
         end[j] = start[j] + self->extent[j];
     }
