@@ -21,12 +21,13 @@ from torch._subclasses.fake_tensor import is_fake
 from .contract import new_out, out_shape
 from .launch import launch_step
 from .reference import mamba3_step_reference
+from .signature import StepOptions
 from .spec import StepSpec
 from .tensors import StepTensors
 from .validation import check_indices, check_options, check_step_inputs_cached
 
-__all__ = ["PreparedStep", "check_index_values", "host_step", "mamba3_step_fn", "prepare_step", "runs_kernel",
-           "step_through_op"]
+__all__ = ["PreparedStep", "check_index_values", "host_step", "mamba3_step_fn", "prepare_step", "run_step",
+           "runs_kernel", "step_through_op"]
 
 _pack = tuple.__new__  # _pack(StepTensors, values): a NamedTuple without its Python-level __new__
 
@@ -142,10 +143,16 @@ def mamba3_step_fn(
         state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
         state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens,
     ))
+    return run_step(tensors, _pack(StepOptions, (update_kv_state, tile_D, num_warps, validate_indices)))
+
+
+def run_step(tensors: StepTensors, options: StepOptions) -> torch.Tensor:
+    """:func:`mamba3_step_fn` on a packed call: what every entry point that takes the whole call
+    runs (the custom op's real implementation included). Returns ``out``."""
+    x = tensors.x
     if torch.compiler.is_compiling() or (type(x) is not torch.Tensor and isinstance(x, torch.Tensor) and is_fake(x)):
-        return step_through_op(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
-                               validate_indices=validate_indices)
-    spec, tensors, out = _prepare(tensors, update_kv_state, tile_D, num_warps, validate_indices)
+        return step_through_op(tensors, options)
+    spec, tensors, out = _prepare(tensors, options)
     if tensors.x.shape[0] == 0 or x.is_meta:
         return out  # meta tensors: validated, shapes only
     if runs_kernel(x):
@@ -174,22 +181,23 @@ class PreparedStep(NamedTuple):
     out: torch.Tensor  # what the call returns: ``out`` in the caller's shape
 
 
-def prepare_step(tensors: StepTensors, *, update_kv_state=False, tile_D=None, num_warps=None,
-                 validate_indices=False) -> PreparedStep:
+def prepare_step(tensors: StepTensors, **options) -> PreparedStep:
     """Everything :func:`mamba3_step_fn` does before the work itself, for every executor.
 
-    Validates the inputs (raising what :func:`mamba3_step_fn` documents; through
+    ``options`` are :class:`~mamba3_step.signature.StepOptions` fields. Validates the inputs
+    (raising what :func:`mamba3_step_fn` documents; through
     :func:`mamba3_step.validation.check_step_inputs_cached`, so a repeated call signature is
     validated once and afterwards only its addresses are checked), allocates ``out``
     when it is None, views a one-token step given with a token axis as the plain step
     (:meth:`StepTensors.one_token_squeezed`), and with ``validate_indices`` checks the index
     values (pool mode, ``B > 0``). With ``B == 0`` the caller returns ``out`` at once.
     """
-    return PreparedStep(*_prepare(tensors, update_kv_state, tile_D, num_warps, validate_indices))
+    return PreparedStep(*_prepare(tensors, StepOptions(**options)))
 
 
-def _prepare(tensors: StepTensors, update_kv_state, tile_D, num_warps, validate_indices) -> tuple:
+def _prepare(tensors: StepTensors, options: StepOptions) -> tuple:
     """:func:`prepare_step` as a plain tuple ``(spec, tensors, out)`` (what the hot path unpacks)."""
+    update_kv_state, tile_D, num_warps, validate_indices = options
     if type(validate_indices) is not bool:
         validate_indices = check_options(validate_indices=validate_indices)["validate_indices"]  # raises
     spec = check_step_inputs_cached(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
@@ -217,22 +225,17 @@ def check_index_values(tensors: StepTensors) -> None:
                       tensors.null_slot_id, tensors.num_accepted_tokens)
 
 
-def step_through_op(tensors: StepTensors, *, update_kv_state=False, tile_D=None, num_warps=None,
-                    validate_indices=False) -> torch.Tensor:
+def step_through_op(tensors: StepTensors, options: StepOptions = StepOptions()) -> torch.Tensor:
     """The step as one call of ``torch.ops.mamba3_step.step`` (what a tracer records); returns ``out``.
 
     The options are type-checked first (numpy integers become ints), so the op sees exactly what
     :func:`mamba3_step_fn` accepts; ``out`` is allocated (x's dtype and device) when it is None.
+    The op's arguments are passed by name (its order: :data:`mamba3_step.signature.OP_ORDER`).
     """
-    opts = check_options(null_slot_id=tensors.null_slot_id, update_kv_state=update_kv_state, tile_D=tile_D,
-                         num_warps=num_warps, validate_indices=validate_indices)
-    t = tensors
-    out = t.out if t.out is not None else _new_out(t)
-    torch.ops.mamba3_step.step(
-        t.state, t.Bstate, t.Xstate, t.A, t.B, t.C, t.D, t.x, t.dt, t.trap, t.xproj, out, t.outproj,
-        t.state_out, t.z, t.zproj, t.state_batch_indices, t.dst_state_batch_indices, opts["null_slot_id"],
-        opts["update_kv_state"], opts["tile_D"], opts["num_warps"], opts["validate_indices"], t.num_accepted_tokens,
-    )
+    checked = check_options(null_slot_id=tensors.null_slot_id, **options._asdict())
+    out = tensors.out if tensors.out is not None else _new_out(tensors)
+    call = {**tensors._asdict(), "null_slot_id": checked.pop("null_slot_id"), "out": out, **checked}
+    torch.ops.mamba3_step.step(**call)
     return out
 
 

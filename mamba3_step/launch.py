@@ -54,4 +54,4 @@ def launch_step(spec: StepSpec, tensors: StepTensors) -> None:
     """
     x = tensors.x
     arch = _ARCH_BY_INDEX.get(x.get_device()) or arch_of(x)  # arch_of, without a call on the hot path
-    compile_cache.get_compiled(spec, arch)(*kernel_arguments(spec, tensors))
+    compile_cache.get_compiled(spec, arch)(*kernel_arguments(tensors))

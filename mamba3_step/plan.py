@@ -42,7 +42,7 @@ serving loops; under ``torch.compile`` call ``mamba3_step_fn`` (it becomes the c
 
 from __future__ import annotations
 
-from operator import itemgetter
+from inspect import Parameter
 
 import torch
 
@@ -50,16 +50,18 @@ from .api import check_index_values, host_step, runs_kernel
 from .contract import new_out, out_shape
 from .launch import kernel_for
 from .spec import StepSpec
-from .tensors import KERNEL_ARGUMENT_NAMES, StepTensors, kernel_arguments
+from .signature import STEP_SIGNATURE, TENSOR_SIGNATURE, StepOptions, make_binder, split_call
+from .tensors import StepTensors, kernel_arguments
 from .validation import CheckedSignature, check_options, check_step_inputs
 from .validation.cache import ADMIT
 
 __all__ = ["StepPlan", "StepPlanMismatch", "plan_step"]
 
 _OUT = StepTensors._fields.index("out")
-#: the kernel's tensor arguments, picked from a validated call laid out like StepTensors (an
-#: absent optional tensor is None there, as :func:`~mamba3_step.tensors.kernel_arguments` passes it)
-_KERNEL_TENSORS = itemgetter(*(StepTensors._fields.index(name) for name in KERNEL_ARGUMENT_NAMES[:-1]))
+#: a run's call bound as the StepTensors fields (Python's own binding of TENSOR_SIGNATURE)
+_bind_run = make_binder("run", TENSOR_SIGNATURE)
+_bind_plan = make_binder("plan_step", STEP_SIGNATURE)
+_X = StepTensors._fields.index("x")
 
 
 class StepPlanMismatch(ValueError):
@@ -77,8 +79,8 @@ class StepPlan:
     __slots__ = ("spec", "options", "_sig", "_inference", "_out_shape", "_trivial",
                  "_kernel", "_null", "_fast", "_validate_indices")
 
-    def __init__(self, tensors: StepTensors, *, update_kv_state=False, tile_D=None, num_warps=None,
-                 validate_indices=False):
+    def __init__(self, tensors: StepTensors, options: StepOptions = StepOptions()):
+        update_kv_state, tile_D, num_warps, validate_indices = options
         validate_indices = check_options(validate_indices=validate_indices)["validate_indices"]
         spec = check_step_inputs(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
         opts = check_options(update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
@@ -98,9 +100,7 @@ class StepPlan:
         one_token_axis = x.dim() == 4 and x.shape[1] == 1
         self._fast = self._kernel is not None and not one_token_axis and not validate_indices
 
-    def run(self, state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj=None, state_out=None, out=None,
-            z=None, zproj=None, *, state_batch_indices=None, dst_state_batch_indices=None, null_slot_id=None,
-            num_accepted_tokens=None) -> torch.Tensor:
+    def run(self, *args, **kwargs) -> torch.Tensor:
         """One step of the planned signature: ``mamba3_step_fn``'s tensor arguments (shapes: its
         docstring), without its options. Returns ``out`` (allocated when None, like
         ``mamba3_step_fn``).
@@ -109,15 +109,15 @@ class StepPlan:
             TypeError, ValueError: bad input, exactly as ``mamba3_step_fn`` raises it.
             StepPlanMismatch: a valid call of another signature (the message names what changed).
         """
-        call = (state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
-                state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens)
+        call = _bind_run(*args, **kwargs)
+        out = call[_OUT]
         if torch.is_inference_mode_enabled() is not self._inference or self._sig.admits(call) != ADMIT:
             self._recheck(call)
         if out is None:
-            out = new_out(x, self._out_shape)
+            out = new_out(call[_X], self._out_shape)
             call = call[:_OUT] + (out,) + call[_OUT + 1:]
         if self._fast:
-            self._kernel(*_KERNEL_TENSORS(call), self._null)
+            self._kernel(*kernel_arguments(call))
             return out
         return self._execute(call, out)
 
@@ -134,7 +134,7 @@ class StepPlan:
         if self._trivial:
             return out
         if self._kernel is not None:
-            self._kernel(*kernel_arguments(self.spec, tensors))
+            self._kernel(*kernel_arguments(tensors))
         else:
             host_step(self.spec, tensors)
         return out
@@ -160,33 +160,7 @@ class StepPlan:
         return f"StepPlan({self.spec.key()}, out {tuple(self._out_shape)})"
 
 
-def plan_step(
-    state: torch.Tensor,
-    Bstate: torch.Tensor,
-    Xstate: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    trap: torch.Tensor,
-    xproj: torch.Tensor,
-    outproj: torch.Tensor | None = None,
-    state_out: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    zproj: torch.Tensor | None = None,
-    *,
-    state_batch_indices: torch.Tensor | None = None,
-    dst_state_batch_indices: torch.Tensor | None = None,
-    null_slot_id: int | None = None,
-    num_accepted_tokens: torch.Tensor | None = None,
-    update_kv_state: bool = False,
-    tile_D: int | None = None,
-    num_warps: int | None = None,
-    validate_indices: bool = False,
-) -> StepPlan:
+def plan_step(*args, **kwargs) -> StepPlan:
     """A :class:`StepPlan` for calls with this signature: ``mamba3_step_fn``'s arguments (shapes,
     dtypes, options: its docstring; B lanes, T tokens, P pool rows, H heads, D head dim, N state
     size, R MIMO rank). The tensors are validated in full, as ``mamba3_step_fn`` validates them,
@@ -198,7 +172,10 @@ def plan_step(
     Raises:
         TypeError, ValueError: what ``mamba3_step_fn`` raises for these arguments.
     """
-    tensors = StepTensors(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
-                          state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens)
-    return StepPlan(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
-                    validate_indices=validate_indices)
+    return StepPlan(*split_call(_bind_plan(*args, **kwargs)))
+
+
+plan_step.__signature__ = STEP_SIGNATURE.replace(return_annotation="StepPlan")
+StepPlan.run.__signature__ = TENSOR_SIGNATURE.replace(
+    parameters=[Parameter("self", Parameter.POSITIONAL_OR_KEYWORD), *TENSOR_SIGNATURE.parameters.values()],
+    return_annotation="torch.Tensor")

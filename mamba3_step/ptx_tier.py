@@ -28,12 +28,14 @@ import shutil
 import tempfile
 import threading
 from dataclasses import dataclass
+from inspect import Parameter
 
 import torch
 
 from . import ptx
 from .api import prepare_step
 from .build import argument_masks, compile_kernel
+from .signature import STEP_SIGNATURE, make_binder, split_call
 from .spec import StepSpec
 from .tensors import KERNEL_ARGUMENT_NAMES, StepTensors, kernel_arguments
 from .tiling import launch_grid, thread_layout
@@ -120,7 +122,7 @@ def run_step_ptx(spec: StepSpec, tensors: StepTensors, *, arch: str = "sm_90a", 
     around a pool view, to *observe* accesses to it rather than forbid them.
     """
     k = ptx_kernel(spec, arch)
-    values = dict(zip(KERNEL_ARGUMENT_NAMES, kernel_arguments(spec, tensors)))
+    values = dict(zip(KERNEL_ARGUMENT_NAMES, kernel_arguments(tensors)))
     memory = ptx.GlobalMemory()
     writable = writable_arguments(spec)
     params = []
@@ -137,20 +139,26 @@ def run_step_ptx(spec: StepSpec, tensors: StepTensors, *, arch: str = "sm_90a", 
     return result
 
 
-def ptx_step_fn(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj=None, state_out=None, out=None,
-                z=None, zproj=None, *, state_batch_indices=None, dst_state_batch_indices=None, null_slot_id=None,
-                num_accepted_tokens=None, update_kv_state=False, tile_D=None, num_warps=None,
-                validate_indices=False, arch: str = "sm_90a") -> torch.Tensor:
+_PTX_SIGNATURE = STEP_SIGNATURE.replace(
+    parameters=[*STEP_SIGNATURE.parameters.values(), Parameter("arch", Parameter.KEYWORD_ONLY, default="sm_90a",
+                                                                annotation="str")],
+    return_annotation="torch.Tensor")
+_bind_ptx = make_binder("ptx_step_fn", _PTX_SIGNATURE)
+
+
+def ptx_step_fn(*args, **kwargs) -> torch.Tensor:
     """``mamba3_step_fn`` on CPU tensors, computed by executing the kernel's PTX.
 
     Same arguments, validation and in-place effects as :func:`mamba3_step.mamba3_step_fn`
     (plus ``arch``, the target whose PTX runs). A verification instrument: it runs the compiled
     kernel instruction by instruction, so keep shapes small.
     """
-    tensors = StepTensors(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
-                          state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens)
-    spec, tensors, out = prepare_step(tensors, update_kv_state=update_kv_state, tile_D=tile_D,
-                                      num_warps=num_warps, validate_indices=validate_indices)
+    values = _bind_ptx(*args, **kwargs)
+    tensors, options = split_call(values)
+    spec, tensors, out = prepare_step(tensors, **options._asdict())
     if tensors.batch > 0:
-        run_step_ptx(spec, tensors, arch=arch)
+        run_step_ptx(spec, tensors, arch=values[-1])
     return out
+
+
+ptx_step_fn.__signature__ = _PTX_SIGNATURE

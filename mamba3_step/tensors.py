@@ -6,19 +6,20 @@ Every layer below the public flat signatures (``mamba3_step_fn``, ``mamba3_step_
 op, ``serving.decode_step``) passes a :class:`StepTensors`: validation, the PyTorch path, the
 launcher, the gather -> dense -> scatter baseline. Its fields are the public signature's tensor
 arguments in the public positional order, so ``StepTensors(*args, **kwargs)`` packs a call.
-Adding an argument is one field here (then its rule in ``validation.table`` and its place in
-:func:`kernel_arguments`).
+The kernel's arguments are another bundle, :class:`KernelArgs`, filled from this one by
+:func:`kernel_arguments`.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from operator import itemgetter
+from typing import Any, NamedTuple, Optional
 
 import torch
 
 from .contract import new_out, out_shape
 
-__all__ = ["KERNEL_ARGUMENT_NAMES", "LANE_FIELDS", "ROW_FIELDS", "StepTensors", "TOKEN_FIELDS", "WEIGHT_FIELDS",
+__all__ = ["KERNEL_ARGUMENT_NAMES", "KernelArgs", "LANE_FIELDS", "ROW_FIELDS", "StepTensors", "TOKEN_FIELDS", "WEIGHT_FIELDS",
            "kernel_arguments"]
 
 Tensor = torch.Tensor
@@ -31,12 +32,6 @@ LANE_FIELDS = ("A", "B", "C", "x", "dt", "trap", "z")
 WEIGHT_FIELDS = ("D", "xproj", "zproj", "outproj")
 #: fields with a token axis after the lane axis when T > 1: (B, T, ...)
 TOKEN_FIELDS = ("A", "B", "C", "x", "dt", "trap", "z", "out")
-#: the names of :func:`kernel_arguments`' entries, in order (the last is null_slot)
-KERNEL_ARGUMENT_NAMES = ("state", "Bstate", "Xstate", "A", "B", "C", "D", "x", "dt", "trap", "xproj", "zproj",
-                         "outproj", "z", "out", "state_out", "state_batch_indices", "dst_state_batch_indices",
-                         "num_accepted_tokens", "null_slot")
-
-
 class StepTensors(NamedTuple):
     """The tensors of one step (shapes: docs/contract.md, "Tensors"), plus ``null_slot_id``.
 
@@ -126,25 +121,57 @@ class StepTensors(NamedTuple):
 _OUT = StepTensors._fields.index("out")
 
 
-def kernel_arguments(spec, tensors: StepTensors) -> list:
-    """The compiled kernel's runtime arguments, in the order of ``Mamba3StepKernel.__call__``.
+class KernelArgs(NamedTuple):
+    """The compiled kernel's runtime arguments, in launch order: the one declaration of them.
 
-    19 tensors (``None`` where ``spec`` has none) then ``null_slot`` (-1 for none), named by
-    :data:`KERNEL_ARGUMENT_NAMES`; no stream
-    (tvm-ffi launches on the current one). ``mamba3_step.kernel.kernel_arguments`` is this
-    function: it lives here, free of cutlass, so that launching a cached kernel never imports
-    the DSL. ``spec`` is the call's :class:`~mamba3_step.spec.StepSpec`.
+    ``Mamba3StepKernel`` takes them as this bundle (its launcher's flat parameters are generated
+    from these fields, :func:`mamba3_step.kernel.fake_arguments` returns one, the PTX tier packs
+    one), and :func:`kernel_arguments` fills one from a call. The names are the public argument
+    names; an absent optional tensor is None (it specialises the kernel away). ``null_slot`` is
+    ``null_slot_id`` as an int32, -1 for none.
     """
-    t = tensors
-    return [
-        t.state, t.Bstate, t.Xstate, t.A, t.B, t.C, t.D, t.x, t.dt, t.trap, t.xproj,
-        t.zproj if spec.has_z else None,
-        t.outproj if spec.has_outproj else None,
-        t.z if spec.has_z else None,
-        t.out,
-        t.state_out if spec.has_state_out else None,
-        t.state_batch_indices if spec.pool else None,
-        t.dst_state_batch_indices if spec.has_dst else None,
-        t.num_accepted_tokens if spec.num_accepted else None,
-        -1 if t.null_slot_id is None else int(t.null_slot_id),
-    ]
+
+    state: Any  # (P|B, H, D, N) state dtype, updated in place
+    Bstate: Any  # (P|B, R, H, N) kv dtype
+    Xstate: Any  # (P|B, H, D) x dtype
+    A: Any  # (B[, T], H) fp32; a token axis T only in a T-token specialisation
+    B: Any  # (B[, T], R, H, N) kv dtype
+    C: Any  # (B[, T], R, H, N) kv dtype
+    D: Any  # (H,) fp32, the skip parameter
+    x: Any  # (B[, T], H, D) x dtype
+    dt: Any  # (B[, T], H) fp32
+    trap: Any  # (B[, T], H) fp32
+    xproj: Any  # (R, H, D) proj dtype
+    zproj: Any  # (R, H, D) proj dtype, or None
+    outproj: Any  # (R, H, D) proj dtype, or None
+    z: Any  # (B[, T], H, D) x dtype, or None
+    out: Any  # (B[, T], H, D) with outproj, else (B[, T], R, H, D), x dtype
+    state_out: Any  # (B, H, D, N) state dtype, dense mode only, or None
+    state_batch_indices: Any  # (B,) int32, or (B, K) with num_accepted_tokens; None: dense mode
+    dst_state_batch_indices: Any  # (B,) or (B, T) int32, or None
+    num_accepted_tokens: Any  # (B,) int32, or None
+    null_slot: Any  # int32: pool rows equal to it are padding (-1: none)
+
+
+#: the kernel's runtime argument names, in launch order (the last, ``null_slot``, is a scalar)
+KERNEL_ARGUMENT_NAMES = KernelArgs._fields
+#: the kernel's tensors, picked from a call laid out like StepTensors
+_KERNEL_TENSORS = itemgetter(*(StepTensors._fields.index(name) for name in KERNEL_ARGUMENT_NAMES[:-1]))
+
+
+def kernel_arguments(tensors) -> KernelArgs:
+    """The compiled kernel's runtime arguments for a validated call, as a :class:`KernelArgs`
+    (launch with ``compiled(*kernel_arguments(tensors))``; no stream: tvm-ffi launches on the
+    current one).
+
+    ``tensors`` is a :class:`StepTensors`, or any tuple laid out like one. A validated call
+    names exactly the optional tensors its specialisation has (validation ties each flag of
+    :class:`~mamba3_step.spec.StepSpec` to whether its tensor is given), so the absent ones are
+    None here as they are in the compiled signature. Free of cutlass: launching a cached kernel
+    never imports the DSL.
+    """
+    null = tensors[_NULL]
+    return tuple.__new__(KernelArgs, _KERNEL_TENSORS(tensors) + (-1 if null is None else int(null),))
+
+
+_NULL = StepTensors._fields.index("null_slot_id")

@@ -277,7 +277,7 @@ from mamba3_step.tensors import StepTensors, kernel_arguments
 from mamba3_step.testing import make_inputs
 inp = make_inputs(B=3, P=5, H=2, D=64, N=128, R=4)
 inp["out"] = inp["x"].clone()
-args = kernel_arguments(spec, StepTensors(**inp, state_batch_indices=inp["x"].new_zeros(3, dtype=torch.int32)))
+args = kernel_arguments(StepTensors(**inp, state_batch_indices=inp["x"].new_zeros(3, dtype=torch.int32)))
 
 def call_error(f):
     try:

@@ -83,9 +83,9 @@ def test_opcheck_schema_and_fake():
     st, bs, xs = pool.layer_tensors(0)
     out = torch.empty(NB, H, D, dtype=torch.bfloat16)
     args = (st.clone(), bs.clone(), xs.clone(), inp["A"], inp["B"], inp["C"], w["D"], inp["x"], inp["dt"],
-            inp["trap"], w["xproj"], out, w["outproj"], None, inp["z"], w["zproj"], slots, dst, None, True,
-            None, None, False)
-    torch.library.opcheck(torch.ops.mamba3_step.step.default, args,
+            inp["trap"], w["xproj"], out, w["outproj"], None, inp["z"], w["zproj"], slots, dst, None)
+    options = dict(update_kv_state=True, tile_D=None, num_warps=None, validate_indices=False)  # by keyword
+    torch.library.opcheck(torch.ops.mamba3_step.step.default, args, options,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 

@@ -330,7 +330,7 @@ def test_run_launches_what_mamba3_step_fn_launches(name, kernel_path, monkeypatc
     if kw.get("out") is not None:
         assert out is call["out"]
     spec, prepared, _ = api.prepare_step(StepTensors(**split(call)[0]), **options)
-    assert planned[-1] == kernel_arguments(spec, prepared)[-1] == (NULL if "null_slot_id" in kw else -1)
+    assert planned[-1] == kernel_arguments(prepared)[-1] == (NULL if "null_slot_id" in kw else -1)
 
 
 def test_run_with_out_allocates_nothing_and_without_out_only_out(kernel_path, monkeypatch):

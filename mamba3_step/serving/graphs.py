@@ -8,15 +8,17 @@ size, ``R`` MIMO rank.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from inspect import Parameter
 from typing import NamedTuple
 
 import torch
 
 from ..contract import source_rows
+from ..signature import StepOptions, View, make_binder, view_fields, view_signature
 from ..spec import MAX_TOKENS
-from ..tensors import StepTensors
+from ..tensors import LANE_FIELDS, ROW_FIELDS, WEIGHT_FIELDS, StepTensors
 from ..validation import check_step_inputs_cached
-from .hook import decode_step, kv_update_in_kernel
+from .hook import POOL_SUPPLIED, decode_step, kv_update_in_kernel
 from .pool import StatePool
 
 __all__ = ["CudaGraphStepRunner", "DEFAULT_BUCKETS", "StepForm", "choose_bucket", "pad_lanes", "pad_slots"]
@@ -110,6 +112,17 @@ def _form_of(x: torch.Tensor, slots: torch.Tensor, dst_slots) -> StepForm:
                     isinstance(dst_slots, torch.Tensor) and dst_slots.dim() == 2)
 
 
+#: what a runner supplies itself: the pool's part, the weights fixed at construction, its static
+#: ``out`` and the options; :meth:`CudaGraphStepRunner.step` takes the rest, keyword-only
+_STEP_VIEW = View(
+    leading=(Parameter("self", Parameter.POSITIONAL_OR_KEYWORD),), promoted=("state_batch_indices",),
+    supplied=POOL_SUPPLIED | set(WEIGHT_FIELDS) | {"out"} | set(StepOptions._fields),
+    renamed={"state_batch_indices": "slots", "dst_state_batch_indices": "dst_slots"}, keyword_only=True,
+    trailing=(Parameter("clone", Parameter.KEYWORD_ONLY, default=True, annotation="bool"),))
+_STEP_FIELDS = view_fields(_STEP_VIEW)
+_bind_step = make_binder("step", view_signature(_STEP_VIEW))
+
+
 class CudaGraphStepRunner:
     """Runs :func:`decode_step` for one layer at a fixed set of batch-size buckets.
 
@@ -156,6 +169,7 @@ class CudaGraphStepRunner:
         self.pool = pool
         self.layer = layer
         self.D, self.xproj, self.outproj, self.zproj = D, xproj, outproj, zproj
+        self._weights = {name: getattr(self, name) for name in WEIGHT_FIELDS}
         self.buckets = _check_buckets(buckets)
         self.with_dst = bool(with_dst)
         self.tile_D, self.num_warps = tile_D, num_warps
@@ -199,9 +213,9 @@ class CudaGraphStepRunner:
             dst = stand_in("dst", None, (n,)) if self.with_dst else None
         nat = None if num_accepted_tokens is None else stand_in("nat", num_accepted_tokens)
         tensors = StepTensors(
-            *p.layer_tensors(self.layer), inputs["A"], inputs["B"], inputs["C"], self.D, inputs["x"], inputs["dt"],
-            inputs["trap"], self.xproj, self.outproj, None, None if s is None else s["out"][:n], inputs.get("z"),
-            self.zproj, stand_in("slots", slots), dst, p.null_slot_id, nat,
+            **dict(zip(ROW_FIELDS, p.layer_tensors(self.layer))), **{f: inputs.get(f) for f in LANE_FIELDS},
+            **self._weights, out=None if s is None else s["out"][:n], state_batch_indices=stand_in("slots", slots),
+            dst_state_batch_indices=dst, null_slot_id=p.null_slot_id, num_accepted_tokens=nat,
         )
         x = inputs["x"]
         tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
@@ -237,8 +251,7 @@ class CudaGraphStepRunner:
 
     def _run(self, s: dict[str, torch.Tensor]) -> torch.Tensor:
         return decode_step(
-            self.pool, self.layer, s["slots"], s["A"], s["B"], s["C"], self.D, s["x"], s["dt"],
-            s["trap"], self.xproj, self.outproj, z=s.get("z"), zproj=self.zproj,
+            self.pool, self.layer, s["slots"], **{f: s.get(f) for f in LANE_FIELDS}, **self._weights,
             dst_slots=s.get("dst"), num_accepted_tokens=s.get("nat"), out=s["out"], tile_D=self.tile_D,
             num_warps=self.num_warps,
         )
@@ -290,21 +303,7 @@ class CudaGraphStepRunner:
         its capture: ``slots``, the per-lane inputs, ``out``, and ``nat``/``dst`` where the form has them."""
         return self._static.get((bucket, PLAIN if form is None else form))
 
-    def step(
-        self,
-        slots: torch.Tensor,
-        *,
-        A: torch.Tensor,
-        dt: torch.Tensor,
-        trap: torch.Tensor,
-        B: torch.Tensor,
-        C: torch.Tensor,
-        x: torch.Tensor,
-        z: torch.Tensor | None = None,
-        dst_slots: torch.Tensor | None = None,
-        num_accepted_tokens: torch.Tensor | None = None,
-        clone: bool = True,
-    ) -> torch.Tensor:
+    def step(self, *args, **kwargs) -> torch.Tensor:
         """One padded step for ``n = len(slots)`` live lanes; returns their ``out`` ``(n, ...)``.
 
         ``slots`` (and ``dst_slots``, ``num_accepted_tokens``) are int32, on any device (copied into
@@ -317,7 +316,11 @@ class CudaGraphStepRunner:
         anything is copied: exact shapes, dtypes and device, never broadcast or cast into the
         static buffers. A refused step changes nothing.
         """
-        inputs = self._lane_inputs(slots, dict(A=A, dt=dt, trap=trap, B=B, C=C, x=x, z=z), dst_slots)
+        values = _bind_step(self, *args, **kwargs)
+        call = {name: v for name, v in zip(_STEP_FIELDS, values) if name is not None}
+        slots, dst_slots = call["state_batch_indices"], call["dst_state_batch_indices"]
+        num_accepted_tokens, clone, x = call["num_accepted_tokens"], values[-1], call["x"]
+        inputs = self._lane_inputs(slots, {f: call[f] for f in LANE_FIELDS}, dst_slots)
         n = slots.shape[0]
         bucket = choose_bucket(n, self.buckets)
         if bucket is None:  # too big for any bucket: run eagerly, unpadded
@@ -370,8 +373,7 @@ class CudaGraphStepRunner:
             return t.to(dev) if isinstance(t, torch.Tensor) else t
 
         return decode_step(
-            self.pool, self.layer, slots.to(dev), inputs["A"], inputs["B"], inputs["C"], self.D, inputs["x"],
-            inputs["dt"], inputs["trap"], self.xproj, self.outproj, z=inputs.get("z"), zproj=self.zproj,
+            self.pool, self.layer, slots.to(dev), **{f: inputs.get(f) for f in LANE_FIELDS}, **self._weights,
             dst_slots=moved(dst_slots), num_accepted_tokens=moved(num_accepted_tokens), tile_D=self.tile_D,
             num_warps=self.num_warps,
         )
@@ -391,3 +393,6 @@ class CudaGraphStepRunner:
         for name, t in inputs.items():
             s[name][:n].copy_(t)
             s[name][n:].zero_()
+
+
+CudaGraphStepRunner.step.__signature__ = view_signature(_STEP_VIEW).replace(return_annotation="torch.Tensor")

@@ -6,10 +6,14 @@ rows per lane, ``P`` pool rows (slots), ``H`` heads, ``D`` head dim, ``N`` state
 
 from __future__ import annotations
 
+from inspect import Parameter
+
 import torch
 
-from ..api import mamba3_step_fn
+from ..api import run_step
 from ..contract import dtype_name, lane_is_live, source_rows
+from ..signature import StepOptions, View, make_binder, view_fields, view_signature
+from ..tensors import StepTensors
 from ..tiling import default_tiling, thread_layout
 from .pool import StatePool
 
@@ -33,29 +37,19 @@ def kv_update_in_kernel(headdim: int, dstate: int, mimo: int, state_dtype, tile_
     return tile_D >= headdim
 
 
-def decode_step(
-    pool: StatePool,
-    layer: int,
-    slots: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    trap: torch.Tensor,
-    xproj: torch.Tensor,
-    outproj: torch.Tensor | None = None,
-    *,
-    z: torch.Tensor | None = None,
-    zproj: torch.Tensor | None = None,
-    dst_slots: torch.Tensor | None = None,
-    num_accepted_tokens: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    tile_D: int | None = None,
-    num_warps: int | None = None,
-    validate_indices: bool = False,
-) -> torch.Tensor:
+#: what the pool supplies: its layer's rows, its null slot; the hook decides update_kv_state
+POOL_SUPPLIED = frozenset({"state", "Bstate", "Xstate", "state_out", "null_slot_id", "update_kv_state"})
+_VIEW = View(
+    leading=(Parameter("pool", Parameter.POSITIONAL_OR_KEYWORD, annotation="StatePool"),
+             Parameter("layer", Parameter.POSITIONAL_OR_KEYWORD, annotation="int")),
+    promoted=("state_batch_indices",), supplied=POOL_SUPPLIED,
+    renamed={"state_batch_indices": "slots", "dst_state_batch_indices": "dst_slots"})
+#: the declared name of each decode_step parameter after pool and layer
+_FIELDS = view_fields(_VIEW)[2:]
+_bind = make_binder("decode_step", view_signature(_VIEW))
+
+
+def decode_step(*args, **kwargs) -> torch.Tensor:
     """One Mamba-3 decode step of one layer over the pool, in place; ``T`` tokens per lane optional.
 
     Args:
@@ -85,44 +79,31 @@ def decode_step(
     keeps the user's ``tile_D`` and follows the step with a masked scatter (graph-capturable:
     padded lanes and padding tokens go to a hidden scratch row). Returns ``out``.
     """
+    values = _bind(*args, **kwargs)
+    pool, layer, call = values[0], values[1], dict(zip(_FIELDS, values[2:]))
     state, Bstate, Xstate = pool.layer_tensors(layer)
+    x = call["x"]
     tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
-    in_kernel = kv_update_in_kernel(pool.headdim, pool.dstate, pool.mimo, pool.state_dtype, tile_D, tokens)
-    out = mamba3_step_fn(
-        state,
-        Bstate,
-        Xstate,
-        A,
-        B,
-        C,
-        D,
-        x,
-        dt,
-        trap,
-        xproj,
-        outproj,
-        None,
-        out,
-        z,
-        zproj,
-        state_batch_indices=slots,
-        dst_state_batch_indices=dst_slots,
-        null_slot_id=pool.null_slot_id,
-        num_accepted_tokens=num_accepted_tokens,
-        update_kv_state=in_kernel,
-        tile_D=tile_D,
-        num_warps=num_warps,
-        validate_indices=validate_indices,
-    )
+    in_kernel = kv_update_in_kernel(pool.headdim, pool.dstate, pool.mimo, pool.state_dtype, call["tile_D"], tokens)
+    tensors = StepTensors(**{name: call.get(name) for name in StepTensors._fields if name not in POOL_SUPPLIED},
+                          state=state, Bstate=Bstate, Xstate=Xstate, null_slot_id=pool.null_slot_id)
+    options = StepOptions(**{name: call.get(name) for name in StepOptions._fields if name not in POOL_SUPPLIED},
+                          update_kv_state=in_kernel)
+    out = run_step(tensors, options)
     if not in_kernel:
-        _masked_kv_scatter(pool, layer, slots, dst_slots, num_accepted_tokens, B, x)
+        _masked_kv_scatter(pool, layer, tensors)
     return out
 
 
-def _masked_kv_scatter(pool: StatePool, layer: int, slots, dst_slots, num_accepted_tokens, B, x) -> None:
+decode_step.__signature__ = view_signature(_VIEW).replace(return_annotation="torch.Tensor")
+
+
+def _masked_kv_scatter(pool: StatePool, layer: int, tensors: StepTensors) -> None:
     """Store B/x into the rows ``dst`` of live lanes (per token with a ``(B, T)`` ``dst_slots``, else
     the last token's into the final row), in token order; padding goes to the hidden scratch row."""
     P = pool.num_slots
+    slots, dst_slots, B, x = tensors.state_batch_indices, tensors.dst_state_batch_indices, tensors.B, tensors.x
+    num_accepted_tokens = tensors.num_accepted_tokens
     src = source_rows(slots, num_accepted_tokens)
     live = lane_is_live(src, P, pool.null_slot_id)
     if dst_slots is not None and dst_slots.dim() == 2:  # a row per token

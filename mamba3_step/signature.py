@@ -1,0 +1,208 @@
+"""The step's arguments, declared once, and every entry point's signature derived from them.
+
+Letters (docs/contract.md): B lanes, T tokens, P pool rows, H heads, D head dim, N state size,
+R MIMO rank.
+
+The declaration is two bundles:
+
+* :class:`~mamba3_step.tensors.StepTensors`: every tensor argument and ``null_slot_id``, in the
+  public order, with their defaults (a field without a default is required);
+* :class:`StepOptions`: the options, with their defaults.
+
+The public signature (:data:`STEP_SIGNATURE`) is those fields in that order: the fields up to
+:data:`LAST_POSITIONAL` may be passed by position, the rest of the tensors and every option only
+by keyword. ``mamba3_step_fn`` is written out flat (it is the documented function; a test holds
+it equal to :data:`STEP_SIGNATURE`). Every other entry point takes ``*args, **kwargs``, carries
+its signature as ``__signature__`` (so ``inspect.signature`` and ``help`` show the real
+parameters) and binds a call with a function generated from that signature
+(:func:`make_binder`): Python's own argument binding, so a wrong call gets Python's TypeError
+naming the entry point, at the cost of one extra call. An entry point that supplies some
+arguments itself (``decode_step`` takes the rows and ``null_slot_id`` from a pool) or names them
+differently declares a :class:`View` of the signature instead of a list of parameters.
+
+The custom op's schema (:func:`op_schema`) comes from the same declaration; see its docstring
+for its order.
+
+A new argument is one field of ``StepTensors`` (a tensor) or of :class:`StepOptions` (an
+option); every entry point here follows (docs/design.md, "Where a change goes").
+"""
+
+from __future__ import annotations
+
+from inspect import Parameter, Signature
+from typing import Any, Callable, NamedTuple, Optional
+
+from .tensors import StepTensors
+
+__all__ = ["LAST_POSITIONAL", "OP_ORDER", "STEP_SIGNATURE", "StepOptions", "TENSOR_SIGNATURE", "View",
+           "declared_signature", "make_binder", "op_schema", "split_call", "view_signature"]
+
+
+class StepOptions(NamedTuple):
+    """The step's options (docs/contract.md; ``mamba3_step_fn``'s docstring)."""
+
+    update_kv_state: bool = False
+    tile_D: Optional[int] = None
+    num_warps: Optional[int] = None
+    validate_indices: bool = False
+
+
+#: the last field of StepTensors a caller may pass by position
+LAST_POSITIONAL = "zproj"
+_NUM_TENSORS = len(StepTensors._fields)
+_POSITIONAL = StepTensors._fields.index(LAST_POSITIONAL) + 1
+
+#: how each declared annotation is shown (``inspect.signature``) and typed in the op's schema
+_ANNOTATIONS = {
+    "Tensor": ("torch.Tensor", "Tensor"),
+    "Optional[Tensor]": ("torch.Tensor | None", "Tensor?"),
+    "Optional[int]": ("int | None", "Scalar?"),
+    "bool": ("bool", "Scalar"),
+}
+
+
+def _annotation(bundle, name: str) -> str:
+    """A field's annotation as written (a NamedTuple keeps postponed annotations as ForwardRefs)."""
+    ann = bundle.__annotations__[name]
+    return getattr(ann, "__forward_arg__", ann if isinstance(ann, str) else getattr(ann, "__name__", str(ann)))
+
+
+def _declared():
+    """(name, default or Parameter.empty, annotation text, kind) of every declared argument."""
+    rows = []
+    for i, name in enumerate(StepTensors._fields):
+        kind = Parameter.POSITIONAL_OR_KEYWORD if i < _POSITIONAL else Parameter.KEYWORD_ONLY
+        default = StepTensors._field_defaults.get(name, Parameter.empty)
+        rows.append((name, default, _annotation(StepTensors, name), kind))
+    for name in StepOptions._fields:
+        rows.append((name, StepOptions._field_defaults[name], _annotation(StepOptions, name), Parameter.KEYWORD_ONLY))
+    return rows
+
+
+def declared_signature(*, options: bool = True) -> Signature:
+    """The public signature: the StepTensors fields, then (``options``) the StepOptions fields."""
+    rows = _declared() if options else _declared()[:_NUM_TENSORS]
+    return Signature([Parameter(name, kind, default=default, annotation=_ANNOTATIONS[ann][0])
+                      for name, default, ann, kind in rows])
+
+
+#: ``mamba3_step_fn``'s signature, and every entry point's that takes the whole call
+STEP_SIGNATURE = declared_signature()
+#: the tensor arguments alone (a plan's per-step call: the options are the plan's)
+TENSOR_SIGNATURE = declared_signature(options=False)
+
+
+def split_call(values: tuple) -> tuple[StepTensors, StepOptions]:
+    """A bound call in :data:`STEP_SIGNATURE` order -> ``(StepTensors, StepOptions)``."""
+    end = _NUM_TENSORS + len(StepOptions._fields)
+    return tuple.__new__(StepTensors, values[:_NUM_TENSORS]), tuple.__new__(StepOptions, values[_NUM_TENSORS:end])
+
+
+def make_binder(name: str, signature: Signature) -> Callable[..., tuple]:
+    """A function named ``name`` with exactly ``signature`` that returns its arguments as a tuple,
+    in the signature's order: the entry points' argument binding, done by Python itself."""
+    params, names, defaults, star = [], [], {}, False
+    for i, p in enumerate(signature.parameters.values()):
+        if p.kind is Parameter.KEYWORD_ONLY and not star:
+            params.append("*")
+            star = True
+        text = p.name
+        if p.default is not Parameter.empty:
+            defaults[f"_default{i}"] = p.default
+            text += f"=_default{i}"
+        params.append(text)
+        names.append(p.name)
+    source = f"def {name}({', '.join(params)}):\n    return ({', '.join(names)},)\n"
+    namespace = dict(defaults)
+    exec(compile(source, f"<{name} arguments>", "exec"), namespace)  # noqa: S102 - generated from the declaration
+    return namespace[name]
+
+
+# ---------------------------------------------------------------------- views
+class View(NamedTuple):
+    """How an entry point presents the declared arguments.
+
+    ``leading``: its own parameters, first; ``promoted``: declared names that become positional
+    parameters right after them (required); ``supplied``: declared names the entry point fills
+    itself (not parameters); ``renamed``: declared name -> the entry point's name;
+    ``keyword_only``: every declared parameter keyword-only; ``trailing``: its own keyword-only
+    parameters, last.
+    """
+
+    leading: tuple = ()
+    promoted: tuple = ()
+    supplied: frozenset = frozenset()
+    renamed: dict = {}
+    keyword_only: bool = False
+    trailing: tuple = ()
+    options: bool = True
+
+
+def view_signature(view: View) -> Signature:
+    """The signature an entry point with ``view`` shows (and binds with :func:`make_binder`)."""
+    rows = _declared() if view.options else _declared()[:_NUM_TENSORS]
+    by_name = {r[0]: r for r in rows}
+    params = list(view.leading)
+    for name in view.promoted:
+        _, _, ann, _ = by_name[name]
+        params.append(Parameter(view.renamed.get(name, name), Parameter.POSITIONAL_OR_KEYWORD,
+                                annotation=_ANNOTATIONS[ann][0].removesuffix(" | None")))
+    for name, default, ann, kind in rows:
+        if name in view.supplied or name in view.promoted:
+            continue
+        if view.keyword_only:
+            kind = Parameter.KEYWORD_ONLY
+        params.append(Parameter(view.renamed.get(name, name), kind, default=default, annotation=_ANNOTATIONS[ann][0]))
+    params.extend(view.trailing)
+    return Signature(params)
+
+
+def view_fields(view: View) -> tuple[str, ...]:
+    """The declared name of each parameter of :func:`view_signature` (``None`` for the view's own)."""
+    sig = view_signature(view)
+    declared = {view.renamed.get(r[0], r[0]): r[0] for r in _declared()}
+    own = {p.name for p in (*view.leading, *view.trailing)}
+    return tuple(None if name in own else declared[name] for name in sig.parameters)
+
+
+# ---------------------------------------------------------------------- the custom op
+def _op_order() -> tuple[str, ...]:
+    required = [n for n in StepTensors._fields if n not in StepTensors._field_defaults]
+    rest = [n for n in StepTensors._fields if n in StepTensors._field_defaults and n != "out"]
+    return tuple(required) + ("out",) + tuple(rest) + StepOptions._fields
+
+
+#: the op's argument order: the required tensors and ``out`` (required there: the op returns
+#: nothing), then the optional fields in declared order, then the options. A new field lands
+#: before the options, which callers pass by keyword.
+OP_ORDER = _op_order()
+#: the tensors the op declares as mutated: every tensor the step may write
+OP_MUTATED = ("state", "Bstate", "Xstate", "state_out", "out")
+
+
+def op_schema() -> str:
+    """``torch.library`` schema of ``mamba3_step::step``, in :data:`OP_ORDER`.
+
+    Tensors are ``Tensor`` (``Tensor?`` when optional; ``out`` required), each mutated one with
+    its own alias set ``(aN!)``; ``null_slot_id`` and the options are ``Scalar`` so that the
+    dispatcher passes them on as given (it would turn ``update_kv_state=1`` into True before the
+    validation could refuse it). Every argument after ``out`` has its declared default.
+    """
+    rows = {r[0]: r for r in _declared()}
+    parts, alias = [], 0
+    for name in OP_ORDER:
+        _, default, ann, _ = rows[name]
+        typ = "Tensor" if name == "out" else _ANNOTATIONS[ann][1]
+        if name in OP_MUTATED:
+            typ = typ.replace("Tensor", f"Tensor(a{alias}!)")
+            alias += 1
+        text = f"{typ} {name}"
+        if name != "out" and default is not Parameter.empty:
+            text += f"={_schema_default(default)}"
+        parts.append(text)
+    return f"({', '.join(parts)}) -> ()"
+
+
+def _schema_default(value: Any) -> str:
+    return {None: "None", False: "False", True: "True"}.get(value, repr(value)) if isinstance(value, (bool, type(None))) \
+        else repr(value)
