@@ -61,8 +61,9 @@ def mamba3_step_fn(
 ) -> torch.Tensor:
     """One Mamba-3 MIMO decode step, dense or over a pool of recurrent-state rows.
 
-    Letters: B batch lanes (taken from ``x``), P pool rows, H heads, D head dim, N state
-    size (dstate), R MIMO rank. ``rows`` below is P in pool mode and B in dense mode.
+    Letters: B batch lanes (taken from ``x``), T tokens per lane, P pool rows, H heads, D head
+    dim, N state size (dstate), R MIMO rank, K candidate source rows. ``rows`` below is P in pool
+    mode and B in dense mode; ``[T]`` is an axis only a multi-token step has.
 
     ==========================  ======================  ================================
     argument                    shape                   dtype
@@ -70,16 +71,19 @@ def mamba3_step_fn(
     state (in place)            (rows, H, D, N)         float32, bfloat16 or float16
     Bstate (previous B)         (rows, R, H, N)         same as B
     Xstate (previous x)         (rows, H, D)            same as x
-    A, dt, trap                 (B, H)                  float32
-    B, C                        (B, R, H, N)            bfloat16, float16 or float32
+    A, dt, trap                 (B, [T,] H)             float32
+    B, C                        (B, [T,] R, H, N)       bfloat16, float16 or float32
     D                           (H,)                    float32
-    x, z (z optional)           (B, H, D)               bfloat16, float16 or float32
+    x, z (z optional)           (B, [T,] H, D)          bfloat16, float16 or float32
     xproj, zproj, outproj       (R, H, D)               one dtype: float32, bfloat16, float16
     state_out (dense only)      (B, H, D, N)            same as state
-    out (optional)              (B, H, D) with outproj, same as x
-                                else (B, R, H, D)
-    state_batch_indices         (B,)                    int32
-    dst_state_batch_indices     (B,)                    int32
+    out (optional)              (B, [T,] H, D) with     same as x
+                                outproj, else
+                                (B, [T,] R, H, D)
+    state_batch_indices         (B,), or (B, K) with    int32
+                                num_accepted_tokens
+    dst_state_batch_indices     (B,), or (B, T)         int32
+    num_accepted_tokens         (B,)                    int32
     ==========================  ======================  ================================
 
     Math per lane and head (accumulated in float32): see docs/contract.md or
@@ -96,6 +100,16 @@ def mamba3_step_fn(
     must not share a ``dst``, and no lane's ``dst`` may be another live lane's ``src`` (a
     race; unchecked unless ``validate_indices=True``).
 
+    Multi-token steps (speculative decoding's verify pass): ``x`` (B, T, H, D) gives every
+    per-lane tensor and ``out`` a token axis, and the call is T one-token steps per lane in
+    order, bit for bit (token ``t``'s previous B/x are token ``t - 1``'s; the state carries in
+    its own dtype); ``T`` (at most 16) is compile-time. ``num_accepted_tokens`` (B,) with a
+    (B, K) ``state_batch_indices`` reads lane b's source row at
+    ``state_batch_indices[b, num_accepted_tokens[b] - 1]`` (a count outside [1, K] makes the lane
+    padding). A (B, T) ``dst_state_batch_indices`` writes the state after token ``t`` (and with
+    ``update_kv_state`` token ``t``'s B/x) to row ``dst[b, t]``; a (B,) one, or none, writes only
+    the final state. Details: docs/contract.md, "Multi-token steps".
+
     In-place effects: the new state goes to ``state`` (rows ``dst`` in pool mode, all rows in
     dense mode) or ``state_out``; ``out`` is overwritten; with ``update_kv_state=True`` this
     step's ``B`` and ``x`` are stored (cast) into the same rows of ``Bstate`` and ``Xstate``,
@@ -103,6 +117,7 @@ def mamba3_step_fn(
 
     Args:
         null_slot_id: a pool row reserved as the null block (pool mode only), or None.
+        num_accepted_tokens: see "Multi-token steps" above (pool mode only).
         update_kv_state: store this step's B/x into Bstate/Xstate. Needs ``tile_D >= D``
             (ValueError otherwise; the tile is never changed silently).
         tile_D, num_warps: kernel tiling (CUDA only); None picks the per-configuration

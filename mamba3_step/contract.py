@@ -126,9 +126,8 @@ def out_shape(x: torch.Tensor, xproj: torch.Tensor, has_outproj: bool) -> tuple[
 def new_out(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """``out`` for a call that gives none: a plain tensor of ``shape`` (:func:`out_shape`),
     contiguous, x's dtype and device. Where ``shape`` is x's own (every call with outproj) and x
-    is a plain tensor it is ``torch.empty_like(x)`` in contiguous format, about 1.4 us on this
-    project's CPU against ``torch.empty``'s 2-3 us (``bench/bench_host.py``, ``out=None``
-    columns); the tensor is the same either way (a subclass x would pass its type on through
+    is a plain tensor it is ``torch.empty_like(x)`` in contiguous format, which costs the host
+    less than ``torch.empty`` (``bench/bench_host.py``, ``out=None`` columns); the tensor is the same either way (a subclass x would pass its type on through
     ``empty_like``, hence the type test)."""
     if type(x) is torch.Tensor and x.shape == shape:
         return torch.empty_like(x, memory_format=torch.contiguous_format)

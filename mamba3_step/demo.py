@@ -35,7 +35,7 @@ from .serving import CudaGraphStepRunner, StatePool, choose_bucket, gather_dense
 from .spec import MAX_TOKENS
 from .specsets import add_spec_arguments, parse_spec_args
 from .tensors import StepTensors
-from .testing import bits_equal, lane_inputs, layer_weights, poison_pool
+from .testing import LayerShape, bits_equal, lane_inputs, layer_weights, poison_pool
 
 __all__ = ["DemoResult", "HELP", "SpecRecord", "SpecResult", "StepRecord", "add_arguments", "run",
            "run_speculative_decode", "run_toy_decode"]
@@ -143,8 +143,7 @@ def _errors(gathered: StepTensors, out: torch.Tensor) -> tuple[float, float]:
 
 
 def run_toy_decode(*, steps: int = 8, layers: int = 2, slots: int = 16, max_batch: int = 6, buckets=(1, 2, 4, 8),
-                   H: int = 4, D: int = 64, N: int = 128, R: int = 4, state_dtype="float32", kv_dtype="bfloat16",
-                   x_dtype=None, proj_dtype="bfloat16", null_slot: bool = False, seed: int = 0, device="cpu",
+                   shape: LayerShape = LayerShape(), null_slot: bool = False, seed: int = 0, device="cpu",
                    use_cuda_graph: bool | None = None, log=None) -> DemoResult:
     """Run the toy decode and compare it, step by step, with gather -> dense -> scatter.
 
@@ -152,17 +151,19 @@ def run_toy_decode(*, steps: int = 8, layers: int = 2, slots: int = 16, max_batc
     new ones join (fresh zeroed slot, or a slot that reads a cached prefix's row as ``src``
     on its first step and writes its own row as ``dst``: prefix caching). Layer ``l + 1``'s
     ``x`` is layer ``l``'s ``out``. Both pools start from the same random poison, so a stray
-    write anywhere shows up in the whole-pool comparison. Defaults: the flagship's D, N, R and
-    dtypes (``x_dtype`` None: ``kv_dtype``), H=4 heads.
+    write anywhere shows up in the whole-pool comparison. ``shape`` gives every layer's H, D, N, R
+    and dtypes (default :class:`~mamba3_step.testing.LayerShape`: the flagship's D, N, R and
+    dtypes, H=4 heads).
     """
     device = torch.device(device)
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
-    x_dtype = kv_dtype if x_dtype is None else x_dtype
-    pool = StatePool(layers, slots, H, D, N, R, state_dtype=state_dtype, kv_dtype=kv_dtype, x_dtype=x_dtype,
-                     device=device, reserve_null_slot=null_slot)
+    H, D, N, R = shape.H, shape.D, shape.N, shape.R
+    dtypes = shape.storage_dtypes
+    pool = StatePool(layers, slots, H, D, N, R, **dtypes, device=device, reserve_null_slot=null_slot)
     poison_pool(pool, g)
     base = [tuple(t.clone() for t in pool.layer_tensors(l)) for l in range(layers)]  # the baseline's pool
-    weights = [layer_weights(H, D, R, proj_dtype=proj_dtype, device=device, generator=g) for _ in range(layers)]
+    weights = [layer_weights(H, D, R, proj_dtype=shape.proj_dtype, device=device, generator=g)
+               for _ in range(layers)]
     runners = [CudaGraphStepRunner(pool, l, buckets=buckets, with_dst=True, use_cuda_graph=use_cuda_graph,
                                    **weights[l]) for l in range(layers)]
     if runners[0].use_cuda_graph:
@@ -180,7 +181,8 @@ def run_toy_decode(*, steps: int = 8, layers: int = 2, slots: int = 16, max_batc
         failures, err, err32 = [], 0.0, 0.0
         x = x_base = None
         for l in range(layers):
-            inp = lane_inputs(n, H, D, N, R, kv_dtype=kv_dtype, x_dtype=x_dtype, device=device, generator=g)
+            inp = lane_inputs(n, H, D, N, R, kv_dtype=dtypes["kv_dtype"], x_dtype=dtypes["x_dtype"], device=device,
+                              generator=g)
             inp_base = dict(inp) if l == 0 else dict(inp, x=x_base)
             if l:
                 inp["x"] = x
@@ -252,6 +254,12 @@ def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser):
     return torch.device(device), buckets, specs[0]
 
 
+def _layer_shape(args: argparse.Namespace, spec) -> LayerShape:
+    """The demo's layer: ``--heads`` heads of the specialisation's D, N, R and dtypes."""
+    return LayerShape(H=args.heads, D=spec.headdim, N=spec.dstate, R=spec.mimo, state_dtype=spec.state_dtype,
+                      kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype, proj_dtype=spec.proj_dtype)
+
+
 def _log_row(rec: StepRecord, first: bool) -> None:
     if first:
         print("step  live  bucket  padded  joined  left  forked  parity  max|out - fp64|")
@@ -271,9 +279,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
           f"pad id {0 if args.null_slot else -1}" + (" (row 0 reserved as null slot)" if args.null_slot else ""))
     res = run_toy_decode(
         steps=args.steps, layers=args.layers, slots=args.slots, max_batch=args.max_batch, buckets=buckets,
-        H=args.heads, D=spec.headdim, N=spec.dstate, R=spec.mimo, state_dtype=spec.state_dtype,
-        kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype, proj_dtype=spec.proj_dtype, null_slot=args.null_slot,
-        seed=args.seed, device=dev, use_cuda_graph=False if args.no_graphs else None,
+        shape=_layer_shape(args, spec), null_slot=args.null_slot, seed=args.seed, device=dev,
+        use_cuda_graph=False if args.no_graphs else None,
         log=None if args.quiet else lambda rec: _log_row(rec, rec.step == 0),
     )
     lanes = sum(r.live for r in res.records)
@@ -300,9 +307,8 @@ def _speculative_round(args: argparse.Namespace, dev: torch.device, buckets, spe
     """Run and report :func:`run_speculative_decode`; True when it held."""
     t0, T = time.perf_counter(), args.spec_tokens
     res = run_speculative_decode(
-        rounds=args.spec_rounds, tokens=T, layers=args.layers, buckets=buckets, H=args.heads, D=spec.headdim,
-        N=spec.dstate, R=spec.mimo, state_dtype=spec.state_dtype, kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype,
-        proj_dtype=spec.proj_dtype, null_slot=args.null_slot, seed=args.seed, device=dev,
+        rounds=args.spec_rounds, tokens=T, layers=args.layers, buckets=buckets, shape=_layer_shape(args, spec),
+        null_slot=args.null_slot, seed=args.seed, device=dev,
         use_cuda_graph=False if args.no_graphs else None, log=None if args.quiet else _log_spec_row,
     )
     for f in res.failures[:10]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .serving import CudaGraphStepRunner, StatePool, StepForm, choose_bucket, decode_step
-from .testing import bits_equal, lane_inputs, layer_weights, poison_pool, row_tensors
+from .testing import LayerShape, bits_equal, lane_inputs, layer_weights, poison_pool, row_tensors
 
 __all__ = ["SpecRecord", "SpecResult", "run_speculative_decode"]
 
@@ -141,9 +141,8 @@ def _untouched(pool: StatePool, before: list, groups: torch.Tensor) -> list[str]
 
 
 def run_speculative_decode(*, rounds: int = 4, tokens: int = 4, requests: int = 3, layers: int = 2,
-                           buckets=(1, 2, 4, 8), H: int = 4, D: int = 64, N: int = 128, R: int = 4,
-                           state_dtype="float32", kv_dtype="bfloat16", x_dtype=None, proj_dtype="bfloat16",
-                           null_slot: bool = False, seed: int = 0, device="cpu", use_cuda_graph: bool | None = None,
+                           buckets=(1, 2, 4, 8), shape: LayerShape = LayerShape(), null_slot: bool = False,
+                           seed: int = 0, device="cpu", use_cuda_graph: bool | None = None,
                            log=None) -> SpecResult:
     """Speculative decoding with rollback by index, checked against one-token-at-a-time decoding.
 
@@ -154,16 +153,19 @@ def run_speculative_decode(*, rounds: int = 4, tokens: int = 4, requests: int = 
     (:func:`decode_step`, T-less) and :func:`_one_token_check` compares them bit for bit; rows
     outside the groups must not change. Requests finish (``free_spec``) and join (``alloc_spec``,
     prefill state written to both pools) between rounds. Both pools start from random poison.
+    ``shape`` gives every layer's H, D, N, R and dtypes (default
+    :class:`~mamba3_step.testing.LayerShape`: the flagship's D, N, R and dtypes, H=4 heads).
     """
     device, T = torch.device(device), tokens
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
-    kw = dict(state_dtype=state_dtype, kv_dtype=kv_dtype, x_dtype=kv_dtype if x_dtype is None else x_dtype,
-              device=device, reserve_null_slot=null_slot)
+    H, D, N, R = shape.H, shape.D, shape.N, shape.R
+    kw = dict(shape.storage_dtypes, device=device, reserve_null_slot=null_slot)
     pool = StatePool(layers, (requests + 1) * T + 2 + null_slot, H, D, N, R, **kw)  # spare rows stay unallocated
     plain = StatePool(layers, requests + 1 + null_slot, H, D, N, R, **kw)
     poison_pool(pool, g)
     poison_pool(plain, g)
-    weights = [layer_weights(H, D, R, proj_dtype=proj_dtype, device=device, generator=g) for _ in range(layers)]
+    weights = [layer_weights(H, D, R, proj_dtype=shape.proj_dtype, device=device, generator=g)
+               for _ in range(layers)]
     runners = [CudaGraphStepRunner(pool, l, buckets=buckets, with_dst=True, use_cuda_graph=use_cuda_graph,
                                    **weights[l]) for l in range(layers)]
     if runners[0].use_cuda_graph:

@@ -21,8 +21,7 @@ between a server's steps: a guard that every tensor still has the planned type, 
 dtype, device and ``requires_grad`` (and the planned arguments are None), that no written tensor
 is an inference tensor outside inference mode, that ``state``/``state_out`` start on 16 bytes and
 that no written tensor shares a byte with another argument (all of it one call of the C check
-where ``setup.py`` built it: about 3.8 us per flagship ``run`` on the project's CPU, 9.4 us with
-the Python check; docs/performance.md, "Host overhead"). Then it launches the kernel (or runs
+where ``setup.py`` built it; what that costs: docs/performance.md, "Host overhead"). Then it launches the kernel (or runs
 the PyTorch path for CPU tensors) exactly as ``mamba3_step_fn`` would.
 
 A call the guard does not admit is validated in full first, so bad input gets exactly

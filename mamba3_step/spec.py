@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-# the supported sets and dtype groups are the contract's (re-exported here for older imports)
-from .contract import DTYPE_BYTES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R  # noqa: F401
 from .contract import KV_DTYPES, PROJ_DTYPES, STATE_DTYPES, X_DTYPES
 from .tiling import default_tiling, shape_problem, tiling_problem
 

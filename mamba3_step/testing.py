@@ -6,6 +6,7 @@ Letters (docs/contract.md): B lanes, P pool rows, H heads, D head dim, N state s
   built from the three parts a server keeps apart, each also usable alone:
   :func:`row_tensors` (state, Bstate, Xstate: the pool or dense rows), :func:`lane_inputs`
   (this step's A, B, C, x, dt, trap, z) and :func:`layer_weights` (D, xproj, zproj, outproj).
+* :class:`LayerShape`: one layer's sizes and dtypes, as the demos take them.
 * :func:`poison_`: random bit patterns (NaN, inf, huge, tiny, -0.0) in place; :func:`poison_pool`:
   random finite values in every row of a ``StatePool``.
 * :func:`bits` / :func:`bits_equal`: NaN-safe bit-for-bit comparison.
@@ -26,14 +27,15 @@ Dtypes are given by name (``"bfloat16"``) or as torch dtypes.
 from __future__ import annotations
 
 import random
+from typing import NamedTuple
 
 import torch
 
 from .contract import INT32_MAX, INT32_MIN, as_torch_dtype, source_rows
 
-__all__ = ["SPECULATIVE_PAD_KINDS", "bits", "bits_equal", "lane_inputs", "layer_weights", "make_inputs",
-           "padded_indices", "poison_", "poison_pool", "pool_rows", "row_tensors", "speculative_indices",
-           "step_indices"]
+__all__ = ["INPUT_DTYPES", "LayerShape", "SPECULATIVE_PAD_KINDS", "bits", "bits_equal", "lane_inputs",
+           "layer_weights", "make_inputs", "padded_indices", "poison_", "poison_pool", "pool_rows", "row_tensors",
+           "speculative_indices", "step_indices"]
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK_ELEMENTS = 1 << 26  # values drawn on the host at once (a benchmark pool is GBs)
@@ -95,27 +97,59 @@ def layer_weights(H, D, R, *, proj_dtype="bfloat16", has_z=True, has_outproj=Tru
                 outproj=proj() if has_outproj else None)
 
 
+#: the dtype names :func:`make_inputs` takes in ``dtypes``, with their defaults
+INPUT_DTYPES = dict(state_dtype="float32", kv_dtype="bfloat16", x_dtype="bfloat16", proj_dtype="bfloat16")
+
+
 def make_inputs(B: int, P: int | None = None, H: int = 2, D: int = 32, N: int = 32, R: int = 2, *,
-                state_dtype="float32", kv_dtype="bfloat16", x_dtype="bfloat16", proj_dtype="bfloat16",
-                has_z: bool = True, has_outproj: bool = True, tokens: int | None = None, seed: int = 0,
-                generator=None, device="cpu") -> dict:
+                dtypes=None, has_z: bool = True, has_outproj: bool = True, tokens: int | None = None,
+                seed: int | torch.Generator = 0, device="cpu") -> dict:
     """Fresh random inputs for one step, as a dict of ``mamba3_step_fn`` keyword arguments.
 
     ``P`` is the number of rows of ``state``, ``Bstate`` and ``Xstate``; ``P=None`` means dense
-    mode (rows = B). Keys ``outproj``, ``z``, ``zproj`` are None when disabled. ``tokens=T``
-    gives the per-lane inputs a token axis (a T-token step, :func:`lane_inputs`). ``generator``
-    (a CPU ``torch.Generator``) overrides ``seed``.
+    mode (rows = B). ``dtypes`` maps any of ``state_dtype``, ``kv_dtype``, ``x_dtype`` and
+    ``proj_dtype`` to a dtype; a missing one takes its default in :data:`INPUT_DTYPES` (float32
+    state, bfloat16 otherwise). Keys ``outproj``, ``z``, ``zproj`` are None when disabled.
+    ``tokens=T`` gives the per-lane inputs a token axis (a T-token step, :func:`lane_inputs`).
+    ``seed`` is an int or a CPU ``torch.Generator`` (drawn from as is).
+
+    Raises TypeError for a key of ``dtypes`` that is not one of the four.
     """
-    g = generator if generator is not None else torch.Generator().manual_seed(seed)
+    unknown = sorted(set(dtypes or {}) - set(INPUT_DTYPES))
+    if unknown:
+        raise TypeError(f"dtypes: unknown keys {unknown}, expected some of {sorted(INPUT_DTYPES)}")
+    dt = {**INPUT_DTYPES, **(dtypes or {})}
+    g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
     rows = B if P is None else P
     return {
-        **row_tensors(rows, H, D, N, R, state_dtype=state_dtype, kv_dtype=kv_dtype, x_dtype=x_dtype,
+        **row_tensors(rows, H, D, N, R, state_dtype=dt["state_dtype"], kv_dtype=dt["kv_dtype"],
+                      x_dtype=dt["x_dtype"], generator=g, device=device),
+        **lane_inputs(B, H, D, N, R, kv_dtype=dt["kv_dtype"], x_dtype=dt["x_dtype"], has_z=has_z, tokens=tokens,
                       generator=g, device=device),
-        **lane_inputs(B, H, D, N, R, kv_dtype=kv_dtype, x_dtype=x_dtype, has_z=has_z, tokens=tokens,
-                      generator=g, device=device),
-        **layer_weights(H, D, R, proj_dtype=proj_dtype, has_z=has_z, has_outproj=has_outproj, generator=g,
+        **layer_weights(H, D, R, proj_dtype=dt["proj_dtype"], has_z=has_z, has_outproj=has_outproj, generator=g,
                         device=device),
     }
+
+
+class LayerShape(NamedTuple):
+    """One layer's sizes and dtypes, as the demos take them: H heads, D head dim, N state size,
+    R MIMO rank and the storage dtypes (``x_dtype`` None: ``kv_dtype``). Defaults: the flagship's
+    D, N, R and dtypes, H=4."""
+
+    H: int = 4
+    D: int = 64
+    N: int = 128
+    R: int = 4
+    state_dtype: str | torch.dtype = "float32"
+    kv_dtype: str | torch.dtype = "bfloat16"
+    x_dtype: str | torch.dtype | None = None
+    proj_dtype: str | torch.dtype = "bfloat16"
+
+    @property
+    def storage_dtypes(self) -> dict:
+        """``state_dtype``, ``kv_dtype`` and ``x_dtype`` (None resolved to ``kv_dtype``), as keywords."""
+        return dict(state_dtype=self.state_dtype, kv_dtype=self.kv_dtype,
+                    x_dtype=self.kv_dtype if self.x_dtype is None else self.x_dtype)
 
 
 def poison_(t: torch.Tensor, seed: int = 1234, generator=None) -> torch.Tensor:

@@ -64,10 +64,10 @@ def _inputs(spec: StepSpec, batch: int, heads: int, seed: int, live_only: bool =
     """A call of ``spec``: fresh inputs; in pool mode indices with every padding kind
     (:func:`mamba3_step.testing.step_indices`), or with ``live_only`` every lane live on rows of its own."""
     P = pool_rows(spec, batch) if spec.pool else None
-    kw = make_inputs(batch, P, heads, spec.headdim, spec.dstate, spec.mimo, state_dtype=spec.state_dtype,
-                     kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype, proj_dtype=spec.proj_dtype,
-                     has_z=spec.has_z, has_outproj=spec.has_outproj, tokens=spec.tokens if spec.tokens > 1 else None,
-                     seed=seed)
+    dtypes = dict(state_dtype=spec.state_dtype, kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype,
+                  proj_dtype=spec.proj_dtype)
+    kw = make_inputs(batch, P, heads, spec.headdim, spec.dstate, spec.mimo, dtypes=dtypes, has_z=spec.has_z,
+                     has_outproj=spec.has_outproj, tokens=spec.tokens if spec.tokens > 1 else None, seed=seed)
     kinds = ["live"] * batch
     if spec.pool:
         indices, kinds = step_indices(spec, batch, P, null_slot_id=None if live_only else NULL_SLOT,

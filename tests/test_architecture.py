@@ -27,7 +27,7 @@ ALLOWED_LOCAL_IMPORTS = {
 #: the layers, bottom to top (docs/design.md); a module may import only from its own layer or below
 LAYERS = [
     ["contract"],
-    ["tiling", "tensors", "arch", "sources", "testing", "ptx"],  # ptx: the PTX executor, numpy only
+    ["tiling", "tensors", "signature", "arch", "sources", "testing", "ptx"],  # ptx: the PTX executor, numpy only
     ["spec"],
     ["reference", "validation", "bytes_model", "issue_model", "specsets"],
     ["kernel"],
@@ -41,8 +41,13 @@ LAYERS = [
 ]
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 80
-#: modules allowed past MAX_MODULE_LINES; each states the reason in its own docstring
-LONG_MODULES = {"mamba3_step.kernel"}
+#: modules allowed past MAX_MODULE_LINES, and why
+LONG_MODULES = {
+    "mamba3_step.kernel": "the kernel class is one unit, its stages in launch order; split across files, "
+                          "the order of a CTA's life would be hidden",
+}
+#: functions allowed past MAX_FUNCTION_LINES (docstring not counted), and why
+LONG_FUNCTIONS = {}
 
 
 def _graph() -> dict[str, list[sources.Import]]:
@@ -137,17 +142,21 @@ def test_modules_and_functions_are_small(module):
     path = sources.module_file(module)
     text = path.read_text()
     n = len(text.splitlines())
-    if module in LONG_MODULES:
-        assert "Length:" in (ast.get_docstring(ast.parse(text)) or ""), f"{module}: say why it is long"
-    else:
+    if module not in LONG_MODULES:
         assert n <= MAX_MODULE_LINES, f"{module}: {n} lines (at most {MAX_MODULE_LINES}; split it by layer)"
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             size = _function_lines(node)
             if size > MAX_FUNCTION_LINES:
-                doc = ast.get_docstring(node) or ""
-                assert "Length:" in doc, (f"{module}.{node.name}: {size} lines without its docstring "
-                                          f"(at most {MAX_FUNCTION_LINES}, or a 'Length:' reason in it)")
+                assert f"{module}.{node.name}" in LONG_FUNCTIONS, (
+                    f"{module}.{node.name}: {size} lines without its docstring (at most {MAX_FUNCTION_LINES}, "
+                    f"or a reason in LONG_FUNCTIONS)")
+
+
+def test_long_modules_are_still_long():
+    """An exception that is no longer needed goes."""
+    for module in LONG_MODULES:
+        assert len(sources.module_file(module).read_text().splitlines()) > MAX_MODULE_LINES, module
 
 
 def test_importing_the_package_and_its_commands_loads_no_cutlass():

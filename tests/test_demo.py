@@ -12,6 +12,9 @@ import torch
 
 from mamba3_step import cli, demo, demo_speculative
 from mamba3_step.serving import StatePool
+from mamba3_step.testing import LayerShape
+
+SMALL = LayerShape(H=2, D=32, N=32, R=2)  # a small layer, quick on the CPU path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -101,7 +104,7 @@ def test_demo_speculative_round_ran_and_matched_one_token_decoding(capsys):
 
 
 def test_speculative_round_records_and_skipping_it(capsys):
-    res = demo.run_speculative_decode(rounds=6, tokens=4, requests=3, layers=2, H=2, D=32, N=32, R=2, seed=5)
+    res = demo.run_speculative_decode(rounds=6, tokens=4, requests=3, layers=2, shape=SMALL, seed=5)
     assert res.parity and not res.failures and len(res.records) == 6
     assert all(1 <= a <= 4 for r in res.records for a in r.accepted) and res.verified == 4 * sum(
         r.live for r in res.records)
@@ -142,7 +145,7 @@ def test_demo_speculative_round_compares_every_accepted_token(monkeypatch):
         return out
 
     monkeypatch.setattr(demo_speculative, "decode_step", flipped)
-    res = demo.run_speculative_decode(rounds=3, tokens=3, layers=2, H=2, D=32, N=32, R=2, seed=2)
+    res = demo.run_speculative_decode(rounds=3, tokens=3, layers=2, shape=SMALL, seed=2)
     assert not res.parity
     assert [f for f in res.failures if "out differs from one-token decoding" in f], res.failures
 
@@ -157,6 +160,6 @@ def test_demo_speculative_round_catches_a_stray_write(monkeypatch):
         return outs
 
     monkeypatch.setattr(demo_speculative, "_verify", stray)
-    res = demo.run_speculative_decode(rounds=2, tokens=2, layers=2, H=2, D=32, N=32, R=2, seed=6)
+    res = demo.run_speculative_decode(rounds=2, tokens=2, layers=2, shape=SMALL, seed=6)
     assert not res.parity
     assert "round 0: layer 1: Xstate rows outside the groups changed" in res.failures, res.failures

@@ -51,7 +51,7 @@ def run_parity_case(
     H=2, D=32, N=32, R=2, has_z=True, has_outproj=True, dtypes=DTYPE_CONFIGS[0],
 ):
     """Build inputs and indices for one case and assert bitwise parity (see check_pool_parity)."""
-    inputs = make_inputs(B, P, H, D, N, R, has_z=has_z, has_outproj=has_outproj, seed=seed, **dtypes)
+    inputs = make_inputs(B, P, H, D, N, R, has_z=has_z, has_outproj=has_outproj, seed=seed, dtypes=dtypes)
     src, dst, kinds = make_pool_indices(
         B, P, n_pad=n_pad, layout=layout, pad_kinds=pad_kinds, null_slot_id=null_slot_id,
         with_dst=with_dst, seed=seed,

@@ -53,7 +53,7 @@ def pool_cases(draw):
 def test_pool_parity_property(case):
     inputs = make_inputs(case["B"], case["P"], case["H"], case["D"], case["N"], case["R"],
                          has_z=case["has_z"], has_outproj=case["has_outproj"], seed=case["seed"],
-                         **case["dtypes"])
+                         dtypes=case["dtypes"])
     src, dst, kinds = build_pool_indices(case["kinds"], case["P"], null_slot_id=case["null_slot_id"],
                                          with_dst=case["with_dst"], seed=case["seed"])
     check_pool_parity(inputs, src, dst, kinds, null_slot_id=case["null_slot_id"],
@@ -97,7 +97,7 @@ def test_multi_token_parity_property(case):
     one-token dense steps on the gathered rows (gather -> T dense steps -> scatter)."""
     T, B = case["T"], case["B"]
     inputs = make_inputs(B, case["P"], case["H"], case["D"], case["N"], case["R"], has_z=case["has_z"],
-                         has_outproj=case["has_outproj"], tokens=T, seed=case["seed"], **case["dtypes"])
+                         has_outproj=case["has_outproj"], tokens=T, seed=case["seed"], dtypes=case["dtypes"])
     sbi, nat, dst, kinds = speculative_indices(B, case["P"], T, null_slot_id=case["null_slot_id"],
                                                layout=case["layout"], kinds=case["kinds"], K=case["K"],
                                                seed=case["seed"])

@@ -49,9 +49,10 @@ def _shape(spec: StepSpec) -> dict:
     return dict(H=1 if big else 2, D=spec.headdim, N=spec.dstate, R=spec.mimo)
 
 
-def _dtypes(spec: StepSpec) -> dict:
-    return dict(state_dtype=spec.state_dtype, kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype,
-                proj_dtype=spec.proj_dtype, has_z=spec.has_z, has_outproj=spec.has_outproj)
+def _options(spec: StepSpec) -> dict:
+    """``make_inputs`` keywords for the specialisation's dtypes and optional tensors."""
+    return dict(dtypes=dict(state_dtype=spec.state_dtype, kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype,
+                            proj_dtype=spec.proj_dtype), has_z=spec.has_z, has_outproj=spec.has_outproj)
 
 
 def _tiling(spec: StepSpec) -> dict:
@@ -84,11 +85,11 @@ def test_executed_kernel_matches_float64_and_the_cpu_path(name):
     spec = COVERING[name].with_default_tiling()
     B = 5
     P = 9 if spec.pool else None
-    inputs = make_inputs(B, P, **_shape(spec), **_dtypes(spec), seed=31)
+    inputs = make_inputs(B, P, **_shape(spec), **_options(spec), seed=31)
     kw = {}
     if spec.pool:
         src, dst, _ = adversarial_indices(B + 3, P, with_dst=spec.has_dst, layout="interleaved", seed=5)
-        inputs = make_inputs(B + 3, P, **_shape(spec), **_dtypes(spec), seed=31)
+        inputs = make_inputs(B + 3, P, **_shape(spec), **_options(spec), seed=31)
         kw = dict(state_batch_indices=src, dst_state_batch_indices=dst if spec.has_dst else None,
                   null_slot_id=NULL)
     kw.update(update_kv_state=spec.update_kv_state, **_tiling(spec))
@@ -120,7 +121,7 @@ def test_executed_kernel_matches_float64_and_the_cpu_path(name):
 def test_pool_mode_is_gather_executed_dense_scatter(name, layout):
     spec = _pool_spec(COVERING[name].with_default_tiling())
     B, P = 9, 12
-    inputs = make_inputs(B, P, **_shape(spec), **_dtypes(spec), seed=41)
+    inputs = make_inputs(B, P, **_shape(spec), **_options(spec), seed=41)
     src, dst, kinds = adversarial_indices(B, P, with_dst=spec.has_dst, layout=layout, seed=7)
     step = functools.partial(ptx_step_fn, **_tiling(spec))
     check_pool_parity(inputs, src, dst, kinds, null_slot_id=NULL, update_kv_state=spec.update_kv_state,
@@ -128,7 +129,7 @@ def test_pool_mode_is_gather_executed_dense_scatter(name, layout):
 
 
 def _run_recorded(spec, B, P, seed, *, record_shared=False):
-    inputs = make_inputs(B, P, **_shape(spec), **_dtypes(spec), seed=seed)
+    inputs = make_inputs(B, P, **_shape(spec), **_options(spec), seed=seed)
     src, dst, kinds = adversarial_indices(B, P, with_dst=spec.has_dst, layout="interleaved", seed=seed)
     x = inputs["x"]
     out = poison_(torch.empty((B, x.shape[1], x.shape[2]) if spec.has_outproj else
@@ -194,7 +195,7 @@ def test_guard_zones_stay_untouched_and_nothing_races(name):
     so an access to a guard byte would fault, and the guard bytes must keep their bits."""
     spec = COVERING[name].with_default_tiling()
     B, P = 8, 10
-    inputs = make_inputs(B, P, **_shape(spec), **_dtypes(spec), seed=9)
+    inputs = make_inputs(B, P, **_shape(spec), **_options(spec), seed=9)
     src, dst, kinds = adversarial_indices(B, P, with_dst=spec.has_dst, layout="trailing", seed=9)
     guarded, backing = {}, {}
     for key, v in inputs.items():
@@ -230,7 +231,7 @@ def test_executed_bytes_equal_the_bytes_model(name):
     spec = COVERING[name].with_default_tiling()
     B, H = 6, _shape(spec)["H"]
     P = 2 * B + 2
-    inputs = make_inputs(B, P, **_shape(spec), **_dtypes(spec), seed=2)
+    inputs = make_inputs(B, P, **_shape(spec), **_options(spec), seed=2)
     src = torch.tensor([4, 0, 13, 2, 8, 5], dtype=torch.int32)
     dst = torch.tensor([1, 3, 6, 7, 9, 12], dtype=torch.int32) if spec.has_dst else None
     s, tensors, _ = prepare_step(StepTensors(**inputs, state_batch_indices=src, dst_state_batch_indices=dst),

@@ -30,7 +30,7 @@ import pytest
 import torch
 from helpers import assert_accurate, check_pool_parity, clone_inputs
 from test_kernel_compile import MULTI_TOKEN
-from test_ptx_kernel import _dtypes, _f64, _row_bytes, _shape, _tiling
+from test_ptx_kernel import _f64, _options, _row_bytes, _shape, _tiling
 
 from mamba3_step import mamba3_step_fn
 from mamba3_step.api import prepare_step
@@ -63,7 +63,7 @@ def _pool_twin(spec: StepSpec) -> StepSpec:
 
 
 def _inputs(spec: StepSpec, B: int, P, seed: int) -> dict:
-    return make_inputs(B, P, **_shape(spec), **_dtypes(spec), tokens=spec.tokens, seed=seed)
+    return make_inputs(B, P, **_shape(spec), **_options(spec), tokens=spec.tokens, seed=seed)
 
 
 @pytest.mark.parametrize("name", list(MULTI_TOKEN))

@@ -82,8 +82,8 @@ def transcribe_spec(inp: dict):
 def test_float64_matches_spec_transcription(has_z, has_outproj, R):
     # Tiny, odd sizes (step_math does not need supported shapes); R=1 has no sum over ranks.
     inp = make_inputs(3, None, H=2, D=5, N=7, R=R, has_z=has_z, has_outproj=has_outproj,
-                      state_dtype="float32", kv_dtype="float32", x_dtype="float32",
-                      proj_dtype="float32", seed=5 + R)
+                      dtypes=dict(state_dtype="float32", kv_dtype="float32", x_dtype="float32",
+                                  proj_dtype="float32"), seed=5 + R)
     ns, out = step_math(StepTensors(**math_args(inp)), compute_dtype=torch.float64)
     ns_ref, out_ref = transcribe_spec(inp)
     assert ns.dtype == out.dtype == torch.float64
@@ -116,7 +116,7 @@ def test_float32_within_float32_rounding_of_float64(dtypes, N, D, R, has_z, has_
     # sum of magnitudes of the terms (condition scale) and k covers the longest chain of
     # rounded operations (N products summed, 2R state updates, R output terms, exp/silu).
     inp = make_inputs(4, None, H=3, D=D, N=N, R=R, has_z=has_z, has_outproj=has_outproj, seed=N + R,
-                      **dtypes)
+                      dtypes=dtypes)
     ns32, out32 = step_math(StepTensors(**math_args(inp)), compute_dtype=torch.float32)
     ns64, out64 = step_math(StepTensors(**math_args(inp)), compute_dtype=torch.float64)
     s_ns, s_out = step_math(StepTensors(**_abs_inputs(inp)), compute_dtype=torch.float64)
@@ -152,7 +152,7 @@ def test_results_do_not_depend_on_batch_composition():
 @pytest.mark.parametrize("update_kv_state", [False, True])
 @pytest.mark.parametrize("use_state_out", [False, True])
 def test_dense_mode_in_place_contract(update_kv_state, use_state_out):
-    inp = make_inputs(6, None, H=2, D=32, N=64, R=4, seed=21, state_dtype="bfloat16")
+    inp = make_inputs(6, None, H=2, D=32, N=64, R=4, seed=21, dtypes=dict(state_dtype="bfloat16"))
     before = clone_inputs(inp)
     ns, y = step_math(StepTensors(**math_args(inp)))
     state_out = poison_(torch.empty_like(inp["state"])) if use_state_out else None
@@ -175,7 +175,8 @@ def test_dense_mode_in_place_contract(update_kv_state, use_state_out):
 def test_update_kv_state_casts_into_the_state_dtype():
     # B/x in fp32, Bstate/Xstate must be the same dtype as B/x (validation) -- in dense mode the
     # stored rows are the inputs' bits; the step itself read the *old* Bstate/Xstate.
-    inp = make_inputs(3, None, H=2, D=32, N=32, R=2, seed=8, kv_dtype="float32", x_dtype="float32")
+    inp = make_inputs(3, None, H=2, D=32, N=32, R=2, seed=8,
+                      dtypes=dict(kv_dtype="float32", x_dtype="float32"))
     old = clone_inputs(inp)
     ns_old, y_old = step_math(StepTensors(**math_args(old)))
     out = mamba3_step_fn(**inp, update_kv_state=True)
@@ -190,8 +191,9 @@ def test_pool_mode_per_lane_semantics_float64():
     # lane 0 live in place, 1 live with a separate dst, 2 negative padding, 3 null slot,
     # 4 >= P, 5 live whose dst is padding, 6 live reading a row nobody writes.
     P, null = 9, 4
-    inp = make_inputs(7, P, H=2, D=32, N=32, R=2, seed=13, state_dtype="float32",
-                      kv_dtype="float32", x_dtype="float32", proj_dtype="float32")
+    inp = make_inputs(7, P, H=2, D=32, N=32, R=2, seed=13,
+                      dtypes=dict(state_dtype="float32", kv_dtype="float32", x_dtype="float32",
+                                  proj_dtype="float32"))
     src = torch.tensor([1, 2, -1, null, P, 7, 8], dtype=torch.int32)
     dst = torch.tensor([1, 3, 0, 0, 5, -1, 6], dtype=torch.int32)
     pool = {k: inp[k].double() for k in ("state", "Bstate", "Xstate")}
@@ -234,3 +236,17 @@ def test_batch_zero_returns_without_touching_anything():
     # Allocated out for B == 0 has the documented shape and dtype.
     ret = mamba3_step_fn(**make_inputs(0, None, seed=2, has_outproj=False))
     assert ret.shape == (0, 2, 2, 32) and ret.dtype == torch.bfloat16
+
+
+def test_make_inputs_takes_a_dtypes_mapping_and_a_generator_as_seed():
+    # The input factory the tests above rely on: a generator draws what its seed would, missing
+    # dtypes take the defaults, an unknown dtype name is refused.
+    a = make_inputs(2, 3, dtypes=dict(kv_dtype="float32"), seed=4)
+    b = make_inputs(2, 3, dtypes=dict(kv_dtype="float32"), seed=torch.Generator().manual_seed(4))
+    for k, v in a.items():
+        if v is not None:
+            assert_bits_equal(b[k], v, k)
+    assert (a["state"].dtype, a["B"].dtype, a["x"].dtype, a["xproj"].dtype) == (
+        torch.float32, torch.float32, torch.bfloat16, torch.bfloat16)
+    with pytest.raises(TypeError, match="dtypes"):
+        make_inputs(2, dtypes=dict(kvdtype="float32"))

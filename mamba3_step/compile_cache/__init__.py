@@ -4,7 +4,7 @@ Letters (docs/contract.md): B batch lanes, P pool rows, H heads, D head dim, N s
 (dstate), R MIMO rank.
 
 ``cute.compile`` keeps no disk cache, so without this package every process would pay every
-compile again (about 1.2 s per specialisation). Here a kernel is compiled once per
+compile again (seconds per specialisation: docs/compile-cache.md). Here a kernel is compiled once per
 :class:`~mamba3_step.spec.StepSpec` and target architecture, exported with the DSL's
 ``export_to_c``, linked into a shared library and stored in a cache directory; a later process
 loads it with ``tvm_ffi.load_module`` in milliseconds, without importing cutlass.

@@ -18,6 +18,7 @@ from ..signature import StepOptions, View, make_binder, view_fields, view_signat
 from ..spec import MAX_TOKENS
 from ..tensors import LANE_FIELDS, ROW_FIELDS, WEIGHT_FIELDS, StepTensors
 from ..validation import check_step_inputs_cached
+from ..validation.table import RULE_BY_NAME
 from .hook import POOL_SUPPLIED, decode_step, kv_update_in_kernel
 from .pool import StatePool
 
@@ -123,6 +124,22 @@ _STEP_FIELDS = view_fields(_STEP_VIEW)
 _bind_step = make_binder("step", view_signature(_STEP_VIEW))
 
 
+#: the pool attribute holding the dtype of a rule's dtype group (the rule named, or its ``same_as``)
+_POOL_DTYPES = {"x": "x_dtype", "B": "kv_dtype"}
+
+
+def lane_buffer(pool: StatePool, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+    """A per-lane input's shape after the lane (and token) axes, and its dtype, for ``pool``'s
+    layers: read from the argument's row in ``validation.table`` (its letters; float32, or the
+    pool's dtype of its group)."""
+    rule = RULE_BY_NAME[name]
+    sizes = {"H": pool.nheads, "D": pool.headdim, "N": pool.dstate, "R": pool.mimo}
+    shape = tuple(sizes[c] for c in rule.letters.split()[1:] if not c.startswith("["))
+    if rule.dtypes == ("float32",):
+        return shape, torch.float32
+    return shape, getattr(pool, _POOL_DTYPES[rule.same_as or name])
+
+
 class CudaGraphStepRunner:
     """Runs :func:`decode_step` for one layer at a fixed set of batch-size buckets.
 
@@ -225,21 +242,14 @@ class CudaGraphStepRunner:
     # static buffers -------------------------------------------------------------------
     def _make_static(self, bucket: int, form: StepForm) -> dict[str, torch.Tensor]:
         p, dev = self.pool, self.pool.device
-        H, Dh, N, R = p.nheads, p.headdim, p.dstate, p.mimo
-        f32 = torch.float32
+        H, Dh, R = p.nheads, p.headdim, p.mimo
         lanes = (bucket,) if form.tokens is None else (bucket, form.tokens)
-        s = {
-            "slots": torch.full((bucket,) + ((form.candidates,) if form.candidates else ()), p.pad_id,
-                                dtype=torch.int32, device=dev),
-            "A": torch.zeros(lanes + (H,), dtype=f32, device=dev),
-            "dt": torch.zeros(lanes + (H,), dtype=f32, device=dev),
-            "trap": torch.zeros(lanes + (H,), dtype=f32, device=dev),
-            "B": torch.zeros(lanes + (R, H, N), dtype=p.kv_dtype, device=dev),
-            "C": torch.zeros(lanes + (R, H, N), dtype=p.kv_dtype, device=dev),
-            "x": torch.zeros(lanes + (H, Dh), dtype=p.x_dtype, device=dev),
-        }
-        if self.zproj is not None:
-            s["z"] = torch.zeros(lanes + (H, Dh), dtype=p.x_dtype, device=dev)
+        s = {"slots": torch.full((bucket,) + ((form.candidates,) if form.candidates else ()), p.pad_id,
+                                 dtype=torch.int32, device=dev)}
+        for name in LANE_FIELDS:
+            if name != "z" or self.zproj is not None:
+                shape, dtype = lane_buffer(p, name)
+                s[name] = torch.zeros(lanes + shape, dtype=dtype, device=dev)
         if form.candidates:
             s["nat"] = torch.ones((bucket,), dtype=torch.int32, device=dev)
         if self.with_dst:

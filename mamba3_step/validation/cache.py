@@ -3,7 +3,8 @@
 Letters (docs/contract.md): B lanes, T tokens, P pool rows, H heads, D head dim, N state size,
 R MIMO rank, K candidate source rows.
 
-:func:`~mamba3_step.validation.step.check_step_inputs` (about 200 us for the flagship) reads
+:func:`~mamba3_step.validation.step.check_step_inputs` (two orders of magnitude more than a
+launch's host cost: docs/performance.md, "Host overhead") reads
 the call's metadata (which arguments are given, and per tensor its Python type, shape, strides,
 dtype, device, ``requires_grad`` and whether it is an inference tensor), the options, whether
 ``torch.inference_mode`` is on, and the data pointers. Between the calls of a server only the
@@ -28,7 +29,7 @@ validation's own.
 ``admits`` runs once per call of a server, so its cost is the plan/run path's floor. It is
 written twice: in Python (:meth:`CheckedSignature.admits_python`, the definition) and in C
 (``_admit.c``, the same steps in the same order, built by ``setup.py`` where a C compiler and
-Python's headers exist; about 5.5 us less per flagship call, ``bench/bench_host.py``). Which one
+Python's headers exist; the two are timed side by side by ``bench/bench_host.py``). Which one
 new signatures use: :data:`NATIVE` (``MAMBA3_STEP_NATIVE=0`` switches the C one off).
 
 :class:`ValidationCache` maps a cheap key (``x``'s shape, the options, the inference-mode flag)
@@ -134,8 +135,8 @@ def make_guard(tensors: tuple, prefer_cpp: bool = True) -> Callable[..., bool]:
     """``guard(*given) -> bool``: True only if each given tensor matches the one in ``tensors`` in
     exact Python type, dtype, device, sizes, strides and ``requires_grad`` (and, as far as the
     thread's dispatch state lets dispatch keys tell, inference-ness: :meth:`CheckedSignature.admits`
-    checks that of written tensors itself). torch's C++ ``TensorGuards`` when it works here (about
-    0.1 us per tensor), else :func:`python_guard` (about 0.6 us per tensor)."""
+    checks that of written tensors itself). torch's C++ ``TensorGuards`` when it works here (several times
+    faster per tensor), else :func:`python_guard`."""
     if prefer_cpp and _TensorGuards is not None:
         try:
             g = _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
@@ -368,5 +369,5 @@ def check_step_inputs_cached(tensors: StepTensors, *, update_kv_state=False, til
                              num_warps=None) -> StepSpec:
     """:func:`~mamba3_step.validation.step.check_step_inputs` through :data:`VALIDATION_CACHE`:
     the same StepSpec or the same exception; a repeated signature costs the guard and the address
-    checks (a few microseconds for the flagship, ``bench/bench_host.py``) instead of about 250 us."""
+    checks instead of the full validation (``bench/bench_host.py`` times both)."""
     return VALIDATION_CACHE.check(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)

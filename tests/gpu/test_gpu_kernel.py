@@ -97,7 +97,7 @@ def _kernel_and_references(inputs: dict, indices: dict) -> tuple:
 
 
 def _accuracy_case(B, P, shape, dtypes, seed):
-    inputs = make_inputs(B, P, **shape, **dtypes, seed=seed, device=DEV)
+    inputs = make_inputs(B, P, **shape, dtypes=dtypes, seed=seed, device=DEV)
     src, dst, kinds = make_pool_indices(B, P, n_pad=2, layout="interleaved", pad_kinds=("negative", "oob"),
                                         seed=seed, device=DEV)
     (run, out), (ref64, out64), (t32, out32) = _kernel_and_references(inputs, dict(state_batch_indices=src))
@@ -276,7 +276,8 @@ def test_multi_token_parity_against_t_dense_steps(T, form, layout):
 def test_multi_token_accuracy(T, state_dtype):
     """Error vs the float64 reference <= 2x PyTorch-float32's + a small atol, every token."""
     B, P = 6, 100
-    inputs = make_inputs(B, P, H=3, D=64, N=128, R=4, state_dtype=state_dtype, tokens=T, seed=T, device=DEV)
+    inputs = make_inputs(B, P, H=3, D=64, N=128, R=4, dtypes=dict(state_dtype=state_dtype), tokens=T, seed=T,
+                         device=DEV)
     sbi, nat, dst, _ = _token_indices(B, P, T, "accepted+per-token", "separate", seed=T)
     idx = dict(state_batch_indices=sbi, num_accepted_tokens=nat, dst_state_batch_indices=dst, null_slot_id=0)
     (run, out), (ref64, out64), (t32, out32) = _kernel_and_references(inputs, idx)

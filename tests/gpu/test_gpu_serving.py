@@ -22,7 +22,7 @@ pytestmark = [
 ]
 
 from mamba3_step.demo import run_speculative_decode, run_toy_decode  # noqa: E402
-from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_pool  # noqa: E402
+from mamba3_step.testing import LayerShape, bits_equal, lane_inputs, layer_weights, poison_pool  # noqa: E402
 from mamba3_step.serving import (  # noqa: E402
     CudaGraphStepRunner,
     StatePool,
@@ -115,8 +115,8 @@ def test_static_buffers_stay_put_across_steps():
 
 
 def test_demo_decode_on_gpu_with_graphs():
-    res = run_toy_decode(steps=6, layers=2, slots=24, max_batch=12, buckets=(1, 2, 4, 8, 16), H=4, D=64, N=128,
-                         R=4, seed=3, device="cuda")
+    res = run_toy_decode(steps=6, layers=2, slots=24, max_batch=12, buckets=(1, 2, 4, 8, 16),
+                         shape=LayerShape(H=4, D=64, N=128, R=4), seed=3, device="cuda")
     assert res.graphs
     assert res.parity, res.failures
 
@@ -181,7 +181,7 @@ def test_t_token_graph_replay_matches_eager_for_every_bucket(T, tile_D, null_slo
 
 
 def test_demo_speculative_round_on_gpu_with_graphs():
-    res = run_speculative_decode(rounds=4, tokens=4, requests=6, layers=2, buckets=(1, 2, 4, 8), H=4, D=64, N=128,
-                                 R=4, seed=3, device="cuda")
+    res = run_speculative_decode(rounds=4, tokens=4, requests=6, layers=2, buckets=(1, 2, 4, 8),
+                                 shape=LayerShape(H=4, D=64, N=128, R=4), seed=3, device="cuda")
     assert res.graphs
     assert res.parity, res.failures

@@ -1,0 +1,139 @@
+"""One declaration per argument (docs/design.md, "Where a change goes"): every list of the step's
+arguments in the package agrees with ``StepTensors`` + ``StepOptions``, so a place a new argument
+forgot fails here, not on a GPU.
+
+Letters (docs/contract.md): B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import mamba3_step.ops  # noqa: F401  (registers the op)
+from mamba3_step import mamba3_step_fn, mamba3_step_op, plan_step, StepPlan
+from mamba3_step.ptx_tier import ptx_step_fn
+from mamba3_step.serving import CudaGraphStepRunner, decode_step
+from mamba3_step.serving.hook import POOL_SUPPLIED
+from mamba3_step.signature import OP_MUTATED, OP_ORDER, STEP_SIGNATURE, TENSOR_SIGNATURE, StepOptions
+from mamba3_step.tensors import KERNEL_ARGUMENT_NAMES, LANE_FIELDS, StepTensors, kernel_arguments
+from mamba3_step.validation.table import RULE_BY_NAME, RULES
+from mamba3_step.testing import make_inputs
+
+REPO = Path(__file__).resolve().parents[1]
+DECLARED = StepTensors._fields + StepOptions._fields
+#: the functions allowed more than 12 parameters (self/cls not counted; *args and **kwargs one each)
+MAX_PARAMETERS = 12
+LONG_SIGNATURES = {("api.py", "mamba3_step_fn")}  # the one flat public signature
+
+
+def _names(fn) -> tuple:
+    return tuple(inspect.signature(fn).parameters)
+
+
+def test_mamba3_step_fn_is_the_declared_signature():
+    assert inspect.signature(mamba3_step_fn).replace(return_annotation=inspect.Signature.empty) == STEP_SIGNATURE
+    assert _names(mamba3_step_fn) == DECLARED
+
+
+@pytest.mark.parametrize("entry", [mamba3_step_op, plan_step, ptx_step_fn])
+def test_whole_call_entry_points_show_the_declared_signature(entry):
+    params = inspect.signature(entry).parameters
+    assert tuple(params)[: len(DECLARED)] == DECLARED
+    for name in DECLARED:
+        assert params[name] == STEP_SIGNATURE.parameters[name], name
+
+
+def test_plan_run_shows_the_tensor_arguments():
+    assert _names(StepPlan.run)[1:] == StepTensors._fields
+    assert tuple(TENSOR_SIGNATURE.parameters) == StepTensors._fields
+
+
+def test_views_cover_every_declared_argument():
+    """decode_step takes every argument the pool does not supply; the runner every per-lane one."""
+    names = set(_names(decode_step))
+    renamed = {"state_batch_indices": "slots", "dst_state_batch_indices": "dst_slots"}
+    for name in DECLARED:
+        if name not in POOL_SUPPLIED:
+            assert renamed.get(name, name) in names, name
+    runner = set(_names(CudaGraphStepRunner.step))
+    assert set(LANE_FIELDS) | {"slots", "dst_slots", "num_accepted_tokens", "clone"} <= runner
+
+
+@pytest.mark.parametrize("entry,name", [(mamba3_step_op, "mamba3_step_op"), (plan_step, "plan_step"),
+                                        (ptx_step_fn, "ptx_step_fn"), (decode_step, "decode_step")])
+def test_a_wrong_call_is_refused_by_python_naming_the_entry_point(entry, name):
+    with pytest.raises(TypeError, match=rf"^{name}\(\) got an unexpected keyword argument 'stat'"):
+        entry(stat=None)
+    with pytest.raises(TypeError, match=rf"^{name}\(\) missing"):
+        entry()
+
+
+def test_every_tensor_field_has_a_validation_row():
+    tensors = [f for f in StepTensors._fields if f != "null_slot_id"]
+    assert sorted(RULE_BY_NAME) == sorted(tensors)
+    assert len(RULES) == len(tensors)
+
+
+def test_the_op_schema_is_the_declaration():
+    schema = torch.ops.mamba3_step.step.default._schema
+    assert tuple(a.name for a in schema.arguments) == OP_ORDER
+    assert sorted(OP_ORDER) == sorted(DECLARED)
+    mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert mutated == set(OP_MUTATED) == {r.name for r in RULES if r.written}
+    for a in schema.arguments:
+        optional = a.name != "out" and STEP_SIGNATURE.parameters[a.name].default is not inspect.Parameter.empty
+        assert a.has_default_value() == optional, a.name
+
+
+def test_kernel_arguments_are_declared_fields_in_one_order():
+    assert KERNEL_ARGUMENT_NAMES[-1] == "null_slot"
+    assert set(KERNEL_ARGUMENT_NAMES[:-1]) <= set(StepTensors._fields)
+    inputs = make_inputs(3, 5, seed=1)
+    call = StepTensors(**inputs, out=inputs["x"].clone(),
+                       state_batch_indices=torch.tensor([0, 4, -1], dtype=torch.int32), null_slot_id=2)
+    args = kernel_arguments(call)
+    assert args._fields == KERNEL_ARGUMENT_NAMES
+    for name in KERNEL_ARGUMENT_NAMES[:-1]:
+        assert getattr(args, name) is getattr(call, name)
+    assert args.null_slot == 2 and kernel_arguments(call._replace(null_slot_id=None)).null_slot == -1
+
+
+def _long_signatures() -> list[str]:
+    found = []
+    for path in sorted((REPO / "mamba3_step").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+                count = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+                if count > MAX_PARAMETERS and (path.name, node.name) not in LONG_SIGNATURES:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {count} parameters")
+    return found
+
+
+def test_no_function_but_the_public_one_takes_more_than_12_parameters():
+    """Everything below the flat public signature takes bundles (StepTensors, StepOptions, KernelArgs,
+    the kernel's per-CTA context); the entry points bind the declared signature."""
+    assert not _long_signatures(), "\n".join(_long_signatures())
+
+
+def test_the_change_guide_names_files_that_exist():
+    text = (REPO / "docs" / "design.md").read_text()
+    guide = text[text.index("### Where a change goes"):]
+    guide = guide[: guide.index("\n## ", 1) if "\n## " in guide[1:] else len(guide)]
+    paths = set(re.findall(r"`((?:mamba3_step/|tests/|docs/|bench/)[\w/.-]+\.(?:py|md|c))`", guide))
+    assert paths, "the guide names no file"
+    missing = sorted(p for p in paths if not (REPO / p).exists())
+    assert not missing, missing
+
+
+def test_mamba3_step_fn_documents_every_argument():
+    doc = mamba3_step_fn.__doc__
+    for name in DECLARED:
+        assert re.search(rf"\b{name}\b", doc), name
