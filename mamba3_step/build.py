@@ -59,9 +59,10 @@ def compile_kernel(spec: StepSpec, arch: str, *, extra_options: str = ""):
     return kernel.compile_step_kernel(spec, arch, extra_options=extra_options)
 
 
-def argument_masks(spec: StepSpec) -> list:
+def argument_masks(spec: StepSpec):
     """:func:`mamba3_step.kernel.argument_masks`: the compile-time signature's dynamic modes per
-    runtime argument (what the PTX execution tier packs into parameter structs)."""
+    runtime argument, as a :class:`~mamba3_step.tensors.KernelArgs` (what the PTX execution tier
+    packs into parameter structs)."""
     from . import kernel  # the one lazy import (see compile_kernel)
 
     return kernel.argument_masks(spec)

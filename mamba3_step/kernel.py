@@ -4,7 +4,11 @@ Letters (docs/contract.md): B batch lanes, P pool rows, H heads, D head dim, N s
 R MIMO rank. In dense mode the "pool" tensors have B rows and lane b uses row b.
 
 Grid ``(B, H, D / tile_D)``; one CTA owns one (lane, head, D-tile) slab of the state. The
-device work is split into small ``@cute.jit`` stages (thread layout: :mod:`mamba3_step.tiling`):
+kernel's global tensors travel as one :class:`~mamba3_step.tensors.KernelArgs` bundle ``m``
+(``m.state`` is CuTe's mState), the CTA's coordinates and rows as one :class:`Cta`, its shared
+buffers as one :class:`Shared`, and one token's coordinates and coefficients as one
+:class:`Token`. The device work is split into small ``@cute.jit`` stages (thread layout:
+:mod:`mamba3_step.tiling`):
 
 1. :meth:`Mamba3StepKernel.select_rows`     lane -> (src, dst, src_live, dst_live); padding
                                              lanes go straight to :meth:`zero_out`
@@ -33,17 +37,14 @@ Without a GPU the compiled kernel is verified by executing its PTX on the CPU
 Where this module sits (docs/design.md, "Architecture"): it imports cutlass, so only the build
 layer (:mod:`mamba3_step.build`) imports it, on the first compile. Launching goes through
 :mod:`mamba3_step.launch` and the compile cache, which never import this module; the runtime
-argument order (:func:`kernel_arguments`) lives, free of cutlass, in :mod:`mamba3_step.tensors`.
-Whatever this module imports from the package is part of the disk cache's key
-(:func:`mamba3_step.build.kernel_sources`).
-
-Length: over the ~450-line guide because the kernel class is one unit (its stages in launch
-order); splitting it across files would hide that order.
+arguments (:class:`~mamba3_step.tensors.KernelArgs`) are declared, free of cutlass, in
+:mod:`mamba3_step.tensors`. Whatever this module imports from the package is part of the disk
+cache's key (:func:`mamba3_step.build.kernel_sources`).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -52,14 +53,68 @@ from cutlass._mlir.dialects import llvm
 
 from .contract import DTYPES
 from .spec import StepSpec
-from .tensors import kernel_arguments  # noqa: F401  (the runtime argument order; see its docstring)
+from .tensors import KERNEL_ARGUMENT_NAMES, KernelArgs
 from .tiling import launch_grid, thread_layout, tiling_problem
 
-__all__ = ["CUTLASS_DTYPES", "Mamba3StepKernel", "argument_masks", "compile_step_kernel", "fake_arguments",
-           "kernel_arguments"]
+__all__ = ["CUTLASS_DTYPES", "Cta", "Mamba3StepKernel", "Operands", "RowGroup", "Shared", "Token",
+           "argument_masks", "compile_step_kernel", "fake_arguments"]
 
 #: the contract's dtype table, as CuteDSL types
 CUTLASS_DTYPES = {name: getattr(cutlass, d.cutlass) for name, d in DTYPES.items()}
+
+
+class Cta(NamedTuple):
+    """One live CTA's coordinates, its thread, and the pool rows it reads and writes (dynamic
+    values, fixed for the CTA's life except ``dst``/``dst_live`` with a row per token)."""
+
+    b: Any  # Int32: the batch lane
+    h: Any  # Int32: the head
+    dtile: Any  # Int32: the D-tile
+    tidx: Any  # Int32: the thread
+    lane: Any  # Int32: the thread's lane among the TPR threads of its rows (tidx % TPR)
+    phi: Any  # Int32: the lane's slot permutation (Mamba3StepKernel.lane_permutation)
+    src: Any  # Int32: the row the state and Bstate/Xstate are read from
+    dst: Any  # Int32: the row they are written to
+    src_live: Any  # Boolean: src is a real row (else the lane is padding)
+    dst_live: Any  # Boolean: dst is a real row (and src too)
+
+
+class Shared(NamedTuple):
+    """The CTA's shared-memory buffers, fp32."""
+
+    sBB: Any  # (2, R, N): this token's B and the previous one, by token parity
+    sC: Any  # (R, N): C
+    sX: Any  # (tile_D,): x
+    sXr: Any  # (R, tile_D): x * xproj
+    sUV: Any  # (tile_D, 2R): row coefficients u_r = gamma xr, v_r = beta xprev xproj_r
+    sY: Any  # (R, tile_D): sum_n new * C
+
+
+class Token(NamedTuple):
+    """One token of the step: its index, coordinates, B buffers and decay coefficients."""
+
+    t: int  # the token index (compile time)
+    lane_t: tuple  # the (lane, token)'s leading coordinates in a per-lane tensor (lane_index)
+    sB: Any  # (R, N) fp32 shared: this token's B
+    sBs: Any  # (R, N) fp32 shared: the previous B (Bstate for token 0)
+    alpha: Any  # Float32: exp(A dt)
+    beta: Any  # Float32: (1 - trap) dt alpha
+    gamma: Any  # Float32: trap dt
+
+
+class RowGroup(NamedTuple):
+    """One row group of the thread's share of the state slab."""
+
+    tSrS: Any  # (VN, rows_per_group, CPT) registers in the state dtype, updated in place
+    rows: list  # the tile row (Int32) of each register row
+
+
+class Operands(NamedTuple):
+    """B, Bstate and C at the lane's columns, read once per token (``ThreadLayout.cache_operands``)."""
+
+    tOrB: Any  # (R, VN, CPT) fp32 registers
+    tOrBs: Any  # (R, VN, CPT) fp32 registers
+    tOrC: Any  # (R, VN, CPT) fp32 registers, ranks in the lane's order (slot r: rank r ^ (phi & (R-1)))
 
 
 def reduction_plan(partials: int, lanes: int) -> tuple[list, int]:
@@ -76,6 +131,21 @@ def reduction_plan(partials: int, lanes: int) -> tuple[list, int]:
             plain |= m
         m //= 2
     return plan, plain
+
+
+def _flat_call(names: tuple) -> Callable:
+    """``__call__(self, <names...>, stream)``: packs its arguments into a :class:`KernelArgs` and
+    launches (:meth:`Mamba3StepKernel.launch`).
+
+    The compiled function is called through tvm-ffi, which passes a tuple argument as an ffi
+    Array (about twice the host cost of flat arguments), so the launcher keeps one parameter per
+    field; it is generated from the field names so that the bundle stays the one declaration,
+    and the compiled signature shows those names.
+    """
+    params = ", ".join(names)
+    namespace = {"KernelArgs": KernelArgs}
+    exec(f"def __call__(self, {params}, stream):\n    self.launch(KernelArgs({params}), stream)\n", namespace)
+    return namespace["__call__"]
 
 
 class Mamba3StepKernel:
@@ -105,6 +175,8 @@ class Mamba3StepKernel:
         self.T = spec.tokens
         self.dst_per_token = spec.dst_per_token
         self.num_accepted = spec.num_accepted
+        #: the state is stored after each token only when every token has its own row
+        self.store_each = self.T == 1 or self.dst_per_token
         self.group_rows = lay.rows_per_pass * lay.rows_per_group  # tile rows in one row group
         self.reduce_plan, self.reduce_plain_mask = reduction_plan(lay.partials_per_group, lay.TPR)
         #: row stride of the coefficients in shared memory (words): 16-byte rows, padded so that the
@@ -117,179 +189,144 @@ class Mamba3StepKernel:
         self.epilogue_masks = [1 << k for k in reversed(range(self.epilogue_split.bit_length() - 1))]
 
     # ------------------------------------------------------------------ host side
-    @cute.jit
-    def __call__(
-        self,
-        mState: cute.Tensor,  # (P, H, D, N) state dtype, updated in place (pool: P rows; dense: B rows)
-        mBstate: cute.Tensor,  # (P, R, H, N) kv dtype
-        mXstate: cute.Tensor,  # (P, H, D) x dtype
-        mA: cute.Tensor,  # (B[, T], H) fp32; the token axis T only when tokens > 1
-        mB: cute.Tensor,  # (B[, T], R, H, N) kv dtype
-        mC: cute.Tensor,  # (B[, T], R, H, N) kv dtype
-        mDskip: cute.Tensor,  # (H,) fp32, the contract's D (skip) parameter
-        mX: cute.Tensor,  # (B[, T], H, D) x dtype
-        mDt: cute.Tensor,  # (B[, T], H) fp32
-        mTrap: cute.Tensor,  # (B[, T], H) fp32
-        mXproj: cute.Tensor,  # (R, H, D) proj dtype
-        mZproj: Optional[cute.Tensor],  # (R, H, D) proj dtype, with z
-        mOutproj: Optional[cute.Tensor],  # (R, H, D) proj dtype
-        mZ: Optional[cute.Tensor],  # (B[, T], H, D) x dtype
-        mOut: cute.Tensor,  # (B[, T], H, D) with outproj else (B[, T], R, H, D), x dtype
-        mStateOut: Optional[cute.Tensor],  # (B, H, D, N) dense mode only
-        mSrcIdx: Optional[cute.Tensor],  # (B,) int32 pool mode; (B, K) with num_accepted
-        mDstIdx: Optional[cute.Tensor],  # (B,) int32 separate destination; (B, T) per token
-        mNumAccepted: Optional[cute.Tensor],  # (B,) int32, with num_accepted
-        null_slot: Int32,  # pool rows equal to this are padding (pass -1 for none)
-        stream,
-    ):
-        self.kernel(
-            mState, mBstate, mXstate, mA, mB, mC, mDskip, mX, mDt, mTrap, mXproj, mZproj,
-            mOutproj, mZ, mOut, mStateOut, mSrcIdx, mDstIdx, mNumAccepted, null_slot,
-        ).launch(
-            grid=launch_grid(mX.shape[0], mXproj.shape[1], self.D, self.tile_D),
+    #: the DSL entry point, one parameter per KernelArgs field, plus the stream (see _flat_call)
+    __call__ = cute.jit(preprocess=False)(_flat_call(KERNEL_ARGUMENT_NAMES))
+
+    def launch(self, m: KernelArgs, stream):
+        """Launch :meth:`kernel` on ``m`` (traced inside ``__call__``)."""
+        self.kernel(m).launch(
+            grid=launch_grid(m.x.shape[0], m.xproj.shape[1], self.D, self.tile_D),
             block=(self.num_threads, 1, 1),
             stream=stream,
         )
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
-    def kernel(
-        self,
-        mState: cute.Tensor,  # (P, H, D, N)
-        mBstate: cute.Tensor,  # (P, R, H, N)
-        mXstate: cute.Tensor,  # (P, H, D)
-        mA: cute.Tensor,  # (B[, T], H)
-        mB: cute.Tensor,  # (B[, T], R, H, N)
-        mC: cute.Tensor,  # (B[, T], R, H, N)
-        mDskip: cute.Tensor,  # (H,)
-        mX: cute.Tensor,  # (B[, T], H, D)
-        mDt: cute.Tensor,  # (B[, T], H)
-        mTrap: cute.Tensor,  # (B[, T], H)
-        mXproj: cute.Tensor,  # (R, H, D)
-        mZproj: Optional[cute.Tensor],  # (R, H, D)
-        mOutproj: Optional[cute.Tensor],  # (R, H, D)
-        mZ: Optional[cute.Tensor],  # (B[, T], H, D)
-        mOut: cute.Tensor,  # (B[, T], H, D) or (B[, T], R, H, D)
-        mStateOut: Optional[cute.Tensor],  # (B, H, D, N)
-        mSrcIdx: Optional[cute.Tensor],  # (B,) or (B, K)
-        mDstIdx: Optional[cute.Tensor],  # (B,) or (B, T)
-        mNumAccepted: Optional[cute.Tensor],  # (B,)
-        null_slot: Int32,
-    ):
-        """Length: one CTA's whole life, in launch order (select rows; load the slab; the tokens;
-        the final stores); each step is a stage below."""
+    def kernel(self, m: KernelArgs):
+        """One CTA, in launch order: select its rows; allocate shared memory and load the slab;
+        run the tokens; store the final state when it is stored once. A padding lane only
+        zeroes its ``out``."""
         tidx, _, _ = cute.arch.thread_idx()
         b, h, dtile = cute.arch.block_idx()
 
-        src, dst, src_live, dst_live = self.select_rows(mSrcIdx, mDstIdx, mNumAccepted, null_slot,
-                                                        mState.shape[0], b)
+        src, dst, src_live, dst_live = self.select_rows(m, b)
         if src_live:
-            smem = cutlass.memory.SmemAllocator()
-            rn = cute.make_layout((self.R, self.N), stride=(self.N, 1))
-            rd = cute.make_layout((self.R, self.tile_D), stride=(self.tile_D, 1))
-            sBB = smem.allocate_tensor(  # (2, R, N): this token's B and the previous one, by parity
-                Float32, cute.make_layout((2, self.R, self.N), stride=(self.R * self.N, self.N, 1)), 16)
-            sC = smem.allocate_tensor(Float32, rn, 16)  # (R, N)
-            sX = smem.allocate_tensor(Float32, cute.make_layout(self.tile_D), 16)  # (tile_D,) x
-            sXr = smem.allocate_tensor(Float32, rd, 16)  # (R, tile_D) x * xproj
-            sUV = smem.allocate_tensor(  # (tile_D, 2R) row coefficients u_r = gamma xr, v_r = beta xsr
-                Float32, cute.make_layout((self.tile_D, 2 * self.R), stride=(self.uv_stride, 1)), 16)
-            sY = smem.allocate_tensor(Float32, rd, 16)  # (R, tile_D) sum_n new * C
-            shared = (sBB, sC, sX, sXr, sUV, sY)
-
+            shared = self.allocate_shared()
             # Issue every state load first: they are the bytes that matter.
             lane = tidx % self.layout.TPR
-            phi = self.lane_permutation(lane)
-            frags = []  # (state registers, tile rows) per row group, loaded up front with preload
+            cta = Cta(b, h, dtile, tidx, lane, self.lane_permutation(lane), src, dst, src_live, dst_live)
+            groups = []  # RowGroup per row group, loaded up front with preload (else by token_step)
             for g in cutlass.range_constexpr(self.layout.row_groups if self.layout.preload else 1):
-                rows = self.thread_rows(tidx, phi, g)
-                frags.append((self.load_state(mState, src, h, dtile, rows, lane), rows))
-            target = mState
-            if const_expr(self.has_state_out):
-                target = mStateOut
-            # the state is stored after each token only when every token has its own row
-            store_each = self.T == 1 or self.dst_per_token
-
-            # the previous B and x of token 0: the Bstate/Xstate rows
-            self.token_step(0, (mBstate, (src,)), (mXstate, (src,)), mState, mBstate, mXstate, mA, mB, mC,
-                            mDskip, mX, mDt, mTrap, mXproj, mZproj, mOutproj, mZ, mOut, target, mDstIdx, null_slot,
-                            shared, frags, src, dst, src_live, dst_live, store_each, b, h, dtile, tidx, lane, phi)
-            if const_expr(self.T > 1):
-                # Unrolled: a runtime token loop kept so many values live that R = 8 kernels spilled;
-                # unrolled, every buffer parity and token offset is static (code grows with T).
-                for t in cutlass.range_constexpr(1, self.T):
+                groups.append(self.load_state(m.state, g, cta))
+            # Unrolled at trace time: every buffer parity and token offset is static, and fewer
+            # values stay live than in a runtime token loop (which spilled at R = 8); code grows with T.
+            for t in cutlass.range_constexpr(self.T):
+                if const_expr(t > 0):
                     cute.arch.barrier()  # token t - 1 is done with the shared buffers
-                    self.token_step(t, None, (mX, self.lane_index(b, t - 1)), mState, mBstate, mXstate, mA, mB,
-                                    mC, mDskip, mX, mDt, mTrap, mXproj, mZproj, mOutproj, mZ, mOut, target, mDstIdx,
-                                    null_slot, shared, frags, src, dst, src_live, dst_live, store_each, b, h, dtile,
-                                    tidx, lane, phi)
-                if const_expr(not store_each):  # the final state, and the last token's B/x, to row dst
-                    if dst_live:
-                        for g in cutlass.range_constexpr(self.layout.row_groups):
-                            self.store_state(frags[g][0], target, dst, h, dtile, frags[g][1], lane)
-                        if const_expr(self.update_kv_state):
-                            self.store_kv_state(mBstate, mXstate, sBB[(self.T - 1) % 2, None, None], sX, dst, h,
-                                                dtile, tidx)
+                self.token_step(m, t, cta, shared, groups)
+            if const_expr(not self.store_each):  # the final state, and the last token's B/x, to row dst
+                if dst_live:
+                    for g in cutlass.range_constexpr(self.layout.row_groups):
+                        self.store_state(groups[g], self.state_target(m), cta)
+                    if const_expr(self.update_kv_state):
+                        self.store_kv_state(m, shared.sBB[(self.T - 1) % 2, None, None], shared.sX, cta)
         else:
             for t in cutlass.range_constexpr(self.T):
-                self.zero_out(mOut, self.lane_index(b, t), h, dtile, tidx, self.num_threads)
+                self.zero_out(m.out, self.lane_index(b, t), h, dtile, tidx)
+
+    def allocate_shared(self) -> Shared:
+        """The CTA's shared buffers (:class:`Shared`), 16-byte aligned."""
+        smem = cutlass.memory.SmemAllocator()
+        rn = cute.make_layout((self.R, self.N), stride=(self.N, 1))
+        rd = cute.make_layout((self.R, self.tile_D), stride=(self.tile_D, 1))
+        return Shared(
+            sBB=smem.allocate_tensor(
+                Float32, cute.make_layout((2, self.R, self.N), stride=(self.R * self.N, self.N, 1)), 16),
+            sC=smem.allocate_tensor(Float32, rn, 16),
+            sX=smem.allocate_tensor(Float32, cute.make_layout(self.tile_D), 16),
+            sXr=smem.allocate_tensor(Float32, rd, 16),
+            sUV=smem.allocate_tensor(
+                Float32, cute.make_layout((self.tile_D, 2 * self.R), stride=(self.uv_stride, 1)), 16),
+            sY=smem.allocate_tensor(Float32, rd, 16),
+        )
+
+    def state_target(self, m: KernelArgs):
+        """Where the new state goes: ``state_out`` in dense mode with it, else the state itself."""
+        return m.state_out if self.has_state_out else m.state
 
     @cute.jit
-    def token_step(self, t, Bprev: Optional[tuple], Xprev: tuple, mState: cute.Tensor,
-                   mBstate: cute.Tensor, mXstate: cute.Tensor, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor,
-                   mDskip: cute.Tensor, mX: cute.Tensor, mDt: cute.Tensor, mTrap: cute.Tensor, mXproj: cute.Tensor,
-                   mZproj: Optional[cute.Tensor], mOutproj: Optional[cute.Tensor], mZ: Optional[cute.Tensor],
-                   mOut: cute.Tensor, target: cute.Tensor, mDstIdx: Optional[cute.Tensor], null_slot: Int32,
-                   shared: tuple, frags: list, src: Int32, dst: Int32, src_live: Boolean, dst_live: Boolean,
-                   store_each: bool, b: Int32, h: Int32, dtile: Int32, tidx: Int32, lane: Int32, phi: Int32):
+    def token_step(self, m: KernelArgs, t: int, cta: Cta, shared: Shared, groups: list):
         """Token ``t`` (a compile-time index): stage its operands, update the state in registers,
         reduce y, write its ``out``; store the state (and B/x) when each token has its row.
 
-        ``Bprev``/``Xprev``: (tensor, leading coordinates) of the previous B (R, H, N) and x (H, D):
-        the Bstate/Xstate rows for token 0; for t > 0 the previous B is already in shared memory
-        (the other half of ``sBB``, staged by token t - 1: ``Bprev`` None) and ``Xprev`` is token
-        t - 1's x.
+        The previous B and x: for token 0 the Bstate/Xstate rows of ``src``; for t > 0 the
+        previous B is already in shared memory (the other half of ``sBB``, staged by token
+        t - 1) and the previous x is token t - 1's ``x``.
         """
-        sBB, sC, sX, sXr, sUV, sY = shared
-        sB = sBB[t % 2, None, None]  # (R, N) this token's B
-        sBs = sBB[(t + 1) % 2, None, None]  # (R, N) the previous B
-        lane_t = self.lane_index(b, t)
-        alpha, beta, gamma = self.decay_coefficients(mA, mDt, mTrap, lane_t, h)
-        if const_expr(Bprev is not None):
-            self.stage_kv_row(Bprev[0], Bprev[1], h, sBs, tidx)
-        self.stage_operands(mB, mC, mX, lane_t, Xprev[0], Xprev[1], mXproj, sB, sC, sX, sXr, sUV, beta, gamma, h,
-                            dtile, tidx)
+        lane_t = self.lane_index(cta.b, t)
+        sB = shared.sBB[t % 2, None, None]
+        sBs = shared.sBB[(t + 1) % 2, None, None]
+        tok = Token(t, lane_t, sB, sBs, *self.decay_coefficients(m, lane_t, cta.h))
+        if const_expr(t == 0):
+            self.stage_kv_row(m.Bstate, (cta.src,), sBs, cta)
+            Xprev = (m.Xstate, (cta.src,))
+        else:
+            Xprev = (m.x, self.lane_index(cta.b, t - 1))
+        self.stage_operands(m, tok, Xprev, shared, cta)
         cute.arch.barrier()
         # Every read of the old Bstate/Xstate rows happened before the barrier.
         if const_expr(self.dst_per_token):
-            dst = mDstIdx[b, t]
-            dst_live = src_live & self.row_is_live(dst, mState.shape[0], null_slot)
-        if const_expr(self.update_kv_state and store_each):
-            if dst_live:
-                self.store_kv_state(mBstate, mXstate, sB, sX, dst, h, dtile, tidx)
-        tOrB, tOrBs, tOrC = self.load_operands(sB, sBs, sC, lane, phi)
+            dst = m.dst_state_batch_indices[cta.b, t]
+            cta = cta._replace(dst=dst, dst_live=cta.src_live & self.row_is_live(dst, m.state.shape[0], m.null_slot))
+        if const_expr(self.update_kv_state and self.store_each):
+            if cta.dst_live:
+                self.store_kv_state(m, sB, shared.sX, cta)
+        operands = self.load_operands(tok, shared, cta)
         for g in cutlass.range_constexpr(self.layout.row_groups):
-            if const_expr(g >= len(frags)):  # without preload: this group's loads now
-                rows = self.thread_rows(tidx, phi, g)
-                frags.append((self.load_state(mState, src, h, dtile, rows, lane), rows))
-            tSrS, rows = frags[g]
-            part = self.update_rows(tSrS, rows, tOrB, tOrBs, tOrC, sB, sBs, sC, sUV, alpha, lane, phi)
-            self.reduce_rows(part, sY, tidx, phi, g)
-            if const_expr(store_each):
-                if dst_live:
-                    self.store_state(tSrS, target, dst, h, dtile, rows, lane)
+            if const_expr(g >= len(groups)):  # without preload: this group's loads now
+                groups.append(self.load_state(m.state, g, cta))
+            tYrY = self.update_rows(groups[g], operands, tok, shared, cta)
+            self.reduce_rows(tYrY, shared.sY, cta, g)
+            if const_expr(self.store_each):
+                if cta.dst_live:
+                    self.store_state(groups[g], self.state_target(m), cta)
         cute.arch.barrier()
-        self.epilogue(sY, sXr, mDskip, mZ, mZproj, mOutproj, mOut, lane_t, h, dtile, tidx, self.num_threads)
+        self.epilogue(m, tok, shared, cta)
 
     def lane_index(self, b: Int32, t) -> tuple:
         """The leading coordinates of lane ``b``, token ``t`` in a per-lane tensor: ``(b,)`` when the
         specialisation has one token (no token axis), else ``(b, t)``."""
         return (b,) if self.T == 1 else (b, t)
 
+    @cute.jit
+    def for_thread_indices(self, n: int, tidx: Int32, body: Callable, spread: int = 1, guarded: bool = True):
+        """``body(i)`` for each index ``i`` of ``[0, n)`` that thread ``tidx`` takes when the
+        block's threads stride over it, ``spread`` adjacent threads per index:
+        ``i = (tidx + k * num_threads) // spread`` for ``k = 0, 1, ...`` (unrolled).
+
+        Each call is guarded by ``i < n``; ``guarded=False`` calls ``body`` for every ``k`` and
+        leaves the test to it (a body whose threads must all reach a shuffle). Where ``n * spread``
+        is a multiple of the block the test always holds and the compiler drops it (the kernel's
+        thread count bounds ``tidx``).
+
+        ``body`` is usually a closure. The DSL's preprocessor cannot store through a tensor the
+        closure captures inside a runtime ``if`` (it rebinds the name); such a tensor is bound to a
+        local name at the top of the closure first.
+        """
+        nt = self.num_threads
+        for k in cutlass.range_constexpr((n * spread + nt - 1) // nt):
+            i = tidx + k * nt
+            if const_expr(spread > 1):
+                i = i // spread
+            if const_expr(guarded):
+                if i < n:
+                    body(i)
+            else:
+                body(i)
+
     # ------------------------------------------------------------------ stages
     @cute.jit
-    def select_rows(self, mSrcIdx: Optional[cute.Tensor], mDstIdx: Optional[cute.Tensor],
-                    mNumAccepted: Optional[cute.Tensor], null_slot: Int32, num_rows: Int32, b: Int32):
+    def select_rows(self, m: KernelArgs, b: Int32):
         """Lane ``b`` -> ``(src, dst, src_live, dst_live)``.
 
         Dense mode: row b, always live. Pool mode: ``src = state_batch_indices[b]``, or with
@@ -299,24 +336,25 @@ class Mamba3StepKernel:
         to ``src``; ``dst_live`` requires a live src too. With a destination per token, ``dst``
         here is unused (each token reads its own).
         """
+        num_rows = m.state.shape[0]
         src = Int32(b)
         dst = Int32(b)
         src_live = Boolean(True)
         dst_live = Boolean(True)
         if const_expr(self.pool):
             if const_expr(self.num_accepted):
-                k = mNumAccepted[b] - 1
+                k = m.num_accepted_tokens[b] - 1
                 src = Int32(-1)
-                if (k >= 0) & (k < mSrcIdx.shape[1]):
-                    src = mSrcIdx[b, k]
+                if (k >= 0) & (k < m.state_batch_indices.shape[1]):
+                    src = m.state_batch_indices[b, k]
             else:
-                src = mSrcIdx[b]
-            src_live = self.row_is_live(src, num_rows, null_slot)
+                src = m.state_batch_indices[b]
+            src_live = self.row_is_live(src, num_rows, m.null_slot)
             dst = src
             dst_live = src_live
             if const_expr(self.has_dst and not self.dst_per_token):
-                dst = mDstIdx[b]
-                dst_live = src_live & self.row_is_live(dst, num_rows, null_slot)
+                dst = m.dst_state_batch_indices[b]
+                dst_live = src_live & self.row_is_live(dst, num_rows, m.null_slot)
         return src, dst, src_live, dst_live
 
     @cute.jit
@@ -324,12 +362,12 @@ class Mamba3StepKernel:
         return (row >= 0) & (row < num_rows) & (row != null_slot)
 
     @cute.jit
-    def decay_coefficients(self, mA: cute.Tensor, mDt: cute.Tensor, mTrap: cute.Tensor, lane_t: tuple, h: Int32):
+    def decay_coefficients(self, m: KernelArgs, lane_t: tuple, h: Int32):
         """``alpha = exp(A dt)``, ``beta = (1 - trap) dt alpha``, ``gamma = trap dt`` (fp32) of one
         (lane, token) (``lane_t``: its leading coordinates, :meth:`lane_index`)."""
-        dt = mDt[lane_t + (h,)]
-        trap = mTrap[lane_t + (h,)]
-        alpha = cute.math.exp(mA[lane_t + (h,)] * dt)
+        dt = m.dt[lane_t + (h,)]
+        trap = m.trap[lane_t + (h,)]
+        alpha = cute.math.exp(m.A[lane_t + (h,)] * dt)
         beta = (Float32(1.0) - trap) * dt * alpha
         gamma = trap * dt
         return alpha, beta, gamma
@@ -347,7 +385,7 @@ class Mamba3StepKernel:
         return (lane << (K.bit_length() - lay.TPR.bit_length())) & (K - 1)
 
     @cute.jit
-    def thread_rows(self, tidx: Int32, phi: Int32, g: int) -> list:
+    def thread_rows(self, cta: Cta, g: int) -> list:
         """Tile rows of the thread's ``rows_per_group`` registers rows in group ``g``.
 
         Thread ``t`` owns rows ``t // TPR + j * rows_per_pass`` (``j`` over the group); its
@@ -356,218 +394,181 @@ class Mamba3StepKernel:
         lane's vectors stay 16-byte accesses.
         """
         lay = self.layout
-        rho = phi >> (self.R.bit_length() - 1)
-        base = g * self.group_rows + tidx // lay.TPR
+        rho = cta.phi >> (self.R.bit_length() - 1)
+        base = g * self.group_rows + cta.tidx // lay.TPR
         rows = []
         for i in cutlass.range_constexpr(lay.rows_per_group):
             rows.append(base + (rho ^ i) * lay.rows_per_pass)
         return rows
 
     @cute.jit
-    def state_vector(self, mState: cute.Tensor, row: Int32, h: Int32, dtile: Int32, d: Int32, c: int,
-                     lane: Int32) -> cute.Tensor:
+    def state_vector(self, mState: cute.Tensor, row: Int32, d: Int32, c: int, cta: Cta) -> cute.Tensor:
         """The ``(VN,)`` 16-byte vector ``c`` of tile row ``d`` a lane moves: elements
         ``(c * TPR + lane) * VN ...`` of ``mState[row, h, dtile * tile_D + d]``."""
-        gS = mState[row, h, None, None]  # (D, N); 64-bit offsets (64-bit strides)
-        gT = cute.local_tile(gS, (self.tile_D, self.N), (dtile, 0))  # (tile_D, N)
-        return cute.local_tile(gT[d, None], (self.layout.VN,), (c * self.layout.TPR + lane,))
+        gS = mState[row, cta.h, None, None]  # (D, N); 64-bit offsets (64-bit strides)
+        gT = cute.local_tile(gS, (self.tile_D, self.N), (cta.dtile, 0))  # (tile_D, N)
+        return cute.local_tile(gT[d, None], (self.layout.VN,), (c * self.layout.TPR + cta.lane,))
 
     @cute.jit
-    def load_state(self, mState: cute.Tensor, row: Int32, h: Int32, dtile: Int32, rows: list,
-                   lane: Int32) -> cute.Tensor:
-        """16-byte loads of the thread's rows ``rows`` of pool row ``row``: ``(VN, rows_per_group,
-        CPT)`` registers in the state dtype."""
+    def load_state(self, mState: cute.Tensor, g: int, cta: Cta) -> RowGroup:
+        """Row group ``g`` of the thread's share of pool row ``src``: 16-byte loads into a
+        ``(VN, rows_per_group, CPT)`` register fragment in the state dtype."""
         lay = self.layout
+        rows = self.thread_rows(cta, g)
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.state_dtype, num_bits_per_copy=128)
-        frag = cute.make_rmem_tensor(
+        tSrS = cute.make_rmem_tensor(
             cute.make_layout((lay.VN, lay.rows_per_group, lay.CPT), stride=(1, lay.VN, lay.VN * lay.rows_per_group)),
             self.state_dtype)
         for i in cutlass.range_constexpr(lay.rows_per_group):
             for c in cutlass.range_constexpr(lay.CPT):
-                cute.copy(atom, self.state_vector(mState, row, h, dtile, rows[i], c, lane), frag[None, i, c])
-        return frag
+                cute.copy(atom, self.state_vector(mState, cta.src, rows[i], c, cta), tSrS[None, i, c])
+        return RowGroup(tSrS, rows)
 
     @cute.jit
-    def store_state(self, frag: cute.Tensor, mTarget: cute.Tensor, row: Int32, h: Int32, dtile: Int32,
-                    rows: list, lane: Int32):
-        """16-byte stores of the thread's new state (``frag``, rows ``rows``) to row ``row`` of
-        ``mTarget`` (the pool, or ``state_out`` in dense mode)."""
+    def store_state(self, group: RowGroup, mTarget: cute.Tensor, cta: Cta):
+        """16-byte stores of a row group's new state to row ``dst`` of ``mTarget`` (the pool, or
+        ``state_out`` in dense mode)."""
         lay = self.layout
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.state_dtype, num_bits_per_copy=128)
         for i in cutlass.range_constexpr(lay.rows_per_group):
             for c in cutlass.range_constexpr(lay.CPT):
-                cute.copy(atom, frag[None, i, c], self.state_vector(mTarget, row, h, dtile, rows[i], c, lane))
+                cute.copy(atom, group.tSrS[None, i, c], self.state_vector(mTarget, cta.dst, group.rows[i], c, cta))
 
     @cute.jit
-    def stage_operands(
-        self,
-        mB: cute.Tensor,  # (B[, T], R, H, N)
-        mC: cute.Tensor,  # (B[, T], R, H, N)
-        mX: cute.Tensor,  # (B[, T], H, D)
-        lane_t: tuple,  # this (lane, token)'s leading coordinates in mB, mC, mX
-        mXprev: cute.Tensor,  # the previous x: Xstate (P, H, D), or x itself (the previous token)
-        prev: tuple,  # the previous x's leading coordinates in mXprev
-        mXproj: cute.Tensor,  # (R, H, D)
-        sB: cute.Tensor,  # (R, N) fp32 out
-        sC: cute.Tensor,  # (R, N) fp32 out
-        sX: cute.Tensor,  # (tile_D,) fp32 out: x
-        sXr: cute.Tensor,  # (R, tile_D) fp32 out: x * xproj
-        sUV: cute.Tensor,  # (tile_D, 2R) fp32 out: gamma * xr, beta * xprev * xproj
-        beta: Float32,
-        gamma: Float32,
-        h: Int32,
-        dtile: Int32,
-        tidx: Int32,
-    ):
+    def stage_operands(self, m: KernelArgs, tok: Token, Xprev: tuple, shared: Shared, cta: Cta):
         """Thread ``tidx``'s share of one token's per-(lane, head) operands, converted to fp32.
 
         B and C rows go to shared memory as they are; for each tile row ``d`` and rank ``r`` the
         coefficients of the state update are computed once per CTA: ``xr = x xproj`` (kept for
         the epilogue's skip term), ``u = gamma xr`` and ``v = beta (xprev xproj)``, stored
         row-major ``(d, [u_0..u_R-1, v_0..v_R-1])`` so a thread reads a row's 2R coefficients
-        with vector loads.
+        with vector loads. ``Xprev``: the previous x as (tensor, leading coordinates): Xstate
+        (P, H, D) and ``(src,)``, or ``x`` itself and the previous token's coordinates.
         """
-        self.stage_kv_row(mB, lane_t, h, sB, tidx)
-        self.stage_kv_row(mC, lane_t, h, sC, tidx)
-        RT = self.R * self.tile_D
-        d0 = dtile * self.tile_D
-        for k in cutlass.range_constexpr((RT + self.num_threads - 1) // self.num_threads):
-            i = tidx + k * self.num_threads
-            if i < RT:
-                d = i // self.R
-                r = i - d * self.R
-                xp = mXproj[r, h, d0 + d].to(Float32)
-                xd = mX[lane_t + (h, d0 + d)].to(Float32)
-                xr = xd * xp
-                sXr[r, d] = xr
-                sUV[d, r] = gamma * xr
-                sUV[d, self.R + r] = beta * (mXprev[prev + (h, d0 + d)].to(Float32) * xp)
-                if r == 0:
-                    sX[d] = xd
+        self.stage_kv_row(m.B, tok.lane_t, tok.sB, cta)
+        self.stage_kv_row(m.C, tok.lane_t, shared.sC, cta)
+        mXprev, prev = Xprev
+        h = cta.h
+        d0 = cta.dtile * self.tile_D
+
+        def coefficients(i):  # i = d * R + r
+            sX = shared.sX  # stored under a runtime `if`: a local name (see for_thread_indices)
+            d = i // self.R
+            r = i - d * self.R
+            xp = m.xproj[r, h, d0 + d].to(Float32)
+            xd = m.x[tok.lane_t + (h, d0 + d)].to(Float32)
+            xr = xd * xp
+            shared.sXr[r, d] = xr
+            shared.sUV[d, r] = tok.gamma * xr
+            shared.sUV[d, self.R + r] = tok.beta * (mXprev[prev + (h, d0 + d)].to(Float32) * xp)
+            if r == 0:
+                sX[d] = xd
+
+        self.for_thread_indices(self.R * self.tile_D, cta.tidx, coefficients)
 
     @cute.jit
-    def stage_kv_row(self, mT: cute.Tensor, lead: tuple, h: Int32, sT: cute.Tensor, tidx: Int32):
+    def stage_kv_row(self, mT: cute.Tensor, lead: tuple, sT: cute.Tensor, cta: Cta):
         """``mT[lead][:, h, :]`` (R, N) in the kv dtype -> ``sT`` (R, N) fp32, element by element
-        (``lead``: the leading coordinates: a pool row, or a lane and token).
+        (``lead``: the leading coordinates: a pool row, or a lane and token). Scalar loads: for
+        bf16 rows, unpacking a 16-byte vector to fp32 costs more instructions than the loads it
+        saves (docs/performance.md)."""
 
-        (16-byte loads of the bf16 rows were tried: the bf16 -> fp32 unpacking of a vector
-        costs more instructions than the scalar loads it saves, docs/performance.md.)"""
-        RN = self.R * self.N
-        for k in cutlass.range_constexpr((RN + self.num_threads - 1) // self.num_threads):
-            i = tidx + k * self.num_threads
-            if i < RN:
-                r = i // self.N
-                n = i - r * self.N
-                sT[r, n] = mT[lead + (r, h, n)].to(Float32)
+        def stage(i):  # i = r * N + n
+            r = i // self.N
+            n = i - r * self.N
+            sT[r, n] = mT[lead + (r, cta.h, n)].to(Float32)
+
+        self.for_thread_indices(self.R * self.N, cta.tidx, stage)
 
     @cute.jit
-    def store_kv_state(
-        self,
-        mBstate: cute.Tensor,  # (P, R, H, N)
-        mXstate: cute.Tensor,  # (P, H, D)
-        sB: cute.Tensor,  # (R, N) fp32, this step's B
-        sX: cute.Tensor,  # (tile_D,) fp32, this step's x
-        dst: Int32,
-        h: Int32,
-        dtile: Int32,
-        tidx: Int32,
-    ):
-        """update_kv_state: this step's B/x -> row ``dst`` of Bstate/Xstate.
+    def store_kv_state(self, m: KernelArgs, sB: cute.Tensor, sX: cute.Tensor, cta: Cta):
+        """update_kv_state: this step's B (``sB``, (R, N) fp32) and x (``sX``, (tile_D,) fp32) ->
+        row ``dst`` of Bstate/Xstate.
 
         The staged fp32 copies convert back exactly (B and Bstate share a dtype, as do x
         and Xstate). Only race-free when this CTA is the only one of its (lane, head):
         ``tile_D >= D``, checked by the wrapper.
         """
-        RN = self.R * self.N
-        for k in cutlass.range_constexpr((RN + self.num_threads - 1) // self.num_threads):
-            i = tidx + k * self.num_threads
-            if i < RN:
-                r = i // self.N
-                n = i - r * self.N
-                mBstate[dst, r, h, n] = sB[r, n].to(self.kv_dtype)
-        d0 = dtile * self.tile_D
-        for k in cutlass.range_constexpr((self.tile_D + self.num_threads - 1) // self.num_threads):
-            d = tidx + k * self.num_threads
-            if d < self.tile_D:
-                mXstate[dst, h, d0 + d] = sX[d].to(self.x_dtype)
+
+        def store_b(i):  # i = r * N + n
+            r = i // self.N
+            n = i - r * self.N
+            m.Bstate[cta.dst, r, cta.h, n] = sB[r, n].to(self.kv_dtype)
+
+        self.for_thread_indices(self.R * self.N, cta.tidx, store_b)
+        d0 = cta.dtile * self.tile_D
+
+        def store_x(d):
+            m.Xstate[cta.dst, cta.h, d0 + d] = sX[d].to(self.x_dtype)
+
+        self.for_thread_indices(self.tile_D, cta.tidx, store_x)
 
     def column(self, c: int, e: int, lane: Int32) -> Int32:
         """State column of element ``e`` of the lane's vector ``c`` (the same in every row)."""
         return (c * self.layout.TPR + lane) * self.layout.VN + e
 
     @cute.jit
-    def load_operands(self, sB: cute.Tensor, sBs: cute.Tensor, sC: cute.Tensor, lane: Int32, phi: Int32):
+    def load_operands(self, tok: Token, shared: Shared, cta: Cta) -> Optional[Operands]:
         """The B, Bstate and C values of the lane's columns, ``(R, VN, CPT)`` fp32 each, read
         once from shared memory when they fit in registers (``cache_operands``), else None
         (then :meth:`update_rows` reads them per row). C is read in the lane's rank order:
         slot ``r`` holds rank ``r ^ (phi & (R - 1))`` (see :meth:`lane_permutation`)."""
         lay = self.layout
         if const_expr(not lay.cache_operands):
-            return None, None, None
+            return None
         shape = cute.make_layout((self.R, lay.VN, lay.CPT), stride=(lay.VN * lay.CPT, 1, lay.VN))
         tOrB = cute.make_rmem_tensor(shape, Float32)
         tOrBs = cute.make_rmem_tensor(shape, Float32)
         tOrC = cute.make_rmem_tensor(shape, Float32)
-        sigma = phi & (self.R - 1)
+        sigma = cta.phi & (self.R - 1)
         for r in cutlass.range_constexpr(self.R):
             for c in cutlass.range_constexpr(lay.CPT):
                 for e in cutlass.range_constexpr(lay.VN):
-                    n = self.column(c, e, lane)
-                    tOrB[r, e, c] = sB[r, n]
-                    tOrBs[r, e, c] = sBs[r, n]
-                    tOrC[r, e, c] = sC[r ^ sigma, n]
-        return tOrB, tOrBs, tOrC
+                    n = self.column(c, e, cta.lane)
+                    tOrB[r, e, c] = tok.sB[r, n]
+                    tOrBs[r, e, c] = tok.sBs[r, n]
+                    tOrC[r, e, c] = shared.sC[r ^ sigma, n]
+        return Operands(tOrB, tOrBs, tOrC)
 
     @cute.jit
-    def update_rows(
-        self,
-        tSrS: cute.Tensor,  # (VN, rows_per_group, CPT) state dtype, registers: in -> out
-        rows: list,  # tile row of each register row
-        tOrB: Optional[cute.Tensor],  # (R, VN, CPT) fp32 registers, or None (read sB per row)
-        tOrBs: Optional[cute.Tensor],  # (R, VN, CPT)
-        tOrC: Optional[cute.Tensor],  # (R, VN, CPT), ranks in the lane's order
-        sB: cute.Tensor,  # (R, N) fp32
-        sBs: cute.Tensor,  # (R, N) fp32
-        sC: cute.Tensor,  # (R, N) fp32
-        sUV: cute.Tensor,  # (tile_D, 2R) fp32 row coefficients
-        alpha: Float32,
-        lane: Int32,
-        phi: Int32,
-    ) -> cute.Tensor:
+    def update_rows(self, group: RowGroup, operands: Optional[Operands], tok: Token, shared: Shared,
+                    cta: Cta) -> cute.Tensor:
         """Per-thread state update of one row group (the math of docs/contract.md, fp32).
 
         ``new[d, n] = alpha s[d, n] + sum_r u_r[d] B[r, n] + v_r[d] Bs[r, n]`` (summed in r
-        order) is written back into ``tSrS`` rounded to the state dtype; the unrounded new
-        value feeds the thread's partial ``y[r, d] = sum_n new[d, n] C[r, n]`` over its own
-        columns. Returns the partials, ``(rows_per_group * R,)`` fp32, slot ``i * R + r``
+        order) is written back into ``group.tSrS`` rounded to the state dtype; the unrounded
+        new value feeds the thread's partial ``y[r, d] = sum_n new[d, n] C[r, n]`` over its own
+        columns. ``operands``: B, Bs, C in registers, or None (read from shared memory per
+        row). Returns the partials ``tYrY``, ``(rows_per_group * R,)`` fp32, slot ``i * R + r``
         holding register row ``i`` and rank ``r ^ (phi & (R - 1))``.
         """
         lay = self.layout
         R = self.R
-        sigma = phi & (R - 1)
-        part = cute.make_rmem_tensor(cute.make_layout(lay.partials_per_group), Float32)
+        tSrS, rows = group
+        sigma = cta.phi & (R - 1)
+        tYrY = cute.make_rmem_tensor(cute.make_layout(lay.partials_per_group), Float32)
         for i in cutlass.range_constexpr(lay.rows_per_group):
-            uv = cute.make_rmem_tensor(cute.make_layout(2 * R), Float32)
+            tSrUV = cute.make_rmem_tensor(cute.make_layout(2 * R), Float32)  # the row's u_r, v_r
             for k in cutlass.range_constexpr(2 * R):
-                uv[k] = sUV[rows[i], k]
-            tNrN = cute.make_rmem_tensor(cute.make_layout((lay.VN, lay.CPT), stride=(1, lay.VN)), Float32)
+                tSrUV[k] = shared.sUV[rows[i], k]
+            tSrNew = cute.make_rmem_tensor(cute.make_layout((lay.VN, lay.CPT), stride=(1, lay.VN)), Float32)  # new, fp32
             for c in cutlass.range_constexpr(lay.CPT):
                 for e in cutlass.range_constexpr(lay.VN):
-                    tNrN[e, c] = alpha * tSrS[e, i, c].to(Float32)
+                    tSrNew[e, c] = tok.alpha * tSrS[e, i, c].to(Float32)
             for r in cutlass.range_constexpr(R):
                 if const_expr(not lay.cache_operands):
                     self.row_fence()  # one rank's operands at a time in registers
                 for c in cutlass.range_constexpr(lay.CPT):
                     for e in cutlass.range_constexpr(lay.VN):
                         if const_expr(lay.cache_operands):
-                            b_, bs_ = tOrB[r, e, c], tOrBs[r, e, c]
+                            b_, bs_ = operands.tOrB[r, e, c], operands.tOrBs[r, e, c]
                         else:
-                            n = self.column(c, e, lane)
-                            b_, bs_ = sB[r, n], sBs[r, n]
-                        tNrN[e, c] = tNrN[e, c] + uv[r] * b_ + uv[R + r] * bs_
+                            n = self.column(c, e, cta.lane)
+                            b_, bs_ = tok.sB[r, n], tok.sBs[r, n]
+                        tSrNew[e, c] = tSrNew[e, c] + tSrUV[r] * b_ + tSrUV[R + r] * bs_
             for c in cutlass.range_constexpr(lay.CPT):
                 for e in cutlass.range_constexpr(lay.VN):
-                    tSrS[e, i, c] = tNrN[e, c].to(self.state_dtype)
+                    tSrS[e, i, c] = tSrNew[e, c].to(self.state_dtype)
             for r in cutlass.range_constexpr(R):
                 if const_expr(not lay.cache_operands):
                     self.row_fence()
@@ -575,11 +576,11 @@ class Mamba3StepKernel:
                 for c in cutlass.range_constexpr(lay.CPT):
                     for e in cutlass.range_constexpr(lay.VN):
                         if const_expr(lay.cache_operands):
-                            y = y + tNrN[e, c] * tOrC[r, e, c]
+                            y = y + tSrNew[e, c] * operands.tOrC[r, e, c]
                         else:
-                            y = y + tNrN[e, c] * sC[r ^ sigma, self.column(c, e, lane)]
-                part[i * R + r] = y
-        return part
+                            y = y + tSrNew[e, c] * shared.sC[r ^ sigma, self.column(c, e, cta.lane)]
+                tYrY[i * R + r] = y
+        return tYrY
 
     @cute.jit
     def row_fence(self):
@@ -590,8 +591,9 @@ class Mamba3StepKernel:
                         asm_dialect=llvm.AsmDialect.AD_ATT)
 
     @cute.jit
-    def reduce_rows(self, part: cute.Tensor, sY: cute.Tensor, tidx: Int32, phi: Int32, g: int):
-        """Complete a row group's partial sums over the TPR lanes of each row; store them to sY.
+    def reduce_rows(self, tYrY: cute.Tensor, sY: cute.Tensor, cta: Cta, g: int):
+        """Complete a row group's partial sums ``tYrY`` over the TPR lanes of each row; store
+        them to sY.
 
         Transposed butterfly: while a lane holds more than one value, the round with lane
         mask ``m`` sends the second half of the lane's slots to its partner ``lane ^ m`` and
@@ -606,41 +608,27 @@ class Mamba3StepKernel:
         lay = self.layout
         vals = []
         for k in cutlass.range_constexpr(lay.partials_per_group):
-            vals.append(part[k])
+            vals.append(tYrY[k])
         for step in cutlass.range_constexpr(len(self.reduce_plan)):
-            m, halving = self.reduce_plan[step]
+            mask, halving = self.reduce_plan[step]
             if const_expr(halving):
                 half = len(vals) // 2
                 kept = []
                 for j in cutlass.range_constexpr(half):
-                    kept.append(vals[j] + cute.arch.shuffle_sync_bfly(vals[j + half], offset=m))
+                    kept.append(vals[j] + cute.arch.shuffle_sync_bfly(vals[j + half], offset=mask))
                 vals = kept
             else:
-                vals = [vals[0] + cute.arch.shuffle_sync_bfly(vals[0], offset=m)]
-        lane = tidx % lay.TPR
-        row0 = g * self.group_rows + tidx // lay.TPR
+                vals = [vals[0] + cute.arch.shuffle_sync_bfly(vals[0], offset=mask)]
+        lane = cta.tidx % lay.TPR
+        row0 = g * self.group_rows + cta.tidx // lay.TPR
         log2r = self.R.bit_length() - 1
         for j in cutlass.range_constexpr(len(vals)):
-            k = phi ^ j
+            k = cta.phi ^ j
             if (lane & self.reduce_plain_mask) == 0:
                 sY[k & (self.R - 1), row0 + (k >> log2r) * lay.rows_per_pass] = vals[j]
 
     @cute.jit
-    def epilogue(
-        self,
-        sY: cute.Tensor,  # (R, tile_D) fp32, sum_n new * C
-        sXr: cute.Tensor,  # (R, tile_D) fp32, x * xproj
-        mDskip: cute.Tensor,  # (H,)
-        mZ: Optional[cute.Tensor],  # (B[, T], H, D)
-        mZproj: Optional[cute.Tensor],  # (R, H, D)
-        mOutproj: Optional[cute.Tensor],  # (R, H, D)
-        mOut: cute.Tensor,  # (B[, T], H, D) or (B[, T], R, H, D)
-        lane_t: tuple,  # this (lane, token)'s leading coordinates in mZ, mOut
-        h: Int32,
-        dtile: Int32,
-        tidx: Int32,
-        num_threads: int,
-    ):
+    def epilogue(self, m: KernelArgs, tok: Token, shared: Shared, cta: Cta):
         """``y = sY + D xr``; ``y *= silu(z zproj)``; ``out = sum_r y outproj`` (or out = y).
 
         When the CTA has more threads than rows, ``epilogue_split`` adjacent lanes share a row
@@ -649,53 +637,60 @@ class Mamba3StepKernel:
         """
         split = self.epilogue_split
         ranks = self.R // split
-        dskip = mDskip[h]
-        d0 = dtile * self.tile_D
-        part = tidx % split
-        for k in cutlass.range_constexpr((self.tile_D * split + num_threads - 1) // num_threads):
-            d = (tidx + k * num_threads) // split
+        h = cta.h
+        lane_t = tok.lane_t
+        dskip = m.D[h]
+        d0 = cta.dtile * self.tile_D
+        part = cta.tidx % split
+
+        def row(d):
+            mOut = m.out  # stored under a runtime `if`: a local name (see for_thread_indices)
             acc = Float32(0.0)
             if d < self.tile_D:
                 dg = d0 + d
                 zd = Float32(0.0)
                 if const_expr(self.has_z):
-                    zd = mZ[lane_t + (h, dg)].to(Float32)
+                    zd = m.z[lane_t + (h, dg)].to(Float32)
                 for j in cutlass.range_constexpr(ranks):
                     r = part * ranks + j
-                    y = sY[r, d] + dskip * sXr[r, d]
+                    y = shared.sY[r, d] + dskip * shared.sXr[r, d]
                     if const_expr(self.has_z):
-                        gz = zd * mZproj[r, h, dg].to(Float32)
+                        gz = zd * m.zproj[r, h, dg].to(Float32)
                         y = y * (gz * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-gz)))
                     if const_expr(self.has_outproj):
-                        acc = acc + y * mOutproj[r, h, dg].to(Float32)
+                        acc = acc + y * m.outproj[r, h, dg].to(Float32)
                     else:
                         mOut[lane_t + (r, h, dg)] = y.to(self.x_dtype)
             if const_expr(self.has_outproj):
                 # the lanes sharing a row are adjacent and agree on d < tile_D: every lane shuffles
-                for m in cutlass.range_constexpr(len(self.epilogue_masks)):
-                    acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=self.epilogue_masks[m])
+                for k in cutlass.range_constexpr(len(self.epilogue_masks)):
+                    acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=self.epilogue_masks[k])
                 if d < self.tile_D:
                     if part == 0:
                         mOut[lane_t + (h, d0 + d)] = acc.to(self.x_dtype)
 
+        self.for_thread_indices(self.tile_D, cta.tidx, row, spread=split, guarded=False)
+
     @cute.jit
-    def zero_out(self, mOut: cute.Tensor, lane_t: tuple, h: Int32, dtile: Int32, tidx: Int32, num_threads: int):
+    def zero_out(self, mOut: cute.Tensor, lane_t: tuple, h: Int32, dtile: Int32, tidx: Int32):
         """Padding lane: ``out`` = 0 for one token (``lane_t``: its leading coordinates); no pool row
         is read or written."""
         d0 = dtile * self.tile_D
-        for k in cutlass.range_constexpr((self.tile_D + num_threads - 1) // num_threads):
-            d = tidx + k * num_threads
-            if d < self.tile_D:
-                if const_expr(self.has_outproj):
-                    mOut[lane_t + (h, d0 + d)] = self.x_dtype(0.0)
-                else:
-                    for r in cutlass.range_constexpr(self.R):
-                        mOut[lane_t + (r, h, d0 + d)] = self.x_dtype(0.0)
+
+        def zero(d):
+            if const_expr(self.has_outproj):
+                mOut[lane_t + (h, d0 + d)] = self.x_dtype(0.0)
+            else:
+                for r in cutlass.range_constexpr(self.R):
+                    mOut[lane_t + (r, h, d0 + d)] = self.x_dtype(0.0)
+
+        self.for_thread_indices(self.tile_D, tidx, zero)
 
 
 # ---------------------------------------------------------------------- compile
-def fake_arguments(spec: StepSpec) -> list:
-    """Fake tensors for ``cute.compile``: B, P, H, K and every stride symbolic; T static.
+def fake_arguments(spec: StepSpec) -> KernelArgs:
+    """Fake tensors for ``cute.compile``, one per :class:`KernelArgs` field (None where the spec
+    has no such tensor): B, P, H, K and every stride symbolic; T static.
 
     A tensor's first stride is 64-bit (pool offsets exceed 2**31 elements), the others 32-bit
     (the wrapper checks a row spans less than 2**31 elements). State strides are declared
@@ -728,39 +723,40 @@ def fake_arguments(spec: StepSpec) -> list:
     def lane(dtype, rest):  # a per-lane tensor: (B, *rest), or (B, T, *rest) with tokens > 1
         return strided(dtype, (batch,) + ((T,) if T > 1 else ()) + rest)
 
-    return [
-        state_like(rows),  # state
-        strided(kv, (rows, R, heads, N)),  # Bstate
-        strided(xt, (rows, heads, D)),  # Xstate
-        lane(Float32, (heads,)),  # A
-        lane(kv, (R, heads, N)),  # B
-        lane(kv, (R, heads, N)),  # C
-        strided(Float32, (heads,)),  # D
-        lane(xt, (heads, D)),  # x
-        lane(Float32, (heads,)),  # dt
-        lane(Float32, (heads,)),  # trap
-        strided(pj, (R, heads, D)),  # xproj
-        strided(pj, (R, heads, D)) if spec.has_z else None,  # zproj
-        strided(pj, (R, heads, D)) if spec.has_outproj else None,  # outproj
-        lane(xt, (heads, D)) if spec.has_z else None,  # z
-        lane(xt, (heads, D) if spec.has_outproj else (R, heads, D)),  # out
-        state_like(batch) if spec.has_state_out else None,  # state_out
-        (strided(Int32, (batch, sym())) if spec.num_accepted else strided(Int32, (batch,))) if spec.pool
-        else None,  # state_batch_indices: (B,), or (B, K) with num_accepted_tokens
-        (strided(Int32, (batch, T)) if spec.dst_per_token else strided(Int32, (batch,))) if spec.has_dst
-        else None,  # dst_state_batch_indices: (B,), or (B, T) per token
-        strided(Int32, (batch,)) if spec.num_accepted else None,  # num_accepted_tokens
-        Int32(-1),  # null_slot
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-    ]
+    return KernelArgs(
+        state=state_like(rows),
+        Bstate=strided(kv, (rows, R, heads, N)),
+        Xstate=strided(xt, (rows, heads, D)),
+        A=lane(Float32, (heads,)),
+        B=lane(kv, (R, heads, N)),
+        C=lane(kv, (R, heads, N)),
+        D=strided(Float32, (heads,)),
+        x=lane(xt, (heads, D)),
+        dt=lane(Float32, (heads,)),
+        trap=lane(Float32, (heads,)),
+        xproj=strided(pj, (R, heads, D)),
+        zproj=strided(pj, (R, heads, D)) if spec.has_z else None,
+        outproj=strided(pj, (R, heads, D)) if spec.has_outproj else None,
+        z=lane(xt, (heads, D)) if spec.has_z else None,
+        out=lane(xt, (heads, D) if spec.has_outproj else (R, heads, D)),
+        state_out=state_like(batch) if spec.has_state_out else None,
+        # (B,), or (B, K) with num_accepted_tokens
+        state_batch_indices=(strided(Int32, (batch, sym())) if spec.num_accepted else strided(Int32, (batch,)))
+        if spec.pool else None,
+        # (B,), or (B, T) per token
+        dst_state_batch_indices=(strided(Int32, (batch, T)) if spec.dst_per_token else strided(Int32, (batch,)))
+        if spec.has_dst else None,
+        num_accepted_tokens=strided(Int32, (batch,)) if spec.num_accepted else None,
+        null_slot=Int32(-1),
+    )
 
 
-def argument_masks(spec: StepSpec) -> list:
-    """Per runtime argument of :func:`~mamba3_step.tensors.kernel_arguments`: ``None`` for an
-    absent tensor, ``"scalar"`` for ``null_slot``, else ``(dynamic shape modes, dynamic stride
-    modes)`` as bool tuples: which values the DSL passes in a tensor's parameter struct."""
+def argument_masks(spec: StepSpec) -> KernelArgs:
+    """Per :class:`KernelArgs` field: ``None`` for an absent tensor, ``"scalar"`` for
+    ``null_slot``, else ``(dynamic shape modes, dynamic stride modes)`` as bool tuples: which
+    values the DSL passes in a tensor's parameter struct."""
     out = []
-    for fake in fake_arguments(spec)[:-1]:  # the stream is not a kernel parameter
+    for fake in fake_arguments(spec):
         if fake is None:
             out.append(None)
         elif hasattr(fake, "dynamic_shapes_mask"):
@@ -768,17 +764,19 @@ def argument_masks(spec: StepSpec) -> list:
                         tuple(bool(m) for m in fake.dynamic_strides_mask)))
         else:
             out.append("scalar")
-    return out
+    return KernelArgs(*out)
 
 
 def compile_step_kernel(spec: StepSpec, arch: str = "sm_90a", *, extra_options: str = ""):
     """Compile one specialisation for ``arch`` (no GPU needed) and return the tvm-ffi callable.
 
-    The callable takes the 18 tensors of :func:`kernel_arguments` (``None`` where the spec has
-    none) and ``null_slot``; it launches on the caller's current CUDA stream.
+    The callable takes the :class:`KernelArgs` fields in order (``None`` where the spec has no
+    such tensor; :func:`~mamba3_step.tensors.kernel_arguments` fills them from a call); it
+    launches on the caller's current CUDA stream.
     """
     problem = tiling_problem(spec)
     if problem is not None:
         raise ValueError(problem)
     options = f"--enable-tvm-ffi --gpu-arch {arch} {extra_options}".strip()
-    return cute.compile(Mamba3StepKernel(spec), *fake_arguments(spec), options=options)
+    return cute.compile(Mamba3StepKernel(spec), *fake_arguments(spec),
+                        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options=options)

@@ -37,7 +37,7 @@ from .api import prepare_step
 from .build import argument_masks, compile_kernel
 from .signature import STEP_SIGNATURE, make_binder, split_call
 from .spec import StepSpec
-from .tensors import KERNEL_ARGUMENT_NAMES, StepTensors, kernel_arguments
+from .tensors import StepTensors, kernel_arguments
 from .tiling import launch_grid, thread_layout
 
 __all__ = ["PTXKernel", "ptx_kernel", "ptx_step_fn", "run_step_ptx", "writable_arguments"]
@@ -77,7 +77,7 @@ def ptx_kernel(spec: StepSpec, arch: str = "sm_90a") -> PTXKernel:
         raise RuntimeError(f"the DSL returned no PTX for {spec.key()} @ {arch}")
     module = ptx.parse_module(text)
     params = module.entry().params
-    kept = [(n, m) for n, m in zip(KERNEL_ARGUMENT_NAMES, argument_masks(spec)) if m is not None]
+    kept = [(n, m) for n, m in argument_masks(spec)._asdict().items() if m is not None]  # absent tensors: no parameter
     ir_text = str(compiled.ir_module)
     host = ptx.host_signature(ir_text, compiled.function_name)
     if len(host) != len(kept) + 1 or len(params) != len(kept):  # the host also takes the stream
@@ -122,7 +122,7 @@ def run_step_ptx(spec: StepSpec, tensors: StepTensors, *, arch: str = "sm_90a", 
     around a pool view, to *observe* accesses to it rather than forbid them.
     """
     k = ptx_kernel(spec, arch)
-    values = dict(zip(KERNEL_ARGUMENT_NAMES, kernel_arguments(tensors)))
+    values = kernel_arguments(tensors)._asdict()
     memory = ptx.GlobalMemory()
     writable = writable_arguments(spec)
     params = []

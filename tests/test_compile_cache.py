@@ -318,7 +318,7 @@ def test_second_process_loads_flagship_with_the_jit_calling_convention(isolated_
     assert res["type"] == "Function"  # tvm_ffi.Function, as for a fresh compile
     # same signature as the JIT-compiled function (the runtime arguments, no stream)
     assert res["loaded_signature"] == res["jit_signature"] == manifest["signature"]
-    assert res["loaded_signature"].count(":") == len(KERNEL_ARGUMENT_NAMES) and "mState: Tensor([n0, n1, 64, 128], float32)" \
+    assert res["loaded_signature"].count(":") == len(KERNEL_ARGUMENT_NAMES) and "state: Tensor([n0, n1, 64, 128], float32)" \
         in res["loaded_signature"]
     # called with CPU tensors, both reject them identically (argument count/types accepted)
     assert res["loaded_cpu_call"] == res["jit_cpu_call"]

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import mamba3_step.ops  # noqa: F401  (registers the op)
-from mamba3_step import mamba3_step_fn, mamba3_step_op, plan_step, StepPlan
+from mamba3_step import StepPlan, mamba3_step_fn, mamba3_step_op, plan_step
+from mamba3_step.api import prepare_step
 from mamba3_step.ptx_tier import ptx_step_fn
 from mamba3_step.serving import CudaGraphStepRunner, decode_step
 from mamba3_step.serving.hook import POOL_SUPPLIED
@@ -137,3 +138,35 @@ def test_mamba3_step_fn_documents_every_argument():
     doc = mamba3_step_fn.__doc__
     for name in DECLARED:
         assert re.search(rf"\b{name}\b", doc), name
+
+
+@pytest.mark.parametrize("mode", ["dense", "dense-state_out", "pool", "pool-dst-accepted-T3", "pool-noz-noout"])
+def test_fake_arguments_launcher_and_host_packing_agree(mode):
+    """The kernel's bundle three ways: the compiled launcher's parameters, the fake arguments it is
+    compiled with, and what the host passes for a call of that specialisation (None exactly where
+    the specialisation has no tensor)."""
+    kernel = pytest.importorskip("mamba3_step.kernel")
+
+
+    assert _names(kernel.Mamba3StepKernel.__call__) == ("self",) + KERNEL_ARGUMENT_NAMES + ("stream",)
+    T = 3 if "T3" in mode else None
+    pool = mode.startswith("pool")
+    inputs = make_inputs(4, 9 if pool else None, tokens=T, has_z="noz" not in mode,
+                         has_outproj="noout" not in mode, seed=3)
+    extra = {}
+    if "state_out" in mode:
+        extra["state_out"] = torch.empty_like(inputs["state"])
+    if pool:
+        extra["state_batch_indices"] = torch.tensor([0, 5, -1, 8], dtype=torch.int32)
+    if "dst" in mode:
+        extra["state_batch_indices"] = torch.tensor([[0, 1, 2], [3, 4, 5], [-1, -1, -1], [6, 7, 8]],
+                                                    dtype=torch.int32)
+        extra["num_accepted_tokens"] = torch.tensor([1, 3, 1, 2], dtype=torch.int32)
+        extra["dst_state_batch_indices"] = extra["state_batch_indices"].clone()
+    spec, tensors, _ = prepare_step(StepTensors(**inputs, **extra))
+    fakes = kernel.fake_arguments(spec)
+    packed = kernel_arguments(tensors)
+    assert type(fakes) is type(packed) and fakes._fields == KERNEL_ARGUMENT_NAMES
+    assert [f is None for f in fakes] == [p is None for p in packed]
+    masks = kernel.argument_masks(spec)
+    assert [m is None for m in masks] == [p is None for p in packed]
