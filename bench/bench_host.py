@@ -19,7 +19,7 @@ replaced, nothing else:
 
 So validation (the cache's guard and address checks, or the full validation on a miss), ``out``
 allocation, the kernel lookup and the argument list are all what a CUDA call runs; what a GPU
-would add is the cost of a real tvm-ffi launch (converting 19 tensors to DLTensors, the driver
+would add is the cost of a real tvm-ffi launch (converting the tensors to DLTensors, the driver
 call) instead of a no-op, which this machine cannot measure.
 
 The flagship layer (H=48, D=64, N=128, R=4, fp32 state, bf16 B/x/z/projections, z and outproj,

@@ -24,7 +24,7 @@ import mamba3_step.plan as plan_module
 from mamba3_step import StepPlan, StepPlanMismatch, api, compile_cache, launch, mamba3_step_fn, plan_step
 from mamba3_step.build import KernelBuilder
 from mamba3_step.contract import new_out
-from mamba3_step.tensors import StepTensors, kernel_arguments
+from mamba3_step.tensors import KERNEL_ARGUMENT_NAMES, StepTensors, kernel_arguments
 from mamba3_step.testing import padded_indices, speculative_indices
 from mamba3_step.validation import cache as validation_cache
 
@@ -319,9 +319,9 @@ def test_run_launches_what_mamba3_step_fn_launches(name, kernel_path, monkeypatc
     mamba3_step_fn(**call)
     assert len(kernel_path.calls) == 2
     planned, eager = kernel_path.calls
-    assert len(planned) == len(eager) == 20
+    assert len(planned) == len(eager) == len(KERNEL_ARGUMENT_NAMES)
     for i, (a, b) in enumerate(zip(planned, eager)):
-        if i == 14 and kw.get("out") is None:  # each call allocated its own out
+        if i == KERNEL_ARGUMENT_NAMES.index("out") and kw.get("out") is None:  # each call allocated its own out
             assert a.shape == b.shape and a.dtype == b.dtype
         elif isinstance(a, torch.Tensor):
             assert a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride(), i

@@ -356,6 +356,9 @@ class CudaGraphStepRunner:
                              f"{getattr(slots, 'shape', type(slots))}")
         if slots.dtype != torch.int32:
             raise TypeError(f"slots: expected dtype torch.int32, got {slots.dtype}")
+        for name in [f for f in inputs if f != "z" and f in StepTensors._field_defaults]:
+            if inputs.pop(name) is not None:  # an optional per-lane input the runner has no buffer for
+                raise ValueError(f"{name}: a CudaGraphStepRunner captures no {name}; pass None")
         z = inputs.pop("z")
         if (z is None) != (self.zproj is None):
             raise ValueError(
