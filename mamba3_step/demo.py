@@ -31,7 +31,7 @@ import torch
 
 from .demo_speculative import SpecRecord, SpecResult, run_speculative_decode
 from .reference import step_math
-from .serving import CudaGraphStepRunner, StatePool, choose_bucket, gather_dense_scatter
+from .serving import CudaGraphStepRunner, StatePool, check_buckets, choose_bucket, gather_dense_scatter
 from .spec import MAX_TOKENS
 from .specsets import add_spec_arguments, parse_spec_args
 from .tensors import StepTensors
@@ -233,12 +233,18 @@ def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser):
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        parser.error(f"--device expects auto, cpu, cuda or cuda:N, got {args.device!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda asked for, but no CUDA device is available")
     try:
-        buckets = tuple(int(b) for b in args.buckets.split(","))
-    except ValueError:
-        parser.error(f"--buckets expects comma-separated ints, got {args.buckets!r}")
+        buckets = check_buckets(int(b) for b in args.buckets.split(","))
+    except ValueError as e:
+        parser.error(f"--buckets expects distinct positive comma-separated ints, got {args.buckets!r} ({e})")
     for name in ("steps", "layers", "slots", "heads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")

@@ -171,6 +171,24 @@ def test_op_refuses_what_mamba3_step_fn_refuses(option, value):
     assert all(bits_equal(a, b) for a, b in zip(after, before))
 
 
+@pytest.mark.parametrize("option,value", [("null_slot_id", 2**70), ("tile_D", 2**70), ("num_warps", 2**64),
+                                          ("tile_D", -2**70), ("null_slot_id", -2**63 - 1)])
+def test_op_wrapper_names_an_int_option_beyond_64_bits(option, value):
+    """The op's Scalar holds 64 bits: the dispatcher used to raise an unnamed OverflowError."""
+    args = _call_args()
+    before = [a.clone() for a in args if isinstance(a, torch.Tensor)]
+    names = ("state", "Bstate", "Xstate", "A", "B", "C", "D", "x", "dt", "trap", "xproj", "out", "outproj",
+             "state_out", "z", "zproj", "state_batch_indices", "dst_state_batch_indices")
+    call = dict(zip(names, args))
+    with pytest.raises(ValueError, match=rf"^({option}|tile_D/num_warps):") as wrapped:
+        mamba3_step_op(**call, **{option: value})
+    with pytest.raises(ValueError) as fn:
+        mamba3_step_fn(**call, **{option: value})
+    assert str(wrapped.value) == str(fn.value)
+    after = [a for a in args if isinstance(a, torch.Tensor)]
+    assert all(bits_equal(a, b) for a, b in zip(after, before))
+
+
 def test_op_accepts_numpy_integers_like_mamba3_step_fn():
     np = pytest.importorskip("numpy")
     args = _call_args()

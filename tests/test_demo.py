@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from mamba3_step import cli, demo, demo_speculative
@@ -70,6 +71,15 @@ def test_demo_bad_arguments(capsys):
     if not torch.cuda.is_available():
         assert cli.main(["demo", "--device", "cuda"]) == 2
     assert "no CUDA device" in capsys.readouterr().err or torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("argv,named", [(["--buckets", "0,1"], "--buckets"), (["--buckets", "2,2"], "--buckets"),
+                                        (["--device", "xyz"], "--device"), (["--device", "meta"], "--device")])
+def test_demo_bad_option_values_are_usage_errors(argv, named, capsys):
+    """Each used to end in a traceback and exit 1."""
+    assert cli.main(["demo", *argv]) == 2
+    err = capsys.readouterr().err
+    assert named in err.splitlines()[-1] and "Traceback" not in err
 
 
 def test_demo_as_module_subprocess():

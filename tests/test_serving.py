@@ -201,6 +201,26 @@ def test_fork_allocates_copies():
         assert bits_equal(t[3:], b[3:])
 
 
+@pytest.mark.parametrize("src,n", [([0, 1], 3), (torch.tensor([0, 1]), 1), ([], 2), ([0, 1], 2), (7, 1), (0, 9)])
+def test_a_refused_fork_takes_no_slot_and_writes_no_row(src, n):
+    """Used to take its n slots before the copy refused a source of the wrong length."""
+    pool = make_pool(L=1, P=8, seed=3)
+    pool.alloc(2)
+    before, free = snapshot(pool), pool.num_free
+    with pytest.raises((ValueError, PoolExhaustedError)):
+        pool.fork(src, n)
+    assert pool.num_free == free and pool.alloc(free).numel() == free  # every free slot is still free
+    for t, b in zip(pool.layer_tensors(0), before[0]):
+        assert bits_equal(t, b)
+
+
+def test_fork_takes_one_source_slot_in_any_form():
+    pool = make_pool(L=1, P=6, seed=4)
+    parent = int(pool.alloc(1)[0])
+    for src in (parent, [parent], torch.tensor([parent], dtype=torch.int32)):
+        assert pool.fork(src, 1).numel() == 1
+
+
 # ---- buckets and padding ------------------------------------------------------------------
 def test_choose_bucket():
     buckets = (8, 1, 2, 4, 16)

@@ -485,6 +485,42 @@ def test_the_c_check_refuses_misuse_of_its_type():
     assert adm.admits((torch.zeros(1),) + (None,) * 19) == cache.ADMIT
 
 
+def test_a_refused_initialisation_leaves_the_c_check_as_it_was():
+    """A second __init__ (refused) or a first one refused half-way must change nothing: before, the
+    second one stored its data_ptr_fn before refusing, and the next call jumped to that address.
+    Run in a subprocess: the defect killed the interpreter."""
+    if cache._Admitter is None:
+        require_native()
+        pytest.skip("the C admission check is not built here")
+    code = """if True:
+        import torch
+        from mamba3_step.validation import cache
+        args = dict(n_fields=20, present=(0,), absent=(), null_pos=18, null_slot_id=None, guard=lambda *a: True,
+                    check_inference=True, written=(), addr=(0,), extents=(4,), aligned=(), written_addr=(),
+                    vector_bytes=16, data_ptr=torch.Tensor.data_ptr, is_inference=torch.Tensor.is_inference)
+        adm = cache._Admitter(**args)
+        try:
+            adm.__init__(**args, data_ptr_fn=8)  # a bogus function address
+        except TypeError as e:
+            print("refused:", e)
+        blank = cache._Admitter.__new__(cache._Admitter)
+        try:
+            blank.__init__(**{**args, "data_ptr_fn": 8, "extents": ()})  # refused after the indices
+        except ValueError as e:
+            print("refused:", e)
+        try:
+            blank.admits((torch.zeros(1),) + (None,) * 19)
+        except TypeError as e:
+            print("blank:", e)
+        print("admits:", adm.admits((torch.zeros(1),) + (None,) * 19) == cache.ADMIT)
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.splitlines() == ["refused: Admitter: already initialised",
+                                     "refused: Admitter: one extent per addr entry",
+                                     "blank: Admitter: not initialised", "admits: True"]
+
+
 def test_the_c_check_can_be_switched_off_by_environment(tmp_path):
     """MAMBA3_STEP_NATIVE=0: new signatures use the Python check (a fresh interpreter reads it)."""
     code = "from mamba3_step.validation import cache; print(cache.NATIVE, cache._Admitter is not None)"

@@ -40,7 +40,8 @@ decoding).
 
 from ..contract import PAD_SLOT_ID, lane_is_live
 from .baseline import gather_dense_scatter, gather_scatter_step
-from .graphs import DEFAULT_BUCKETS, CudaGraphStepRunner, StepForm, choose_bucket, pad_lanes, pad_slots
+from .graphs import (DEFAULT_BUCKETS, CudaGraphStepRunner, StepForm, check_buckets, choose_bucket, pad_lanes,
+                     pad_slots)
 from .hook import decode_step, kv_update_in_kernel
 from .pool import StatePool
 from .slots import PoolExhaustedError, SlotError
@@ -48,6 +49,6 @@ from .speculative import SpecIndices
 
 __all__ = [
     "DEFAULT_BUCKETS", "PAD_SLOT_ID", "CudaGraphStepRunner", "PoolExhaustedError", "SlotError", "SpecIndices",
-    "StatePool", "StepForm", "choose_bucket", "decode_step", "gather_dense_scatter", "gather_scatter_step",
+    "StatePool", "StepForm", "check_buckets", "choose_bucket", "decode_step", "gather_dense_scatter", "gather_scatter_step",
     "kv_update_in_kernel", "lane_is_live", "pad_lanes", "pad_slots",
 ]

@@ -22,7 +22,8 @@ from ..validation.table import RULE_BY_NAME
 from .hook import POOL_SUPPLIED, decode_step, kv_update_in_kernel
 from .pool import StatePool
 
-__all__ = ["CudaGraphStepRunner", "DEFAULT_BUCKETS", "StepForm", "choose_bucket", "pad_lanes", "pad_slots"]
+__all__ = ["CudaGraphStepRunner", "DEFAULT_BUCKETS", "StepForm", "check_buckets", "choose_bucket", "pad_lanes",
+           "pad_slots"]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
@@ -37,7 +38,8 @@ def choose_bucket(n: int, buckets: Sequence[int]) -> int | None:
     return None
 
 
-def _check_buckets(buckets) -> tuple[int, ...]:
+def check_buckets(buckets) -> tuple[int, ...]:
+    """``buckets`` as a sorted tuple of distinct positive ints; ValueError naming ``buckets`` otherwise."""
     bs = tuple(buckets)
     if not bs:
         raise ValueError("buckets: expected at least one batch size, got none")
@@ -187,7 +189,7 @@ class CudaGraphStepRunner:
         self.layer = layer
         self.D, self.xproj, self.outproj, self.zproj = D, xproj, outproj, zproj
         self._weights = {name: getattr(self, name) for name in WEIGHT_FIELDS}
-        self.buckets = _check_buckets(buckets)
+        self.buckets = check_buckets(buckets)
         self.with_dst = bool(with_dst)
         self.tile_D, self.num_warps = tile_D, num_warps
         is_cuda = pool.device.type == "cuda"

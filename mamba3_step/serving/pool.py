@@ -313,12 +313,22 @@ class StatePool:
                 t.index_copy_(1, di, t.index_select(1, si))
 
     def fork(self, src: int, n: int) -> torch.Tensor:
-        """Allocate ``n`` slots holding copies of slot ``src``'s rows (parallel sampling)."""
+        """Allocate ``n`` slots holding copies of slot ``src``'s rows (parallel sampling).
+
+        ``src`` is one allocated slot (an int, or a one-element sequence or tensor). A refused fork
+        takes no slot and writes no row.
+        """
         with self._lock:
-            self._checked_allocated(src, "src", what="fork")
+            s = self._checked_allocated(src, "src", what="fork")
+            if len(s) != 1:
+                raise ValueError(f"src: expected one slot to fork, got {len(s)}")
             new = self.alloc(n)
-            if len(new):
-                self.copy(src, new)
+            try:
+                if len(new):
+                    self.copy(s, new)
+            except BaseException:
+                self.free(new)  # all or nothing
+                raise
             return new
 
     # ---- speculative groups (docs/integration.md, "Speculative decoding") -------------

@@ -28,7 +28,9 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #define MAX_ARGS 32 /* StepTensors has 20 fields */
 
@@ -100,36 +102,39 @@ Admitter_init(Admitter *self, PyObject *args, PyObject *kwds)
                                      &extents, &aligned, &waddr, &vector_bytes, &data_ptr, &is_inference,
                                      &data_ptr_fn))
         return -1;
-    self->data_ptr_fn = (void *(*)(PyObject *))(uintptr_t)data_ptr_fn;
     if (self->guard != NULL) { /* immutable once built: threads may share it */
         PyErr_SetString(PyExc_TypeError, "Admitter: already initialised");
         return -1;
     }
+    /* Everything is read and checked into `s` first: a refused initialisation leaves self as it was. */
+    Admitter s;
+    memset(&s, 0, sizeof s);
     if (n_fields <= 0 || n_fields > MAX_ARGS || null_pos < 0 || null_pos >= n_fields || vector_bytes == 0) {
         PyErr_SetString(PyExc_ValueError, "Admitter: n_fields, null_pos or vector_bytes out of range");
         return -1;
     }
-    self->n_fields = n_fields;
-    self->null_pos = null_pos;
-    self->check_inference = check_inference;
-    self->vector_bytes = vector_bytes;
-    if ((self->n_present = read_indices(present, "present", n_fields, self->present)) < 0 ||
-        (self->n_absent = read_indices(absent, "absent", n_fields, self->absent)) < 0 ||
-        (self->n_written = read_indices(written, "written", self->n_present, self->written)) < 0 ||
-        (self->n_addr = read_indices(addr, "addr", self->n_present, self->addr)) < 0 ||
-        (self->n_aligned = read_indices(aligned, "aligned", self->n_addr, self->aligned)) < 0 ||
-        (self->n_waddr = read_indices(waddr, "written_addr", self->n_addr, self->waddr)) < 0)
+    s.n_fields = n_fields;
+    s.null_pos = null_pos;
+    s.check_inference = check_inference;
+    s.vector_bytes = vector_bytes;
+    s.data_ptr_fn = (void *(*)(PyObject *))(uintptr_t)data_ptr_fn;
+    if ((s.n_present = read_indices(present, "present", n_fields, s.present)) < 0 ||
+        (s.n_absent = read_indices(absent, "absent", n_fields, s.absent)) < 0 ||
+        (s.n_written = read_indices(written, "written", s.n_present, s.written)) < 0 ||
+        (s.n_addr = read_indices(addr, "addr", s.n_present, s.addr)) < 0 ||
+        (s.n_aligned = read_indices(aligned, "aligned", s.n_addr, s.aligned)) < 0 ||
+        (s.n_waddr = read_indices(waddr, "written_addr", s.n_addr, s.waddr)) < 0)
         return -1;
     PyObject *fast = PySequence_Fast(extents, "extents");
     if (fast == NULL)
         return -1;
-    if (PySequence_Fast_GET_SIZE(fast) != self->n_addr) {
+    if (PySequence_Fast_GET_SIZE(fast) != s.n_addr) {
         PyErr_SetString(PyExc_ValueError, "Admitter: one extent per addr entry");
         Py_DECREF(fast);
         return -1;
     }
-    for (Py_ssize_t i = 0; i < self->n_addr; i++) {
-        self->extent[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(fast, i));
+    for (Py_ssize_t i = 0; i < s.n_addr; i++) {
+        s.extent[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(fast, i));
         if (PyErr_Occurred()) {
             Py_DECREF(fast);
             return -1;
@@ -140,14 +145,18 @@ Admitter_init(Admitter *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "Admitter: guard, data_ptr and is_inference must be callable");
         return -1;
     }
+    /* Commit: the plain fields from s (self's object references are still NULL: guard was), then
+     * the references. */
+    size_t head = offsetof(Admitter, n_fields);
+    memcpy((char *)self + head, (char *)&s + head, sizeof(Admitter) - head);
     Py_INCREF(null_slot_id);
-    Py_XSETREF(self->null_slot_id, null_slot_id);
-    Py_INCREF(guard);
-    Py_XSETREF(self->guard, guard);
+    self->null_slot_id = null_slot_id;
     Py_INCREF(data_ptr);
-    Py_XSETREF(self->data_ptr, data_ptr);
+    self->data_ptr = data_ptr;
     Py_INCREF(is_inference);
-    Py_XSETREF(self->is_inference, is_inference);
+    self->is_inference = is_inference;
+    Py_INCREF(guard);
+    self->guard = guard; /* last: a non-NULL guard marks the object initialised */
     return 0;
 }
 
