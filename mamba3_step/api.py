@@ -18,13 +18,13 @@ from typing import NamedTuple
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from .contract import INT64_MAX, INT64_MIN, new_out, out_shape
+from .contract import new_out, out_shape
 from .launch import launch_step
 from .reference import mamba3_step_reference
 from .signature import StepOptions
 from .spec import StepSpec
 from .tensors import StepTensors
-from .validation import check_indices, check_options, check_step_inputs, check_step_inputs_cached
+from .validation import check_indices, check_options, check_step_inputs_cached
 
 __all__ = ["PreparedStep", "check_index_values", "host_step", "mamba3_step_fn", "prepare_step", "run_step",
            "runs_kernel", "step_through_op"]
@@ -248,10 +248,12 @@ def step_through_op(tensors: StepTensors, options: StepOptions = StepOptions()) 
     The op's arguments are passed by name (its order: :data:`mamba3_step.signature.OP_ORDER`).
     """
     checked = check_options(null_slot_id=tensors.null_slot_id, **options._asdict())
-    if any(type(v) is int and not INT64_MIN <= v <= INT64_MAX for v in checked.values()):
-        # the op's Scalar holds 64 bits: the dispatcher would raise an unnamed OverflowError
-        check_step_inputs(tensors, update_kv_state=checked["update_kv_state"], tile_D=checked["tile_D"],
-                          num_warps=checked["num_warps"])  # raises mamba3_step_fn's named error
+    if not torch.compiler.is_compiling():
+        # Outside a trace the whole call is checked first, so the dispatcher never sees what it
+        # would refuse without naming it (a nested or sparse tensor: no kernel for its backend; an
+        # int beyond the Scalar's 64 bits: OverflowError). A trace checks in the op's fake.
+        check_step_inputs_cached(tensors, update_kv_state=checked["update_kv_state"], tile_D=checked["tile_D"],
+                                 num_warps=checked["num_warps"])
     out = tensors.out if tensors.out is not None else _new_out(tensors)
     call = {**tensors._asdict(), "null_slot_id": checked.pop("null_slot_id"), "out": out, **checked}
     torch.ops.mamba3_step.step(**call)

@@ -18,6 +18,7 @@ from ..signature import StepOptions, View, make_binder, view_fields, view_signat
 from ..spec import MAX_TOKENS
 from ..tensors import LANE_FIELDS, ROW_FIELDS, WEIGHT_FIELDS, StepTensors
 from ..validation import check_step_inputs_cached
+from ..validation.checks import check_is_tensor
 from ..validation.table import RULE_BY_NAME
 from .hook import POOL_SUPPLIED, decode_step, kv_update_in_kernel
 from .pool import StatePool
@@ -332,6 +333,7 @@ class CudaGraphStepRunner:
         call = {name: v for name, v in zip(_STEP_FIELDS, values) if name is not None}
         slots, dst_slots = call["state_batch_indices"], call["dst_state_batch_indices"]
         num_accepted_tokens, clone, x = call["num_accepted_tokens"], values[-1], call["x"]
+        self._check_kinds(call, slots, dst_slots, num_accepted_tokens)
         inputs = self._lane_inputs(slots, {f: call[f] for f in LANE_FIELDS}, dst_slots)
         n = slots.shape[0]
         bucket = choose_bucket(n, self.buckets)
@@ -349,6 +351,18 @@ class CudaGraphStepRunner:
             self._run(s)
         res = s["out"][:n]
         return res.clone() if clone else res
+
+    @staticmethod
+    def _check_kinds(call: dict, slots, dst_slots, num_accepted_tokens) -> None:
+        """Every tensor the runner reads or copies is a strided tensor holding its values, checked
+        before anything reads a shape (a nested tensor has none) or copies a byte."""
+        for name in LANE_FIELDS:
+            check_is_tensor(name, call[name], optional=True)
+        for name, t in (("slots", slots), ("dst_slots", dst_slots), ("num_accepted_tokens", num_accepted_tokens)):
+            check_is_tensor(name, t, optional=name != "slots")
+            if t is not None and t.device.type == "meta":
+                raise ValueError(f"{name}: expected a tensor holding values (it is copied into the runner's "
+                                 f"buffers), got a meta tensor")
 
     def _lane_inputs(self, slots, inputs: dict, dst_slots) -> dict:
         """The runner's own checks (slots' kind, z against zproj, ``dst_slots`` against ``with_dst``,

@@ -36,6 +36,8 @@
 
 enum { MISS = 0, ADMIT = 1, RECHECK = 2 };
 
+static PyObject *str_is_nested; /* "is_nested", interned at import */
+
 typedef struct {
     PyObject_HEAD
     Py_ssize_t n_fields;                  /* length a call must have */
@@ -197,6 +199,8 @@ addresses_verdict(Admitter *self, PyObject *const *given)
     for (Py_ssize_t j = 0; j < self->n_addr; j++) {
         if (data_ptr_of(self, given[self->addr[j]], &start[j]) < 0)
             return -1;
+        if (start[j] == 0) /* a non-empty tensor whose storage was freed: the full validation names it */
+            return RECHECK;
         end[j] = start[j] + self->extent[j];
     }
     for (Py_ssize_t a = 0; a < self->n_aligned; a++)
@@ -218,8 +222,24 @@ verdict(Admitter *self, PyObject *const *call)
     for (Py_ssize_t i = 0; i < self->n_absent; i++)
         if (call[self->absent[i]] != Py_None)
             return MISS;
-    for (Py_ssize_t i = 0; i < self->n_present; i++)
+    for (Py_ssize_t i = 0; i < self->n_present; i++) {
         given[i] = call[self->present[i]];
+        /* A nested tensor has no sizes: torch's guard would throw a C++ exception through this
+         * module and abort the process. MISS sends the call to the full validation, which names it. */
+        if (given[i] == Py_None)
+            return MISS;
+        PyObject *nested = PyObject_GetAttr(given[i], str_is_nested);
+        if (nested == NULL) { /* not a tensor: the full validation names it */
+            PyErr_Clear();
+            return MISS;
+        }
+        int is = PyObject_IsTrue(nested);
+        Py_DECREF(nested);
+        if (is != 0) {
+            PyErr_Clear();
+            return MISS;
+        }
+    }
     PyObject *ok = PyObject_Vectorcall(self->guard, given, (size_t)self->n_present, NULL);
     if (ok == NULL)
         return -1;
@@ -321,6 +341,9 @@ PyMODINIT_FUNC
 PyInit__admit(void)
 {
     if (PyType_Ready(&AdmitterType) < 0)
+        return NULL;
+    str_is_nested = PyUnicode_InternFromString("is_nested");
+    if (str_is_nested == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&admit_module);
     if (m == NULL)

@@ -109,6 +109,9 @@ _X = StepTensors._fields.index("x")
 _STATE_OUT = StepTensors._fields.index("state_out")
 _data_ptr = torch.Tensor.data_ptr
 _is_inference = torch.Tensor.is_inference
+def _is_nested(t) -> bool:
+    """True for a nested tensor, and for anything that is not a tensor (the full validation names it)."""
+    return getattr(t, "is_nested", True) is not False
 _Tensor = torch.Tensor
 
 
@@ -239,6 +242,8 @@ class CheckedSignature:
         if any(map(is_not, self._absent(call), self._nones)):
             return MISS
         given = self._pick(call)
+        if any(map(_is_nested, given)):  # no sizes: a guard would raise (torch's aborts the process)
+            return MISS
         if not self._guard(*given):
             return MISS
         nsi = call[_NULL_SLOT]
@@ -252,6 +257,8 @@ class CheckedSignature:
         """16-byte alignment of the vector-aligned tensors, and no written tensor sharing a byte
         with any other argument: the full validation's address checks, from the extents."""
         starts = list(map(_data_ptr, tensors))
+        if 0 in starts:  # a non-empty tensor whose storage was freed: the full validation names it
+            return False
         for j in self._aligned:
             if starts[j] % VECTOR_BYTES:
                 return False
@@ -350,10 +357,10 @@ class ValidationCache:
 
 
 def call_key(tensors, update_kv_state, tile_D, num_warps):
-    """The cache key of a call, or None when it is not cached (a non-plain ``x``, or an option of
-    another type than bool/int/None: those take the full validation every time)."""
+    """The cache key of a call, or None when it is not cached (a non-plain or nested ``x``, or an
+    option of another type than bool/int/None: those take the full validation every time)."""
     x, nsi = tensors[_X], tensors[_NULL_SLOT]
-    if type(x) is not _Tensor or type(update_kv_state) is not bool:
+    if type(x) is not _Tensor or type(update_kv_state) is not bool or x.is_nested:
         return None
     for v in (tile_D, num_warps, nsi):
         if v is not None and type(v) is not int:

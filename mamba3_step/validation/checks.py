@@ -24,11 +24,31 @@ __all__ = [
 
 
 def check_is_tensor(name: str, t, optional: bool = False) -> None:
+    """A strided tensor whose storage holds it (or None when ``optional``): checked before anything
+    else reads a shape or a stride, which a nested tensor cannot answer."""
     if t is None and optional:
         return
     if not isinstance(t, torch.Tensor):
         what = "a torch.Tensor or None" if optional else "a torch.Tensor"
         raise TypeError(f"{name}: expected {what}, got {type(t).__name__}")
+    if t.is_nested or t.layout is not torch.strided:
+        kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+        raise TypeError(f"{name}: expected a strided (dense) tensor, got a {kind} tensor")
+    check_storage(name, t)
+
+
+def check_storage(name: str, t: torch.Tensor) -> None:
+    """The storage holds every element ``t`` addresses: a storage freed or resized under the tensor
+    (``untyped_storage().resize_(0)``) does not, and reading it would read memory it no longer owns.
+    Meta and fake tensors have no bytes to check."""
+    if t.device.type == "meta" or is_fake(t) or t.numel() == 0:
+        return
+    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    need = (last + 1) * t.element_size()
+    have = t.untyped_storage().nbytes()
+    if have < need:
+        raise ValueError(f"{name}: expected a tensor whose storage holds its elements ({need} bytes), got a "
+                         f"storage of {have} bytes (freed or resized under the tensor?)")
 
 
 def check_rank(name: str, t: torch.Tensor, letters: str, why: str = "") -> None:
