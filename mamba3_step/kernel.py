@@ -186,7 +186,8 @@ class Mamba3StepKernel:
             self.uv_stride += 4
         #: lanes sharing one row of the epilogue (each takes R / split ranks)
         self.epilogue_split = max(1, min(self.R, lay.num_threads // self.tile_D, 32))
-        self.epilogue_masks = [1 << k for k in reversed(range(self.epilogue_split.bit_length() - 1))]
+        #: ascending: each round joins neighbouring subtrees of the ranks' pairwise sum (epilogue)
+        self.epilogue_masks = [1 << k for k in range(self.epilogue_split.bit_length() - 1)]
 
     # ------------------------------------------------------------------ host side
     #: the DSL entry point, one parameter per KernelArgs field, plus the stream (see _flat_call)
@@ -632,8 +633,15 @@ class Mamba3StepKernel:
         """``y = sY + D xr``; ``y *= silu(z zproj)``; ``out = sum_r y outproj`` (or out = y).
 
         When the CTA has more threads than rows, ``epilogue_split`` adjacent lanes share a row
-        ``d``, each taking ``R / epilogue_split`` ranks; with outproj their partial sums are
-        combined by a butterfly over those lanes and the first one stores ``out``.
+        ``d``, each taking ``R / epilogue_split`` consecutive ranks; with outproj their partial sums
+        are combined by a butterfly over those lanes and the first one stores ``out``.
+
+        The sum over the ranks has one order whatever the split (so a T-token step, whose default
+        tiling has more threads, writes the bits of T one-token steps): each product
+        ``y_r outproj_r`` rounded on its own (:meth:`mul_rn`, never fused into an add), then a
+        pairwise tree over ranks ``(0, 1), (2, 3), ...``: a lane sums the subtree of its ranks
+        (:meth:`pairwise_sum`), and butterfly rounds with ascending masks join neighbouring
+        subtrees.
         """
         split = self.epilogue_split
         ranks = self.R // split
@@ -651,6 +659,7 @@ class Mamba3StepKernel:
                 zd = Float32(0.0)
                 if const_expr(self.has_z):
                     zd = m.z[lane_t + (h, dg)].to(Float32)
+                products = []
                 for j in cutlass.range_constexpr(ranks):
                     r = part * ranks + j
                     y = shared.sY[r, d] + dskip * shared.sXr[r, d]
@@ -658,9 +667,11 @@ class Mamba3StepKernel:
                         gz = zd * m.zproj[r, h, dg].to(Float32)
                         y = y * (gz * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-gz)))
                     if const_expr(self.has_outproj):
-                        acc = acc + y * m.outproj[r, h, dg].to(Float32)
+                        products.append(self.mul_rn(y, m.outproj[r, h, dg].to(Float32)))
                     else:
                         mOut[lane_t + (r, h, dg)] = y.to(self.x_dtype)
+                if const_expr(self.has_outproj):
+                    acc = self.pairwise_sum(products)
             if const_expr(self.has_outproj):
                 # the lanes sharing a row are adjacent and agree on d < tile_D: every lane shuffles
                 for k in cutlass.range_constexpr(len(self.epilogue_masks)):
@@ -670,6 +681,19 @@ class Mamba3StepKernel:
                         mOut[lane_t + (h, d0 + d)] = acc.to(self.x_dtype)
 
         self.for_thread_indices(self.tile_D, cta.tidx, row, spread=split, guarded=False)
+
+    def mul_rn(self, a: Float32, b: Float32) -> Float32:
+        """``a * b`` rounded to fp32 on its own: ``mul.rn`` is never contracted into an FMA, so
+        the sum it feeds has the same terms however it is split."""
+        return Float32(llvm.inline_asm(Float32.mlir_type, [Float32(a).ir_value(), Float32(b).ir_value()],
+                                       "mul.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False,
+                                       is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+    def pairwise_sum(self, values: list) -> Float32:
+        """The pairwise tree of ``values`` (a power of two of them): ``(v0 + v1) + (v2 + v3) ...``."""
+        while len(values) > 1:
+            values = [values[i] + values[i + 1] for i in range(0, len(values), 2)]
+        return values[0]
 
     @cute.jit
     def zero_out(self, mOut: cute.Tensor, lane_t: tuple, h: Int32, dtile: Int32, tidx: Int32):

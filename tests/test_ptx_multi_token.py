@@ -196,3 +196,40 @@ def test_executed_bytes_equal_the_bytes_model(name):
     assert set(touched) <= set(model)
     for key, n in touched.items():
         assert n["read"] + n["written"] == model[key], f"{name}: {key} executed {n}, model {model[key]}"
+
+
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("T", [2, 4, 8])
+def test_t_tokens_equal_one_token_steps_each_at_its_default_tiling(T, x_dtype):
+    """What a user gets: a T-token step at its default tiling (more warps than one token's) against
+    T one-token steps at theirs, both executed, bit for bit. The tilings split ``out``'s sum over
+    the ranks across different numbers of lanes; the sum's order must not depend on that."""
+    spec = StepSpec(dstate=128, headdim=64, mimo=4, x_dtype=x_dtype, pool=True, has_dst=True, dst_per_token=True,
+                    num_accepted=True, update_kv_state=True, tokens=T)
+    one = spec.replace(tokens=1, dst_per_token=False, num_accepted=False).with_default_tiling()
+    assert spec.with_default_tiling().num_warps != one.num_warps  # the two defaults do differ
+    B = 3
+    P = B * 2 * T + 4
+    inputs = make_inputs(B, P, H=2, D=64, N=128, R=4, dtypes=dict(x_dtype=x_dtype), tokens=T, seed=T)
+    kw, kinds = _indices(spec, B, P, layout="separate", seed=T)
+    check_pool_parity(inputs, kw["state_batch_indices"], kw["dst_state_batch_indices"], kinds,
+                      num_accepted_tokens=kw["num_accepted_tokens"], null_slot_id=NULL, update_kv_state=True,
+                      step_fn=ptx_step_fn)  # no tiling given: each call gets its default
+
+
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+def test_out_does_not_depend_on_the_tiling(x_dtype):
+    """The same one-token call executed at five tilings (2 or 4 lanes sharing an epilogue row, one
+    or two CTAs per lane, 2 to 16 warps): ``out`` and the new state bit for bit the same."""
+    B, P = 3, 8
+    inputs = make_inputs(B, P, H=2, D=64, N=128, R=4, dtypes=dict(x_dtype=x_dtype), seed=9)
+    src = torch.tensor([5, -1, 2], dtype=torch.int32)
+    runs = []
+    for tile_D, num_warps in ((64, 4), (64, 8), (64, 16), (32, 2), (32, 8)):
+        run = clone_inputs(inputs)
+        out = ptx_step_fn(**run, state_batch_indices=src, tile_D=tile_D, num_warps=num_warps)
+        runs.append((out, run["state"]))
+    for out, state in runs[1:]:
+        assert torch.equal(out.view(torch.int16 if out.element_size() == 2 else torch.int32),
+                           runs[0][0].view(torch.int16 if out.element_size() == 2 else torch.int32))
+        assert torch.equal(state.view(torch.int32), runs[0][1].view(torch.int32))
