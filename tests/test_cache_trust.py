@@ -145,6 +145,27 @@ def test_world_writable_cache_directory_is_refused(tmp_path, monkeypatch, isolat
     assert len(warned) == 1 and "writable by group or others" in warned[0]
 
 
+def test_a_cache_path_through_a_link_and_dotdot_is_checked_where_it_is_read(tmp_path, monkeypatch):
+    """``private/link/../cache`` with ``link`` pointing into a world-writable directory: checked
+    lexically it was ``private/cache`` (trusted), opened it was ``shared/cache``, where a library
+    planted by anyone was loaded (issue 22, item 1). The resolved directory is the one checked."""
+    cc.set_builder(StandIn().builder)
+    private, shared = tmp_path / "private", tmp_path / "shared"
+    private.mkdir(mode=0o700)
+    (shared / "sub").mkdir(parents=True)
+    os.chmod(shared, 0o777)  # world-writable, not sticky: anyone may create shared/cache
+    (private / "link").symlink_to(shared / "sub")
+    monkeypatch.setenv(cc.ENV_CACHE_DIR, str(private / "link" / ".." / "cache"))
+    assert cc.cache_dir() == shared / "cache"
+    marker = tmp_path / "constructor-ran"
+    _plant_entry(SMALL, _planted_library(tmp_path, marker))
+    loads = _spy_loads(monkeypatch)
+    (_, how, _, _), warned = _obtain_warned()
+    assert not marker.exists(), "the planted library's constructor ran"
+    assert loads == [] and how == "compiled-in-memory"
+    assert len(warned) == 1 and str(shared) in warned[0]
+
+
 def test_directories_above_the_cache_must_not_be_writable_by_others(tmp_path, monkeypatch):
     """Anyone who can rename a directory above the cache can swap the cache; a sticky directory
     (like /tmp) is fine, since others cannot rename what they do not own there."""

@@ -48,13 +48,17 @@ _VERSIONS: Optional[dict] = None
 
 def cache_dir() -> Path:
     """The disk cache root: ``$MAMBA3_STEP_CACHE_DIR``, else ``$XDG_CACHE_HOME/mamba3_step``,
-    else ``~/.cache/mamba3_step``. Not created here."""
+    else ``~/.cache/mamba3_step``. Not created here.
+
+    Resolved as the operating system resolves it (symbolic links, then ``..``): the directory whose
+    owner and modes the cache checks is the directory it reads. A lexical normalisation would
+    check ``a/link/../x`` as ``a/x`` while opening ``x`` beside the link's target."""
     env = os.environ.get(ENV_CACHE_DIR)
     if env:
-        return Path(env).expanduser()
+        return Path(os.path.realpath(Path(env).expanduser()))
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "mamba3_step"
+    return Path(os.path.realpath(base / "mamba3_step"))
 
 
 def source_fingerprint(builder: KernelBuilder) -> str:
