@@ -166,6 +166,36 @@ def test_a_cache_path_through_a_link_and_dotdot_is_checked_where_it_is_read(tmp_
     assert len(warned) == 1 and str(shared) in warned[0]
 
 
+def test_a_link_swapped_between_the_check_and_the_load_changes_nothing(tmp_path, monkeypatch):
+    """The cache dir is given through a link, the link is re-pointed at another directory (with a
+    planted entry) right after the trust check: the lookup stays in the directory it checked."""
+    cc.set_builder(StandIn().builder)
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    for d in (mine, theirs):
+        d.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(theirs)
+    monkeypatch.setenv(cc.ENV_CACHE_DIR, str(link / "cache"))
+    marker = tmp_path / "constructor-ran"
+    _plant_entry(SMALL, _planted_library(tmp_path, marker))  # under theirs/cache
+    link.unlink()
+    link.symlink_to(mine)  # the user's own, empty cache: what the check will see
+    real_check = store.tree_problem
+
+    def check_then_swap(root, arch_dir):
+        problem = real_check(root, arch_dir)
+        link.unlink()
+        link.symlink_to(theirs)  # swapped after the check, before any entry is opened
+        return problem
+
+    monkeypatch.setattr(store, "tree_problem", check_then_swap)
+    loads = _spy_loads(monkeypatch)
+    (_, how, _, _), _ = _obtain_warned()
+    assert not marker.exists(), "the planted library's constructor ran"
+    assert all(str(theirs) not in p for p in loads)
+    assert how in ("compiled", "compiled-in-memory")
+
+
 def test_directories_above_the_cache_must_not_be_writable_by_others(tmp_path, monkeypatch):
     """Anyone who can rename a directory above the cache can swap the cache; a sticky directory
     (like /tmp) is fine, since others cannot rename what they do not own there."""
