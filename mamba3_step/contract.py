@@ -27,7 +27,7 @@ import torch
 __all__ = [
     "DTYPES", "DType", "DTYPE_BYTES", "KV_DTYPES", "MAX_GRID_X", "MAX_GRID_Y", "PAD_SLOT_ID",
     "PROJ_DTYPES", "STATE_DTYPES", "SUPPORTED_D", "SUPPORTED_N", "SUPPORTED_R", "VECTOR_BYTES",
-    "X_DTYPES", "as_torch_dtype", "dtype_name", "lane_is_live", "source_rows", "out_shape",
+    "X_DTYPES", "as_torch_dtype", "dtype_name", "lane_is_live", "source_rows", "out_shape", "shown",
 ]
 
 #: the pool index a server pads a batch with (any negative index, any index >= P and
@@ -88,6 +88,14 @@ def as_torch_dtype(dtype, name: str) -> torch.dtype:
     if not any(dtype == d.torch for d in DTYPES.values()):
         raise TypeError(f"{name}: expected one of torch.float32/bfloat16/float16, got {dtype!r}")
     return dtype
+
+
+def shown(v) -> str:
+    """``v`` for an error message: its repr, but never a tensor's values (a freed or meta tensor has
+    none to read): its shape and dtype instead."""
+    if isinstance(v, torch.Tensor):
+        return f"a tensor of shape {'(nested)' if v.is_nested else tuple(v.shape)} and dtype {v.dtype}"
+    return repr(v)
 
 
 def lane_is_live(index, num_rows: int, null_slot_id: int | None = None):

@@ -8,6 +8,8 @@ Options and markers
 * ``--full-matrix``: opt in to the big matrices (the full compile cross product). Tests marked
   ``@pytest.mark.full_matrix`` are skipped without it; the ``full_matrix`` fixture returns the
   flag as a bool (skips nothing) for tests that only grow with it.
+* ``--fuzz-long``: the public-surface fuzz harness runs 20,000 examples instead of its default
+  budget (the ``fuzz_examples`` fixture).
 * ``@pytest.mark.gpu``: skipped when ``torch.cuda.is_available()`` is False. GPU tests live in
   ``tests/gpu/``.
 * Every test process uses its own kernel cache directory (``MAMBA3_STEP_CACHE_DIR``).
@@ -40,6 +42,12 @@ def pytest_addoption(parser):
         action="store_true",
         default=False,
         help="run the big matrices (full compile cross product); tests marked full_matrix",
+    )
+    parser.addoption(
+        "--fuzz-long",
+        action="store_true",
+        default=False,
+        help="run the public-surface fuzz harness (tests/test_fuzz_surface.py) for 20,000 examples",
     )
 
 
@@ -90,6 +98,12 @@ def pytest_collection_modifyitems(config, items):
 def full_matrix(request) -> bool:
     """True when pytest was given ``--full-matrix``."""
     return bool(request.config.getoption("--full-matrix"))
+
+
+@pytest.fixture
+def fuzz_examples(request) -> int:
+    """Examples of the public-surface fuzz harness: 20,000 with ``--fuzz-long``, else 600."""
+    return 20_000 if request.config.getoption("--fuzz-long") else 600
 
 
 @pytest.fixture(autouse=True, scope="session")

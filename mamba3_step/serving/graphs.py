@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..contract import source_rows
+from ..contract import shown, source_rows
 from ..signature import StepOptions, View, make_binder, view_fields, view_signature
 from ..spec import MAX_TOKENS
 from ..tensors import LANE_FIELDS, ROW_FIELDS, WEIGHT_FIELDS, StepTensors
@@ -32,7 +32,7 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 def choose_bucket(n: int, buckets: Sequence[int]) -> int | None:
     """The smallest bucket ``>= n``, or None when ``n`` exceeds the largest (run eagerly)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n: expected a non-negative int, got {n!r}")
+        raise ValueError(f"n: expected a non-negative int, got {shown(n)}")
     for b in sorted(buckets):
         if b >= n:
             return b
@@ -46,7 +46,7 @@ def check_buckets(buckets) -> tuple[int, ...]:
         raise ValueError("buckets: expected at least one batch size, got none")
     for b in bs:
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise ValueError(f"buckets: expected positive ints, got {b!r}")
+            raise ValueError(f"buckets: expected positive ints, got {shown(b)}")
     if len(set(bs)) != len(bs):
         raise ValueError(f"buckets: expected distinct batch sizes, got {bs}")
     return tuple(sorted(bs))
@@ -97,11 +97,11 @@ class StepForm(NamedTuple):
         def bad(v, top):
             return v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top)
         if bad(self.tokens, MAX_TOKENS):
-            return f"tokens must be None or an int in [1, {MAX_TOKENS}], got {self.tokens!r}"
+            return f"tokens must be None or an int in [1, {MAX_TOKENS}], got {shown(self.tokens)}"
         if bad(self.candidates, 2**31 - 1):
-            return f"candidates must be None or a positive int, got {self.candidates!r}"
+            return f"candidates must be None or a positive int, got {shown(self.candidates)}"
         if not isinstance(self.dst_per_token, bool):
-            return f"dst_per_token must be a bool, got {self.dst_per_token!r}"
+            return f"dst_per_token must be a bool, got {shown(self.dst_per_token)}"
         if self.dst_per_token and (self.tokens is None or not with_dst):
             return "dst_per_token needs tokens (a token axis) and a runner built with with_dst=True"
         return ""

@@ -15,6 +15,7 @@ from ..contract import dtype_name, lane_is_live, source_rows
 from ..signature import StepOptions, View, make_binder, view_fields, view_signature
 from ..tensors import StepTensors
 from ..tiling import default_tiling, thread_layout
+from ..validation import check_options
 from .pool import StatePool
 
 __all__ = ["decode_step", "kv_update_in_kernel"]
@@ -82,6 +83,8 @@ def decode_step(*args, **kwargs) -> torch.Tensor:
     values = _bind(*args, **kwargs)
     pool, layer, call = values[0], values[1], dict(zip(_FIELDS, values[2:]))
     state, Bstate, Xstate = pool.layer_tensors(layer)
+    # the options first: the hook reads tile_D itself before the step's validation sees it
+    check_options(tile_D=call["tile_D"], num_warps=call["num_warps"], validate_indices=call["validate_indices"])
     x = call["x"]
     tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
     in_kernel = kv_update_in_kernel(pool.headdim, pool.dstate, pool.mimo, pool.state_dtype, call["tile_D"], tokens)

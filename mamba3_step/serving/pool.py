@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from ..contract import PAD_SLOT_ID, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, as_torch_dtype
+from ..contract import PAD_SLOT_ID, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, as_torch_dtype, shown
 from ..spec import MAX_TOKENS
 from .slots import PoolExhaustedError, SlotError, int_list, is_int
 from .speculative import SpecGroups, SpecIndices
@@ -21,9 +21,9 @@ __all__ = ["PoolExhaustedError", "SlotError", "SpecIndices", "StatePool"]
 
 def _checked_size(name: str, v, supported=None) -> int:
     if not is_int(v) or v < 1:
-        raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        raise ValueError(f"{name}: expected a positive int, got {shown(v)}")
     if supported is not None and v not in supported:
-        raise ValueError(f"{name}: expected one of {supported} (the sizes the step supports), got {v!r}")
+        raise ValueError(f"{name}: expected one of {supported} (the sizes the step supports), got {shown(v)}")
     return int(v)
 
 
@@ -32,14 +32,14 @@ def _checked_device(device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as e:
-        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {device!r} ({e})") from None
+        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {shown(device)} ({e})") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device: expected a device this process can use, got {device!r}, but CUDA "
+            raise ValueError(f"device: expected a device this process can use, got {shown(device)}, but CUDA "
                              f"is not available (torch.cuda.is_available() is False)")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"device: expected a CUDA device index below {torch.cuda.device_count()} "
-                             f"(the visible GPUs), got {device!r}")
+                             f"(the visible GPUs), got {shown(device)}")
     return dev
 
 
@@ -103,7 +103,7 @@ class StatePool:
         mimo = _checked_size("mimo", mimo, SUPPORTED_R)
         if not isinstance(reserve_null_slot, bool):
             raise TypeError(f"reserve_null_slot: expected a bool, got {type(reserve_null_slot).__name__} "
-                            f"{reserve_null_slot!r}")
+                            f"{shown(reserve_null_slot)}")
         if reserve_null_slot and num_slots < 2:
             raise ValueError(
                 f"num_slots: reserve_null_slot=True needs at least 2 slots (row 0 is reserved), got {num_slots}"
@@ -162,7 +162,7 @@ class StatePool:
 
     def _layer(self, layer: int) -> int:
         if not is_int(layer) or not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
+            raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {shown(layer)}")
         return int(layer)
 
     @property
@@ -217,7 +217,7 @@ class StatePool:
         Thread-safe (like every allocator method): the pool's lock is held throughout.
         """
         if not is_int(n) or n < 0:
-            raise ValueError(f"n: expected a non-negative int, got {n!r}")
+            raise ValueError(f"n: expected a non-negative int, got {shown(n)}")
         n = int(n)
         with self._lock:
             return self._alloc_locked(n, zero)
@@ -343,9 +343,9 @@ class StatePool:
         than ``n * T`` slots are free.
         """
         if not is_int(n) or n < 0:
-            raise ValueError(f"n: expected a non-negative int (the number of requests), got {n!r}")
+            raise ValueError(f"n: expected a non-negative int (the number of requests), got {shown(n)}")
         if not is_int(T) or not 1 <= T <= MAX_TOKENS:
-            raise ValueError(f"T: expected an int in [1, {MAX_TOKENS}] (tokens per verify step), got {T!r}")
+            raise ValueError(f"T: expected an int in [1, {MAX_TOKENS}] (tokens per verify step), got {shown(T)}")
         n, T = int(n), int(T)
         with self._lock:
             if n * T > len(self._free_heap):

@@ -10,6 +10,12 @@ from collections.abc import Iterable
 
 import torch
 
+from ..contract import shown
+from ..validation.checks import check_is_tensor
+
+#: the tensor dtypes whose values are slot numbers or counts
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
 __all__ = ["PoolExhaustedError", "SlotError", "int_list", "is_int"]
 
 
@@ -31,8 +37,11 @@ def int_list(values, name: str, what: str = "slot") -> list[int]:
     of at most one dimension; numpy integers and arrays count as ints). ``what`` names one value in
     the messages ("slot", "count")."""
     if isinstance(values, torch.Tensor):
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+        check_is_tensor(name, values)  # strided, its storage holding it: .tolist() can read it
+        if values.dtype not in _INT_DTYPES:
             raise TypeError(f"{name}: expected an integer tensor of {what}s, got dtype {values.dtype}")
+        if values.device.type == "meta":
+            raise ValueError(f"{name}: expected a tensor holding {what}s, got a meta tensor")
         if values.dim() > 1:
             raise ValueError(f"{name}: expected a 0-d or 1-d tensor of {what}s, got shape {tuple(values.shape)}")
         return [int(v) for v in values.reshape(-1).tolist()]
@@ -48,7 +57,7 @@ def int_list(values, name: str, what: str = "slot") -> list[int]:
                         and v.dtype != torch.bool:
                     v = int(v)
                 else:
-                    raise TypeError(f"{name}: expected {what} ints, got element {v!r}")
+                    raise TypeError(f"{name}: expected {what} ints, got element {shown(v)}")
             out.append(int(v))
         return out
     raise TypeError(f"{name}: expected an int, a sequence of ints or an integer tensor, got {type(values).__name__}")

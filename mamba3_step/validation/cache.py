@@ -49,7 +49,7 @@ from typing import Callable
 
 import torch
 
-from ..contract import VECTOR_BYTES
+from ..contract import VECTOR_BYTES, shown
 from ..spec import StepSpec
 from ..tensors import StepTensors
 from . import checks
@@ -289,7 +289,7 @@ class CheckedSignature:
                     if a != b:
                         out.append(f"{name}: planned {label} {_show(a)}, got {_show(b)}")
         if call[_NULL_SLOT] != self.null_slot_id or type(call[_NULL_SLOT]) is not type(self.null_slot_id):
-            out.append(f"null_slot_id: planned {self.null_slot_id!r}, got {call[_NULL_SLOT]!r}")
+            out.append(f"null_slot_id: planned {shown(self.null_slot_id)}, got {shown(call[_NULL_SLOT])}")
         return out
 
 

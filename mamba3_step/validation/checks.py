@@ -14,7 +14,7 @@ import numbers
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from ..contract import INT32_MAX, VECTOR_BYTES, dtype_name
+from ..contract import INT32_MAX, VECTOR_BYTES, dtype_name, shown
 
 __all__ = [
     "byte_span", "check_bool_option", "check_disjoint", "check_dtype", "check_int_option", "check_is_tensor",
@@ -159,7 +159,7 @@ def check_bool_option(name: str, value) -> bool:
         kind = type(value).__qualname__
         module = type(value).__module__
         kind = kind if module == "builtins" else f"{module}.{kind}"
-        raise TypeError(f"{name}: expected a bool, got {kind} {value!r} (pass True or False)")
+        raise TypeError(f"{name}: expected a bool, got {kind} {shown(value)} (pass True or False)")
     return value
 
 

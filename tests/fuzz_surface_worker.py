@@ -1,0 +1,203 @@
+"""The fuzz harness's worker (run by tests/test_fuzz_surface.py in a subprocess: a crash must not
+take the test runner with it).
+
+    python tests/fuzz_surface_worker.py EXAMPLES SEED
+
+Hypothesis draws an entry point of the public surface (``mamba3_step_fn``, ``mamba3_step_op``,
+``plan_step`` / ``StepPlan.run``, ``decode_step``, ``CudaGraphStepRunner.step`` on its CPU path, a
+``StatePool`` method), one of its arguments and an odd value for it (an odd tensor kind, dtype,
+rank, size, stride or view, or an odd scalar), calls it with otherwise valid arguments, and
+records a failure when the call raises anything but a named ``TypeError``/``ValueError`` (the
+pool's ``SlotError``/``PoolExhaustedError`` included) or, refused, changed a byte of the pool or
+of the allocator. Prints ``RESULT {"examples": n, "failures": [...]}``.
+
+Letters (docs/contract.md): B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import torch
+from hypothesis import HealthCheck, assume, given, seed, settings
+from hypothesis import strategies as st
+
+import mamba3_step.ops  # noqa: F401  (registers the op)
+from mamba3_step import mamba3_step_fn, mamba3_step_op, plan_step
+from mamba3_step.serving import CudaGraphStepRunner, PoolExhaustedError, StatePool, decode_step
+from mamba3_step.testing import lane_inputs, layer_weights, poison_pool
+
+H, D, N, R, P, B = 2, 32, 32, 2, 6, 3
+NAMED = re.compile(r"^[A-Za-z_][\w/\[\]]*[:\s]")  # a message that starts by naming something
+
+
+def _freed(t):
+    u = t.clone()
+    u.untyped_storage().resize_(0)
+    return u
+
+
+#: odd replacements for a tensor argument (each a function of the valid tensor)
+ODD_TENSORS = {
+    "nested": lambda t: torch.nested.nested_tensor([t.reshape(-1)[:2].float(), t.reshape(-1)[:3].float()]),
+    "sparse": lambda t: t.float().to_sparse(),
+    "mkldnn": lambda t: t.float().to_mkldnn(),
+    "quantized": lambda t: torch.quantize_per_tensor(t.float(), 0.1, 0, torch.qint8),
+    "meta": lambda t: torch.empty_like(t, device="meta"),
+    "freed": _freed,
+    "complex": lambda t: t.to(torch.complex64),
+    "bool": lambda t: t.to(torch.bool),
+    "int64": lambda t: t.to(torch.int64),
+    "float64": lambda t: t.to(torch.float64),
+    "zero-size": lambda t: t[:0],
+    "extra dim": lambda t: t.unsqueeze(0),
+    "one dim less": lambda t: t[0],
+    "transposed": lambda t: t.transpose(0, -1) if t.dim() > 1 else t.flip(0),
+    "zero strides": lambda t: t.as_strided(t.shape, (0,) * t.dim()),
+    "offset view": lambda t: torch.cat([t.reshape(-1), t.reshape(-1)[:1]])[1:].view(t.shape),
+    "requires grad": lambda t: t.float().requires_grad_(True) if t.is_floating_point() else t,
+    "subclass": lambda t: torch.nn.Parameter(t.clone(), requires_grad=False),
+}
+#: odd values for a scalar (or any) argument
+ODD_SCALARS = [None, 0, -1, 1, 2**31, 2**63, 2**70, -2**70, 1.5, float("nan"), True, False, "0", b"x",
+               object(), (), [1]]
+TENSOR_ARGS = ("state", "Bstate", "Xstate", "A", "B", "C", "D", "x", "dt", "trap", "xproj", "outproj", "out",
+               "z", "zproj", "state_batch_indices", "dst_state_batch_indices", "num_accepted_tokens")
+OPTIONS = ("null_slot_id", "update_kv_state", "tile_D", "num_warps", "validate_indices")
+POOL_CALLS = {  # method -> its valid arguments, by position
+    "alloc": lambda pool, mine: (1,),
+    "free": lambda pool, mine: ([mine[0]],),
+    "reset": lambda pool, mine: ([mine[0]],),
+    "copy": lambda pool, mine: ([mine[0]], [mine[1]]),
+    "fork": lambda pool, mine: (mine[0], 1),
+    "alloc_spec": lambda pool, mine: (1, 2),
+    "is_allocated": lambda pool, mine: (mine[0],),
+    "layer_tensors": lambda pool, mine: (0,),
+}
+
+
+def _odd_tensor(kind: str, t: torch.Tensor):
+    """The odd replacement, or a skipped example when this kind cannot be made from ``t``."""
+    try:
+        return ODD_TENSORS[kind](t)
+    except (RuntimeError, IndexError, ValueError, TypeError, NotImplementedError):
+        assume(False)
+
+
+def _snapshot(pool: StatePool):
+    return [t.clone() for t in pool.layer_tensors(0)], (pool.num_free, tuple(pool.allocated_slots()))
+
+
+def _same(pool: StatePool, snap) -> bool:
+    rows, alloc = snap
+    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in
+               zip([t.contiguous() for t in pool.layer_tensors(0)], [t.contiguous() for t in rows])) and \
+        (pool.num_free, tuple(pool.allocated_slots())) == alloc
+
+
+class Surface:
+    """One pool, its layer's weights and lane inputs, and a plan and a runner built on them."""
+
+    def __init__(self):
+        self.pool = StatePool(1, P, H, D, N, R, reserve_null_slot=True)
+        poison_pool(self.pool, torch.Generator().manual_seed(1))
+        self.mine = self.pool.alloc(3).tolist()
+        self.weights = layer_weights(H, D, R, generator=torch.Generator().manual_seed(2))
+        self.lanes = lane_inputs(B, H, D, N, R, generator=torch.Generator().manual_seed(3))
+        self.slots = torch.tensor([self.mine[0], -1, self.mine[1]], dtype=torch.int32)
+        state, Bstate, Xstate = self.pool.layer_tensors(0)
+        self.valid = dict(state=state, Bstate=Bstate, Xstate=Xstate, **self.lanes, **self.weights,
+                          state_batch_indices=self.slots, null_slot_id=self.pool.null_slot_id)
+        self.plan = plan_step(**self.valid, update_kv_state=True)
+        self.runner = CudaGraphStepRunner(self.pool, 0, buckets=(4,), **self.weights)
+
+    def call(self, entry: str, name: str, value):
+        kw = dict(self.valid)
+        if name != "-":
+            kw[name] = value
+        options = {k: kw.pop(k) for k in OPTIONS if k in kw and k != "null_slot_id"}
+        if entry == "fn":
+            return mamba3_step_fn(**kw, **{"update_kv_state": True, **options})
+        if entry == "op":
+            return mamba3_step_op(**kw, **{"update_kv_state": True, **options})
+        if entry == "plan.run":
+            kw.pop("null_slot_id")
+            return self.plan.run(**kw, null_slot_id=self.pool.null_slot_id if name != "null_slot_id" else value)
+        lane = {k: kw[k] for k in ("A", "B", "C", "x", "dt", "trap", "z")}
+        if entry == "decode_step":
+            return decode_step(self.pool, 0, kw["state_batch_indices"], **lane,
+                               **{k: kw.get(k) for k in ("D", "xproj", "outproj", "zproj", "out")},
+                               dst_slots=kw.get("dst_state_batch_indices"),
+                               num_accepted_tokens=kw.get("num_accepted_tokens"),
+                               **{k: v for k, v in options.items() if k != "update_kv_state"})
+        if entry == "runner":
+            return self.runner.step(kw["state_batch_indices"], **lane, dst_slots=kw.get("dst_state_batch_indices"),
+                                    num_accepted_tokens=kw.get("num_accepted_tokens"))
+        raise AssertionError(entry)
+
+
+def _outcome(fn, pool: StatePool, extra_named=()) -> str | None:
+    """None when the call succeeded or was refused cleanly; else what went wrong."""
+    snap = _snapshot(pool)
+    try:
+        fn()
+        return None
+    except (TypeError, ValueError, PoolExhaustedError, *extra_named) as e:
+        if not NAMED.match(str(e)):
+            return f"unnamed {type(e).__name__}: {str(e)[:160]}"
+        if not _same(pool, snap):
+            return f"refused ({type(e).__name__}: {str(e)[:80]}) but changed the pool"
+        return None
+    except Exception as e:  # noqa: BLE001 - the point: anything else is a finding
+        return f"{type(e).__name__}: {str(e)[:160]}"
+
+
+def main(examples: int, seed_value: int) -> None:
+    s = Surface()
+    failures, count = [], [0]
+    step_entries = ("fn", "op", "plan.run", "decode_step", "runner")
+
+    odd = st.one_of(st.sampled_from(sorted(ODD_TENSORS)).map(lambda k: ("tensor", k)),
+                    st.sampled_from(range(len(ODD_SCALARS))).map(lambda i: ("scalar", i)))
+
+    @seed(seed_value)
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(entry=st.sampled_from(step_entries + ("pool",)), arg=st.integers(0, 10**6), odd=odd)
+    def run(entry, arg, odd):
+        count[0] += 1
+        kind, which = odd
+        pool = s.pool
+        if entry == "pool":  # a fresh pool each time: a successful odd call may take or free slots
+            pool = StatePool(1, P, H, D, N, R, reserve_null_slot=True)
+            mine = pool.alloc(3).tolist()
+            method = sorted(POOL_CALLS)[arg % len(POOL_CALLS)]
+            args = list(POOL_CALLS[method](pool, mine))
+            pos = arg // len(POOL_CALLS) % len(args)
+            args[pos] = ODD_SCALARS[which] if kind == "scalar" else \
+                _odd_tensor(which, torch.as_tensor(args[pos], dtype=torch.int64))
+            fn = (lambda: getattr(pool, method)(*args))
+            label = f"pool.{method} arg {pos}"
+        else:
+            names = TENSOR_ARGS + OPTIONS
+            name = names[arg % len(names)]
+            if kind == "tensor":
+                base = s.valid.get(name)
+                if not isinstance(base, torch.Tensor):  # absent, or a scalar: a tensor in its place
+                    base = s.lanes["x"] if name == "out" else s.slots
+                value = _odd_tensor(which, base)
+            else:
+                value = ODD_SCALARS[which]
+            fn = (lambda: s.call(entry, name, value))
+            label = f"{entry} {name}"
+        problem = _outcome(fn, pool)
+        if problem:
+            failures.append(f"{label} <- {kind} {which}: {problem}")
+
+    run()
+    print("RESULT " + json.dumps({"examples": count[0], "failures": sorted(set(failures))}))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,27 @@
+"""One fuzz harness for the public surface (issue 22): every entry point fed odd tensors and odd
+scalars survives, refuses with a named TypeError/ValueError, and a refused call changes no byte
+of the pool and nothing in its allocator.
+
+The harness runs in a subprocess (``tests/fuzz_surface_worker.py``; a crash there is a failure
+here, not the end of the test run). The default budget is 600 examples; ``--fuzz-long`` runs
+20,000 (docs/verification-log.md has the last long run's count).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_the_public_surface_survives_odd_input_and_refuses_it_by_name(fuzz_examples):
+    r = subprocess.run([sys.executable, str(HERE / "fuzz_surface_worker.py"), str(fuzz_examples), "20261124"],
+                       cwd=HERE.parent, capture_output=True, text=True, timeout=3600)
+    assert r.returncode == 0, f"the harness died (exit {r.returncode}):\n{r.stderr[-4000:]}"
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    result = json.loads(line[len("RESULT "):])
+    assert result["examples"] >= fuzz_examples
+    assert not result["failures"], "\n".join(result["failures"])
