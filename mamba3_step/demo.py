@@ -228,6 +228,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_spec_arguments(p, modes=False, arch=False)
 
 
+#: the demo's integer options and their ranges (a larger demo is a benchmark's job)
+_RANGES = {"steps": (1, 100_000), "layers": (1, 64), "slots": (1, 4096), "heads": (1, 256),
+           "seed": (-(2**63), 2**63 - 1), "spec_rounds": (1, 100_000)}
+
+
 def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser):
     """(device, buckets, spec) from the flags; ``parser.error`` (exit 2) on a bad one."""
     device = args.device
@@ -245,13 +250,13 @@ def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser):
         buckets = check_buckets(int(b) for b in args.buckets.split(","))
     except ValueError as e:
         parser.error(f"--buckets expects distinct positive comma-separated ints, got {args.buckets!r} ({e})")
-    for name in ("steps", "layers", "slots", "heads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    for name, (least, most) in _RANGES.items():
+        if not least <= getattr(args, name) <= most:
+            parser.error(f"--{name.replace('_', '-')} must be in [{least}, {most}], got {getattr(args, name)}")
+    if max(buckets) > _RANGES["slots"][1]:
+        parser.error(f"--buckets: at most {_RANGES['slots'][1]} lanes a bucket, got {max(buckets)}")
     if not 0 <= args.spec_tokens <= MAX_TOKENS:
         parser.error(f"--spec-tokens must be in [0, {MAX_TOKENS}] (0 skips the round), got {args.spec_tokens}")
-    if args.spec_rounds < 1:
-        parser.error(f"--spec-rounds must be >= 1, got {args.spec_rounds}")
     if not 1 <= args.max_batch <= args.slots - (1 if args.null_slot else 0):
         parser.error(f"--max-batch must be in [1, usable slots], got {args.max_batch}")
     specs, _ = parse_spec_args(args, parser)

@@ -256,9 +256,9 @@ def format_facts(label: str, facts: dict) -> str:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """The ``verify`` subcommand: exit status 0 when every row passes, 1 otherwise, 2 on bad flags."""
     specs, arch = parse_spec_args(args, parser)
-    for name, least in (("batch", 2), ("heads", 1)):
-        if getattr(args, name) < least:
-            parser.error(f"--{name} must be >= {least}, got {getattr(args, name)}")
+    for name, least, most in (("batch", 2, 4096), ("heads", 1, 256), ("seed", -(2**63), 2**63 - 1)):
+        if not least <= getattr(args, name) <= most:  # the PTX tier runs every thread: keep it small
+            parser.error(f"--{name} must be in [{least}, {most}], got {getattr(args, name)}")
     rows = []
     for spec in specs:
         row = verify_spec(spec, arch, args.batch, args.heads, args.seed)

@@ -88,3 +88,23 @@ def test_multi_token_flags_name_the_speculative_specialisation():
 def test_bad_multi_token_flags_are_refused_with_the_flag_named(argv, message):
     with pytest.raises(ValueError, match=message):
         specs_from_args(_args("precompile", *argv))
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["demo", "--layers", "99999999999999999999"], "--layers"),
+    (["demo", "--slots", "99999999999999999999"], "--slots"),
+    (["demo", "--heads", "99999999999999999999"], "--heads"),
+    (["demo", "--seed", "99999999999999999999"], "--seed"),
+    (["demo", "--steps", "99999999999999999999"], "--steps"),
+    (["demo", "--spec-rounds", "99999999999999999999"], "--spec-rounds"),
+    (["demo", "--buckets", "99999999999999999999"], "--buckets"),
+    (["verify", "--batch", "99999999999999999999"], "--batch"),
+    (["verify", "--heads", "99999999999999999999"], "--heads"),
+    (["verify", "--seed", "-99999999999999999999"], "--seed"),
+    (["inspect", "--heads", "99999999"], "--heads"),
+])
+def test_out_of_range_option_values_are_usage_errors(argv, named, capsys):
+    """Each used to end in a traceback (an allocation, or an int beyond 64 bits) or run forever."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert named in err.splitlines()[-1] and "Traceback" not in err

@@ -17,6 +17,7 @@ import time
 from ..arch import check_arch
 from ..build import compile_kernel
 from ..bytes_model import bytes_per_step
+from ..contract import MAX_GRID_X, MAX_GRID_Y
 from ..spec import FLAGSHIP_HEADS
 from ..specsets import add_spec_arguments, parse_spec_args
 from ..tiling import thread_layout
@@ -155,9 +156,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """The ``inspect`` subcommand; exit status 2 on bad flags, 1 when the cubin cannot be read."""
     specs, arch = parse_spec_args(args, parser)
-    for name in ("batch", "heads"):
+    for name, most in (("batch", MAX_GRID_X), ("heads", MAX_GRID_Y)):  # what one launch can have
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+        if getattr(args, name) > most:
+            parser.error(f"--{name} must be at most {most} (the launch grid's limit), got {getattr(args, name)}")
     reports = []
     for spec in specs:
         try:
