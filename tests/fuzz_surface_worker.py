@@ -66,15 +66,19 @@ ODD_SCALARS = [None, 0, -1, 1, 2**31, 2**63, 2**70, -2**70, 1.5, float("nan"), T
 TENSOR_ARGS = ("state", "Bstate", "Xstate", "A", "B", "C", "D", "x", "dt", "trap", "xproj", "outproj", "out",
                "z", "zproj", "state_batch_indices", "dst_state_batch_indices", "num_accepted_tokens")
 OPTIONS = ("null_slot_id", "update_kv_state", "tile_D", "num_warps", "validate_indices")
-POOL_CALLS = {  # method -> its valid arguments, by position
-    "alloc": lambda pool, mine: (1,),
-    "free": lambda pool, mine: ([mine[0]],),
-    "reset": lambda pool, mine: ([mine[0]],),
-    "copy": lambda pool, mine: ([mine[0]], [mine[1]]),
-    "fork": lambda pool, mine: (mine[0], 1),
-    "alloc_spec": lambda pool, mine: (1, 2),
-    "is_allocated": lambda pool, mine: (mine[0],),
-    "layer_tensors": lambda pool, mine: (0,),
+POOL_CALLS = {  # method -> its valid arguments, by position (mine: three slots; groups: two of T = 2)
+    "alloc": lambda mine, groups: (1,),
+    "free": lambda mine, groups: ([mine[0]],),
+    "reset": lambda mine, groups: ([mine[0]],),
+    "copy": lambda mine, groups: ([mine[0]], [mine[1]]),
+    "fork": lambda mine, groups: (mine[0], 1),
+    "alloc_spec": lambda mine, groups: (1, 2),
+    "free_spec": lambda mine, groups: (groups[:1],),
+    "commit_accepted": lambda mine, groups: (groups, [2, 1]),
+    "spec_indices": lambda mine, groups: (groups,),
+    "current_rows": lambda mine, groups: (groups,),
+    "is_allocated": lambda mine, groups: (mine[0],),
+    "layer_tensors": lambda mine, groups: (0,),
 }
 
 
@@ -86,15 +90,21 @@ def _odd_tensor(kind: str, t: torch.Tensor):
         assume(False)
 
 
-def _snapshot(pool: StatePool):
-    return [t.clone() for t in pool.layer_tensors(0)], (pool.num_free, tuple(pool.allocated_slots()))
+def _bookkeeping(pool: StatePool, groups) -> tuple:
+    """The allocator and, while its groups live, each group's committed row."""
+    alive = groups is not None and all(pool.is_allocated(int(r)) for r in groups.reshape(-1))
+    return pool.num_free, tuple(pool.allocated_slots()), tuple(pool.current_rows(groups).tolist()) if alive else ()
 
 
-def _same(pool: StatePool, snap) -> bool:
-    rows, alloc = snap
+def _snapshot(pool: StatePool, groups=None):
+    return [t.clone() for t in pool.layer_tensors(0)], _bookkeeping(pool, groups)
+
+
+def _same(pool: StatePool, snap, groups=None) -> bool:
+    rows, book = snap
     return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in
                zip([t.contiguous() for t in pool.layer_tensors(0)], [t.contiguous() for t in rows])) and \
-        (pool.num_free, tuple(pool.allocated_slots())) == alloc
+        _bookkeeping(pool, groups) == book
 
 
 class Surface:
@@ -138,16 +148,16 @@ class Surface:
         raise AssertionError(entry)
 
 
-def _outcome(fn, pool: StatePool, extra_named=()) -> str | None:
+def _outcome(fn, pool: StatePool, groups=None, extra_named=()) -> str | None:
     """None when the call succeeded or was refused cleanly; else what went wrong."""
-    snap = _snapshot(pool)
+    snap = _snapshot(pool, groups)
     try:
         fn()
         return None
     except (TypeError, ValueError, PoolExhaustedError, *extra_named) as e:
         if not NAMED.match(str(e)):
             return f"unnamed {type(e).__name__}: {str(e)[:160]}"
-        if not _same(pool, snap):
+        if not _same(pool, snap, groups):
             return f"refused ({type(e).__name__}: {str(e)[:80]}) but changed the pool"
         return None
     except Exception as e:  # noqa: BLE001 - the point: anything else is a finding
@@ -168,12 +178,13 @@ def main(examples: int, seed_value: int) -> None:
     def run(entry, arg, odd):
         count[0] += 1
         kind, which = odd
-        pool = s.pool
+        pool, groups = s.pool, None
         if entry == "pool":  # a fresh pool each time: a successful odd call may take or free slots
-            pool = StatePool(1, P, H, D, N, R, reserve_null_slot=True)
+            pool = StatePool(1, 2 * P, H, D, N, R, reserve_null_slot=True)
             mine = pool.alloc(3).tolist()
+            groups = pool.alloc_spec(2, 2)
             method = sorted(POOL_CALLS)[arg % len(POOL_CALLS)]
-            args = list(POOL_CALLS[method](pool, mine))
+            args = list(POOL_CALLS[method](mine, groups))
             pos = arg // len(POOL_CALLS) % len(args)
             args[pos] = ODD_SCALARS[which] if kind == "scalar" else \
                 _odd_tensor(which, torch.as_tensor(args[pos], dtype=torch.int64))
@@ -191,7 +202,7 @@ def main(examples: int, seed_value: int) -> None:
                 value = ODD_SCALARS[which]
             fn = (lambda: s.call(entry, name, value))
             label = f"{entry} {name}"
-        problem = _outcome(fn, pool)
+        problem = _outcome(fn, pool, groups)
         if problem:
             failures.append(f"{label} <- {kind} {which}: {problem}")
 

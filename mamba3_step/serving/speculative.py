@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from .slots import SlotError, int_list, is_int
+from .slots import SlotError, check_int_tensor, int_list, is_int
 
 __all__ = ["SpecGroups", "SpecIndices", "group_rows"]
 
@@ -39,8 +39,7 @@ def group_rows(groups, name: str) -> list[tuple[int, ...]]:
     """``groups`` as tuples of rows: a ``(T,)`` (one request) or ``(n, T)`` integer tensor, or a
     sequence of ints (one request) or of int sequences (one per request)."""
     if isinstance(groups, torch.Tensor):
-        if groups.dtype.is_floating_point or groups.dtype.is_complex or groups.dtype == torch.bool:
-            raise TypeError(f"{name}: expected an integer tensor of group rows, got dtype {groups.dtype}")
+        check_int_tensor(name, groups, "group row")
         if groups.dim() not in (1, 2):
             raise ValueError(f"{name}: expected a (T,) or (n, T) tensor of group rows (what alloc_spec returned), "
                              f"got shape {tuple(groups.shape)}")
