@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import is_fake
 from .contract import new_out, out_shape
 from .launch import launch_step
 from .reference import mamba3_step_reference
-from .signature import StepOptions
+from .signature import OP_ORDER, StepOptions
 from .spec import StepSpec
 from .tensors import StepTensors
 from .validation import check_indices, check_options, check_step_inputs_cached
@@ -154,11 +154,13 @@ def mamba3_step_fn(
         TypeError, ValueError: invalid inputs, naming the argument
             (:func:`mamba3_step.validation.check_step_inputs`).
     """
-    tensors = _pack(StepTensors, (  # StepTensors(...) without the Python-level __new__ (the hot path)
-        state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
-        state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens,
-    ))
-    return run_step(tensors, _pack(StepOptions, (update_kv_state, tile_D, num_warps, validate_indices)))
+    values = (state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
+              state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens)
+    options = (update_kv_state, tile_D, num_warps, validate_indices)
+    if torch.compiler.is_compiling():  # the NamedTuples' own constructors: what every dynamo can trace
+        return step_through_op(StepTensors(*values), StepOptions(*options))
+    # the hot path: the bundles without their Python-level __new__
+    return run_step(_pack(StepTensors, values), _pack(StepOptions, options))
 
 
 def run_step(tensors: StepTensors, options: StepOptions) -> torch.Tensor:
@@ -245,9 +247,9 @@ def step_through_op(tensors: StepTensors, options: StepOptions = StepOptions()) 
 
     The options are type-checked first (numpy integers become ints), so the op sees exactly what
     :func:`mamba3_step_fn` accepts; ``out`` is allocated (x's dtype and device) when it is None.
-    The op's arguments are passed by name (its order: :data:`mamba3_step.signature.OP_ORDER`).
+    The op's arguments are passed by position, in :data:`mamba3_step.signature.OP_ORDER`.
     """
-    checked = check_options(null_slot_id=tensors.null_slot_id, **options._asdict())
+    checked = check_options(null_slot_id=tensors.null_slot_id, **dict(zip(StepOptions._fields, options)))
     if not torch.compiler.is_compiling():
         # Outside a trace the whole call is checked first, so the dispatcher never sees what it
         # would refuse without naming it (a nested or sparse tensor: no kernel for its backend; an
@@ -255,8 +257,9 @@ def step_through_op(tensors: StepTensors, options: StepOptions = StepOptions()) 
         check_step_inputs_cached(tensors, update_kv_state=checked["update_kv_state"], tile_D=checked["tile_D"],
                                  num_warps=checked["num_warps"])
     out = tensors.out if tensors.out is not None else _new_out(tensors)
-    call = {**tensors._asdict(), "null_slot_id": checked.pop("null_slot_id"), "out": out, **checked}
-    torch.ops.mamba3_step.step(**call)
+    call = {**dict(zip(StepTensors._fields, tensors)), "null_slot_id": checked.pop("null_slot_id"), "out": out, **checked}
+    # by position: a keyword named "out" makes a tracer take the call for an out= variant
+    torch.ops.mamba3_step.step(*[call[name] for name in OP_ORDER])
     return out
 
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 from inspect import Parameter, Signature
 from typing import Any, Callable, NamedTuple, Optional
 
+import torch
+
 from .tensors import StepTensors
 
 __all__ = ["LAST_POSITIONAL", "OP_ORDER", "STEP_SIGNATURE", "StepOptions", "TENSOR_SIGNATURE", "View",
@@ -95,6 +97,8 @@ TENSOR_SIGNATURE = declared_signature(options=False)
 def split_call(values: tuple) -> tuple[StepTensors, StepOptions]:
     """A bound call in :data:`STEP_SIGNATURE` order -> ``(StepTensors, StepOptions)``."""
     end = _NUM_TENSORS + len(StepOptions._fields)
+    if torch.compiler.is_compiling():  # the constructors: older dynamo cannot trace tuple.__new__
+        return StepTensors(*values[:_NUM_TENSORS]), StepOptions(*values[_NUM_TENSORS:end])
     return tuple.__new__(StepTensors, values[:_NUM_TENSORS]), tuple.__new__(StepOptions, values[_NUM_TENSORS:end])
 
 

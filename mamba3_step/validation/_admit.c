@@ -197,8 +197,12 @@ addresses_verdict(Admitter *self, PyObject *const *given)
 {
     unsigned long long start[MAX_ARGS], end[MAX_ARGS];
     for (Py_ssize_t j = 0; j < self->n_addr; j++) {
-        if (data_ptr_of(self, given[self->addr[j]], &start[j]) < 0)
-            return -1;
+        if (data_ptr_of(self, given[self->addr[j]], &start[j]) < 0) {
+            /* a tensor without a data pointer (e.g. an mkldnn tensor that torch's guard let
+             * through): the full validation names it */
+            PyErr_Clear();
+            return RECHECK;
+        }
         if (start[j] == 0) /* a non-empty tensor whose storage was freed: the full validation names it */
             return RECHECK;
         end[j] = start[j] + self->extent[j];

@@ -256,7 +256,10 @@ class CheckedSignature:
     def _addresses_ok(self, tensors: tuple) -> bool:
         """16-byte alignment of the vector-aligned tensors, and no written tensor sharing a byte
         with any other argument: the full validation's address checks, from the extents."""
-        starts = list(map(_data_ptr, tensors))
+        try:
+            starts = list(map(_data_ptr, tensors))
+        except RuntimeError:  # a tensor without a data pointer: the full validation names it
+            return False
         if 0 in starts:  # a non-empty tensor whose storage was freed: the full validation names it
             return False
         for j in self._aligned:

@@ -166,7 +166,8 @@ def _check_shapes(t: StepTensors, layout: Layout) -> tuple[int, int, int]:
     problem = shape_problem(N, Dh, R)
     if problem:
         raise ValueError(f"unsupported shape (from x (B, H, D) and B (B, R, H, N)): {problem}")
-    return N, Dh, R
+    # compile-time sizes of the specialisation: plain ints even when a tracer made them symbolic
+    return int(N), int(Dh), int(R)
 
 
 def _check_dtypes(t: StepTensors) -> dict:
