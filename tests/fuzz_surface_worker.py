@@ -5,7 +5,8 @@ take the test runner with it).
 
 Hypothesis draws an entry point of the public surface (``mamba3_step_fn``, ``mamba3_step_op``,
 ``plan_step`` / ``StepPlan.run``, ``decode_step``, ``CudaGraphStepRunner.step`` on its CPU path, a
-``StatePool`` method), one of its arguments and an odd value for it (an odd tensor kind, dtype,
+``StatePool`` method, or one option of the ``demo``, ``inspect`` and ``precompile`` subcommands
+with an odd string: exit 0, 1 or 2 without a traceback), one of its arguments and an odd value for it (an odd tensor kind, dtype,
 rank, size, stride or view, or an odd scalar), calls it with otherwise valid arguments, and
 records a failure when the call raises anything but a named ``TypeError``/``ValueError`` (the
 pool's ``SlotError``/``PoolExhaustedError`` included) or, refused, changed a byte of the pool or
@@ -16,16 +17,20 @@ Letters (docs/contract.md): B lanes, P pool rows, H heads, D head dim, N state s
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import re
 import sys
+import tempfile
 
 import torch
 from hypothesis import HealthCheck, assume, given, seed, settings
 from hypothesis import strategies as st
 
 import mamba3_step.ops  # noqa: F401  (registers the op)
-from mamba3_step import mamba3_step_fn, mamba3_step_op, plan_step
+from mamba3_step import cli, mamba3_step_fn, mamba3_step_op, plan_step
 from mamba3_step.serving import CudaGraphStepRunner, PoolExhaustedError, StatePool, decode_step
 from mamba3_step.testing import lane_inputs, layer_weights, poison_pool
 
@@ -94,6 +99,35 @@ def _bookkeeping(pool: StatePool, groups) -> tuple:
     """The allocator and, while its groups live, each group's committed row."""
     alive = groups is not None and all(pool.is_allocated(int(r)) for r in groups.reshape(-1))
     return pool.num_free, tuple(pool.allocated_slots()), tuple(pool.current_rows(groups).tolist()) if alive else ()
+
+
+#: CLI subcommands, their value-taking options, and what keeps a valid run short
+CLI = {
+    "demo": (("--steps", "--layers", "--slots", "--max-batch", "--heads", "--seed", "--spec-tokens",
+              "--spec-rounds", "--buckets", "--device", "--tile-d", "--num-warps", "--config", "--state-dtype",
+              "--kv-dtype", "--arch", "--tokens", "--mode"), ["--quiet"]),
+    "inspect": (("--arch", "--config", "--tile-d", "--num-warps", "--tokens", "--mode", "--batch", "--heads",
+                 "--state-dtype"), ["--json"]),
+    "precompile": (("--arch", "--config", "--tile-d", "--num-warps", "--tokens", "--state-dtype"), ["--json"]),
+}
+ODD_STRINGS = ["-1", "0", "1", "abc", "", "nan", "inf", "1.5", "1e9", "99999999999999999999", "-99999999999999999999",
+               "0x10", " 1", "1,2", "sm_", "sm_90a", "cuda", "meta", "float32", "int8", "flagship", "all", "32,32,1",
+               "\x00", "--json"]
+
+
+def _cli_outcome(argv: list) -> str | None:
+    """None when the subcommand returned 0 or 2 (a usage error) without a traceback."""
+    err, out = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            rc = cli.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    except Exception as e:  # noqa: BLE001 - the point: a traceback is a finding
+        return f"{type(e).__name__}: {str(e)[:160]}"
+    if rc not in (0, 1, 2) or "Traceback" in err.getvalue():
+        return f"exit {rc}: {err.getvalue().strip()[-160:]}"
+    return None
 
 
 def _snapshot(pool: StatePool, groups=None):
@@ -172,12 +206,23 @@ def main(examples: int, seed_value: int) -> None:
     odd = st.one_of(st.sampled_from(sorted(ODD_TENSORS)).map(lambda k: ("tensor", k)),
                     st.sampled_from(range(len(ODD_SCALARS))).map(lambda i: ("scalar", i)))
 
+    # a CLI run costs a hundred library calls: one example in twenty
+    entries = step_entries * 3 + ("pool",) * 4 + ("cli",)
+
     @seed(seed_value)
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(entry=st.sampled_from(step_entries + ("pool",)), arg=st.integers(0, 10**6), odd=odd)
+    @given(entry=st.sampled_from(entries), arg=st.integers(0, 10**6), odd=odd)
     def run(entry, arg, odd):
         count[0] += 1
         kind, which = odd
+        if entry == "cli":
+            sub = sorted(CLI)[arg % len(CLI)]
+            options, short = CLI[sub]
+            argv = [sub, options[arg // len(CLI) % len(options)], ODD_STRINGS[arg // 97 % len(ODD_STRINGS)], *short]
+            problem = _cli_outcome(argv)
+            if problem:
+                failures.append(f"cli {' '.join(argv)}: {problem}")
+            return
         pool, groups = s.pool, None
         if entry == "pool":  # a fresh pool each time: a successful odd call may take or free slots
             pool = StatePool(1, 2 * P, H, D, N, R, reserve_null_slot=True)
@@ -211,4 +256,5 @@ def main(examples: int, seed_value: int) -> None:
 
 
 if __name__ == "__main__":
+    os.environ["MAMBA3_STEP_CACHE_DIR"] = tempfile.mkdtemp(prefix="mamba3-fuzz-cache-")  # precompile writes
     main(int(sys.argv[1]), int(sys.argv[2]))
