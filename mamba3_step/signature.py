@@ -30,7 +30,7 @@ option); every entry point here follows (docs/design.md, "Where a change goes").
 from __future__ import annotations
 
 from inspect import Parameter, Signature
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -139,12 +139,11 @@ class View(NamedTuple):
     renamed: dict = {}
     keyword_only: bool = False
     trailing: tuple = ()
-    options: bool = True
 
 
 def view_signature(view: View) -> Signature:
     """The signature an entry point with ``view`` shows (and binds with :func:`make_binder`)."""
-    rows = _declared() if view.options else _declared()[:_NUM_TENSORS]
+    rows = _declared()
     by_name = {r[0]: r for r in rows}
     params = list(view.leading)
     for name in view.promoted:
@@ -202,11 +201,7 @@ def op_schema() -> str:
             alias += 1
         text = f"{typ} {name}"
         if name != "out" and default is not Parameter.empty:
-            text += f"={_schema_default(default)}"
+            text += f"={default!r}"  # None, False, True: the schema's own spelling
         parts.append(text)
     return f"({', '.join(parts)}) -> ()"
 
-
-def _schema_default(value: Any) -> str:
-    return {None: "None", False: "False", True: "True"}.get(value, repr(value)) if isinstance(value, (bool, type(None))) \
-        else repr(value)
