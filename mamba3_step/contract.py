@@ -67,7 +67,6 @@ MAX_GRID_Y = 65535
 #: ``state`` / ``state_out`` are read and written with vectors of this many bytes
 VECTOR_BYTES = 16
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def dtype_name(dtype: torch.dtype) -> str:
