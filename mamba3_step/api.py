@@ -160,14 +160,21 @@ def mamba3_step_fn(
     if torch.compiler.is_compiling():  # the NamedTuples' own constructors: what every dynamo can trace
         return step_through_op(StepTensors(*values), StepOptions(*options))
     # the hot path: the bundles without their Python-level __new__
-    return run_step(_pack(StepTensors, values), _pack(StepOptions, options))
+    return _run_uncompiled(_pack(StepTensors, values), _pack(StepOptions, options))
 
 
 def run_step(tensors: StepTensors, options: StepOptions) -> torch.Tensor:
     """:func:`mamba3_step_fn` on a packed call: what every entry point that takes the whole call
     runs (the custom op's real implementation included). Returns ``out``."""
+    if torch.compiler.is_compiling():
+        return step_through_op(tensors, options)
+    return _run_uncompiled(tensors, options)
+
+
+def _run_uncompiled(tensors: StepTensors, options: StepOptions) -> torch.Tensor:
+    """:func:`run_step` outside a ``torch.compile`` trace (FakeTensors still go through the op)."""
     x = tensors.x
-    if torch.compiler.is_compiling() or (type(x) is not torch.Tensor and isinstance(x, torch.Tensor) and is_fake(x)):
+    if type(x) is not torch.Tensor and isinstance(x, torch.Tensor) and is_fake(x):
         return step_through_op(tensors, options)
     spec, tensors, out = _prepare(tensors, options)
     if tensors.x.shape[0] == 0 or x.is_meta:

@@ -35,9 +35,9 @@ calls this op (``api.step_through_op``).
 
 from __future__ import annotations
 
-import torch
-
 from inspect import Parameter, Signature
+
+import torch
 
 from .api import run_step, step_through_op
 from .signature import OP_MUTATED, OP_ORDER, STEP_SIGNATURE, make_binder, op_schema, split_call
