@@ -54,10 +54,15 @@ def mamba3_step_fn(
     dst_state_batch_indices: torch.Tensor | None = None,
     null_slot_id: int | None = None,
     num_accepted_tokens: torch.Tensor | None = None,
+    angle_state: torch.Tensor | None = None,
+    angle_proj: torch.Tensor | None = None,
+    B_bias: torch.Tensor | None = None,
+    C_bias: torch.Tensor | None = None,
     update_kv_state: bool = False,
     tile_D: int | None = None,
     num_warps: int | None = None,
     validate_indices: bool = False,
+    rotate_pairwise: bool = False,
 ) -> torch.Tensor:
     """One Mamba-3 MIMO decode step, dense or over a pool of recurrent-state rows.
 
@@ -72,7 +77,8 @@ def mamba3_step_fn(
     Bstate (previous B)         (rows, R, H, N)         same as B
     Xstate (previous x)         (rows, H, D)            same as x
     A, dt, trap                 (B, [T,] H)             float32
-    B, C                        (B, [T,] R, H, N)       bfloat16, float16 or float32
+    B, C                        (B, [T,] R, H, N), or   bfloat16, float16 or float32
+                                (B, [T,] R, 1, N)
     D                           (H,)                    float32
     x, z (z optional)           (B, [T,] H, D)          bfloat16, float16 or float32
     xproj, zproj, outproj       (R, H, D)               one dtype: float32, bfloat16, float16
@@ -84,6 +90,9 @@ def mamba3_step_fn(
                                 num_accepted_tokens
     dst_state_batch_indices     (B,), or (B, T)         int32
     num_accepted_tokens         (B,)                    int32
+    angle_state (in place)      (rows, H, S)            int64 (fixed-point turns)
+    angle_proj                  (B, [T,] H, S)          float32
+    B_bias, C_bias              (R, H, N)               float32
     ==========================  ======================  ================================
 
     Math per lane and head (accumulated in float32): see docs/contract.md or
@@ -110,6 +119,16 @@ def mamba3_step_fn(
     ``update_kv_state`` token ``t``'s B/x) to row ``dst[b, t]``; a (B,) one, or none, writes only
     the final state. Details: docs/contract.md, "Multi-token steps".
 
+    Rotary (Mamba-3's fourth per-request state; docs/contract.md, "Rotary angle"): with
+    ``angle_state`` (S angles per head, a fixed-point fraction of a turn:
+    :func:`mamba3_step.angle_from_radians` converts upstream's radians) and ``angle_proj``, each
+    token advances the angle row by ``tanh(angle_proj) * dt * pi`` radians, rotates ``B`` and
+    ``C`` (plus ``B_bias``/``C_bias`` when given) by it, pairing element i with i + N/2 (or
+    2i with 2i + 1 with ``rotate_pairwise``) for i < S, and steps with the rotated B/C; the new
+    angle is written wherever the state is (same rows, padding and destinations), and with
+    ``update_kv_state`` the rotated B goes to ``Bstate``. ``B``/``C`` may have a head axis of 1
+    (shared by every head), with or without rotary.
+
     In-place effects: the new state goes to ``state`` (rows ``dst`` in pool mode, all rows in
     dense mode) or ``state_out``; ``out`` is overwritten; with ``update_kv_state=True`` this
     step's ``B`` and ``x`` are stored (cast) into the same rows of ``Bstate`` and ``Xstate``,
@@ -126,8 +145,14 @@ def mamba3_step_fn(
         validate_indices: check index values first (range, duplicate destinations,
             destination/source overlap). It synchronises the device and raises RuntimeError
             under CUDA-graph capture; leave it False on the hot path.
+        angle_state, angle_proj, B_bias, C_bias: the rotary angle rows (written in place), this
+            step's angle projection (a stride-0 head axis is read without a copy) and the
+            optional biases; see "Rotary" above. ``angle_state`` needs ``tile_D >= D``.
+        rotate_pairwise: rotary pairs (2i, 2i + 1) (upstream's SISO layout) instead of
+            (i, i + N/2).
 
-    Constraints: N in {32, 64, 128, 256}, D in {32, 64, 128}, R in {1, 2, 4, 8}; all tensors on
+    Constraints: N in {32, 64, 128, 256}, D in {32, 64, 128}, R in {1, 2, 4, 8}; S in
+    [1, N/2]; all tensors on
     one device; every innermost stride 1; ``state``/``state_out`` 16-byte aligned (base and
     every outer stride); B <= 2**31 - 1 and H <= 65535. ``B == 0`` returns ``out`` without
     launching anything.
@@ -155,8 +180,9 @@ def mamba3_step_fn(
             (:func:`mamba3_step.validation.check_step_inputs`).
     """
     values = (state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
-              state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens)
-    options = (update_kv_state, tile_D, num_warps, validate_indices)
+              state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens, angle_state, angle_proj,
+              B_bias, C_bias)
+    options = (update_kv_state, tile_D, num_warps, validate_indices, rotate_pairwise)
     if torch.compiler.is_compiling():  # the NamedTuples' own constructors: what every dynamo can trace
         return step_through_op(StepTensors(*values), StepOptions(*options))
     # the hot path: the bundles without their Python-level __new__
@@ -194,7 +220,8 @@ def runs_kernel(x: torch.Tensor) -> bool:
 
 def host_step(spec: StepSpec, tensors: StepTensors) -> None:
     """The step on CPU tensors: the PyTorch implementation of the contract, in float32."""
-    mamba3_step_reference(tensors, update_kv_state=spec.update_kv_state, compute_dtype=torch.float32)
+    mamba3_step_reference(tensors, update_kv_state=spec.update_kv_state, rotate_pairwise=spec.rotate_pairwise,
+                          compute_dtype=torch.float32)
 
 
 class PreparedStep(NamedTuple):
@@ -221,10 +248,11 @@ def prepare_step(tensors: StepTensors, **options) -> PreparedStep:
 
 def _prepare(tensors: StepTensors, options: StepOptions) -> tuple:
     """:func:`prepare_step` as a plain tuple ``(spec, tensors, out)`` (what the hot path unpacks)."""
-    update_kv_state, tile_D, num_warps, validate_indices = options
+    update_kv_state, tile_D, num_warps, validate_indices, rotate_pairwise = options
     if type(validate_indices) is not bool:
         validate_indices = check_options(validate_indices=validate_indices)["validate_indices"]  # raises
-    spec = check_step_inputs_cached(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
+    spec = check_step_inputs_cached(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
+                                    rotate_pairwise=rotate_pairwise)
     if tensors.null_slot_id is not None and type(tensors.null_slot_id) is not int:
         tensors = tensors._replace(null_slot_id=int(tensors.null_slot_id))  # e.g. a numpy integer
     tensors = tensors.with_out()
@@ -262,7 +290,7 @@ def step_through_op(tensors: StepTensors, options: StepOptions = StepOptions()) 
         # would refuse without naming it (a nested or sparse tensor: no kernel for its backend; an
         # int beyond the Scalar's 64 bits: OverflowError). A trace checks in the op's fake.
         check_step_inputs_cached(tensors, update_kv_state=checked["update_kv_state"], tile_D=checked["tile_D"],
-                                 num_warps=checked["num_warps"])
+                                 num_warps=checked["num_warps"], rotate_pairwise=checked["rotate_pairwise"])
     out = tensors.out if tensors.out is not None else _new_out(tensors)
     call = {**dict(zip(StepTensors._fields, tensors)), "null_slot_id": checked.pop("null_slot_id"), "out": out, **checked}
     # by position: a keyword named "out" makes a tracer take the call for an out= variant

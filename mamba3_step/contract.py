@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
-    "DTYPES", "DType", "DTYPE_BYTES", "KV_DTYPES", "MAX_GRID_X", "MAX_GRID_Y", "PAD_SLOT_ID",
+    "ANGLE_DTYPES", "DTYPES", "DType", "DTYPE_BYTES", "KV_DTYPES", "MAX_GRID_X", "MAX_GRID_Y", "PAD_SLOT_ID",
     "PROJ_DTYPES", "STATE_DTYPES", "SUPPORTED_D", "SUPPORTED_N", "SUPPORTED_R", "VECTOR_BYTES",
     "X_DTYPES", "as_torch_dtype", "dtype_name", "lane_is_live", "source_rows", "out_shape", "shown",
 ]
@@ -58,6 +58,8 @@ STATE_DTYPES = ("float32", "bfloat16", "float16")  # state, state_out
 KV_DTYPES = ("bfloat16", "float16", "float32")  # B, C, Bstate
 X_DTYPES = ("bfloat16", "float16", "float32")  # x, z, Xstate, out
 PROJ_DTYPES = ("float32", "bfloat16", "float16")  # xproj, zproj, outproj
+#: the rotary angle pool: a fixed-point fraction of a turn, 2**-64 turn per unit (mamba3_step.rotary)
+ANGLE_DTYPES = ("int64",)  # angle_state
 #: bytes per element by name (a view of :data:`DTYPES`)
 DTYPE_BYTES = {name: d.bytes for name, d in DTYPES.items()}
 

@@ -48,10 +48,11 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass import Boolean, Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 
 from .contract import DTYPES
+from .rotary import ANGLE_UNIT_RADIANS
 from .spec import StepSpec
 from .tensors import KERNEL_ARGUMENT_NAMES, KernelArgs
 from .tiling import launch_grid, thread_layout, tiling_problem
@@ -88,6 +89,8 @@ class Shared(NamedTuple):
     sXr: Any  # (R, tile_D): x * xproj
     sUV: Any  # (tile_D, 2R): row coefficients u_r = gamma xr, v_r = beta xprev xproj_r
     sY: Any  # (R, tile_D): sum_n new * C
+    sAng: Any = None  # (S,) Int64: the lane's angles after this token (rotary only)
+    sCS: Any = None  # (2, S): cos and sin of sAng (rotary only)
 
 
 class Token(NamedTuple):
@@ -100,6 +103,7 @@ class Token(NamedTuple):
     alpha: Any  # Float32: exp(A dt)
     beta: Any  # Float32: (1 - trap) dt alpha
     gamma: Any  # Float32: trap dt
+    dt: Any  # Float32: dt (the rotary angle's rate)
 
 
 class RowGroup(NamedTuple):
@@ -175,6 +179,10 @@ class Mamba3StepKernel:
         self.T = spec.tokens
         self.dst_per_token = spec.dst_per_token
         self.num_accepted = spec.num_accepted
+        self.S = spec.rope_angles  # rotary angles per head; 0: no rotary
+        self.rotate_pairwise = spec.rotate_pairwise
+        self.has_bc_bias = spec.has_bc_bias
+        self.shared_bc = spec.shared_bc
         #: the state is stored after each token only when every token has its own row
         self.store_each = self.T == 1 or self.dst_per_token
         self.group_rows = lay.rows_per_pass * lay.rows_per_group  # tile rows in one row group
@@ -249,6 +257,9 @@ class Mamba3StepKernel:
             sUV=smem.allocate_tensor(
                 Float32, cute.make_layout((self.tile_D, 2 * self.R), stride=(self.uv_stride, 1)), 16),
             sY=smem.allocate_tensor(Float32, rd, 16),
+            sAng=smem.allocate_tensor(Int64, cute.make_layout(self.S), 16) if const_expr(self.S) else None,
+            sCS=smem.allocate_tensor(Float32, cute.make_layout((2, self.S), stride=(self.S, 1)), 16)
+            if const_expr(self.S) else None,
         )
 
     def state_target(self, m: KernelArgs):
@@ -268,17 +279,22 @@ class Mamba3StepKernel:
         sB = shared.sBB[t % 2, None, None]
         sBs = shared.sBB[(t + 1) % 2, None, None]
         tok = Token(t, lane_t, sB, sBs, *self.decay_coefficients(m, lane_t, cta.h))
-        if const_expr(t == 0):
-            self.stage_kv_row(m.Bstate, (cta.src,), sBs, cta)
-            Xprev = (m.Xstate, (cta.src,))
-        else:
-            Xprev = (m.x, self.lane_index(cta.b, t - 1))
-        self.stage_operands(m, tok, Xprev, shared, cta)
-        cute.arch.barrier()
-        # Every read of the old Bstate/Xstate rows happened before the barrier.
         if const_expr(self.dst_per_token):
             dst = m.dst_state_batch_indices[cta.b, t]
             cta = cta._replace(dst=dst, dst_live=cta.src_live & self.row_is_live(dst, m.state.shape[0], m.null_slot))
+        if const_expr(self.S > 0):
+            self.advance_angles(m, tok, shared, cta)
+            cute.arch.barrier()  # cos/sin of the new angles, for the B/C staging
+        if const_expr(t == 0):
+            self.stage_kv_row(m.Bstate, (cta.src,), cta.h, sBs, cta)
+            Xprev = (m.Xstate, (cta.src,))
+        else:
+            Xprev = (m.x, self.lane_index(cta.b, t - 1))
+            if const_expr(self.S > 0 and self.kv_dtype is not Float32):
+                self.round_previous_b(sBs, cta)
+        self.stage_operands(m, tok, Xprev, shared, cta)
+        cute.arch.barrier()
+        # Every read of the old Bstate/Xstate rows happened before the barrier.
         if const_expr(self.update_kv_state and self.store_each):
             if cta.dst_live:
                 self.store_kv_state(m, sB, shared.sX, cta)
@@ -364,14 +380,14 @@ class Mamba3StepKernel:
 
     @cute.jit
     def decay_coefficients(self, m: KernelArgs, lane_t: tuple, h: Int32):
-        """``alpha = exp(A dt)``, ``beta = (1 - trap) dt alpha``, ``gamma = trap dt`` (fp32) of one
-        (lane, token) (``lane_t``: its leading coordinates, :meth:`lane_index`)."""
+        """``alpha = exp(A dt)``, ``beta = (1 - trap) dt alpha``, ``gamma = trap dt`` and ``dt`` (fp32)
+        of one (lane, token) (``lane_t``: its leading coordinates, :meth:`lane_index`)."""
         dt = m.dt[lane_t + (h,)]
         trap = m.trap[lane_t + (h,)]
         alpha = cute.math.exp(m.A[lane_t + (h,)] * dt)
         beta = (Float32(1.0) - trap) * dt * alpha
         gamma = trap * dt
-        return alpha, beta, gamma
+        return alpha, beta, gamma, dt
 
     @cute.jit
     def lane_permutation(self, lane: Int32) -> Int32:
@@ -446,8 +462,13 @@ class Mamba3StepKernel:
         with vector loads. ``Xprev``: the previous x as (tensor, leading coordinates): Xstate
         (P, H, D) and ``(src,)``, or ``x`` itself and the previous token's coordinates.
         """
-        self.stage_kv_row(m.B, tok.lane_t, tok.sB, cta)
-        self.stage_kv_row(m.C, tok.lane_t, shared.sC, cta)
+        hbc = 0 if const_expr(self.shared_bc) else cta.h  # B/C's head: one shared by the heads, or h
+        if const_expr(self.S > 0):
+            self.stage_rotated(m.B, m.B_bias, tok.lane_t, hbc, tok.sB, shared.sCS, cta)
+            self.stage_rotated(m.C, m.C_bias, tok.lane_t, hbc, shared.sC, shared.sCS, cta)
+        else:
+            self.stage_kv_row(m.B, tok.lane_t, hbc, tok.sB, cta)
+            self.stage_kv_row(m.C, tok.lane_t, hbc, shared.sC, cta)
         mXprev, prev = Xprev
         h = cta.h
         d0 = cta.dtile * self.tile_D
@@ -468,8 +489,8 @@ class Mamba3StepKernel:
         self.for_thread_indices(self.R * self.tile_D, cta.tidx, coefficients)
 
     @cute.jit
-    def stage_kv_row(self, mT: cute.Tensor, lead: tuple, sT: cute.Tensor, cta: Cta):
-        """``mT[lead][:, h, :]`` (R, N) in the kv dtype -> ``sT`` (R, N) fp32, element by element
+    def stage_kv_row(self, mT: cute.Tensor, lead: tuple, head: Int32, sT: cute.Tensor, cta: Cta):
+        """``mT[lead][:, head, :]`` (R, N) in the kv dtype -> ``sT`` (R, N) fp32, element by element
         (``lead``: the leading coordinates: a pool row, or a lane and token). Scalar loads: for
         bf16 rows, unpacking a 16-byte vector to fp32 costs more instructions than the loads it
         saves (docs/performance.md)."""
@@ -477,9 +498,111 @@ class Mamba3StepKernel:
         def stage(i):  # i = r * N + n
             r = i // self.N
             n = i - r * self.N
-            sT[r, n] = mT[lead + (r, cta.h, n)].to(Float32)
+            sT[r, n] = mT[lead + (r, head, n)].to(Float32)
 
         self.for_thread_indices(self.R * self.N, cta.tidx, stage)
+
+    # ------------------------------------------------------------------ rotary stages
+    @cute.jit
+    def advance_angles(self, m: KernelArgs, tok: Token, shared: Shared, cta: Cta):
+        """Thread ``i < S``: angle ``i`` of the (lane, head) advanced by ``tanh(angle_proj) dt pi``
+        in fixed point (:meth:`angle_units`), kept in ``sAng`` for the next token, its cos/sin
+        to ``sCS``, and stored to ``angle_state[dst]`` when this token's state is stored. Angle
+        ``i`` is read and written by thread ``i`` only, and one CTA owns the (lane, head)
+        (``tile_D >= D``), so an in-place row (dst = src) is race-free."""
+
+        def advance(i):
+            sAng, sCS = shared.sAng, shared.sCS  # stored under a runtime `if`: local names
+            mAngle = m.angle_state
+            if const_expr(tok.t == 0):
+                q = mAngle[cta.src, cta.h, i]
+            else:
+                q = sAng[i]
+            w = cute.math.tanh(m.angle_proj[tok.lane_t + (cta.h, i)]) * tok.dt
+            q = q + self.angle_units(w)
+            sAng[i] = q
+            c, s = self.turn_cos_sin(q)
+            sCS[0, i] = c
+            sCS[1, i] = s
+            if const_expr(self.store_each or tok.t == self.T - 1):
+                if cta.dst_live:
+                    mAngle[cta.dst, cta.h, i] = q
+
+        self.for_thread_indices(self.S, cta.tidx, advance)
+
+    def angle_units(self, w: Float32) -> Int64:
+        """The fixed-point increment of ``w / 2`` turns (``w = tanh(angle_proj) dt``), in units of
+        2**-64 turn: whole turns dropped exactly (``w - 2 rint(w / 2)``), then
+        ``2 rint(w_frac 2**62)`` (wrapping at a half turn, like the CPU path)."""
+        w_frac = w - Float32(2.0) * self.asm_f32("cvt.rni.f32.f32 $0, $1;", w * Float32(0.5))
+        units = Int64(llvm.inline_asm(Int64.mlir_type, [Float32(w_frac * Float32(2.0**62)).ir_value()],
+                                      "cvt.rni.s64.f32 $0, $1;", "=l,f", has_side_effects=False,
+                                      is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+        return units + units
+
+    def asm_f32(self, text: str, a: Float32) -> Float32:
+        """A one-operand fp32 PTX instruction ``text`` applied to ``a``."""
+        return Float32(llvm.inline_asm(Float32.mlir_type, [Float32(a).ir_value()], text, "=f,f",
+                                       has_side_effects=False, is_align_stack=False,
+                                       asm_dialect=llvm.AsmDialect.AD_ATT))
+
+    @cute.jit
+    def turn_cos_sin(self, q: Int64):
+        """``(cos, sin)`` of the fixed-point angle ``q``: quadrant ``k = round(q / 2**62)`` from the
+        top bits, the rest (at most an eighth of a turn) as ``x`` in [-pi/4, pi/4), Taylor
+        polynomials to x**9 / x**10 (truncation below 3e-9), then ``k`` quarter turns."""
+        k = Int32(((q >> 61) + 1) >> 1) & 3
+        x = Float32((q << 2) >> 2) * Float32(ANGLE_UNIT_RADIANS)
+        x2 = x * x
+        s = x + x * x2 * (Float32(-1 / 6) + x2 * (Float32(1 / 120) + x2 * (Float32(-1 / 5040)
+                                                                           + x2 * Float32(1 / 362880))))
+        c = Float32(1.0) + x2 * (Float32(-0.5) + x2 * (Float32(1 / 24) + x2 * (
+            Float32(-1 / 720) + x2 * (Float32(1 / 40320) + x2 * Float32(-1 / 3628800)))))
+        odd = (k & 1) != 0
+        cos = cutlass.select_(odd, -s, c)
+        sin = cutlass.select_(odd, c, s)
+        half = (k & 2) != 0
+        return cutlass.select_(half, -cos, cos), cutlass.select_(half, -sin, sin)
+
+    @cute.jit
+    def stage_rotated(self, mT: cute.Tensor, mBias, lead: tuple, head: Int32, sT: cute.Tensor,
+                      sCS: cute.Tensor, cta: Cta):
+        """B or C with rotary -> ``sT`` (R, N) fp32: ``mT[lead][:, head, :]`` plus the bias of head
+        ``h`` (when given), pair ``j < S`` rotated by angle ``j`` (``sCS``), the other pairs
+        passed through; one pair per thread step. Pairs: ``(j, j + N/2)``, or ``(2j, 2j + 1)``
+        with ``rotate_pairwise``."""
+        half = self.N // 2
+
+        def stage(i):  # i = r * N/2 + j
+            r = i // half
+            j = i - r * half
+            n0, n1 = (2 * j, 2 * j + 1) if const_expr(self.rotate_pairwise) else (j, j + half)
+            a = mT[lead + (r, head, n0)].to(Float32)
+            b = mT[lead + (r, head, n1)].to(Float32)
+            if const_expr(self.has_bc_bias):
+                a = a + mBias[r, cta.h, n0]
+                b = b + mBias[r, cta.h, n1]
+            if j < self.S:
+                c = sCS[0, j]
+                s = sCS[1, j]
+                a, b = a * c - b * s, a * s + b * c
+            sT[r, n0] = a
+            sT[r, n1] = b
+
+        self.for_thread_indices(self.R * half, cta.tidx, stage)
+
+    @cute.jit
+    def round_previous_b(self, sBs: cute.Tensor, cta: Cta):
+        """Token t > 0 with rotary: the previous token's staged B~ (fp32) rounded to the kv dtype
+        in place, the value a one-token step reads back from Bstate (so T tokens stay T one-token
+        steps bit for bit)."""
+
+        def round_one(i):  # i = r * N + n
+            r = i // self.N
+            n = i - r * self.N
+            sBs[r, n] = sBs[r, n].to(self.kv_dtype).to(Float32)
+
+        self.for_thread_indices(self.R * self.N, cta.tidx, round_one)
 
     @cute.jit
     def store_kv_state(self, m: KernelArgs, sB: cute.Tensor, sX: cute.Tensor, cta: Cta):
@@ -743,6 +866,8 @@ def fake_arguments(spec: StepSpec) -> KernelArgs:
 
     rows = pool if spec.pool else batch
     T = spec.tokens
+    S = spec.rope_angles
+    bc_heads = 1 if spec.shared_bc else heads
 
     def lane(dtype, rest):  # a per-lane tensor: (B, *rest), or (B, T, *rest) with tokens > 1
         return strided(dtype, (batch,) + ((T,) if T > 1 else ()) + rest)
@@ -752,8 +877,8 @@ def fake_arguments(spec: StepSpec) -> KernelArgs:
         Bstate=strided(kv, (rows, R, heads, N)),
         Xstate=strided(xt, (rows, heads, D)),
         A=lane(Float32, (heads,)),
-        B=lane(kv, (R, heads, N)),
-        C=lane(kv, (R, heads, N)),
+        B=lane(kv, (R, bc_heads, N)),
+        C=lane(kv, (R, bc_heads, N)),
         D=strided(Float32, (heads,)),
         x=lane(xt, (heads, D)),
         dt=lane(Float32, (heads,)),
@@ -771,6 +896,10 @@ def fake_arguments(spec: StepSpec) -> KernelArgs:
         dst_state_batch_indices=(strided(Int32, (batch, T)) if spec.dst_per_token else strided(Int32, (batch,)))
         if spec.has_dst else None,
         num_accepted_tokens=strided(Int32, (batch,)) if spec.num_accepted else None,
+        angle_state=strided(Int64, (rows, heads, S)) if S else None,
+        angle_proj=lane(Float32, (heads, S)) if S else None,
+        B_bias=strided(Float32, (R, heads, N)) if spec.has_bc_bias else None,
+        C_bias=strided(Float32, (R, heads, N)) if spec.has_bc_bias else None,
         null_slot=Int32(-1),
     )
 

@@ -40,7 +40,7 @@ from inspect import Parameter, Signature
 import torch
 
 from .api import run_step, step_through_op
-from .signature import OP_MUTATED, OP_ORDER, STEP_SIGNATURE, make_binder, op_schema, split_call
+from .signature import OP_MUTATED, OP_ORDER, STEP_SIGNATURE, make_binder, op_schema, split_call, validated_options
 from .validation import check_options, check_step_inputs
 
 __all__ = ["mamba3_step_op", "step"]
@@ -72,8 +72,7 @@ def _op_fake(*args, **kwargs) -> None:
     # when the real implementation runs).
     tensors, options = split_call(_public(args, kwargs))
     check_options(validate_indices=options.validate_indices)
-    check_step_inputs(tensors, update_kv_state=options.update_kv_state, tile_D=options.tile_D,
-                      num_warps=options.num_warps)
+    check_step_inputs(tensors, **validated_options(options))
     return None
 
 

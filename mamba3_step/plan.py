@@ -49,7 +49,7 @@ from .api import check_index_values, host_step, runs_kernel
 from .contract import new_out, out_shape
 from .launch import kernel_for
 from .spec import StepSpec
-from .signature import STEP_SIGNATURE, TENSOR_SIGNATURE, StepOptions, make_binder, split_call
+from .signature import STEP_SIGNATURE, TENSOR_SIGNATURE, StepOptions, make_binder, split_call, validated_options
 from .tensors import StepTensors, kernel_arguments
 from .validation import CheckedSignature, check_options, check_step_inputs
 from .validation.cache import ADMIT
@@ -72,20 +72,18 @@ class StepPlan:
 
     Attributes:
         spec: the :class:`~mamba3_step.spec.StepSpec` the planned calls compile to.
-        options: ``update_kv_state``, ``tile_D``, ``num_warps``, ``validate_indices`` as planned.
+        options: ``update_kv_state``, ``tile_D``, ``num_warps``, ``rotate_pairwise``, ``validate_indices`` as planned.
     """
 
     __slots__ = ("spec", "options", "_sig", "_inference", "_out_shape", "_trivial",
                  "_kernel", "_null", "_fast", "_validate_indices")
 
     def __init__(self, tensors: StepTensors, options: StepOptions = StepOptions()):
-        update_kv_state, tile_D, num_warps, validate_indices = options
-        validate_indices = check_options(validate_indices=validate_indices)["validate_indices"]
-        spec = check_step_inputs(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
-        opts = check_options(update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
+        validate_indices = check_options(validate_indices=options.validate_indices)["validate_indices"]
+        spec = check_step_inputs(tensors, **validated_options(options))
+        opts = check_options(**validated_options(options))
         self.spec: StepSpec = spec
-        self.options = dict(update_kv_state=opts["update_kv_state"], tile_D=opts["tile_D"],
-                            num_warps=opts["num_warps"], validate_indices=validate_indices)
+        self.options = {**validated_options(opts), "validate_indices": validate_indices}
         self._sig = CheckedSignature.from_call(spec, tensors)
         self._inference = torch.is_inference_mode_enabled()
         x = tensors.x
@@ -143,8 +141,7 @@ class StepPlan:
         bad input), then :class:`StepPlanMismatch` listing what differs from the plan. A call that
         differs in nothing validation reads (e.g. a thread with other dispatch state) returns: it
         has just been validated in full."""
-        options = {k: self.options[k] for k in ("update_kv_state", "tile_D", "num_warps")}
-        check_step_inputs(StepTensors(*call), **options)
+        check_step_inputs(StepTensors(*call), **validated_options(self.options))
         changed = self._sig.differences(call)
         mode = torch.is_inference_mode_enabled()
         if mode is not self._inference:

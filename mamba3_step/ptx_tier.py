@@ -39,6 +39,7 @@ from .signature import STEP_SIGNATURE, make_binder, split_call
 from .spec import StepSpec
 from .tensors import StepTensors, kernel_arguments
 from .tiling import launch_grid, thread_layout
+from .validation.table import RULES, is_written
 
 __all__ = ["PTXKernel", "ptx_kernel", "ptx_step_fn", "run_step_ptx", "writable_arguments"]
 
@@ -99,10 +100,7 @@ def ptx_kernel(spec: StepSpec, arch: str = "sm_90a") -> PTXKernel:
 
 def writable_arguments(spec: StepSpec) -> frozenset:
     """The tensors a step may write (everything else is registered read-only)."""
-    names = {"out", "state_out" if spec.has_state_out else "state"}
-    if spec.update_kv_state:
-        names |= {"Bstate", "Xstate"}
-    return frozenset(names)
+    return frozenset(rule.name for rule in RULES if is_written(rule, spec.has_state_out, spec.update_kv_state))
 
 
 def _leaves(mask, value) -> list:

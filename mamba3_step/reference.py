@@ -26,9 +26,10 @@ from __future__ import annotations
 import torch
 
 from .contract import lane_is_live, source_rows
+from .rotary import advance_angle, angle_cos_sin, rotate_pairs
 from .tensors import LANE_FIELDS, StepTensors
 
-__all__ = ["step_math", "mamba3_step_reference"]
+__all__ = ["rotated_bc", "step_math", "mamba3_step_reference"]
 
 
 def step_math(t: StepTensors, compute_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,10 +107,26 @@ def step_math(t: StepTensors, compute_dtype: torch.dtype = torch.float32) -> tup
     return new_state, out
 
 
+def rotated_bc(t: StepTensors, angle: torch.Tensor, pairwise: bool, compute_dtype) -> tuple:
+    """``(B~, C~)``: ``t.B``/``t.C`` (L, R, H or 1, N) plus their biases, rotated by the fixed-point
+    ``angle`` (L, H, S) (docs/contract.md, "Rotary angle"), in ``compute_dtype``, (L, R, H, N)."""
+    cos, sin = angle_cos_sin(angle, compute_dtype)
+    cos, sin = cos[:, None], sin[:, None]  # (L, 1, H, S): the same angle for every rank
+    H = angle.shape[1]
+    out = []
+    for v, bias in ((t.B, t.B_bias), (t.C, t.C_bias)):
+        v = v.to(compute_dtype).expand(-1, -1, H, -1)
+        if bias is not None:
+            v = v + bias.to(compute_dtype)
+        out.append(rotate_pairs(v, cos, sin, pairwise))
+    return tuple(out)
+
+
 def mamba3_step_reference(
     tensors: StepTensors,
     *,
     update_kv_state: bool = False,
+    rotate_pairwise: bool = False,
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The full in-place contract of ``mamba3_step_fn``, in PyTorch (no validation).
@@ -136,6 +153,11 @@ def mamba3_step_reference(
     (B, T) ``dst_state_batch_indices`` the state after token t (and token t's B/x) go to row
     ``dst[b, t]`` instead. All reads happen before any write.
 
+    Rotary (``angle_state`` given): each token first advances the lane's angle row and rotates
+    its B and C (:func:`rotated_bc`; ``rotate_pairwise`` picks the pairs); the step runs with the
+    rotated, unrounded B~ and C~; the angle is written where the state is, and B~ (rounded to
+    Bstate's dtype, which is also what the next token reads as its previous B) where B would be.
+
     Runs under ``torch.no_grad()`` (no output carries a ``grad_fn``) and computes every written
     value before writing any, so an error part-way leaves the tensors unchanged.
 
@@ -151,7 +173,7 @@ def mamba3_step_reference(
     if t.batch == 0:
         return t.out
     with torch.no_grad():  # in-place writes of a step: no autograd graph, no grad_fn on any output
-        writes = _step_writes(t, update_kv_state, compute_dtype)
+        writes = _step_writes(t, update_kv_state, rotate_pairwise, compute_dtype)
         # Commit, in order (a later write to a row wins): every value is computed and cast;
         # nothing below allocates a result or can fail on validated inputs, so a failure above
         # leaves every tensor as it was.
@@ -163,7 +185,7 @@ def mamba3_step_reference(
     return t.out
 
 
-def _step_writes(t: StepTensors, update_kv_state: bool, compute_dtype) -> list:
+def _step_writes(t: StepTensors, update_kv_state: bool, rotate_pairwise: bool, compute_dtype) -> list:
     """``(target, rows or None, value)`` for each tensor the step writes, in write order."""
     if t.pool:
         src = source_rows(t.state_batch_indices.to(t.x.device), t.num_accepted_tokens)
@@ -171,14 +193,16 @@ def _step_writes(t: StepTensors, update_kv_state: bool, compute_dtype) -> list:
         rows = src[lanes]
     else:
         lanes = rows = torch.arange(t.batch, device=t.x.device)
-    result, states = _run_tokens(t, t.dense_lanes(lanes, rows), lanes, compute_dtype)
+    result, states = _run_tokens(t, t.dense_lanes(lanes, rows), lanes, rotate_pairwise, compute_dtype)
     writes = [(t.out, None, result)]
     if not t.pool:
-        state, B, x = states[-1]
+        state, B, x, angle = states[-1]
         target = t.state_out if t.state_out is not None else t.state
         writes.append((target, None, state.to(target.dtype)))
         if update_kv_state:
             writes += [(t.Bstate, None, B.to(t.Bstate.dtype)), (t.Xstate, None, x.to(t.Xstate.dtype))]
+        if angle is not None:
+            writes.append((t.angle_state, None, angle))
         return writes
     dst = t.dst_state_batch_indices
     if dst is not None and dst.dim() == 2:  # a row per token
@@ -191,12 +215,13 @@ def _step_writes(t: StepTensors, update_kv_state: bool, compute_dtype) -> list:
     return writes
 
 
-def _run_tokens(t: StepTensors, dense: StepTensors, lanes, compute_dtype) -> tuple:
+def _run_tokens(t: StepTensors, dense: StepTensors, lanes, rotate_pairwise: bool, compute_dtype) -> tuple:
     """Run the T tokens of the live ``lanes`` (``dense``: their gathered rows and inputs).
 
     Returns ``out``'s new value (zeros for padding lanes) and, per token, the live lanes'
-    ``(state, B, x)`` after it (state in the stored dtype, as it is kept between tokens)."""
-    state, Bprev, xprev = dense.state, dense.Bstate, dense.Xstate
+    ``(state, B, x, angle)`` after it (state in the stored dtype, as it is kept between tokens;
+    B rotated and in Bstate's dtype with rotary; angle None without)."""
+    state, Bprev, xprev, angle = dense.state, dense.Bstate, dense.Xstate, dense.angle_state
     result = torch.zeros(t.out.shape, dtype=t.out.dtype, device=t.out.device)
     states = []
     for k in range(t.tokens):
@@ -204,19 +229,26 @@ def _run_tokens(t: StepTensors, dense: StepTensors, lanes, compute_dtype) -> tup
         lane_inputs = {f: (None if getattr(tok, f) is None else getattr(tok, f).index_select(0, lanes))
                        for f in LANE_FIELDS}
         step = dense._replace(state=state, Bstate=Bprev, Xstate=xprev, **lane_inputs)
+        if angle is not None:
+            angle = advance_angle(angle, step.angle_proj, step.dt, compute_dtype)
+            B_rot, C_rot = rotated_bc(step, angle, rotate_pairwise, compute_dtype)
+            step = step._replace(B=B_rot, C=C_rot)
         new_state, y = step_math(step, compute_dtype=compute_dtype)
         (result[:, k] if t.x.dim() == 4 else result)[lanes] = y.to(result.dtype)
         state = new_state.to(t.state.dtype)
-        Bprev, xprev = lane_inputs["B"], lane_inputs["x"]
-        states.append((state, Bprev, xprev))
+        Bprev, xprev = step.B.to(t.Bstate.dtype), lane_inputs["x"]
+        states.append((state, Bprev, xprev, angle))
     return result, states
 
 
-def _row_writes(t: StepTensors, targets, state, B, x, update_kv_state: bool) -> list:
-    """Writes of ``state`` (and B/x) to rows ``targets``, one per live lane (padding targets skipped)."""
+def _row_writes(t: StepTensors, targets, state, B, x, angle, update_kv_state: bool) -> list:
+    """Writes of ``state`` (and B/x, the angle) to rows ``targets``, one per live lane (padding
+    targets skipped)."""
     write = lane_is_live(targets, t.state.shape[0], t.null_slot_id)
     rows = targets[write]
     writes = [(t.state, rows, state[write].to(t.state.dtype))]
     if update_kv_state:
         writes += [(t.Bstate, rows, B[write].to(t.Bstate.dtype)), (t.Xstate, rows, x[write].to(t.Xstate.dtype))]
+    if angle is not None:
+        writes.append((t.angle_state, rows, angle[write]))
     return writes

@@ -47,6 +47,18 @@ class StepOptions(NamedTuple):
     tile_D: Optional[int] = None
     num_warps: Optional[int] = None
     validate_indices: bool = False
+    rotate_pairwise: bool = False
+
+
+#: the options validation reads (``check_step_inputs``'s keywords); the rest act after it
+VALIDATED_OPTIONS = ("update_kv_state", "tile_D", "num_warps", "rotate_pairwise")
+
+
+def validated_options(options) -> dict:
+    """The :data:`VALIDATED_OPTIONS` of a :class:`StepOptions` (or a dict of its fields), as keywords."""
+    if isinstance(options, dict):
+        return {name: options.get(name, StepOptions._field_defaults[name]) for name in VALIDATED_OPTIONS}
+    return {name: getattr(options, name) for name in VALIDATED_OPTIONS}
 
 
 #: the last field of StepTensors a caller may pass by position
@@ -180,7 +192,7 @@ def _op_order() -> tuple[str, ...]:
 #: before the options, which callers pass by keyword.
 OP_ORDER = _op_order()
 #: the tensors the op declares as mutated: every tensor the step may write
-OP_MUTATED = ("state", "Bstate", "Xstate", "state_out", "out")
+OP_MUTATED = ("state", "Bstate", "Xstate", "state_out", "out", "angle_state")
 
 
 def op_schema() -> str:

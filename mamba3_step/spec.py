@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from .contract import KV_DTYPES, PROJ_DTYPES, STATE_DTYPES, X_DTYPES
 from .tiling import default_tiling, shape_problem, tiling_problem
 
-__all__ = ["FLAGSHIP_HEADS", "MAX_TOKENS", "StepSpec", "complete_spec", "flagship_spec", "mode_problem"]
+__all__ = ["FLAGSHIP_HEADS", "MAX_TOKENS", "StepSpec", "complete_spec", "flagship_rotary_spec", "flagship_spec",
+           "mode_problem", "rotary_problem"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,12 @@ class StepSpec:
             row ``dst[b, t]`` (else (B,): only the final state is written).
         num_accepted: ``state_batch_indices`` is (B, K) and the source row of lane b is
             ``state_batch_indices[b, num_accepted_tokens[b] - 1]``.
+        rope_angles: S, the rotary angles per head (``angle_state`` (rows, H, S)); 0 without
+            rotary. With S > 0 the step advances the angle and rotates B and C
+            (docs/contract.md, "Rotary angle").
+        rotate_pairwise: rotary pairs are (2i, 2i + 1) (SISO); else (i, i + N/2) (MIMO).
+        has_bc_bias: ``B_bias``/``C_bias`` are added before the rotation.
+        shared_bc: B and C have a head axis of 1 (one B/C per lane, read by every head).
     """
 
     dstate: int
@@ -67,6 +74,10 @@ class StepSpec:
     tokens: int = 1
     dst_per_token: bool = False
     num_accepted: bool = False
+    rope_angles: int = 0
+    rotate_pairwise: bool = False
+    has_bc_bias: bool = False
+    shared_bc: bool = False
 
     def replace(self, **changes) -> "StepSpec":
         return dataclasses.replace(self, **changes)
@@ -75,10 +86,16 @@ class StepSpec:
         return dataclasses.asdict(self)
 
     def key(self) -> str:
-        """A deterministic, file-name-safe string naming this specialisation."""
+        """A deterministic, file-name-safe string naming this specialisation.
+
+        The rotary fields are named only when they differ from their default, so a spec
+        without rotary keeps the key it had before they existed (and its disk cache entries).
+        """
         parts = []
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name in _KEY_OMITTED_AT_DEFAULT and v == f.default:
+                continue
             if isinstance(v, bool):
                 v = int(v)
             parts.append(f"{f.name}={v}")
@@ -87,7 +104,7 @@ class StepSpec:
     def with_default_tiling(self) -> "StepSpec":
         """Fill ``tile_D`` / ``num_warps`` left at 0 with the per-configuration default."""
         tile_D, num_warps = default_tiling(self.dstate, self.headdim, self.mimo, self.state_dtype, self.tokens,
-                                           whole_head=self.update_kv_state)
+                                           whole_head=self.update_kv_state or self.rope_angles > 0)
         return self.replace(
             tile_D=self.tile_D or tile_D,
             num_warps=self.num_warps or num_warps,
@@ -115,6 +132,16 @@ def flagship_spec(**changes) -> StepSpec:
         has_outproj=True,
     )
     return spec.replace(**changes).with_default_tiling()
+
+
+#: fields a key names only when they are not at their default (added after keys were on disk)
+_KEY_OMITTED_AT_DEFAULT = frozenset({"rope_angles", "rotate_pairwise", "has_bc_bias", "shared_bc"})
+
+
+def flagship_rotary_spec(**changes) -> StepSpec:
+    """The flagship with upstream's rotary as a Mamba-3 layer runs it: rope fraction 0.5
+    (S = N / 4 = 32 angles), MIMO pairing, the B/C biases, and B/C shared by the heads."""
+    return flagship_spec(rope_angles=32, has_bc_bias=True, shared_bc=True, **changes)
 
 
 #: H of the flagship model (a runtime size: the benchmarks' default)
@@ -166,4 +193,16 @@ def mode_problem(spec: StepSpec) -> str | None:
         return "has_dst needs pool mode"
     if spec.has_state_out and spec.pool:
         return "has_state_out is dense mode only"
+    return rotary_problem(spec)
+
+
+def rotary_problem(spec: StepSpec) -> str | None:
+    """Why ``spec``'s rotary fields cannot go together, or None."""
+    S = spec.rope_angles
+    if isinstance(S, bool) or not isinstance(S, int) or not 0 <= S <= spec.dstate // 2:
+        return f"rope_angles (S) must be an int in [0, N/2 = {spec.dstate // 2}], got {S!r}"
+    if S == 0 and (spec.rotate_pairwise or spec.has_bc_bias):
+        return "rotate_pairwise and has_bc_bias need rope_angles > 0 (angle_state given)"
+    if S and spec.tile_D and spec.tile_D < spec.headdim:
+        return "rope_angles > 0 needs tile_D >= headdim (one CTA per (lane, head) updates the angle)"
     return None

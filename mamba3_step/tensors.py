@@ -25,13 +25,13 @@ __all__ = ["KERNEL_ARGUMENT_NAMES", "KernelArgs", "LANE_FIELDS", "ROW_FIELDS", "
 Tensor = torch.Tensor
 
 #: fields with one row per pool row (pool mode) or per lane (dense mode)
-ROW_FIELDS = ("state", "Bstate", "Xstate")
+ROW_FIELDS = ("state", "Bstate", "Xstate", "angle_state")
 #: this step's per-lane inputs (first dimension B)
-LANE_FIELDS = ("A", "B", "C", "x", "dt", "trap", "z")
+LANE_FIELDS = ("A", "B", "C", "x", "dt", "trap", "z", "angle_proj")
 #: the layer's weights (no lane dimension)
-WEIGHT_FIELDS = ("D", "xproj", "zproj", "outproj")
+WEIGHT_FIELDS = ("D", "xproj", "zproj", "outproj", "B_bias", "C_bias")
 #: fields with a token axis after the lane axis when T > 1: (B, T, ...)
-TOKEN_FIELDS = ("A", "B", "C", "x", "dt", "trap", "z", "out")
+TOKEN_FIELDS = ("A", "B", "C", "x", "dt", "trap", "z", "angle_proj", "out")
 class StepTensors(NamedTuple):
     """The tensors of one step (shapes: docs/contract.md, "Tensors"), plus ``null_slot_id``.
 
@@ -43,8 +43,8 @@ class StepTensors(NamedTuple):
     Bstate: Tensor  # (P|B, R, H, N)
     Xstate: Tensor  # (P|B, H, D)
     A: Tensor  # (B, H) fp32
-    B: Tensor  # (B, R, H, N)
-    C: Tensor  # (B, R, H, N)
+    B: Tensor  # (B, R, H, N), or (B, R, 1, N) shared by the heads
+    C: Tensor  # (B, R, H, N), or (B, R, 1, N) shared by the heads
     D: Tensor  # (H,) fp32
     x: Tensor  # (B, H, D)
     dt: Tensor  # (B, H) fp32
@@ -59,6 +59,10 @@ class StepTensors(NamedTuple):
     dst_state_batch_indices: Optional[Tensor] = None  # (B,) or (B, T) int32
     null_slot_id: Optional[int] = None
     num_accepted_tokens: Optional[Tensor] = None  # (B,) int32, with a (B, K) state_batch_indices
+    angle_state: Optional[Tensor] = None  # (P|B, H, S) int64 rotary angle (turns / 2**64), updated in place
+    angle_proj: Optional[Tensor] = None  # (B, H, S) fp32, with angle_state
+    B_bias: Optional[Tensor] = None  # (R, H, N) fp32, with angle_state and C_bias
+    C_bias: Optional[Tensor] = None  # (R, H, N) fp32, with angle_state and B_bias
 
     @property
     def batch(self) -> int:
@@ -110,7 +114,8 @@ class StepTensors(NamedTuple):
         Per-lane inputs are indexed with ``lanes``, the row tensors with ``rows``, weights are
         shared; ``out``, ``state_out``, the indices and ``null_slot_id`` are dropped.
         """
-        picked = {f: getattr(self, f).index_select(0, rows) for f in ROW_FIELDS}
+        picked = {f: (None if getattr(self, f) is None else getattr(self, f).index_select(0, rows))
+                  for f in ROW_FIELDS}
         for f in LANE_FIELDS:
             t = getattr(self, f)
             picked[f] = None if t is None else t.index_select(0, lanes)
@@ -135,8 +140,8 @@ class KernelArgs(NamedTuple):
     Bstate: Any  # (P|B, R, H, N) kv dtype
     Xstate: Any  # (P|B, H, D) x dtype
     A: Any  # (B[, T], H) fp32; a token axis T only in a T-token specialisation
-    B: Any  # (B[, T], R, H, N) kv dtype
-    C: Any  # (B[, T], R, H, N) kv dtype
+    B: Any  # (B[, T], R, H, N) kv dtype; (B[, T], R, 1, N) when shared by the heads
+    C: Any  # (B[, T], R, H, N) kv dtype; (B[, T], R, 1, N) when shared by the heads
     D: Any  # (H,) fp32, the skip parameter
     x: Any  # (B[, T], H, D) x dtype
     dt: Any  # (B[, T], H) fp32
@@ -150,6 +155,10 @@ class KernelArgs(NamedTuple):
     state_batch_indices: Any  # (B,) int32, or (B, K) with num_accepted_tokens; None: dense mode
     dst_state_batch_indices: Any  # (B,) or (B, T) int32, or None
     num_accepted_tokens: Any  # (B,) int32, or None
+    angle_state: Any  # (P|B, H, S) int64 rotary angle, updated in place, or None
+    angle_proj: Any  # (B[, T], H, S) fp32, or None
+    B_bias: Any  # (R, H, N) fp32, or None
+    C_bias: Any  # (R, H, N) fp32, or None
     null_slot: Any  # int32: pool rows equal to it are padding (-1: none)
 
 

@@ -33,7 +33,7 @@ import torch
 
 from .contract import INT32_MAX, INT32_MIN, as_torch_dtype, source_rows
 
-__all__ = ["INPUT_DTYPES", "LayerShape", "SPECULATIVE_PAD_KINDS", "bits", "bits_equal", "lane_inputs",
+__all__ = ["INPUT_DTYPES", "LayerShape", "with_rotary", "SPECULATIVE_PAD_KINDS", "bits", "bits_equal", "lane_inputs",
            "layer_weights", "make_inputs", "padded_indices", "poison_", "poison_pool", "pool_rows", "row_tensors",
            "speculative_indices", "step_indices"]
 
@@ -129,6 +129,32 @@ def make_inputs(B: int, P: int | None = None, H: int = 2, D: int = 32, N: int = 
         **layer_weights(H, D, R, proj_dtype=dt["proj_dtype"], has_z=has_z, has_outproj=has_outproj, generator=g,
                         device=device),
     }
+
+
+def with_rotary(inputs: dict, S: int, *, shared_bc: bool = False, bias: bool = True,
+                seed: int | torch.Generator = 0) -> dict:
+    """``inputs`` (a :func:`make_inputs` dict) with the rotary tensors added: ``angle_state``
+    (rows, H, S) int64 random angles over the whole turn, ``angle_proj`` (B, [T,] H, S) fp32,
+    ``B_bias``/``C_bias`` (R, H, N) fp32 around 1 (upstream's initial value) unless ``bias`` is
+    False; with ``shared_bc`` ``B``/``C`` keep only head 0 (a head axis of 1). A new dict."""
+    g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+    d = _Draw(g, inputs["x"].device)
+    rows, H = inputs["state"].shape[0], inputs["state"].shape[1]
+    R, N = inputs["B"].shape[-3], inputs["B"].shape[-1]
+    lanes = inputs["x"].shape[:-2]  # (B,) or (B, T)
+    out = dict(inputs)
+    out["angle_state"] = torch.randint(INT64_MIN, INT64_MAX, (rows, H, S), generator=g,
+                                       dtype=torch.int64).to(d.device)
+    out["angle_proj"] = d.normal(*lanes, H, S, scale=1.5)
+    out["B_bias"] = (1 + d.normal(R, H, N, scale=0.3)) if bias else None
+    out["C_bias"] = (1 + d.normal(R, H, N, scale=0.3)) if bias else None
+    if shared_bc:
+        out["B"], out["C"] = inputs["B"][..., :1, :].clone(), inputs["C"][..., :1, :].clone()
+    return out
+
+
+#: the int64 range (rotary angles are drawn over all of it)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class LayerShape(NamedTuple):

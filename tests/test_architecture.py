@@ -27,7 +27,7 @@ ALLOWED_LOCAL_IMPORTS = {
 #: the layers, bottom to top (docs/design.md); a module may import only from its own layer or below
 LAYERS = [
     ["contract"],
-    ["tiling", "tensors", "signature", "arch", "sources", "testing", "ptx"],  # ptx: the PTX executor, numpy only
+    ["tiling", "tensors", "signature", "arch", "sources", "testing", "ptx", "rotary"],  # ptx: the PTX executor, numpy only
     ["spec"],
     ["reference", "validation", "bytes_model", "issue_model", "specsets"],
     ["kernel"],

@@ -329,11 +329,12 @@ class ValidationCache:
         with self._lock:
             self._entries.clear()
 
-    def check(self, tensors: StepTensors, *, update_kv_state=False, tile_D=None, num_warps=None) -> StepSpec:
+    def check(self, tensors: StepTensors, *, update_kv_state=False, tile_D=None, num_warps=None,
+              rotate_pairwise=False) -> StepSpec:
         """``check_step_inputs(tensors, ...)``, answered from the cache when a signature admits
         the call; otherwise the full validation runs (raising its named error) and, for a call of
         plain tensors and plain options, its result is kept."""
-        key = call_key(tensors, update_kv_state, tile_D, num_warps)
+        key = call_key(tensors, update_kv_state, tile_D, num_warps, rotate_pairwise)
         if key is not None:
             for sig in self._entries.get(key, ()):
                 verdict = sig.admits(tensors)
@@ -344,7 +345,8 @@ class ValidationCache:
                     break
         with self._lock:
             self.full_validations += 1
-        spec = check_step_inputs(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
+        spec = check_step_inputs(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
+                                 rotate_pairwise=rotate_pairwise)
         if key is None:
             return spec
         sig = CheckedSignature.from_call(spec, tensors, self.prefer_cpp, self.prefer_native)
@@ -359,16 +361,17 @@ class ValidationCache:
             self._entries[key] = (sig,) + (old or ())[: self.per_key - 1]
 
 
-def call_key(tensors, update_kv_state, tile_D, num_warps):
+def call_key(tensors, update_kv_state, tile_D, num_warps, rotate_pairwise=False):
     """The cache key of a call, or None when it is not cached (a non-plain or nested ``x``, or an
     option of another type than bool/int/None: those take the full validation every time)."""
     x, nsi = tensors[_X], tensors[_NULL_SLOT]
-    if type(x) is not _Tensor or type(update_kv_state) is not bool or x.is_nested:
+    if type(x) is not _Tensor or type(update_kv_state) is not bool or type(rotate_pairwise) is not bool \
+            or x.is_nested:
         return None
     for v in (tile_D, num_warps, nsi):
         if v is not None and type(v) is not int:
             return None
-    return (x.shape, update_kv_state, tile_D, num_warps, nsi, torch.is_inference_mode_enabled())
+    return (x.shape, update_kv_state, tile_D, num_warps, nsi, torch.is_inference_mode_enabled(), rotate_pairwise)
 
 
 #: the process-wide cache behind :func:`check_step_inputs_cached`
@@ -376,8 +379,9 @@ VALIDATION_CACHE = ValidationCache()
 
 
 def check_step_inputs_cached(tensors: StepTensors, *, update_kv_state=False, tile_D=None,
-                             num_warps=None) -> StepSpec:
+                             num_warps=None, rotate_pairwise=False) -> StepSpec:
     """:func:`~mamba3_step.validation.step.check_step_inputs` through :data:`VALIDATION_CACHE`:
     the same StepSpec or the same exception; a repeated signature costs the guard and the address
     checks instead of the full validation (``bench/bench_host.py`` times both)."""
-    return VALIDATION_CACHE.check(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
+    return VALIDATION_CACHE.check(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
+                                  rotate_pairwise=rotate_pairwise)

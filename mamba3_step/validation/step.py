@@ -27,7 +27,7 @@ __all__ = ["check_options", "check_step_inputs"]
 
 
 def check_options(*, null_slot_id=None, update_kv_state=False, tile_D=None, num_warps=None,
-                  validate_indices=False) -> dict:
+                  validate_indices=False, rotate_pairwise=False) -> dict:
     """The step's non-tensor options, type-checked, as a dict of the same names.
 
     Integers may be any ``numbers.Integral`` but bool (numpy integers become ints); flags must be
@@ -39,10 +39,12 @@ def check_options(*, null_slot_id=None, update_kv_state=False, tile_D=None, num_
         tile_D=checks.check_int_option("tile_D", tile_D),
         num_warps=checks.check_int_option("num_warps", num_warps),
         validate_indices=checks.check_bool_option("validate_indices", validate_indices),
+        rotate_pairwise=checks.check_bool_option("rotate_pairwise", rotate_pairwise),
     )
 
 
-def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=None, num_warps=None) -> StepSpec:
+def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=None, num_warps=None,
+                      rotate_pairwise=False) -> StepSpec:
     """Check every input of a step (metadata only) and return its complete StepSpec.
 
     ``tensors`` holds ``mamba3_step_fn``'s tensor arguments and ``null_slot_id`` (see its
@@ -73,11 +75,12 @@ def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=Non
     for rule in RULES:
         checks.check_is_tensor(rule.name, getattr(tensors, rule.name), optional=not rule.required)
     options = check_options(null_slot_id=tensors.null_slot_id, update_kv_state=update_kv_state, tile_D=tile_D,
-                            num_warps=num_warps)
+                            num_warps=num_warps, rotate_pairwise=rotate_pairwise)
     null_slot_id, tile_D, num_warps = options["null_slot_id"], options["tile_D"], options["num_warps"]
     _check_modes(tensors, null_slot_id)
+    _check_rotary_modes(tensors, rotate_pairwise)
     layout = _check_layout(tensors)
-    N, Dh, R = _check_shapes(tensors, layout)
+    N, Dh, R, layout = _check_shapes(tensors, layout)
     dtypes = _check_dtypes(tensors)
     _check_memory(tensors)
     _check_grid(tensors)
@@ -90,6 +93,8 @@ def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=Non
         has_outproj=tensors.outproj is not None, has_state_out=tensors.state_out is not None,
         tokens=tensors.tokens, dst_per_token=layout.per_token_dst and tensors.tokens > 1,
         num_accepted=layout.accepted,
+        rope_angles=0 if tensors.angle_state is None else int(tensors.angle_state.shape[-1]),
+        rotate_pairwise=rotate_pairwise, has_bc_bias=tensors.B_bias is not None, shared_bc=layout.shared_bc,
     )
     return _check_tiling(spec, tile_D, num_warps)
 
@@ -116,6 +121,25 @@ def _check_modes(t: StepTensors, null_slot_id) -> None:
     if (t.z is None) != (t.zproj is None):
         missing, given = ("zproj", "z") if t.zproj is None else ("z", "zproj")
         raise ValueError(f"{missing}: expected a tensor because {given} is given (z and zproj come together), got None")
+
+
+def _check_rotary_modes(t: StepTensors, rotate_pairwise: bool) -> None:
+    """``angle_state`` and ``angle_proj`` come together; the biases come together and need them;
+    ``rotate_pairwise`` needs them."""
+    if (t.angle_state is None) != (t.angle_proj is None):
+        missing, given = ("angle_proj", "angle_state") if t.angle_proj is None else ("angle_state", "angle_proj")
+        raise ValueError(f"{missing}: expected a tensor because {given} is given (the rotary angle and its "
+                         f"projection come together), got None")
+    if (t.B_bias is None) != (t.C_bias is None):
+        missing, given = ("C_bias", "B_bias") if t.C_bias is None else ("B_bias", "C_bias")
+        raise ValueError(f"{missing}: expected a tensor because {given} is given (B_bias and C_bias come "
+                         f"together), got None")
+    if t.angle_state is None and t.B_bias is not None:
+        raise ValueError("B_bias: expected None without angle_state (the biases are added before the rotary "
+                         "rotation), got a tensor")
+    if t.angle_state is None and rotate_pairwise:
+        raise ValueError("rotate_pairwise: expected False without angle_state (it chooses the rotary pairs), "
+                         "got True")
 
 
 def _check_layout(t: StepTensors) -> Layout:
@@ -147,17 +171,21 @@ def _check_layout(t: StepTensors) -> Layout:
     return Layout(t.pool, t.outproj is not None, tokens, per_token_dst, accepted)
 
 
-def _check_shapes(t: StepTensors, layout: Layout) -> tuple[int, int, int]:
-    """Ranks of the letter sources, then every shape against the letters; returns (N, D, R)."""
+def _check_shapes(t: StepTensors, layout: Layout) -> tuple:
+    """Ranks of the letter sources, then every shape against the letters; returns (N, D, R) and
+    the layout with ``shared_bc`` decided (B's head axis is 1 while H is not)."""
     why = (" because x is 4-D (B, T, H, D), a step of T tokens per lane" if layout.tokens else
            " because x is 3-D (B, H, D), a step without a token axis")
     for name in LETTER_SOURCES:
         checks.check_rank(name, getattr(t, name), shape_letters(RULE_BY_NAME[name], layout), why)
     nb, H, Dh = t.x.shape[0], t.x.shape[-2], t.x.shape[-1]
     R, N = t.B.shape[-3], t.B.shape[-1]
+    layout = layout._replace(shared_bc=bool(t.B.shape[-2] == 1 and H != 1))
     checks.check_rank("state", t.state, "P H D N" if layout.pool else "B H D N")
+    angles = t.angle_state if t.angle_state is not None else t.angle_proj
     sizes = {"B": nb, "T": t.tokens, "P": t.state.shape[0] if layout.pool else nb, "H": H, "D": Dh, "N": N,
-             "R": R, "K": t.state_batch_indices.shape[-1] if layout.accepted else 0}
+             "R": R, "K": t.state_batch_indices.shape[-1] if layout.accepted else 0, "1": 1,
+             "S": angles.shape[-1] if angles is not None and angles.dim() >= 1 else 0}
     for rule in RULES:
         value = getattr(t, rule.name)
         if value is not None:
@@ -166,8 +194,11 @@ def _check_shapes(t: StepTensors, layout: Layout) -> tuple[int, int, int]:
     problem = shape_problem(N, Dh, R)
     if problem:
         raise ValueError(f"unsupported shape (from x (B, H, D) and B (B, R, H, N)): {problem}")
+    if angles is not None and not 1 <= sizes["S"] <= N // 2:
+        raise ValueError(f"angle_state: expected S (its last dimension, the rotary angles per head) in "
+                         f"[1, N/2 = {N // 2}] (each angle rotates one pair of B/C's N elements), got S={sizes['S']}")
     # compile-time sizes of the specialisation: plain ints even when a tracer made them symbolic
-    return int(N), int(Dh), int(R)
+    return int(N), int(Dh), int(R), layout
 
 
 def _check_dtypes(t: StepTensors) -> dict:
@@ -243,6 +274,11 @@ def _check_tiling(spec: StepSpec, tile_D, num_warps) -> StepSpec:
             f"tile_D: update_kv_state=True needs tile_D >= headdim (exactly one CTA owns each "
             f"(lane, head) B/x row, or the store races), expected tile_D={spec.headdim} or None, "
             f"got tile_D={spec.tile_D}; the tile is never changed silently"
+        )
+    if spec.rope_angles and spec.tile_D < spec.headdim:
+        raise ValueError(
+            f"tile_D: angle_state needs tile_D >= headdim (exactly one CTA owns each (lane, head) angle "
+            f"row, or its update races), expected tile_D={spec.headdim} or None, got tile_D={spec.tile_D}"
         )
     problem = tiling_problem(spec)
     if problem:

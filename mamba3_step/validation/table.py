@@ -9,7 +9,9 @@ the rows letter of the pool tensors: ``P`` in pool mode, ``B`` in dense mode. A 
 brackets is an axis only some calls have (:class:`Layout` says which): ``[R]`` without
 ``outproj``; ``[T]`` when the call has a token axis (``x`` (B, T, H, D): T tokens per lane);
 ``[K]`` with ``num_accepted_tokens`` (``state_batch_indices`` (B, K): K candidate source rows);
-``[Tdst]`` when ``dst_state_batch_indices`` has a row per token (resolved to ``T``). The order
+``[Tdst]`` when ``dst_state_batch_indices`` has a row per token (resolved to ``T``). ``A`` is
+the number of rotary angles (docs/contract.md's ``S``: the letter ``S`` is taken here), ``Hbc``
+the head axis of ``B``/``C``: ``H``, or 1 when the heads share them. The order
 of the rows is the order of the checks (the letter sources ``x`` and ``B`` first), so which of
 several problems is reported first is decided here.
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..contract import KV_DTYPES, PROJ_DTYPES, STATE_DTYPES, X_DTYPES
+from ..contract import ANGLE_DTYPES, KV_DTYPES, PROJ_DTYPES, STATE_DTYPES, X_DTYPES
 
 __all__ = ["Layout", "RULES", "RULE_BY_NAME", "Rule", "LETTER_SOURCES", "WRITE_ALWAYS", "WRITE_KV", "WRITE_UNLESS_STATE_OUT",
            "is_written", "shape_letters"]
@@ -50,7 +52,7 @@ class Rule(NamedTuple):
 
 RULES = (
     Rule("x", "B [T] H D", X_DTYPES, required=True),
-    Rule("B", "B [T] R H N", KV_DTYPES, required=True),
+    Rule("B", "B [T] R Hbc N", KV_DTYPES, required=True),
     Rule("state", "S H D N", STATE_DTYPES, required=True, vector_aligned=True, written=WRITE_UNLESS_STATE_OUT),
     Rule("state_out", "B H D N", same_as="state", vector_aligned=True, written=WRITE_ALWAYS),
     Rule("Bstate", "S R H N", same_as="B", required=True, written=WRITE_KV),
@@ -58,7 +60,7 @@ RULES = (
     Rule("A", "B [T] H", ("float32",), required=True),
     Rule("dt", "B [T] H", ("float32",), required=True),
     Rule("trap", "B [T] H", ("float32",), required=True),
-    Rule("C", "B [T] R H N", same_as="B", required=True),
+    Rule("C", "B [T] R Hbc N", same_as="B", required=True),
     Rule("D", "H", ("float32",), required=True),
     Rule("xproj", "R H D", PROJ_DTYPES, required=True),
     Rule("zproj", "R H D", same_as="xproj"),
@@ -68,6 +70,11 @@ RULES = (
     Rule("state_batch_indices", "B [K]", ("int32",), hint=" (convert with .to(torch.int32))"),
     Rule("dst_state_batch_indices", "B [Tdst]", ("int32",), hint=" (convert with .to(torch.int32))"),
     Rule("num_accepted_tokens", "B", ("int32",), hint=" (convert with .to(torch.int32))"),
+    Rule("angle_state", "S H A", ANGLE_DTYPES, written=WRITE_ALWAYS,
+         hint=" (fixed-point turns: convert radians with mamba3_step.angle_from_radians)"),
+    Rule("angle_proj", "B [T] H A", ("float32",)),
+    Rule("B_bias", "R H N", ("float32",)),
+    Rule("C_bias", "R H N", ("float32",)),
 )
 
 #: the arguments the letters are read from (their ranks are checked first): B, T, H, D from
@@ -85,6 +92,7 @@ class Layout(NamedTuple):
     tokens: bool = False  # x is (B, T, H, D): the per-lane tensors and out have a T axis
     per_token_dst: bool = False  # dst_state_batch_indices is (B, T)
     accepted: bool = False  # num_accepted_tokens given: state_batch_indices is (B, K)
+    shared_bc: bool = False  # B and C have a head axis of 1: every head reads the same B/C
 
 
 def shape_letters(rule: Rule, layout: Layout) -> str:
@@ -92,7 +100,8 @@ def shape_letters(rule: Rule, layout: Layout) -> str:
     kept = {"[R]": not layout.has_outproj, "[T]": layout.tokens, "[K]": layout.accepted,
             "[Tdst]": layout.per_token_dst}
     letters = [c for c in rule.letters.split() if kept.get(c, True)]
-    names = {"S": "P" if layout.pool else "B", "[R]": "R", "[T]": "T", "[K]": "K", "[Tdst]": "T"}
+    names = {"S": "P" if layout.pool else "B", "[R]": "R", "[T]": "T", "[K]": "K", "[Tdst]": "T",
+             "Hbc": "1" if layout.shared_bc else "H", "A": "S"}
     return " ".join(names.get(c, c) for c in letters)
 
 
