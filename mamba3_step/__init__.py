@@ -11,8 +11,10 @@ from .api import mamba3_step_fn
 from .contract import PAD_SLOT_ID
 from .ops import mamba3_step_op
 from .plan import StepPlan, StepPlanMismatch, plan_step
-from .spec import StepSpec, flagship_spec
+from .rotary import angle_from_radians, angle_to_radians
+from .spec import StepSpec, flagship_rotary_spec, flagship_spec
 
-__all__ = ["PAD_SLOT_ID", "StepPlan", "StepPlanMismatch", "StepSpec", "flagship_spec", "mamba3_step_fn",
+__all__ = ["PAD_SLOT_ID", "StepPlan", "StepPlanMismatch", "StepSpec", "angle_from_radians", "angle_to_radians",
+           "flagship_rotary_spec", "flagship_spec", "mamba3_step_fn",
            "mamba3_step_op", "plan_step"]
 __version__ = "0.1.0"

@@ -13,7 +13,8 @@ new one) names them the same way, through :func:`add_spec_arguments` and
 * ``--mode pool|dense``, ``--dst``, ``--no-update-kv-state``, ``--no-z``, ``--no-outproj``,
   ``--state-out``: the mode flags, applied to every config; ``--tokens T`` (a T-token step),
   ``--dst-per-token`` ((B, T) destinations) and ``--num-accepted`` ((B, K) sources picked by
-  ``num_accepted_tokens``), the multi-token flags;
+  ``num_accepted_tokens``), the multi-token flags; ``--rope-angles S``, ``--rotate-pairwise``,
+  ``--bc-bias``, ``--shared-bc``, the rotary flags;
 * ``--tile-d``, ``--num-warps``: the tiling (default: per configuration);
 * ``--arch``: the target (default: this machine's GPU, else sm_90a).
 
@@ -125,6 +126,11 @@ def add_spec_arguments(parser: argparse.ArgumentParser, *, modes: bool = True, a
                        help="a destination row per token: dst_state_batch_indices (B, T) (implies --dst)")
         g.add_argument("--num-accepted", action="store_true",
                        help="state_batch_indices (B, K) with num_accepted_tokens picking each lane's source")
+        g.add_argument("--rope-angles", type=int, default=0, metavar="S",
+                       help="rotary angles per head (angle_state (rows, H, S), S <= N/2; 0: no rotary)")
+        g.add_argument("--rotate-pairwise", action="store_true", help="rotary pairs (2i, 2i+1) (SISO)")
+        g.add_argument("--bc-bias", action="store_true", help="with B_bias/C_bias (rotary)")
+        g.add_argument("--shared-bc", action="store_true", help="B/C with a head axis of 1 (shared by the heads)")
     if arch:
         g.add_argument("--arch", default=None, help=f"target architecture, e.g. sm_90a, sm_100a "
                                                     f"(default: this machine's GPU, else {DEFAULT_ARCH})")
@@ -147,10 +153,16 @@ def specs_from_args(args: argparse.Namespace) -> list[StepSpec]:
             raise ValueError("--dst-per-token and --num-accepted need --mode pool")
         if args.dst_per_token and args.tokens < 2:
             raise ValueError(f"--dst-per-token needs --tokens of at least 2, got --tokens {args.tokens}")
+        if (args.rotate_pairwise or args.bc_bias) and args.rope_angles <= 0:
+            raise ValueError("--rotate-pairwise and --bc-bias need --rope-angles S > 0")
+        if args.rope_angles < 0:
+            raise ValueError(f"--rope-angles: expected S >= 0, got {args.rope_angles}")
         changes.update(pool=args.mode == "pool", has_dst=args.dst or args.dst_per_token,
                        update_kv_state=not args.no_update_kv_state, has_z=not args.no_z,
                        has_outproj=not args.no_outproj, has_state_out=args.state_out, tokens=args.tokens,
-                       dst_per_token=args.dst_per_token, num_accepted=args.num_accepted)
+                       dst_per_token=args.dst_per_token, num_accepted=args.num_accepted,
+                       rope_angles=args.rope_angles, rotate_pairwise=args.rotate_pairwise,
+                       has_bc_bias=args.bc_bias, shared_bc=args.shared_bc)
     specs = []
     for config in args.config or ["flagship"]:
         for spec in specs_for_config(config, **changes):

@@ -28,6 +28,7 @@ instruction mix, sectors per request, bank conflicts and bytes of one specialisa
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -45,7 +46,7 @@ from .serving import gather_dense_scatter
 from .spec import StepSpec
 from .specsets import add_spec_arguments, parse_spec_args, spec_label
 from .tensors import ROW_FIELDS, StepTensors
-from .testing import bits_equal, make_inputs, poison_, pool_rows, step_indices
+from .testing import bits_equal, make_inputs, poison_, pool_rows, step_indices, with_rotary
 
 __all__ = ["HELP", "add_arguments", "executed_facts", "run", "tolerance", "verify_spec"]
 
@@ -68,6 +69,8 @@ def _inputs(spec: StepSpec, batch: int, heads: int, seed: int, live_only: bool =
                   proj_dtype=spec.proj_dtype)
     kw = make_inputs(batch, P, heads, spec.headdim, spec.dstate, spec.mimo, dtypes=dtypes, has_z=spec.has_z,
                      has_outproj=spec.has_outproj, tokens=spec.tokens if spec.tokens > 1 else None, seed=seed)
+    if spec.rope_angles:
+        kw = with_rotary(kw, spec.rope_angles, shared_bc=spec.shared_bc, bias=spec.has_bc_bias, seed=seed + 1)
     kinds = ["live"] * batch
     if spec.pool:
         indices, kinds = step_indices(spec, batch, P, null_slot_id=None if live_only else NULL_SLOT,
@@ -83,16 +86,19 @@ def _clone(t: StepTensors) -> StepTensors:
 
 
 def _tiling(spec: StepSpec) -> dict:
-    return dict(tile_D=spec.tile_D, num_warps=spec.num_warps)
+    """The spec's tiling and its option beyond the tensors (``rotate_pairwise``), as keywords."""
+    return dict(tile_D=spec.tile_D, num_warps=spec.num_warps, rotate_pairwise=spec.rotate_pairwise)
 
 
 def _accuracy(spec: StepSpec, tensors: StepTensors, executed: StepTensors) -> dict:
     """Errors of the executed run (already done on ``executed``) and of PyTorch float32 vs float64."""
-    f64 = tensors._replace(**{k: v.double() for k, v in tensors._asdict().items()
-                              if isinstance(v, torch.Tensor) and v.is_floating_point()})
-    out64 = mamba3_step_reference(f64, update_kv_state=spec.update_kv_state, compute_dtype=torch.float64)
+    f64 = tensors._replace(**{k: v.double() if v.is_floating_point() else v.clone()
+                              for k, v in tensors._asdict().items() if isinstance(v, torch.Tensor)})
+    out64 = mamba3_step_reference(f64, update_kv_state=spec.update_kv_state, rotate_pairwise=spec.rotate_pairwise,
+                                  compute_dtype=torch.float64)
     cpu = _clone(tensors)
-    out32 = mamba3_step_fn(**cpu._asdict(), update_kv_state=spec.update_kv_state)
+    out32 = mamba3_step_fn(**cpu._asdict(), update_kv_state=spec.update_kv_state,
+                           rotate_pairwise=spec.rotate_pairwise)
     key = "state_out" if spec.has_state_out else "state"
 
     def err(a, b):
@@ -116,6 +122,8 @@ def _padding_bytes(result, tensors: StepTensors, kinds: list) -> int:
     touched = 0
     for name in ROW_FIELDS:
         t = getattr(tensors, name)
+        if t is None:
+            continue
         lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
         a, w = log["addr"][mine].astype("int64"), log["width"][mine]
         touched += int(((a + w > lo) & (a < hi)).sum())
@@ -131,16 +139,17 @@ def _parity(spec: StepSpec, batch: int, heads: int, seed: int) -> bool:
     rows = set(source_rows(tensors.state_batch_indices, tensors.num_accepted_tokens).tolist())
     for name in ROW_FIELDS:  # poison every row no live lane reads
         t = getattr(tensors, name)
-        for r in range(t.shape[0]):
+        for r in range(0 if t is None else t.shape[0]):
             if r not in rows or r == NULL_SLOT:
                 poison_(t[r], seed=seed + r)
     expected = _clone(tensors)
-    out_expected = gather_dense_scatter(expected, update_kv_state=twin.update_kv_state, step_fn=ptx_step_fn,
-                                        **_tiling(twin))
+    step = functools.partial(ptx_step_fn, rotate_pairwise=twin.rotate_pairwise)
+    out_expected = gather_dense_scatter(expected, update_kv_state=twin.update_kv_state, step_fn=step,
+                                        tile_D=twin.tile_D, num_warps=twin.num_warps)
     got = _clone(tensors)._replace(out=poison_(torch.empty_like(out_expected), seed=seed))
     ptx_step_fn(**got._asdict(), update_kv_state=twin.update_kv_state, **_tiling(twin))
     return bits_equal(got.out, out_expected) and all(
-        bits_equal(getattr(got, n), getattr(expected, n)) for n in ROW_FIELDS)
+        bits_equal(getattr(got, n), getattr(expected, n)) for n in ROW_FIELDS if getattr(got, n) is not None)
 
 
 def _races(result) -> int:

@@ -30,6 +30,7 @@ R MIMO rank.
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import random
 import sys
@@ -214,10 +215,16 @@ def gather_dense_scatter(
                   num_accepted_tokens=num_accepted_tokens)
     tensors = StepTensors(**fields)
     out = _gather_dense_scatter(tensors, update_kv_state=update_kv_state, step_fn=step_fn or mamba3_step_fn)
-    return {"out": out, "state": tensors.state, "Bstate": tensors.Bstate, "Xstate": tensors.Xstate}
+    return {"out": out, "state": tensors.state, "Bstate": tensors.Bstate, "Xstate": tensors.Xstate,
+            "angle_state": tensors.angle_state}
 
 
 POOL_STATE_KEYS = ("state", "Bstate", "Xstate")
+
+
+def pool_keys(inputs: dict) -> tuple:
+    """The per-row tensors of a call: ``POOL_STATE_KEYS``, and ``angle_state`` when given."""
+    return POOL_STATE_KEYS + (("angle_state",) if inputs.get("angle_state") is not None else ())
 
 
 def check_pool_parity(
@@ -231,6 +238,7 @@ def check_pool_parity(
     seed: int = 0,
     step_fn=None,
     num_accepted_tokens: torch.Tensor | None = None,
+    rotate_pairwise: bool = False,
 ) -> None:
     """Assert that a pool-mode call is bit-identical to :func:`gather_dense_scatter`.
 
@@ -244,11 +252,12 @@ def check_pool_parity(
     A T-token step (``inputs`` from ``make_inputs(tokens=T)``, indices from
     :func:`mamba3_step.testing.speculative_indices`) is checked against T one-token dense steps.
     """
-    step_fn = step_fn or mamba3_step_fn
+    step_fn = functools.partial(step_fn or mamba3_step_fn, rotate_pairwise=rotate_pairwise)
     inputs = clone_inputs(inputs)
+    keys = pool_keys(inputs)
     P = inputs["state"].shape[0]
     unread = sorted(set(range(P)) - read_rows(src, P, null_slot_id, num_accepted_tokens))
-    for i, key in enumerate(POOL_STATE_KEYS):
+    for i, key in enumerate(keys):
         poison_rows_(inputs[key], unread, seed=seed * 7 + i)
     before = clone_inputs(inputs)
 
@@ -264,7 +273,7 @@ def check_pool_parity(
     assert ret is out, "the function must return the out it was given"
 
     assert_bits_equal(out, expected["out"], "out")
-    for key in POOL_STATE_KEYS:
+    for key in keys:
         assert_bits_equal(inputs[key], expected[key], key)
 
     # Independent of the twin: padding lanes give +0.0 bits, unwritten rows keep their bits.
@@ -273,15 +282,15 @@ def check_pool_parity(
     assert_bits_equal(out[pad], torch.zeros_like(out[pad]), "padding lanes' out")
     written = written_rows(src, dst, P, null_slot_id, num_accepted_tokens)
     untouched = torch.tensor(sorted(set(range(P)) - written), dtype=torch.int64, device=out.device)
-    for key in POOL_STATE_KEYS:
-        if key != "state" and not update_kv_state:
+    for key in keys:
+        if key in ("Bstate", "Xstate") and not update_kv_state:
             assert_bits_equal(inputs[key], before[key], f"{key} (no update_kv_state)")
         assert_bits_equal(inputs[key][untouched], before[key][untouched], f"{key} untouched rows")
     for key, value in indices.items():
         if value is not None:
             assert torch.equal(value, indices_before[key]), f"{key} was modified"
     for key, value in inputs.items():
-        if key not in POOL_STATE_KEYS and value is not None:
+        if key not in keys and value is not None:
             assert_bits_equal(value, before[key], f"{key} (read-only input)")
 
 

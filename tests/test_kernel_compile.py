@@ -25,7 +25,7 @@ from mamba3_step.issue_model import GPUS, issue_model, slab_bytes
 from mamba3_step.kernel import compile_step_kernel
 from mamba3_step.ptx_tier import ptx_kernel
 from mamba3_step.contract import DTYPE_BYTES, KV_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R
-from mamba3_step.spec import StepSpec, flagship_spec
+from mamba3_step.spec import StepSpec, flagship_rotary_spec, flagship_spec
 from mamba3_step.tiling import default_tiling, thread_layout, tiling_problem
 
 ARCHS = ("sm_90a", "sm_100a")
@@ -85,13 +85,28 @@ def with_tokens(spec: StepSpec, T: int) -> StepSpec:
     return s if tiling_problem(s.with_default_tiling()) is None else s.replace(tile_D=0, num_warps=0)
 
 
+# Rotary (issue 20): the layer's flagship form, SISO pairwise with rope fraction 1.0, a 16-bit
+# state in dense mode, fp16 with separate destinations, and a speculative step.
+ROTARY = {
+    "flagship-rotary": flagship_rotary_spec(),
+    "N64-D32-R1-siso-pairwise-rope1": StepSpec(
+        64, 32, 1, "float32", "bfloat16", "bfloat16", "bfloat16", pool=True, update_kv_state=True,
+        rope_angles=32, rotate_pairwise=True, has_bc_bias=True),
+    "N32-D64-R2-bf16state-dense-rotary": StepSpec(
+        32, 64, 2, "bfloat16", "bfloat16", "bfloat16", "bfloat16", has_z=False, rope_angles=8),
+    "N128-D64-R4-fp16state-pool-dst-rotary-perhead": StepSpec(
+        128, 64, 4, "float16", "float16", "float16", "float16", pool=True, has_dst=True, update_kv_state=True,
+        rope_angles=64, has_bc_bias=True),
+    "flagship-rotary-T4-spec": flagship_rotary_spec(tokens=4, **_speculative()),
+}
+
 #: the covering set with T in {2, 4, 8} (T = 1 is COVERING itself)
 COVERING_TOKENS = {f"{name}-T{T}": with_tokens(spec, T) for name, spec in COVERING.items() for T in (2, 4, 8)}
 
 #: the specialisations the PTX execution tier runs (tests/test_ptx_*.py, on EXECUTED_ARCH): their
 #: compiler facts come from that compile, the others' from a plain compile (no PTX to parse)
 EXECUTED_ARCH = "sm_90a"
-EXECUTED = frozenset(s.with_default_tiling() for s in (*COVERING.values(), *MULTI_TOKEN.values()))
+EXECUTED = frozenset(s.with_default_tiling() for s in (*COVERING.values(), *MULTI_TOKEN.values(), *ROTARY.values()))
 
 
 def _full_matrix():
@@ -139,7 +154,9 @@ def check_compiler_facts(spec: StepSpec, arch: str) -> None:
     writes = spec.tokens if spec.dst_per_token else 1
     assert f.count("LDG", 128) == vectors, (where, f.sass)
     assert f.count("STG", 128) == vectors * writes, (where, f.sass)
-    assert f.count("LDG", 64) == 0 and f.count("STG", 64) == 0, where
+    # the only 8-byte accesses: the rotary angles (int64), one per angle a thread owns, stored like the state
+    angles = -(-spec.rope_angles // lay.num_threads)
+    assert f.count("LDG", 64) == angles and f.count("STG", 64) == angles * writes, where
     if spec.pool:
         check_padding_guard(f.sass_text, where)
 
@@ -193,6 +210,12 @@ def test_compiles_with_clean_compiler_facts(name, arch):
 @pytest.mark.parametrize("name", list(MULTI_TOKEN))
 def test_multi_token_compiles_with_clean_compiler_facts(name, arch):
     check_compiler_facts(MULTI_TOKEN[name], arch)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", list(ROTARY))
+def test_rotary_compiles_with_clean_compiler_facts(name, arch):
+    check_compiler_facts(ROTARY[name], arch)
 
 
 # The default run compiles the covering set's T > 1 forms for sm_90a; sm_100a with --full-matrix
