@@ -25,6 +25,13 @@ buffers as one :class:`Shared`, and one token's coordinates and coefficients as 
 7. :meth:`Mamba3StepKernel.store_state`     16-byte stores of the new state to row dst
 8. :meth:`Mamba3StepKernel.epilogue`        y + D x xproj, z gate, outproj -> out
 
+With rotary (``angle_state``; docs/contract.md, "Rotary angle") each token first runs
+:meth:`Mamba3StepKernel.advance_angles` (threads ``i < S``: the angle advanced in fixed point, its
+cos/sin to shared memory, the angle stored to row ``dst``) and a barrier, and step 3 stages B and
+C through :meth:`Mamba3StepKernel.stage_rotated` (bias, rotation, fp32 in shared memory); a
+token ``t > 0`` first rounds the previous token's staged B~ to the kv dtype
+(:meth:`Mamba3StepKernel.round_previous_b`), the value a one-token step reads back from Bstate.
+
 A T-token specialisation (speculative decoding) loads the slab once (2) and runs 3-8 once per
 token, :meth:`Mamba3StepKernel.token_step`, in a loop unrolled at trace time: the state stays
 in registers between tokens, the previous token's B stays in the other half of a two-parity
