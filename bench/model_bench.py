@@ -1,10 +1,13 @@
 """Model benchmark (runs anywhere, no GPU): bytes one decode step moves and the time that
-costs at HBM bandwidth, for pool mode, gather -> dense -> scatter and dense mode; and for
-speculative decoding, one T-token step against T one-token steps.
+costs at HBM bandwidth, for pool mode, gather -> dense -> scatter and dense mode; for
+speculative decoding, one T-token step against T one-token steps; and for the rotary angle,
+the fused step against upstream's pipeline (a rotary launch, the step, state copies, with
+pools a gather and a scatter).
 
     python bench/model_bench.py [--out DIR] [--heads 48] [--no-plot]
 
-Prints a table per configuration and the T-token table, writes ``model_bench.json`` and
+Prints a table per configuration, the T-token table and the rotary tables (totals, per stage,
+the model's assumptions), writes ``model_bench.json`` and
 ``model_bench.png`` to ``bench/results/`` (or ``--out``). Every number here is *modelled* (``mamba3_step.bytes_model``:
 compulsory bytes / peak HBM bandwidth), not measured; ``bench/gpu_bench.py`` measures.
 """
@@ -18,8 +21,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _util  # noqa: E402  (also puts the repository on sys.path)
 
-from mamba3_step.bytes_model import HBM_BANDWIDTH, MODES, bytes_per_step, token_saving  # noqa: E402
-from mamba3_step.spec import FLAGSHIP_HEADS, flagship_spec  # noqa: E402
+from mamba3_step.bytes_model import (  # noqa: E402
+    HBM_BANDWIDTH,
+    MODES,
+    bytes_per_step,
+    token_saving,
+    upstream_pipeline_bytes,
+)
+from mamba3_step.spec import FLAGSHIP_HEADS, flagship_rotary_spec, flagship_spec  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 GPUS = tuple(HBM_BANDWIDTH)  # H100, H200, GH200
@@ -73,6 +82,108 @@ def token_rows(batches=TOKEN_BATCHES, tokens=TOKENS, heads: int = FLAGSHIP_HEADS
                 row[f"us_one_token_steps_{gpu}"] = s["one_token_steps_bytes"] / HBM_BANDWIDTH[gpu] * 1e6
             rows.append(row)
     return rows
+
+
+ROTARY_BATCHES = (1, 64, 256)
+#: the stages of one layer's rotary decode, in launch order
+STAGES = ("gather", "rotary", "step", "copies", "scatter", "indices")
+_ROTARY_KEYS = ("angle_state", "angle_proj", "B_bias", "C_bias")
+_INDEX_KEYS = ("state_batch_indices", "dst_state_batch_indices", "num_accepted_tokens")
+_PREFIX_STAGE = {"gather": "gather", "rotary": "rotary", "step": "step", "copy": "copies", "scatter": "scatter"}
+
+ROTARY_NOTES = (
+    "modelled, not measured: compulsory DRAM bytes / peak HBM bandwidth; launches are counted, not timed",
+    "fused: this package's pool step (flagship_rotary_spec: S=32 angles, MIMO pairs, B/C biases, B/C shared by "
+    "the heads = upstream's num_bc_heads 1), update_kv_state; the angle int64 (8 B), read and written in place; "
+    "angle_proj (B, H, S) fp32 per head",
+    "a B/C row shared by the heads is counted once per lane (both pipelines): the first of a lane's H CTAs "
+    "brings it into L2, the others hit (the CTAs together load H x: bytes_model.bc_load_bytes)",
+    "upstream: Mamba3.step at state-spaces/mamba e9594ce: apply_rotary_qk_inference_fwd(inplace=False) reads "
+    "B/C (stride-0 expand over the heads), both fp32 biases, the fp32 angle, angle_proj ((B, S) bf16 = the "
+    "in_proj output's dtype, expanded over the heads) and dt; writes B~, C~ as full (B, R, H, N) tensors in the "
+    "input dtype (bf16) and a new fp32 angle, unreduced",
+    "upstream: the biases are rearranged h r n -> r h n and made contiguous inside the rotary wrapper: a copy "
+    "of each per call (read + write), counted in the rotary stage",
+    "upstream: mamba3_step_fn reads ssm_state, k_state, v_state and updates ssm_state in place (no kv update); "
+    "then angle_state.copy_(new angle), k_state.copy_(B~), v_state.copy_(x): the three copies, read + write",
+    "upstream with pools: the four state rows (state fp32, k and v bf16, angle fp32) gathered into dense batch "
+    "tensors and scattered back, a read + write each, an index vector read per gather/scatter; "
+    "'upstream dense' is upstream's own per-batch cache (no pool, no gather/scatter)",
+)
+
+
+def _stages(breakdown: dict, fused: bool) -> dict:
+    """Bytes per stage (:data:`STAGES`) of a fused-step or an upstream breakdown."""
+    out = dict.fromkeys(STAGES, 0)
+    for key, v in breakdown.items():
+        if key == "total":
+            continue
+        if fused:
+            stage = "rotary" if key in _ROTARY_KEYS else "indices" if key in _INDEX_KEYS else "step"
+        else:
+            stage = "indices" if key == "gather/scatter indices" else _PREFIX_STAGE[key.split(":")[0]]
+        out[stage] += v
+    return out
+
+
+def upstream_launches(spec, heads: int, pools: bool) -> int:
+    """Kernel launches of upstream's rotary decode: 4 gathers and 4 scatters with pools, 2 bias
+    copies (R > 1, H > 1), the rotary launch, the step, 3 state copies."""
+    return (8 if pools else 0) + (2 if spec.mimo > 1 and heads > 1 else 0) + 1 + 1 + 3
+
+
+def rotary_rows(batches=ROTARY_BATCHES, heads: int = FLAGSHIP_HEADS) -> list[dict]:
+    """Per batch: bytes of the fused pool step, of upstream's pipeline with pools and without,
+    per stage and per tensor, predicted microseconds per GPU, launches."""
+    spec = flagship_rotary_spec()
+    rows = []
+    for batch in batches:
+        fused = bytes_per_step(spec, batch, heads, mode="pool")
+        ups = upstream_pipeline_bytes(spec, batch, heads, pools=True)
+        dense = upstream_pipeline_bytes(spec, batch, heads, pools=False)
+        row = {"batch": batch, "heads": heads, "bytes_fused": fused["total"], "bytes_upstream_pools": ups["total"],
+               "bytes_upstream_dense": dense["total"], "ratio_pools": ups["total"] / fused["total"],
+               "ratio_dense": dense["total"] / fused["total"], "launches_fused": 1,
+               "launches_upstream_pools": upstream_launches(spec, heads, True),
+               "launches_upstream_dense": upstream_launches(spec, heads, False),
+               "stages_fused": _stages(fused, True), "stages_upstream_pools": _stages(ups, False),
+               "breakdown_fused": fused, "breakdown_upstream_pools": ups}
+        for what in ("fused", "upstream_pools", "upstream_dense"):
+            row[f"mib_{what}"] = row[f"bytes_{what}"] / 2**20
+            for gpu in GPUS:
+                row[f"us_{what}_{gpu}"] = row[f"bytes_{what}"] / HBM_BANDWIDTH[gpu] * 1e6
+        rows.append(row)
+    return rows
+
+
+ROTARY_COLUMNS = [("batch", "B", ">d"), ("mib_fused", "fused MiB", ">.2f"),
+                  ("mib_upstream_pools", "upstream+pools MiB", ">.2f"),
+                  ("mib_upstream_dense", "upstream dense MiB", ">.2f"),
+                  ("ratio_pools", "upstream+pools/fused", ">.2f"), ("ratio_dense", "upstream dense/fused", ">.2f"),
+                  ("us_fused_H100", "H100 fused us", ">.1f"), ("us_upstream_pools_H100", "H100 upstream+pools us", ">.1f"),
+                  ("launches_upstream_pools", "launches (fused: 1)", ">d")]
+
+
+def format_rotary(rows: list[dict]) -> str:
+    """The totals table, the per-stage table (MiB, fused beside upstream with pools, per batch) and
+    the model's assumptions."""
+    heads = rows[0]["heads"]
+    out = [f"rotary decode step, flagship rotary (S=32, MIMO pairs, biases, num_bc_heads=1), H={heads}: "
+           "fused pool step vs upstream's pipeline; modelled (bytes / peak HBM bandwidth)",
+           _util.format_table(rows, ROTARY_COLUMNS), ""]
+    stage_rows = [{"stage": st} for st in STAGES + ("total",)]
+    cols = [("stage", "stage", "<")]
+    for r in rows:
+        for what, label in (("fused", "fused"), ("upstream_pools", "upstream")):
+            key = f"{what}_{r['batch']}"
+            cols.append((key, f"B={r['batch']} {label} MiB", ">.3f"))
+            for sr in stage_rows:
+                st = sr["stage"]
+                n = r[f"bytes_{what}"] if st == "total" else r[f"stages_{what}"][st]
+                sr[key] = n / 2**20
+    out += ["per stage (upstream with pools)", _util.format_table(stage_rows, cols), "", "assumptions:"]
+    out += [f"  - {note}" for note in ROTARY_NOTES]
+    return "\n".join(out)
 
 
 TOKEN_COLUMNS = [("batch", "B", ">d"), ("tokens", "T", ">d"), ("mib_t_token", "T-token MiB", ">.1f"),
@@ -165,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"speculative verify step, flagship, H={args.heads}: one T-token step ((B, K) sources, a row per token, "
           "update_kv_state) vs T one-token steps; modelled (bytes / peak HBM bandwidth)")
     print(_util.format_table(tokens, TOKEN_COLUMNS))
+    print()
+    rotary = rotary_rows(heads=args.heads)
+    print(format_rotary(rotary))
     out = _util.results_dir(args.out)
     payload = {
         "what": "modelled, not measured: compulsory HBM bytes per decode step (mamba3_step.bytes_model) "
@@ -174,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         "configs": {name: spec.as_dict() for name, spec in configurations().items()},
         "rows": rows,
         "tokens": tokens,
+        "rotary": {"spec": flagship_rotary_spec().as_dict(), "rows": rotary, "notes": list(ROTARY_NOTES)},
     }
     print(f"wrote {_util.write_json(out / 'model_bench.json', payload)}")
     if not args.no_plot:

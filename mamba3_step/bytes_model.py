@@ -31,12 +31,24 @@ entry                          bytes                                 note
 ``state_batch_indices``        B * 4                                pool mode (one entry a lane)
 ``dst_state_batch_indices``    B * 4                                pool mode with dst
 ``num_accepted_tokens``        B * 4                                with num_accepted
+``angle_state``                2 * Bl * H * S * 8                   rotary: read row src, write
+                                                                    row dst (int64 angles)
+``angle_proj``                 Bl * H * S * 4                       rotary
+``B_bias``, ``C_bias``         R * H * N * 4 each                   once per step; has_bc_bias
 =============================  ===================================  ===========================
+
+With ``shared_bc`` (B and C have a head axis of 1: one (R, N) row per lane, read by every head)
+the ``B`` and ``C`` entries are ``Bl * R * N * kb`` each: the model counts DRAM bytes and
+assumes that of the H CTAs of a lane reading that row, the first brings it into L2 and the
+others hit there. These are the *unique* bytes, which is also what the PTX tier's executed
+count (``ptx.analysis.bytes_touched``) measures per tensor. What the CTAs *load* (each CTA of a
+live lane loads its lane's whole (R, N) B and C rows per token, whether shared or not) is
+:func:`bc_load_bytes`: H times the DRAM count when shared.
 
 "with kv" means ``update_kv_state``. A padding lane (pool mode) reads its index and writes
 zeros to ``out``; it moves nothing else.
 
-A T-token step (``spec.tokens``) reads the state, Bstate and Xstate rows once and every
+A T-token step (``spec.tokens``) reads the state, Bstate, Xstate (and angle) rows once and every
 per-lane input and ``out`` T times; it writes each live lane's rows once, or T times with a
 destination per token (``dst_per_token``: then ``dst_state_batch_indices`` is read T times
 per live lane). :func:`token_saving` compares it with T one-token steps.
@@ -48,7 +60,12 @@ rows out of the pool into dense tensors, run the dense kernel, scatter the new s
 write of every row (``gather:state`` = 2 * B * H * D * N * sb, ...) plus the index vector
 each gather/scatter reads (``gather/scatter indices`` = 4 * B per operation). For the
 fp32 state this is the triple round trip of the largest tensor that docs/contract.md ("Why the
-step exists") describes: gather, kernel, scatter.
+step exists") describes: gather, kernel, scatter. With rotary the angle rows are gathered and
+scattered too (the step always writes the angle).
+
+:func:`upstream_pipeline_bytes` models upstream's rotary decode (``Mamba3.step`` of
+state-spaces/mamba): a separate rotary launch, the dense step, three state copies, and, with
+pools, the gather and scatter of the four state tensors.
 """
 
 from __future__ import annotations
@@ -59,10 +76,12 @@ from .spec import StepSpec
 __all__ = [
     "MODES",
     "HBM_BANDWIDTH",
+    "bc_load_bytes",
     "bytes_per_step",
     "predicted_seconds",
     "predicted_speedup",
     "token_saving",
+    "upstream_pipeline_bytes",
 ]
 
 MODES = ("pool", "gather_scatter", "dense")
@@ -80,6 +99,7 @@ HBM_BANDWIDTH = {
 
 _F32 = 4
 _I32 = 4
+_I64 = 8
 
 
 def _check(spec: StepSpec, batch: int, heads: int, live_lanes, mode: str) -> int:
@@ -111,12 +131,15 @@ def _kernel_bytes(spec: StepSpec, batch: int, live: int, heads: int, pool: bool)
     pb = DTYPE_BYTES[spec.proj_dtype]
     writes = T if spec.dst_per_token else 1  # rows each live lane writes
     kv = 1 + writes if spec.update_kv_state else 1
+    S = spec.rope_angles
+    hbc = 1 if spec.shared_bc else H  # B/C's head axis: shared rows are read from DRAM once
+    bias = R * H * N * _F32 if spec.has_bc_bias else 0
     out = {
         "state": (1 + writes) * live * H * D * N * sb,
         "Bstate": kv * live * R * H * N * kb,
         "Xstate": kv * live * H * D * xb,
-        "B": T * live * R * H * N * kb,
-        "C": T * live * R * H * N * kb,
+        "B": T * live * R * hbc * N * kb,
+        "C": T * live * R * hbc * N * kb,
         "x": T * live * H * D * xb,
         "z": T * live * H * D * xb if spec.has_z else 0,
         "out": T * batch * H * D * xb if spec.has_outproj else T * batch * R * H * D * xb,
@@ -130,6 +153,10 @@ def _kernel_bytes(spec: StepSpec, batch: int, live: int, heads: int, pool: bool)
         "state_batch_indices": batch * _I32 if pool else 0,
         "dst_state_batch_indices": (T * live if spec.dst_per_token else batch) * _I32 if pool and spec.has_dst else 0,
         "num_accepted_tokens": batch * _I32 if pool and spec.num_accepted else 0,
+        "angle_state": (1 + writes) * live * H * S * _I64,
+        "angle_proj": T * live * H * S * _F32,
+        "B_bias": bias,
+        "C_bias": bias,
     }
     return out
 
@@ -167,25 +194,36 @@ def bytes_per_step(
         raise ValueError(f"mode='gather_scatter' models one-token steps, got tokens={spec.tokens} "
                          f"(compare T-token steps with token_saving)")
     else:
-        N, D, R, H = spec.dstate, spec.headdim, spec.mimo, heads
-        sb = DTYPE_BYTES[spec.state_dtype]
-        kb = DTYPE_BYTES[spec.kv_dtype]
-        xb = DTYPE_BYTES[spec.x_dtype]
-        rows = {
-            "state": batch * H * D * N * sb,
-            "Bstate": batch * R * H * N * kb,
-            "Xstate": batch * H * D * xb,
-        }
-        scattered = ("state", "Bstate", "Xstate") if spec.update_kv_state else ("state",)
-        out = {}
-        for t in ("state", "Bstate", "Xstate"):
-            out[f"gather:{t}"] = 2 * rows[t]  # read pool rows, write dense copies
-        for k, v in _kernel_bytes(spec, batch, batch, heads, pool=False).items():
-            out[f"kernel:{k}"] = v
-        for t in ("state", "Bstate", "Xstate"):
-            out[f"scatter:{t}"] = 2 * rows[t] if t in scattered else 0  # read dense, write pool
-        out["gather/scatter indices"] = (3 + len(scattered)) * batch * _I32
+        out = _gather_scatter_bytes(spec, batch, heads)
     out["total"] = sum(out.values())
+    return out
+
+
+def _batch_rows(spec: StepSpec, batch: int, heads: int, angle_bytes: int = _I64) -> dict:
+    """Bytes of ``batch`` rows of each state tensor (the angle's at ``angle_bytes`` an angle)."""
+    N, D, R, H = spec.dstate, spec.headdim, spec.mimo, heads
+    return {
+        "state": batch * H * D * N * DTYPE_BYTES[spec.state_dtype],
+        "Bstate": batch * R * H * N * DTYPE_BYTES[spec.kv_dtype],
+        "Xstate": batch * H * D * DTYPE_BYTES[spec.x_dtype],
+        "angle_state": batch * H * spec.rope_angles * angle_bytes,
+    }
+
+
+def _gather_scatter_bytes(spec: StepSpec, batch: int, heads: int) -> dict:
+    """gather -> dense kernel -> scatter (module docstring): per gathered tensor a read of the
+    pool rows and a write of the dense copy, per scattered one the reverse, index reads."""
+    rows = _batch_rows(spec, batch, heads)
+    gathered = ("state", "Bstate", "Xstate") + (("angle_state",) if spec.rope_angles else ())
+    scattered = ("state",) + (("Bstate", "Xstate") if spec.update_kv_state else ()) + gathered[3:]
+    out = {}
+    for t in rows:
+        out[f"gather:{t}"] = 2 * rows[t] if t in gathered else 0  # read pool rows, write dense copies
+    for k, v in _kernel_bytes(spec, batch, batch, heads, pool=False).items():
+        out[f"kernel:{k}"] = v
+    for t in rows:
+        out[f"scatter:{t}"] = 2 * rows[t] if t in scattered else 0  # read dense, write pool
+    out["gather/scatter indices"] = (len(gathered) + len(scattered)) * batch * _I32
     return out
 
 
@@ -217,3 +255,74 @@ def token_saving(spec: StepSpec, batch: int, heads: int) -> dict:
     singles = T * bytes_per_step(one, batch, heads)["total"]
     return {"tokens": T, "t_token_bytes": t_bytes, "one_token_steps_bytes": singles,
             "ratio": singles / t_bytes if t_bytes else float("nan")}
+
+
+def bc_load_bytes(spec: StepSpec, batch: int, heads: int, live_lanes: int | None = None) -> dict:
+    """Bytes of ``B`` and ``C`` the step's CTAs load, all CTAs together: each CTA of a live lane
+    (H heads x ceil(D / tile_D) CTAs) loads its lane's whole (R, N) B and C rows once per token.
+
+    This is the traffic L2 serves to the SMs, not the DRAM count: :func:`bytes_per_step` counts
+    each byte once (with ``shared_bc`` the H heads' CTAs read one row, from DRAM once, then L2),
+    so here ``B`` is ``H x ceil(D / tile_D)`` times its entry there with ``shared_bc``, and
+    ``ceil(D / tile_D)`` times without. ``tile_D`` 0 means the default tiling.
+    Returns ``{"B": bytes, "C": bytes}``."""
+    live = _check(spec, batch, heads, live_lanes, "pool")
+    tile_D = spec.tile_D or spec.with_default_tiling().tile_D
+    ctas = heads * -(-spec.headdim // tile_D)
+    row = spec.mimo * spec.dstate * DTYPE_BYTES[spec.kv_dtype]
+    loads = spec.tokens * live * ctas * row
+    return {"B": loads, "C": loads}
+
+
+def upstream_pipeline_bytes(spec: StepSpec, batch: int, heads: int, pools: bool = True) -> dict:
+    """Bytes of upstream's rotary decode step (``Mamba3.step``, state-spaces/mamba e9594ce) for
+    ``spec``'s sizes (``rope_angles`` > 0, one token), every lane live. In launch order:
+
+    * ``gather:<t>`` (``pools``): the four state rows (state, ``k_state`` = Bstate, ``v_state`` =
+      Xstate, the angle as fp32 radians) copied from the pool into dense batch tensors (read +
+      write);
+    * ``rotary:<t>``: ``apply_rotary_qk_inference_fwd(inplace=False)``: reads B and C (a stride-0
+      expand over the heads with ``shared_bc``: DRAM once per lane, as in :func:`bytes_per_step`),
+      the biases (fp32; rearranged ``h r n -> r h n`` and made contiguous by the wrapper, a copy
+      of each per call when R > 1 and H > 1: ``rotary:bias relayout``, read + write), the angle,
+      ``angle_proj`` ((B, S) in the in_proj output's dtype, taken as ``x_dtype``, expanded over
+      the heads), ``dt``; writes rotated ``B~``/``C~`` as full (B, R, H, N) tensors in the
+      input dtype (``kv_dtype``: ``empty_like`` of the expanded inputs) and the new angle (fp32);
+    * ``step:<t>``: upstream's ``mamba3_step_fn`` on the dense tensors: this package's dense step
+      without rotary and without ``update_kv_state`` (it updates ssm_state in place, reads
+      k_state/v_state, does not write them), B~/C~ per head;
+    * ``copy:<t>``: ``angle_state.copy_(new angle)``, ``k_state.copy_(B~)``,
+      ``v_state.copy_(x)`` (read + write each);
+    * ``scatter:<t>`` (``pools``): the four dense tensors back to the pool rows (read + write),
+      and ``gather/scatter indices``: an index vector read per gather/scatter.
+
+    Returns ``{entry: bytes, ..., "total": bytes}``."""
+    _check(spec, batch, heads, None, "dense")
+    if not spec.rope_angles or spec.tokens != 1:
+        raise ValueError(f"upstream_pipeline_bytes models a one-token rotary step: needs rope_angles > 0 and "
+                         f"tokens == 1, got rope_angles={spec.rope_angles}, tokens={spec.tokens}")
+    N, R, H, S = spec.dstate, spec.mimo, heads, spec.rope_angles
+    kb, xb = DTYPE_BYTES[spec.kv_dtype], DTYPE_BYTES[spec.x_dtype]
+    rows = _batch_rows(spec, batch, heads, angle_bytes=_F32)  # upstream's angle: fp32 radians
+    bias = R * H * N * _F32 if spec.has_bc_bias else 0
+    bc_in = batch * R * (1 if spec.shared_bc else H) * N * kb
+    out = {f"gather:{t}": 2 * v if pools else 0 for t, v in rows.items()}
+    out.update({
+        "rotary:B": bc_in, "rotary:C": bc_in,
+        "rotary:bias relayout": 2 * 2 * bias if R > 1 and H > 1 else 0,
+        "rotary:B_bias": bias, "rotary:C_bias": bias,
+        "rotary:angle_state": rows["angle_state"],
+        "rotary:angle_proj": batch * S * xb,
+        "rotary:dt": batch * H * _F32,
+        "rotary:B~": batch * R * H * N * kb, "rotary:C~": batch * R * H * N * kb,
+        "rotary:new angle": rows["angle_state"],
+    })
+    dense = spec.replace(pool=False, has_dst=False, dst_per_token=False, num_accepted=False, has_state_out=False,
+                         update_kv_state=False, rope_angles=0, rotate_pairwise=False, has_bc_bias=False,
+                         shared_bc=False)
+    out.update({f"step:{k}": v for k, v in _kernel_bytes(dense, batch, batch, heads, pool=False).items()})
+    out.update({f"copy:{t}": 2 * rows[t] for t in ("angle_state", "Bstate", "Xstate")})
+    out.update({f"scatter:{t}": 2 * v if pools else 0 for t, v in rows.items()})
+    out["gather/scatter indices"] = 2 * len(rows) * batch * _I32 if pools else 0
+    out["total"] = sum(out.values())
+    return out

@@ -286,10 +286,9 @@ class Mamba3StepKernel:
         sB = shared.sBB[t % 2, None, None]
         sBs = shared.sBB[(t + 1) % 2, None, None]
         tok = Token(t, lane_t, sB, sBs, *self.decay_coefficients(m, lane_t, cta.h))
-        if const_expr(self.dst_per_token):
-            dst = m.dst_state_batch_indices[cta.b, t]
-            cta = cta._replace(dst=dst, dst_live=cta.src_live & self.row_is_live(dst, m.state.shape[0], m.null_slot))
         if const_expr(self.S > 0):
+            if const_expr(self.dst_per_token):  # the angle is stored by advance_angles
+                cta = self.token_destination(m, t, cta)
             self.advance_angles(m, tok, shared, cta)
             cute.arch.barrier()  # cos/sin of the new angles, for the B/C staging
         if const_expr(t == 0):
@@ -302,6 +301,8 @@ class Mamba3StepKernel:
         self.stage_operands(m, tok, Xprev, shared, cta)
         cute.arch.barrier()
         # Every read of the old Bstate/Xstate rows happened before the barrier.
+        if const_expr(self.dst_per_token and self.S == 0):  # read late: fewer values live while staging
+            cta = self.token_destination(m, t, cta)
         if const_expr(self.update_kv_state and self.store_each):
             if cta.dst_live:
                 self.store_kv_state(m, sB, shared.sX, cta)
@@ -316,6 +317,12 @@ class Mamba3StepKernel:
                     self.store_state(groups[g], self.state_target(m), cta)
         cute.arch.barrier()
         self.epilogue(m, tok, shared, cta)
+
+    @cute.jit
+    def token_destination(self, m: KernelArgs, t: int, cta: Cta) -> Cta:
+        """``cta`` with token ``t``'s own destination row ``dst_state_batch_indices[b, t]``."""
+        dst = m.dst_state_batch_indices[cta.b, t]
+        return cta._replace(dst=dst, dst_live=cta.src_live & self.row_is_live(dst, m.state.shape[0], m.null_slot))
 
     def lane_index(self, b: Int32, t) -> tuple:
         """The leading coordinates of lane ``b``, token ``t`` in a per-lane tensor: ``(b,)`` when the

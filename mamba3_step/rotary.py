@@ -12,8 +12,9 @@ package stores it as a **fixed-point fraction of a turn**: an int64 ``q`` stands
 The update in fixed point (kernel and PyTorch alike): ``w = tanh(angle_proj) * dt`` in the compute
 dtype (the increment is ``w / 2`` turns); whole turns are dropped exactly, ``w_f = w - 2 rint(w/2)``
 in [-1, 1]; the increment is ``2 * rint(w_f * 2**62)`` units, added with wrap-around. For an fp32
-``w`` the only rounding is of ``w_f * 2**62`` to an integer, exact whenever ``|w_f| >= 2**-39``:
-over 10^6 steps the stored angle stays within 10^6 x 2**-63 turns (4e-13 rad) of the float64 sum
+``w`` the only rounding is of ``w_f * 2**62`` to an integer (at most one unit, 2**-64 turn, and
+none at all when ``|w_f| >= 2**-39``): over 10^6 steps the stored angle stays within
+10^6 x 2**-64 turn (3.4e-13 rad) of the float64 sum
 of the same fp32 increments, whatever their signs (tests/test_rotary.py iterates 10^6 steps).
 
 ``cos``/``sin`` of a stored angle: the top bits are the quadrant, ``k = round(q / 2**62)``; the

@@ -216,6 +216,9 @@ def poison_pool(pool, generator=None) -> None:
     g = generator if generator is not None else torch.Generator().manual_seed(0)
     for t in (pool._state, pool._Bstate, pool._Xstate):
         t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    if pool._angle_state is not None:  # random angles over the whole turn
+        pool._angle_state.copy_(torch.randint(INT64_MIN, INT64_MAX, pool._angle_state.shape, generator=g,
+                                              dtype=torch.int64))
 
 
 def padded_indices(B: int, P: int, *, null_slot_id: int | None = None, with_dst: bool = False,

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -28,6 +29,7 @@ def _load(name):
 
 
 model_bench = _load("model_bench")
+angle_bench = _load("angle_bench")
 static_bench = _load("static_bench")
 gpu_bench = _load("gpu_bench")
 
@@ -86,6 +88,78 @@ def test_model_bench_bytes_equal_hand_count(tmp_path, capsys):
         assert (r["mib_one_token_steps"] - r["mib_t_token"]) * 2**20 >= saved, r
         assert (r["saving"] == 1.0) == (r["tokens"] == 1)
     assert "speculative verify step" in text
+
+
+def _hand_rotary(batch, heads):
+    """(fused, upstream with pools) bytes of the flagship rotary decode, summed by hand: S=32 angles,
+    biases, B/C shared by the heads; fused: the pool step with update_kv_state, an int64 angle;
+    upstream (Mamba3.step): gather 4 rows, rotary launch, dense step, 3 copies, scatter 4 rows."""
+    N, D, R, H, B, S = 128, 64, 4, heads, batch, 32
+    state, bstate, xstate = B * H * D * N * 4, B * R * H * N * 2, B * H * D * 2
+    bias = R * H * N * 4
+    common = (2 * state + 2 * (B * H * D * 2) + B * H * D * 2  # state r + w; x, z; out
+              + 3 * (B * H * 4) + H * 4 + 3 * (R * H * D * 2))  # A, dt, trap; D; projections
+    fused = (common + 2 * bstate + 2 * xstate + 2 * (B * R * N * 2)  # kv rows r + w; one B/C row per lane
+             + 2 * B * H * S * 8 + B * H * S * 4 + 2 * bias + B * 4)  # angle r + w, angle_proj, biases, index
+    angle = B * H * S * 4  # upstream: fp32
+    rotary = (2 * (B * R * N * 2) + 2 * 2 * bias + 2 * bias  # B, C; bias relayout copies; biases
+              + 2 * angle + B * S * 2 + B * H * 4 + 2 * bstate)  # angle in + out, angle_proj, dt; B~, C~
+    step = common + bstate + xstate + 2 * bstate  # k, v read; B~, C~ read
+    copies = 2 * (angle + bstate + xstate)
+    moves = 2 * 2 * (state + bstate + xstate + angle) + 8 * B * 4  # gather + scatter, indices
+    return fused, rotary + step + copies + moves
+
+
+def test_model_bench_rotary_equals_hand_count(tmp_path, capsys):
+    assert model_bench.main(["--out", str(tmp_path), "--no-plot"]) == 0
+    text = capsys.readouterr().out
+    rotary = json.loads((tmp_path / "model_bench.json").read_text())["rotary"]
+    assert [r["batch"] for r in rotary["rows"]] == [1, 64, 256]
+    assert rotary["spec"]["rope_angles"] == 32 and rotary["spec"]["shared_bc"] and rotary["spec"]["has_bc_bias"]
+    for r in rotary["rows"]:
+        fused, upstream = _hand_rotary(r["batch"], 48)
+        assert r["bytes_fused"] == fused and r["bytes_upstream_pools"] == upstream, r["batch"]
+        assert sum(r["stages_fused"].values()) == fused and sum(r["stages_upstream_pools"].values()) == upstream
+        assert r["stages_fused"]["gather"] == r["stages_fused"]["scatter"] == r["stages_fused"]["copies"] == 0
+        assert r["ratio_pools"] == pytest.approx(upstream / fused, rel=1e-12)
+        assert r["us_fused_H100"] == pytest.approx(fused / 3.35e12 * 1e6, rel=1e-12)
+        assert r["launches_fused"] == 1 and r["launches_upstream_pools"] == 15 and r["launches_upstream_dense"] == 7
+    assert "rotary decode step" in text and "assumptions:" in text and "e9594ce" in text
+    row = next(line for line in text.split("rotary decode step")[1].splitlines() if line.strip().startswith("256 "))
+    assert f"{_hand_rotary(256, 48)[0] / 2**20:.2f}" in row.split()
+
+
+def test_angle_bench_short_run(tmp_path, capsys):
+    """2 x 10^4 steps, 2 trials: the table and JSON, the emulations' self-check passed, our int64
+    angle at float64's floor, upstream's unreduced fp32 angle drifting as it grows."""
+    assert angle_bench.main(["--out", str(tmp_path), "--steps", "20000", "--trials", "2", "--no-plot"]) == 0
+    text = capsys.readouterr().out
+    payload = json.loads((tmp_path / "angle_bench.json").read_text())
+    assert payload["checkpoints"] == [1000, 10000] and payload["methods"] == list(angle_bench.METHODS)
+    res = payload["regimes"]
+    for regime in angle_bench.REGIMES:
+        ours = res[regime]["int64 fixed point (ours)"]
+        assert max(ours["f64"]) < 1e-14 and max(ours["f32"]) < 2e-7, (regime, ours)
+        assert res[regime]["int32 fixed point"]["f64"][-1] > ours["f64"][-1]
+    upstream = res["one sign"]["fp32 unreduced (upstream)"]["f64"]
+    assert upstream[1] > 3 * upstream[0] > 1e-6  # the fp32 angle grows, its resolution falls
+    adv = res["adversarial"]
+    assert adv["fp32 unreduced (upstream)"]["f64"][-1] > adv["int32 fixed point"]["f64"][-1]
+    assert "int64 fixed point (ours)" in text and "1e4 steps" in text
+
+
+def test_angle_bench_fp32_reduced_emulation_is_the_step_loop():
+    rng = np.random.default_rng(0)
+    inc = (rng.standard_normal((1, 3000)) * 0.3 + 0.2).astype(np.float32)  # wraps every ~30 steps
+    angle_bench.self_check(inc, 3000)  # raises when the vectorised emulation differs from the loop
+
+
+def test_angle_bench_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = {r: angle_bench.regime_errors(r, 1, 2000) for r in angle_bench.REGIMES}
+    png = tmp_path / "a.png"
+    assert angle_bench.plot(results, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_model_bench_plot(tmp_path):

@@ -120,6 +120,14 @@ def _full_matrix():
     for so, kv, z, o in itertools.product((False, True), repeat=4):
         specs[f"flagship-dense-so{so:d}-kv{kv:d}-z{z:d}-o{o:d}"] = flagship_spec(
             pool=False, has_state_out=so, update_kv_state=kv, has_z=z, has_outproj=o)
+    for N, D, R in itertools.product(SUPPORTED_N, SUPPORTED_D, SUPPORTED_R):  # rotary, rope fraction 0.5
+        specs[f"N{N}-D{D}-R{R}-rotary-pool-dst-kv"] = StepSpec(
+            N, D, R, pool=True, has_dst=True, update_kv_state=True, rope_angles=N // 4, has_bc_bias=True,
+            shared_bc=True)
+    for S, pw, bias, shared, dst, T in itertools.product((32, 64), *([(False, True)] * 4), (1, 4)):
+        flags = dict(tokens=T, dst_per_token=dst and T > 1, num_accepted=T > 1) if T > 1 else {}
+        specs[f"flagship-rotary-S{S}-pw{pw:d}-b{bias:d}-sh{shared:d}-dst{dst:d}-T{T}"] = flagship_spec(
+            has_dst=dst or T > 1, rope_angles=S, rotate_pairwise=pw, has_bc_bias=bias, shared_bc=shared, **flags)
     return specs
 
 
@@ -158,7 +166,7 @@ def check_compiler_facts(spec: StepSpec, arch: str) -> None:
     angles = -(-spec.rope_angles // lay.num_threads)
     assert f.count("LDG", 64) == angles and f.count("STG", 64) == angles * writes, where
     if spec.pool:
-        check_padding_guard(f.sass_text, where)
+        check_padding_guard(f.sass_text, where, loads=2 + spec.num_accepted)
 
 
 # One SASS instruction: optional guard predicate, opcode with modifiers, operands.
@@ -187,9 +195,10 @@ def _first_guard(instrs) -> int:
     return next(k for k, (_, g, op, args) in enumerate(instrs) if _is_conditional_exit_or_branch(g, op, args))
 
 
-def check_padding_guard(sass_text: str, where: str) -> None:
+def check_padding_guard(sass_text: str, where: str, loads: int = 2) -> None:
     """Pool mode: the first thing the kernel does with global memory is read the index; a
-    conditional branch/exit (the padding predicate) comes before any pool load or any store."""
+    conditional branch/exit (the padding predicate) comes before any pool load or any store.
+    ``loads``: the index loads allowed before it (src and dst, plus the accepted count)."""
     instrs = _instructions(sass_text)
     first = _first_guard(instrs)
     before = [(op, args) for _, _, op, args in instrs[:first]
@@ -197,7 +206,7 @@ def check_padding_guard(sass_text: str, where: str) -> None:
     assert before, f"{where}: no index load before the padding branch"
     assert all(op == "LDG.E" for op, _ in before), (
         f"{where}: global accesses other than the 32-bit index loads before the padding branch: {before}")
-    assert len(before) <= 2, f"{where}: more than the src/dst index loads before the padding branch"
+    assert len(before) <= loads, f"{where}: more than the {loads} index loads before the padding branch"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

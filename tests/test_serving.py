@@ -340,6 +340,30 @@ def test_decode_hook_small_tile_scatters_kv_itself():
     _hook_vs_baseline(16, 2, True, False, seed=21)
 
 
+@pytest.mark.parametrize("tile_D", [None, 16])
+def test_decode_hook_with_b_c_shared_by_the_heads_matches_gather_scatter(tile_D):
+    """B/C with a head axis of 1: the B rows stored (by the kernel, or by the hook's masked scatter
+    with tile_D < headdim, which used to fail on the head axis after the step had written the state)
+    hold the shared B in every head."""
+    pool = make_pool(L=1, P=8, seed=31)
+    slots = torch.tensor([5, -1, 2, 0, 8], dtype=torch.int32)
+    base = snapshot(pool)
+    w = layer_weights(H, D, R, generator=torch.Generator().manual_seed(32))
+    inp = lane_inputs(5, H, D, N, R, generator=torch.Generator().manual_seed(33))
+    inp["B"], inp["C"] = inp["B"][:, :, :1].clone(), inp["C"][:, :, :1].clone()
+    warps = 2 if tile_D else None
+    out = decode_step(pool, 0, slots, **inp, **w, tile_D=tile_D, num_warps=warps)
+    st, bs, xs = base[0]
+    ref = gather_scatter_step(st, bs, xs, **inp, **w, slots=slots, update_kv_state=True, tile_D=tile_D,
+                              num_warps=warps)
+    assert bits_equal(out, ref)
+    for a, b in zip(pool.layer_tensors(0), base[0]):
+        assert bits_equal(a, b)
+    Bstate = pool.Bstate(0)
+    for row, lane in ((5, 0), (2, 2), (0, 3)):
+        assert bits_equal(Bstate[row], inp["B"][lane].expand(R, H, N))
+
+
 def test_decode_hook_against_float64_reference():
     out, s, inp, w, before = _hook_vs_baseline(None, None, False, False, seed=30)
     live = lane_is_live(s, 10, None)
@@ -441,7 +465,8 @@ def _bad_lane_inputs(n):
     good = lane_inputs(n, H, D, N, R, generator=torch.Generator().manual_seed(50))
     return [
         ("A", dict(good, A=good["A"][:, :1])),  # (n, 1): broadcast over the heads
-        ("B", dict(good, B=good["B"][:, :, :1])),  # (n, R, 1, N): head 0's B for every head
+        ("B", dict(good, B=good["B"][:, :, :1])),  # (n, R, 1, N): shared B into a runner built for H heads
+        ("C", dict(good, C=good["C"][:, :, :1])),  # C shared while B is not: head 0's C for every head
         ("B", dict(good, B=good["B"].double())),  # float64: cast
         ("Bstate", dict(good, B=good["B"].float())),  # float32 into a bf16 pool: cast (B sets the group)
         ("x", dict(good, x=(good["x"] * 4).to(torch.int32))),  # integer x: cast
@@ -450,7 +475,7 @@ def _bad_lane_inputs(n):
     ]
 
 
-@pytest.mark.parametrize("case", range(7))
+@pytest.mark.parametrize("case", range(8))
 def test_runner_validates_bucketed_steps_exactly_like_eager_ones(case):
     """The bucketed path used to copy_ the inputs into its buffers, broadcasting and casting."""
     pool = make_pool(L=1, P=8)

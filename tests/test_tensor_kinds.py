@@ -24,22 +24,26 @@ from mamba3_step.tensors import StepTensors
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("nested", "sparse", "mkldnn", "quantized", "meta", "freed", "complex", "bool")
 PATHS = ("fn", "fn cached", "plan.run", "op", "decode_step", "runner")
-ARGS = ("x", "A", "state", "state_batch_indices", "D")
+ARGS = ("x", "A", "state", "state_batch_indices", "D", "angle_state", "angle_proj", "B_bias")
 
 SCRIPT = r"""
 import json, sys, torch
 import mamba3_step.ops
 from mamba3_step import mamba3_step_fn, mamba3_step_op, plan_step
 from mamba3_step.serving import CudaGraphStepRunner, StatePool, decode_step
-from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_pool
+from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_, poison_pool
 
-H, D, N, R, P, B = 2, 32, 32, 2, 6, 3
-pool = StatePool(1, P, H, D, N, R)
+H, D, N, R, P, B, S = 2, 32, 32, 2, 6, 3, 4
+pool = StatePool(1, P, H, D, N, R, rope_angles=S)
 poison_pool(pool, torch.Generator().manual_seed(1))
+poison_(pool.angle_state(0), seed=4)
 lanes = lane_inputs(B, H, D, N, R, generator=torch.Generator().manual_seed(2))
+lanes["angle_proj"] = torch.randn(B, H, S, generator=torch.Generator().manual_seed(5))
 weights = layer_weights(H, D, R, generator=torch.Generator().manual_seed(3))
+weights.update(B_bias=torch.ones(R, H, N), C_bias=torch.ones(R, H, N))
 slots = torch.tensor([0, 4, -1], dtype=torch.int32)
-state, Bstate, Xstate = pool.layer_tensors(0)
+rows = pool.layer_rows(0)
+WEIGHTS = ("D", "xproj", "outproj", "zproj", "B_bias", "C_bias")
 
 
 def odd(kind, t):
@@ -73,14 +77,13 @@ def call(path, args):
     if path == "op":
         return mamba3_step_op(**kw, update_kv_state=True)
     if path == "decode_step":
-        return decode_step(pool, 0, kw["state_batch_indices"], **{k: kw[k] for k in
-                           ("A", "B", "C", "D", "x", "dt", "trap", "xproj", "outproj", "z", "zproj")})
+        return decode_step(pool, 0, kw["state_batch_indices"], **{k: kw[k] for k in (*lanes, *WEIGHTS)})
     if path == "runner":
-        return RUNNER.step(kw["state_batch_indices"], **{k: kw[k] for k in ("A", "B", "C", "x", "dt", "trap", "z")})
+        return RUNNER.step(kw["state_batch_indices"], **{k: kw[k] for k in lanes})
     raise AssertionError(path)
 
 
-valid = dict(state=state, Bstate=Bstate, Xstate=Xstate, **lanes, **weights, state_batch_indices=slots)
+valid = dict(**rows, **lanes, **weights, state_batch_indices=slots)
 PLAN = plan_step(**valid, update_kv_state=True)
 RUNNER = CudaGraphStepRunner(pool, 0, buckets=(4,), **weights)
 for path in ("fn", "plan.run", "runner"):  # validated once: later calls take the cached paths
@@ -89,13 +92,13 @@ results = {}
 for path in sys.argv[1].split(","):
     for kind in sys.argv[2].split(","):
         for name in sys.argv[3].split(","):
-            if (path == "runner" and name in ("state", "D")) or (path == "decode_step" and name == "state"):
+            if name in rows and path in ("runner", "decode_step") or (path == "runner" and name in WEIGHTS):
                 continue  # the pool supplies the rows; the runner fixes its weights at construction
             if path == "fn" and name != "x":
                 mamba3_step.validation.VALIDATION_CACHE.clear()  # a first call: the full validation
             args = dict(valid)
             args[name] = odd(kind, valid[name])
-            before = [t.clone() for t in pool.layer_tensors(0)]
+            before = [t.clone() for t in pool.layer_rows(0).values()]
             try:
                 call(path, args)
                 got = "accepted"
@@ -103,7 +106,7 @@ for path in sys.argv[1].split(","):
                 got = type(e).__name__ + ": " + str(e).split(":")[0]
             except Exception as e:
                 got = "UNNAMED " + type(e).__name__ + ": " + str(e)[:120]
-            kept = all(bits_equal(a, b) for a, b in zip(pool.layer_tensors(0), before))
+            kept = all(bits_equal(a, b) for a, b in zip(pool.layer_rows(0).values(), before))
             results[f"{path}|{kind}|{name}"] = [got, kept]
 print("RESULT " + json.dumps(results))
 """

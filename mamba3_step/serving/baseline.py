@@ -6,7 +6,8 @@ Letters (docs/contract.md): ``B`` lanes this step, ``P`` pool rows, ``H`` heads,
 This is what a server does without pool indexing, and the definition the parity tests, the demo
 and the GPU suite compare pool mode against: gather the live lanes' rows out of the pool, run a
 dense step on them, scatter the new rows back for lanes whose destination is a real row, and
-give padding lanes an ``out`` of exact zeros.
+give padding lanes an ``out`` of exact zeros. With rotary angles the angle rows travel with the
+state rows (gathered, advanced by the dense step, scattered back to the same destinations).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ __all__ = ["gather_dense_scatter", "gather_scatter_step"]
 
 
 def gather_dense_scatter(tensors: StepTensors, *, update_kv_state: bool = True, step_fn=None,
-                         tile_D: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                         tile_D: int | None = None, num_warps: int | None = None,
+                         rotate_pairwise: bool = False) -> torch.Tensor:
     """Run a pool-mode step the slow way, in place on ``tensors``' pools; returns a fresh ``out``.
 
     ``tensors`` is a pool-mode bundle (``state`` (P, H, D, N), ``Bstate`` (P, R, H, N),
@@ -33,6 +35,12 @@ def gather_dense_scatter(tensors: StepTensors, *, update_kv_state: bool = True, 
     ``tile_D``/``num_warps`` pick the dense kernel's tiling (compare like with like); when
     ``tile_D < headdim`` the B/x rows are stored by a copy after the dense step instead of by the
     kernel's ``update_kv_state``. It synchronises (boolean masking): for tests, demos, debugging.
+
+    With ``angle_state`` (P, H, S) (and ``angle_proj``, the biases; ``rotate_pairwise`` passed on)
+    the live lanes' angle rows are gathered with the state rows, the dense step advances them and
+    rotates B/C, and they are scattered back wherever the state goes, with or without
+    ``update_kv_state`` (the angle is always written); the B rows stored are the rotated B.
+    ``rotate_pairwise`` reaches ``step_fn`` only when True (a ``step_fn`` with it bound keeps it).
 
     A T-token bundle (``x`` (B, T, H, D); ``state_batch_indices`` (B, K) with
     ``num_accepted_tokens``; ``dst_state_batch_indices`` (B,) or (B, T)) runs as T one-token
@@ -54,7 +62,8 @@ def gather_dense_scatter(tensors: StepTensors, *, update_kv_state: bool = True, 
     for k in range(t.tokens):
         token = dense.token(k)
         # the copies always take this token's B/x: the next token's previous B/x
-        o = step_fn(**token._asdict(), update_kv_state=in_kernel, tile_D=tile_D, num_warps=num_warps)
+        o = step_fn(**token._asdict(), update_kv_state=in_kernel, tile_D=tile_D, num_warps=num_warps,
+                    **({"rotate_pairwise": rotate_pairwise} if rotate_pairwise else {}))
         if not in_kernel:
             token.Bstate.copy_(token.B)
             token.Xstate.copy_(token.x)
@@ -68,13 +77,16 @@ def gather_dense_scatter(tensors: StepTensors, *, update_kv_state: bool = True, 
 
 def _scatter(t: StepTensors, dense: StepTensors, lanes: torch.Tensor, targets: torch.Tensor,
              update_kv_state: bool) -> None:
-    """The dense rows of ``lanes`` to pool rows ``targets[lanes]`` (padding targets skipped)."""
+    """The dense rows of ``lanes`` to pool rows ``targets[lanes]`` (padding targets skipped); the
+    angle rows always, the B/x rows with ``update_kv_state``."""
     rows = targets[lanes].long()
     keep = torch.nonzero(lane_is_live(rows, t.state.shape[0], t.null_slot_id)).flatten()
     if keep.numel() == 0:
         return
     rows = rows[keep]
     t.state.index_copy_(0, rows, dense.state.index_select(0, keep))
+    if t.angle_state is not None:
+        t.angle_state.index_copy_(0, rows, dense.angle_state.index_select(0, keep))
     if update_kv_state:
         t.Bstate.index_copy_(0, rows, dense.Bstate.index_select(0, keep))
         t.Xstate.index_copy_(0, rows, dense.Xstate.index_select(0, keep))
@@ -83,13 +95,15 @@ def _scatter(t: StepTensors, dense: StepTensors, lanes: torch.Tensor, targets: t
 def gather_scatter_step(*args, slots: torch.Tensor, dst_slots: torch.Tensor | None = None,
                         null_slot_id: int | None = None, num_accepted_tokens: torch.Tensor | None = None,
                         update_kv_state: bool = True, tile_D: int | None = None, num_warps: int | None = None,
-                        **kwargs) -> torch.Tensor:
+                        rotate_pairwise: bool = False, **kwargs) -> torch.Tensor:
     """:func:`gather_dense_scatter` with ``mamba3_step_fn``'s flat arguments.
 
     ``args``/``kwargs`` are ``mamba3_step_fn``'s tensors (``state``, ``Bstate``, ``Xstate``, ``A``,
-    ``B``, ``C``, ``D``, ``x``, ``dt``, ``trap``, ``xproj``, ``outproj``, ``z=``, ``zproj=``);
+    ``B``, ``C``, ``D``, ``x``, ``dt``, ``trap``, ``xproj``, ``outproj``, ``z=``, ``zproj=``, and the
+    rotary ``angle_state=``, ``angle_proj=``, ``B_bias=``, ``C_bias=``);
     ``slots``/``dst_slots`` are the pool indices. Same effects; returns a fresh ``out``.
     """
     tensors = StepTensors(*args, **kwargs, state_batch_indices=slots, dst_state_batch_indices=dst_slots,
                           null_slot_id=null_slot_id, num_accepted_tokens=num_accepted_tokens)
-    return gather_dense_scatter(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps)
+    return gather_dense_scatter(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
+                                rotate_pairwise=rotate_pairwise)

@@ -14,10 +14,10 @@ from typing import NamedTuple
 import torch
 
 from ..contract import shown, source_rows
-from ..signature import StepOptions, View, make_binder, view_fields, view_signature
+from ..signature import STEP_SIGNATURE, StepOptions, View, make_binder, view_fields, view_signature
 from ..spec import MAX_TOKENS
-from ..tensors import LANE_FIELDS, ROW_FIELDS, WEIGHT_FIELDS, StepTensors
-from ..validation import check_step_inputs_cached
+from ..tensors import LANE_FIELDS, WEIGHT_FIELDS, StepTensors
+from ..validation import check_options, check_step_inputs_cached
 from ..validation.checks import check_is_tensor
 from ..validation.table import RULE_BY_NAME
 from .hook import POOL_SUPPLIED, decode_step, kv_update_in_kernel
@@ -127,16 +127,32 @@ _STEP_FIELDS = view_fields(_STEP_VIEW)
 _bind_step = make_binder("step", view_signature(_STEP_VIEW))
 
 
+#: the options a runner fixes at construction (the rest it decides: update_kv_state, validate_indices)
+_RUNNER_OPTIONS = ("tile_D", "num_warps", "rotate_pairwise")
+#: the constructor: the pool and layer, then (keyword-only) the layer's weights as declared (a new
+#: weight field becomes a parameter by itself), the options it fixes, then its own settings
+_INIT_VIEW = View(
+    leading=(Parameter("self", Parameter.POSITIONAL_OR_KEYWORD),
+             Parameter("pool", Parameter.POSITIONAL_OR_KEYWORD, annotation="StatePool"),
+             Parameter("layer", Parameter.POSITIONAL_OR_KEYWORD, annotation="int")),
+    supplied=frozenset(STEP_SIGNATURE.parameters) - set(WEIGHT_FIELDS) - set(_RUNNER_OPTIONS), keyword_only=True,
+    trailing=tuple(Parameter(name, Parameter.KEYWORD_ONLY, default=default, annotation=ann) for name, default, ann in (
+        ("buckets", DEFAULT_BUCKETS, "Sequence[int]"), ("with_dst", False, "bool"), ("shared_bc", False, "bool"),
+        ("use_cuda_graph", None, "bool | None"), ("graph_pool", None, "Any"))))
+_INIT_NAMES = tuple(view_signature(_INIT_VIEW).parameters)
+_bind_init = make_binder("CudaGraphStepRunner", view_signature(_INIT_VIEW))
+
 #: the pool attribute holding the dtype of a rule's dtype group (the rule named, or its ``same_as``)
 _POOL_DTYPES = {"x": "x_dtype", "B": "kv_dtype"}
 
 
-def lane_buffer(pool: StatePool, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+def lane_buffer(pool: StatePool, name: str, shared_bc: bool = False) -> tuple[tuple[int, ...], torch.dtype]:
     """A per-lane input's shape after the lane (and token) axes, and its dtype, for ``pool``'s
     layers: read from the argument's row in ``validation.table`` (its letters; float32, or the
-    pool's dtype of its group)."""
+    pool's dtype of its group). ``shared_bc``: B and C with a head axis of 1."""
     rule = RULE_BY_NAME[name]
-    sizes = {"H": pool.nheads, "D": pool.headdim, "N": pool.dstate, "R": pool.mimo}
+    sizes = {"H": pool.nheads, "D": pool.headdim, "N": pool.dstate, "R": pool.mimo,
+             "Hbc": 1 if shared_bc else pool.nheads, "A": pool.rope_angles}
     shape = tuple(sizes[c] for c in rule.letters.split()[1:] if not c.startswith("["))
     if rule.dtypes == ("float32",):
         return shape, torch.float32
@@ -154,11 +170,14 @@ class CudaGraphStepRunner:
     A step larger than the largest bucket runs eagerly, unpadded. On CPU the same static
     buffers and padding are used, without graphs, so server logic is testable anywhere.
 
-    The layer's weights (``D`` ``(H,)`` fp32; ``xproj``/``zproj``/``outproj`` ``(R, H, D)``) are
-    fixed at construction (the graph reads their storage: update them in place). Per-step
-    inputs: ``A``, ``dt``, ``trap`` ``(n, H)`` fp32; ``B``, ``C`` ``(n, R, H, N)``; ``x`` (and ``z``
-    when ``zproj`` is given) ``(n, H, D)``. With ``with_dst=True`` a static destination-slot
-    buffer is captured too and :meth:`step` takes ``dst_slots`` (prefix caching).
+    The layer's weights (``D`` ``(H,)`` fp32; ``xproj``/``zproj``/``outproj`` ``(R, H, D)``; the rotary
+    ``B_bias``/``C_bias`` ``(R, H, N)`` fp32) and the options ``tile_D``, ``num_warps`` and
+    ``rotate_pairwise`` are fixed at construction (the graph reads the weights' storage: update them
+    in place). Per-step inputs: ``A``, ``dt``, ``trap`` ``(n, H)`` fp32; ``B``, ``C`` ``(n, R, H, N)``
+    (``(n, R, 1, N)`` with ``shared_bc=True``); ``x`` (and ``z`` when ``zproj`` is given) ``(n, H, D)``;
+    ``angle_proj`` ``(n, H, S)`` fp32 when the pool has rotary angles (``rope_angles=S``; the pool
+    supplies ``angle_state``). With ``with_dst=True`` a static destination-slot buffer is captured
+    too and :meth:`step` takes ``dst_slots`` (prefix caching).
     Capture happens lazily on first use of a bucket, or eagerly with :meth:`capture`.
 
     Multi-token steps (speculative decoding's verify pass): the per-lane inputs may carry a token
@@ -169,37 +188,27 @@ class CudaGraphStepRunner:
     ``pool.pad_id``: padding. T-less steps are the form ``StepForm()``, unchanged.
     """
 
-    def __init__(
-        self,
-        pool: StatePool,
-        layer: int,
-        *,
-        D: torch.Tensor,
-        xproj: torch.Tensor,
-        outproj: torch.Tensor | None = None,
-        zproj: torch.Tensor | None = None,
-        buckets: Sequence[int] = DEFAULT_BUCKETS,
-        with_dst: bool = False,
-        tile_D: int | None = None,
-        num_warps: int | None = None,
-        use_cuda_graph: bool | None = None,
-        graph_pool=None,
-    ):
+    def __init__(self, *args, **kwargs):
+        a = dict(zip(_INIT_NAMES, _bind_init(self, *args, **kwargs)))
+        pool, layer, use_cuda_graph = a["pool"], a["layer"], a["use_cuda_graph"]
         pool._layer(layer)
         self.pool = pool
         self.layer = layer
-        self.D, self.xproj, self.outproj, self.zproj = D, xproj, outproj, zproj
-        self._weights = {name: getattr(self, name) for name in WEIGHT_FIELDS}
-        self.buckets = check_buckets(buckets)
-        self.with_dst = bool(with_dst)
-        self.tile_D, self.num_warps = tile_D, num_warps
+        self._weights = {name: a[name] for name in WEIGHT_FIELDS}  # D, xproj, zproj, outproj, B_bias, C_bias
+        options = check_options(**{name: a[name] for name in _RUNNER_OPTIONS})  # named errors, numpy ints
+        self._options = {name: options[name] for name in _RUNNER_OPTIONS}  # tile_D, num_warps, rotate_pairwise
+        self.__dict__.update(self._weights, **self._options)  # each also an attribute: self.D, self.tile_D ...
+        self.buckets = check_buckets(a["buckets"])
+        self.with_dst, self.shared_bc = bool(a["with_dst"]), bool(a["shared_bc"])
+        #: the optional per-lane inputs and whether this runner has a buffer for each (the rest: none)
+        self._optional_lanes = {"z": self.zproj is not None, "angle_proj": pool.rope_angles > 0}
         is_cuda = pool.device.type == "cuda"
         if use_cuda_graph is None:
             use_cuda_graph = is_cuda
         if use_cuda_graph and not is_cuda:
             raise ValueError(f"use_cuda_graph: CUDA graphs need a CUDA pool, got device {pool.device}")
         self.use_cuda_graph = bool(use_cuda_graph)
-        self.graph_pool = graph_pool
+        self.graph_pool = a["graph_pool"]
         if self.use_cuda_graph and self.graph_pool is None:
             self.graph_pool = torch.cuda.graph_pool_handle()
         self._static: dict[tuple[int, StepForm], dict[str, torch.Tensor]] = {}
@@ -233,14 +242,14 @@ class CudaGraphStepRunner:
             dst = stand_in("dst", None, (n,)) if self.with_dst else None
         nat = None if num_accepted_tokens is None else stand_in("nat", num_accepted_tokens)
         tensors = StepTensors(
-            **dict(zip(ROW_FIELDS, p.layer_tensors(self.layer))), **{f: inputs.get(f) for f in LANE_FIELDS},
+            **p.layer_rows(self.layer), **{f: inputs.get(f) for f in LANE_FIELDS},
             **self._weights, out=None if s is None else s["out"][:n], state_batch_indices=stand_in("slots", slots),
             dst_state_batch_indices=dst, null_slot_id=p.null_slot_id, num_accepted_tokens=nat,
         )
         x = inputs["x"]
         tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
         in_kernel = kv_update_in_kernel(p.headdim, p.dstate, p.mimo, p.state_dtype, self.tile_D, tokens)
-        check_step_inputs_cached(tensors, update_kv_state=in_kernel, tile_D=self.tile_D, num_warps=self.num_warps)
+        check_step_inputs_cached(tensors, update_kv_state=in_kernel, **self._options)
 
     # static buffers -------------------------------------------------------------------
     def _make_static(self, bucket: int, form: StepForm) -> dict[str, torch.Tensor]:
@@ -250,8 +259,8 @@ class CudaGraphStepRunner:
         s = {"slots": torch.full((bucket,) + ((form.candidates,) if form.candidates else ()), p.pad_id,
                                  dtype=torch.int32, device=dev)}
         for name in LANE_FIELDS:
-            if name != "z" or self.zproj is not None:
-                shape, dtype = lane_buffer(p, name)
+            if self._optional_lanes.get(name, name not in StepTensors._field_defaults):
+                shape, dtype = lane_buffer(p, name, self.shared_bc)
                 s[name] = torch.zeros(lanes + shape, dtype=dtype, device=dev)
         if form.candidates:
             s["nat"] = torch.ones((bucket,), dtype=torch.int32, device=dev)
@@ -265,8 +274,7 @@ class CudaGraphStepRunner:
     def _run(self, s: dict[str, torch.Tensor]) -> torch.Tensor:
         return decode_step(
             self.pool, self.layer, s["slots"], **{f: s.get(f) for f in LANE_FIELDS}, **self._weights,
-            dst_slots=s.get("dst"), num_accepted_tokens=s.get("nat"), out=s["out"], tile_D=self.tile_D,
-            num_warps=self.num_warps,
+            dst_slots=s.get("dst"), num_accepted_tokens=s.get("nat"), out=s["out"], **self._options,
         )
 
     def capture(self, buckets: Sequence[int] | None = None, form: StepForm | None = None) -> None:
@@ -365,32 +373,45 @@ class CudaGraphStepRunner:
                                  f"buffers), got a meta tensor")
 
     def _lane_inputs(self, slots, inputs: dict, dst_slots) -> dict:
-        """The runner's own checks (slots' kind, z against zproj, ``dst_slots`` against ``with_dst``,
-        every per-lane input a tensor of ``n`` lanes); returns the per-lane inputs given."""
+        """The runner's own checks (slots' kind, z against zproj, angle_proj against the pool's angles,
+        B/C's head axis against ``shared_bc``, ``dst_slots`` against ``with_dst``, every per-lane input
+        a tensor of ``n`` lanes); returns the per-lane inputs given."""
         if not isinstance(slots, torch.Tensor) or slots.dim() not in (1, 2):
             raise ValueError(f"slots: expected a (n,) or (n, K) int32 tensor, got "
                              f"{getattr(slots, 'shape', type(slots))}")
         if slots.dtype != torch.int32:
             raise TypeError(f"slots: expected dtype torch.int32, got {slots.dtype}")
-        for name in [f for f in inputs if f != "z" and f in StepTensors._field_defaults]:
-            if inputs.pop(name) is not None:  # an optional per-lane input the runner has no buffer for
+        for name in [f for f in inputs if f in StepTensors._field_defaults]:
+            t, wanted = inputs.pop(name), self._optional_lanes.get(name)
+            if wanted is None and t is not None:  # an optional per-lane input the runner has no buffer for
                 raise ValueError(f"{name}: a CudaGraphStepRunner captures no {name}; pass None")
-        z = inputs.pop("z")
-        if (z is None) != (self.zproj is None):
-            raise ValueError(
-                "z: expected a (n, H, D) tensor because the runner has zproj"
-                if z is None
-                else "z: this runner was built without zproj, so z must be None"
-            )
+            if wanted is not None and (t is None) == wanted:
+                raise ValueError(self._optional_lane_problem(name, t))
+            if t is not None:
+                inputs[name] = t
+        heads, H = (1 if self.shared_bc else self.pool.nheads), self.pool.nheads
+        for name in ("B", "C"):  # the other valid head axis fits no buffer of this runner
+            t = inputs[name]
+            if isinstance(t, torch.Tensor) and t.dim() >= 4 and t.shape[-2] != heads and t.shape[-2] in (1, H):
+                raise ValueError(f"{name}: expected a head axis of {heads} (this runner was built with shared_bc="
+                                 f"{self.shared_bc}), got shape {tuple(t.shape)}")
         if dst_slots is not None and not self.with_dst:
             raise ValueError("dst_slots: this runner was built with with_dst=False; pass with_dst=True")
         n = slots.shape[0]
-        if z is not None:
-            inputs["z"] = z
         for name, t in inputs.items():
             if not isinstance(t, torch.Tensor) or t.shape[:1] != (n,):
                 raise ValueError(f"{name}: expected {n} lanes (len(slots)), got shape {tuple(getattr(t, 'shape', ()))}")
         return inputs
+
+    def _optional_lane_problem(self, name: str, given) -> str:
+        """Why an optional per-lane input ``name`` (``given`` or None) does not fit this runner."""
+        if name == "z":
+            return ("z: this runner was built without zproj, so z must be None" if given is not None
+                    else "z: expected a (n, H, D) tensor because the runner has zproj")
+        S = self.pool.rope_angles
+        return (f"{name}: this runner's pool has no rotary angles (rope_angles=0), so {name} must be None"
+                if given is not None else
+                f"{name}: expected a (n, H, {S}) fp32 tensor because the runner's pool has rotary angles (S={S})")
 
     def _eager(self, slots, inputs: dict, dst_slots, num_accepted_tokens) -> torch.Tensor:
         """The step, unpadded, through :func:`decode_step` (validated there)."""
@@ -403,8 +424,7 @@ class CudaGraphStepRunner:
 
         return decode_step(
             self.pool, self.layer, slots.to(dev), **{f: inputs.get(f) for f in LANE_FIELDS}, **self._weights,
-            dst_slots=moved(dst_slots), num_accepted_tokens=moved(num_accepted_tokens), tile_D=self.tile_D,
-            num_warps=self.num_warps,
+            dst_slots=moved(dst_slots), num_accepted_tokens=moved(num_accepted_tokens), **self._options,
         )
 
     def _fill(self, s: dict, n: int, slots, dst_slots, num_accepted_tokens, inputs: dict) -> None:
@@ -425,3 +445,4 @@ class CudaGraphStepRunner:
 
 
 CudaGraphStepRunner.step.__signature__ = view_signature(_STEP_VIEW).replace(return_annotation="torch.Tensor")
+CudaGraphStepRunner.__init__.__signature__ = view_signature(_INIT_VIEW)

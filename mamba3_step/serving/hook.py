@@ -38,8 +38,10 @@ def kv_update_in_kernel(headdim: int, dstate: int, mimo: int, state_dtype, tile_
     return tile_D >= headdim
 
 
-#: what the pool supplies: its layer's rows, its null slot; the hook decides update_kv_state
-POOL_SUPPLIED = frozenset({"state", "Bstate", "Xstate", "state_out", "null_slot_id", "update_kv_state"})
+#: what the pool supplies: its layer's rows (the angle's too), its null slot; the hook decides
+#: update_kv_state
+POOL_SUPPLIED = frozenset({"state", "Bstate", "Xstate", "angle_state", "state_out", "null_slot_id",
+                           "update_kv_state"})
 _VIEW = View(
     leading=(Parameter("pool", Parameter.POSITIONAL_OR_KEYWORD, annotation="StatePool"),
              Parameter("layer", Parameter.POSITIONAL_OR_KEYWORD, annotation="int")),
@@ -60,11 +62,17 @@ def decode_step(*args, **kwargs) -> torch.Tensor:
             ``slots[b, num_accepted_tokens[b] - 1]`` (a speculative verify step,
             ``StatePool.spec_indices``). Padding lanes (a source ``< 0``, ``>= P``, the pool's null
             slot, or a count outside ``[1, K]``) give zero ``out`` and touch no row.
-        A, dt, trap: ``(B, H)`` fp32.  B, C: ``(B, R, H, N)`` ``pool.kv_dtype``.  D: ``(H,)`` fp32.
+        A, dt, trap: ``(B, H)`` fp32.  B, C: ``(B, R, H, N)`` ``pool.kv_dtype`` (or ``(B, R, 1, N)``,
+            shared by the heads).  D: ``(H,)`` fp32.
         x, z: ``(B, H, D)`` ``pool.x_dtype``.  xproj, zproj, outproj: ``(R, H, D)``.
             With ``T`` tokens per lane the per-lane inputs carry a token axis after the lane
             axis: ``(B, T, H)``, ``(B, T, R, H, N)``, ``(B, T, H, D)`` (token ``t``'s previous B/x
             is token ``t - 1``'s; ``T`` is compile-time: one kernel specialisation per ``T``).
+        angle_proj: ``(B, [T,] H, S)`` fp32, exactly when the pool has rotary angles
+            (``rope_angles=S``): each token advances the lane's angle row (which the pool supplies)
+            and rotates B and C by it (docs/contract.md).
+        B_bias, C_bias: optional ``(R, H, N)`` fp32, together, with the angles (added before the rotation).
+        rotate_pairwise: which element pairs rotate (upstream's ``rotate_pairwise``).
         dst_slots: optional int32 destination rows: ``(B,)`` (the final state; prefix caching:
             read a cached prefix row, write the request's own row) or, with a token axis,
             ``(B, T)`` (the state after token ``t`` to row ``dst_slots[b, t]``; a padding entry
@@ -75,21 +83,22 @@ def decode_step(*args, **kwargs) -> torch.Tensor:
 
     Effects: layer ``layer``'s ``state`` rows ``dst`` get the new state and its
     ``Bstate``/``Xstate`` rows ``dst`` get this step's ``B``/``x`` (next step's "previous"; per
-    token with a ``(B, T)`` ``dst_slots``, else the last token's). When ``tile_D >= headdim``
+    token with a ``(B, T)`` ``dst_slots``, else the last token's; with rotary the rotated B); with
+    rotary angles its ``angle_state`` rows ``dst`` get the advanced angle. When ``tile_D >= headdim``
     (the default) the kernel stores B/x itself (``update_kv_state=True``); otherwise the hook
     keeps the user's ``tile_D`` and follows the step with a masked scatter (graph-capturable:
     padded lanes and padding tokens go to a hidden scratch row). Returns ``out``.
     """
     values = _bind(*args, **kwargs)
     pool, layer, call = values[0], values[1], dict(zip(_FIELDS, values[2:]))
-    state, Bstate, Xstate = pool.layer_tensors(layer)
+    rows = pool.layer_rows(layer)
     # the options first: the hook reads tile_D itself before the step's validation sees it
     check_options(tile_D=call["tile_D"], num_warps=call["num_warps"], validate_indices=call["validate_indices"])
     x = call["x"]
     tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
     in_kernel = kv_update_in_kernel(pool.headdim, pool.dstate, pool.mimo, pool.state_dtype, call["tile_D"], tokens)
     tensors = StepTensors(**{name: call.get(name) for name in StepTensors._fields if name not in POOL_SUPPLIED},
-                          state=state, Bstate=Bstate, Xstate=Xstate, null_slot_id=pool.null_slot_id)
+                          **rows, null_slot_id=pool.null_slot_id)
     options = StepOptions(**{name: call.get(name) for name in StepOptions._fields if name not in POOL_SUPPLIED},
                           update_kv_state=in_kernel)
     out = run_step(tensors, options)
@@ -103,7 +112,9 @@ decode_step.__signature__ = view_signature(_VIEW).replace(return_annotation="tor
 
 def _masked_kv_scatter(pool: StatePool, layer: int, tensors: StepTensors) -> None:
     """Store B/x into the rows ``dst`` of live lanes (per token with a ``(B, T)`` ``dst_slots``, else
-    the last token's into the final row), in token order; padding goes to the hidden scratch row."""
+    the last token's into the final row), in token order; padding goes to the hidden scratch row.
+    A B shared by the heads (a head axis of 1) is stored into every head's row. Never with rotary
+    (its rotated B is the kernel's to store: ``tile_D < headdim`` is refused with angles)."""
     P = pool.num_slots
     slots, dst_slots, B, x = tensors.state_batch_indices, tensors.dst_state_batch_indices, tensors.B, tensors.x
     num_accepted_tokens = tensors.num_accepted_tokens
@@ -117,5 +128,5 @@ def _masked_kv_scatter(pool: StatePool, layer: int, tensors: StepTensors) -> Non
     for rows, b, xt in writes:
         keep = live & lane_is_live(rows, P, pool.null_slot_id)
         rows = torch.where(keep, rows, torch.full_like(rows, P))
-        pool._Bstate[layer].index_copy_(0, rows, b.to(pool.kv_dtype))
+        pool._Bstate[layer].index_copy_(0, rows, b.to(pool.kv_dtype).expand(-1, -1, pool.nheads, -1))
         pool._Xstate[layer].index_copy_(0, rows, xt.to(pool.x_dtype))

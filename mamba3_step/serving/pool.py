@@ -51,9 +51,12 @@ class StatePool:
     * ``state(l)``  ``(P, H, D, N)``  ``state_dtype`` (fp32 / bf16 / fp16)
     * ``Bstate(l)`` ``(P, R, H, N)``  ``kv_dtype``    (previous step's B)
     * ``Xstate(l)`` ``(P, H, D)``     ``x_dtype``     (previous step's x; defaults to ``kv_dtype``)
+    * ``angle_state(l)`` ``(P, H, S)`` int64 (the rotary angle, fixed-point turns), with ``rope_angles=S``
+      (rotary angles per head, in ``[1, N/2]``; default 0: no angle pool, ``angle_state(l)`` is None)
 
     These are contiguous views into one allocation per tensor kind, ``(L, P, ...)``, so
-    ``reset`` and ``copy`` touch every layer with one indexing op. ``Bstate``/``Xstate``
+    ``reset`` and ``copy`` touch every layer with one indexing op, and every kind alike (a reset
+    angle is 0, a copied one the source's bits). ``Bstate``/``Xstate``
     carry one hidden scratch row after the ``P`` visible ones (never handed to the kernel,
     never allocated); the decode hook sends padded lanes' B/x there when it has to scatter
     B/x itself (``tile_D < headdim``). The pool is zero-initialised.
@@ -95,12 +98,16 @@ class StatePool:
         x_dtype=None,
         device="cpu",
         reserve_null_slot: bool = False,
+        rope_angles: int = 0,
     ):
         num_layers, num_slots, nheads = (_checked_size(n, v) for n, v in (
             ("num_layers", num_layers), ("num_slots", num_slots), ("nheads", nheads)))
         headdim = _checked_size("headdim", headdim, SUPPORTED_D)
         dstate = _checked_size("dstate", dstate, SUPPORTED_N)
         mimo = _checked_size("mimo", mimo, SUPPORTED_R)
+        if not is_int(rope_angles) or not 0 <= rope_angles <= dstate // 2:
+            raise ValueError(f"rope_angles: expected an int in [0, dstate/2 = {dstate // 2}] (rotary angles per head, "
+                             f"each rotating one pair of B/C's dstate elements; 0: none), got {shown(rope_angles)}")
         if not isinstance(reserve_null_slot, bool):
             raise TypeError(f"reserve_null_slot: expected a bool, got {type(reserve_null_slot).__name__} "
                             f"{shown(reserve_null_slot)}")
@@ -114,6 +121,7 @@ class StatePool:
         self.headdim = headdim
         self.dstate = dstate
         self.mimo = mimo
+        self.rope_angles = int(rope_angles)
         self.state_dtype = as_torch_dtype(state_dtype, "state_dtype")
         self.kv_dtype = as_torch_dtype(kv_dtype, "kv_dtype")
         self.x_dtype = self.kv_dtype if x_dtype is None else as_torch_dtype(x_dtype, "x_dtype")
@@ -125,6 +133,8 @@ class StatePool:
         # one hidden scratch row (index P) for masked B/x scatters of padded lanes
         self._Bstate = torch.zeros((L, P + 1, R, H, N), dtype=self.kv_dtype, device=self.device)
         self._Xstate = torch.zeros((L, P + 1, H, D), dtype=self.x_dtype, device=self.device)
+        S = self.rope_angles
+        self._angle_state = torch.zeros((L, P, H, S), dtype=torch.int64, device=self.device) if S else None
 
         first = 1 if self.reserve_null_slot else 0
         self._lock = threading.RLock()  # guards the free list and the allocated flags
@@ -156,9 +166,25 @@ class StatePool:
         """Layer ``layer``'s x-state pool, ``(P, H, D)``, ``x_dtype``, contiguous view."""
         return self._Xstate[self._layer(layer), : self.num_slots]
 
+    def angle_state(self, layer: int) -> torch.Tensor | None:
+        """Layer ``layer``'s rotary-angle pool, ``(P, H, S)`` int64, contiguous view; None without ``rope_angles``."""
+        layer = self._layer(layer)
+        return None if self._angle_state is None else self._angle_state[layer]
+
     def layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(state, Bstate, Xstate)`` of one layer (views, see above)."""
+        """``(state, Bstate, Xstate)`` of one layer (views, see above); the angle: :meth:`layer_rows`."""
         return self.state(layer), self.Bstate(layer), self.Xstate(layer)
+
+    def layer_rows(self, layer: int) -> dict[str, torch.Tensor | None]:
+        """Every row tensor of one layer by its step argument name (``tensors.ROW_FIELDS``): ``state``,
+        ``Bstate``, ``Xstate`` and ``angle_state`` (None without ``rope_angles``). What a step supplies."""
+        state, Bstate, Xstate = self.layer_tensors(layer)
+        return dict(state=state, Bstate=Bstate, Xstate=Xstate, angle_state=self.angle_state(layer))
+
+    def _pools(self) -> tuple[torch.Tensor, ...]:
+        """The ``(L, P[+1], ...)`` allocations whose rows belong to the slots (every kind a row op touches)."""
+        kinds = (self._state, self._Bstate, self._Xstate)
+        return kinds if self._angle_state is None else kinds + (self._angle_state,)
 
     def _layer(self, layer: int) -> int:
         if not is_int(layer) or not 0 <= layer < self.num_layers:
@@ -167,12 +193,13 @@ class StatePool:
 
     @property
     def bytes_per_slot_per_layer(self) -> int:
-        """Bytes one slot occupies in one layer (state + Bstate + Xstate rows)."""
+        """Bytes one slot occupies in one layer (state + Bstate + Xstate rows, and the angle row)."""
         H, D, N, R = self.nheads, self.headdim, self.dstate, self.mimo
         return (
             H * D * N * self.state_dtype.itemsize
             + R * H * N * self.kv_dtype.itemsize
             + H * D * self.x_dtype.itemsize
+            + H * self.rope_angles * 8
         )
 
     @property
@@ -183,7 +210,7 @@ class StatePool:
     @property
     def total_bytes(self) -> int:
         """Bytes the pool allocated: ``P * bytes_per_slot`` plus the B/x scratch rows."""
-        return sum(t.numel() * t.element_size() for t in (self._state, self._Bstate, self._Xstate))
+        return sum(t.numel() * t.element_size() for t in self._pools())
 
     # ---- allocator ----------------------------------------------------------------
     @property
@@ -282,18 +309,17 @@ class StatePool:
 
     # ---- row operations -------------------------------------------------------------
     def reset(self, slots) -> None:
-        """Zero the rows of ``slots`` (allocated slots) in every layer: state, Bstate, Xstate."""
+        """Zero the rows of ``slots`` (allocated slots) in every layer: state, Bstate, Xstate, the angle."""
         with self._lock:  # the slots stay allocated (to their owner) until the rows are zeroed
             lst = self._checked_allocated(slots, "slots", what="reset")
             if not lst:
                 return
             idx = self._index(lst)
-            self._state.index_fill_(1, idx, 0)
-            self._Bstate.index_fill_(1, idx, 0)
-            self._Xstate.index_fill_(1, idx, 0)
+            for t in self._pools():
+                t.index_fill_(1, idx, 0)
 
     def copy(self, src, dst) -> None:
-        """Fork rows: every layer's ``state``/``Bstate``/``Xstate`` row ``dst[i]`` := row ``src[i]``.
+        """Fork rows: every layer's ``state``/``Bstate``/``Xstate`` (and angle) row ``dst[i]`` := row ``src[i]``.
 
         ``src`` has one slot (broadcast to every ``dst``: parallel sampling) or ``len(dst)``
         slots (beam search reordering). All slots must be allocated; ``dst`` must not repeat.
@@ -309,7 +335,7 @@ class StatePool:
             if not d:
                 return
             si, di = self._index(s), self._index(d)
-            for t in (self._state, self._Bstate, self._Xstate):
+            for t in self._pools():
                 t.index_copy_(1, di, t.index_select(1, si))
 
     def fork(self, src: int, n: int) -> torch.Tensor:
@@ -414,7 +440,7 @@ class StatePool:
     def __repr__(self) -> str:
         return (
             f"StatePool(L={self.num_layers}, P={self.num_slots}, H={self.nheads}, D={self.headdim}, "
-            f"N={self.dstate}, R={self.mimo}, state={self.state_dtype}, kv={self.kv_dtype}, "
+            f"N={self.dstate}, R={self.mimo}, S={self.rope_angles}, state={self.state_dtype}, kv={self.kv_dtype}, "
             f"x={self.x_dtype}, device={self.device}, null_slot={self.null_slot_id}, "
             f"free={self.num_free}, {self.total_bytes / 2**20:.1f} MiB)"
         )
