@@ -1,12 +1,16 @@
 """``python -m mamba3_step demo``: a toy multi-layer decode over a state pool, checked each step.
 
-Requests join and leave between steps (slots allocated, reset, forked from a cached prefix
-and freed); each step's live lanes are shuffled, padded up to a batch-size bucket and run,
-layer after layer, through :class:`~mamba3_step.serving.CudaGraphStepRunner` (pool mode of
-``mamba3_step_fn``: CUDA graphs and the CuteDSL kernel on a GPU, the PyTorch path on CPU).
-A second copy of the pool is driven by the gather -> dense -> scatter baseline; after every
-layer and step the outputs, every pool row and the untouched rows are compared bit for bit,
-and the outputs are compared with a float64 reference for an error figure.
+Each layer is a :class:`~mamba3_step.layer.Mamba3DecodeLayer` (upstream Mamba-3's MIMO
+parameterisation, random weights): hidden states in, hidden states out, with in_proj, the
+element-wise preparation, one pool-mode ``mamba3_step_fn`` call (which also advances the rotary
+angle and rotates B/C) and out_proj; layer ``l + 1`` reads layer ``l``'s output. Requests join and
+leave between steps (slots allocated, reset, forked from a cached prefix and freed); each step's
+live lanes are shuffled, padded up to a batch-size bucket and run, layer after layer (on a GPU each
+bucket's decode is captured once in a CUDA graph and replayed; on CPU the PyTorch path runs the
+same padded batches). A second copy of the pool is driven by the gather -> dense -> scatter
+baseline on the same prepared inputs; after every layer and step the step's outputs, every pool
+row (state, B, x and the angle) and the untouched rows are compared bit for bit, and the step's
+outputs are compared with a float64 reference for an error figure.
 
 Then a speculative-decoding round (:mod:`mamba3_step.demo_speculative`): each request owns a
 group of T rows, verifies T tokens (its last token and T - 1 random drafts) in one T-token step
@@ -15,9 +19,10 @@ nothing copied); every accepted token's ``out`` and state rows must equal one-to
 decoding of the accepted tokens, bit for bit.
 
 Letters (docs/contract.md): B lanes, P pool rows (slots), H heads, D head dim, N state size,
-R MIMO rank, L layers. The specialisation is named like everywhere else (``--config``, dtype
-flags; default: the flagship); the mode is the server's (pool mode, destination rows,
-update_kv_state). Exit status 0 when parity held everywhere and the error is within tolerance.
+R MIMO rank, S rotary angles per head, L layers. The specialisation is named like everywhere else
+(``--config``, dtype flags; default: the flagship); the mode is the server's (pool mode, destination
+rows, update_kv_state, the rotary angle). Exit status 0 when parity held everywhere and the error is
+within tolerance.
 """
 
 from __future__ import annotations
@@ -26,16 +31,18 @@ import argparse
 import random
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from .demo_speculative import SpecRecord, SpecResult, run_speculative_decode
-from .reference import step_math
-from .serving import CudaGraphStepRunner, StatePool, check_buckets, choose_bucket, gather_dense_scatter
+from .layer import LayerDtypes, LayerPools, Mamba3DecodeLayer, StepInputs
+from .reference import mamba3_step_reference
+from .serving import StatePool, check_buckets, choose_bucket, gather_dense_scatter
 from .spec import MAX_TOKENS
 from .specsets import add_spec_arguments, parse_spec_args
 from .tensors import StepTensors
-from .testing import LayerShape, bits_equal, lane_inputs, layer_weights, poison_pool
+from .testing import LayerShape, bits_equal, poison_pool
 
 __all__ = ["DemoResult", "HELP", "SpecRecord", "SpecResult", "StepRecord", "add_arguments", "run",
            "run_speculative_decode", "run_toy_decode"]
@@ -120,26 +127,108 @@ class _Requests:
         return max(0, min(want, room)), src_of
 
 
-def _check_layer(out, out_base, pool, base_rows, before, dst, slots) -> list[str]:
+class _Decoded(NamedTuple):
+    """One layer's decode of a padded batch (B = the bucket, or n when run unpadded)."""
+
+    out: torch.Tensor  # (n, d_model) the layer's output for the live lanes
+    step_out: torch.Tensor  # (B, H, D) the step's out, padding lanes included
+    inputs: StepInputs  # (B, ...) what the step read
+    src: torch.Tensor  # (B,) int32 source rows, padding ids after the live lanes
+    dst: torch.Tensor  # (B,) int32 destination rows
+
+
+class _LayerRunner:
+    """One layer's :meth:`~mamba3_step.layer.Mamba3DecodeLayer.decode` at batch-size buckets: the live lanes
+    are copied into a bucket's static buffers (the rest: pad ids, zero hidden states) and the bucket's
+    decode runs (replayed from its CUDA graph with ``use_cuda_graph``); past the largest bucket, eagerly."""
+
+    def __init__(self, layer: Mamba3DecodeLayer, pools: LayerPools, buckets, pool: StatePool, use_cuda_graph: bool,
+                 graph_pool=None):
+        self.layer, self.pools, self.buckets = layer, pools, buckets
+        self.pad_id, self.null_slot_id = pool.pad_id, pool.null_slot_id
+        self.use_cuda_graph, self.graph_pool = use_cuda_graph, graph_pool
+        self.static, self.graphs = {}, {}  # per bucket: its buffers, its CUDA graph
+
+    def _run(self, s: dict) -> None:
+        trace = self.layer.decode_traced(s["hidden"], self.pools, s["src"], s["dst"], null_slot_id=self.null_slot_id,
+                                         step_out=s.get("y"))
+        s["out"], s["y"], s["inputs"] = trace
+
+    def capture(self) -> None:
+        """Static buffers for every bucket (and on CUDA its graph; the warm-up compiles, all lanes padding)."""
+        dev, layer = self.layer.D.device, self.layer
+        for b in self.buckets:
+            s = {"hidden": torch.zeros(b, layer.d_model, device=dev),
+                 "src": torch.full((b,), self.pad_id, dtype=torch.int32, device=dev),
+                 "y": torch.zeros(b, layer.nheads, layer.headdim, dtype=layer.dtypes.x, device=dev)}
+            s["dst"] = s["src"].clone()
+            if self.use_cuda_graph:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._run(s)
+                torch.cuda.current_stream().wait_stream(side)
+                self.graphs[b] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graphs[b], pool=self.graph_pool):
+                    self._run(s)
+            self.static[b] = s
+
+    def decode(self, hidden: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> _Decoded:
+        n = hidden.shape[0]
+        bucket = choose_bucket(n, self.buckets)
+        if bucket is None:
+            s = {"hidden": hidden, "src": src, "dst": dst}
+            self._run(s)
+        else:
+            s = self.static[bucket]
+            for name, v, pad in (("hidden", hidden, 0), ("src", src, self.pad_id), ("dst", dst, self.pad_id)):
+                s[name][:n].copy_(v)
+                s[name][n:].fill_(pad)
+            if self.use_cuda_graph:
+                self.graphs[bucket].replay()
+            else:
+                self._run(s)
+        return _Decoded(s["out"][:n].clone(), s["y"].clone(), StepInputs(*(t.clone() for t in s["inputs"])),
+                        s["src"].clone(), s["dst"].clone())
+
+
+def _baseline(layer: Mamba3DecodeLayer, base: LayerPools, d: _Decoded, null_slot_id) -> torch.Tensor:
+    """The same step (the same inputs and rows) on the baseline's pools by gather -> dense -> scatter, the
+    angle rows travelling with the state rows; returns its ``out``."""
+    tensors = layer.step_tensors(d.inputs, base, d.src, d.dst, null_slot_id=null_slot_id)
+    return gather_dense_scatter(tensors, rotate_pairwise=layer.rotate_pairwise)
+
+
+def _check_layer(d: _Decoded, out_base, pools: LayerPools, base: LayerPools, before: LayerPools, dst,
+                 slots) -> list[str]:
     """What differs between the pool run and the baseline (empty when parity held)."""
-    checks = {"out": bits_equal(out, out_base)}
-    for name, a, b in zip(("state", "Bstate", "Xstate"), pool, base_rows):
-        checks[f"{name} pool"] = bits_equal(a, b)
+    checks = {"out": bits_equal(d.step_out, out_base)}
     untouched = torch.ones(slots, dtype=torch.bool)
     untouched[dst.long()] = False
-    ut = untouched.to(out.device)
-    for name, a, b in zip(("state", "Bstate", "Xstate"), pool, before):
-        checks[f"{name} untouched rows"] = bits_equal(a[ut], b[ut])
+    ut = untouched.to(d.step_out.device)
+    for name, a, b, old in zip(LayerPools._fields, pools, base, before):
+        checks[f"{name} pool"] = bits_equal(a, b)
+        checks[f"{name} untouched rows"] = bits_equal(a[ut], old[ut])
     return [what for what, ok in checks.items() if not ok]
 
 
-def _errors(gathered: StepTensors, out: torch.Tensor) -> tuple[float, float]:
-    """Max |out - float64 reference| and the float32 PyTorch computation's own, for scale."""
-    cpu = StepTensors(*[t.cpu() if isinstance(t, torch.Tensor) else t for t in gathered])
-    _, y64 = step_math(cpu, compute_dtype=torch.float64)
-    _, y32 = step_math(cpu, compute_dtype=torch.float32)
-    return ((out.cpu().double() - y64).abs().max().item(),
-            (y32.to(out.dtype).double() - y64).abs().max().item())
+def _errors(gathered: StepTensors, out: torch.Tensor, rotate_pairwise: bool) -> tuple[float, float]:
+    """Max |out - float64 reference| of the step and the float32 PyTorch computation's own, for scale."""
+    def copy(dtype):  # CPU copies, the floating-point tensors in ``dtype`` (None: their own)
+        return StepTensors(*[t.cpu().to(dtype if dtype and t.is_floating_point() else t.dtype, copy=True)
+                             if isinstance(t, torch.Tensor) else t for t in gathered])
+
+    y64 = mamba3_step_reference(copy(torch.float64), update_kv_state=True, rotate_pairwise=rotate_pairwise,
+                                compute_dtype=torch.float64)
+    y32 = mamba3_step_reference(copy(None), update_kv_state=True, rotate_pairwise=rotate_pairwise)
+    return (out.cpu().double() - y64).abs().max().item(), (y32.double() - y64).abs().max().item()
+
+
+def _make_layers(layers: int, shape: LayerShape, device, g: torch.Generator) -> list[Mamba3DecodeLayer]:
+    """The model: ``layers`` MIMO layers of H heads of D, d_model = H D / 2 (upstream's expand=2), random weights."""
+    dtypes = LayerDtypes.of(shape.state_dtype, shape.kv_dtype, shape.x_dtype, shape.proj_dtype)
+    return [Mamba3DecodeLayer(shape.H * shape.D // 2, d_state=shape.N, expand=2, headdim=shape.D, mimo_rank=shape.R,
+                              dtypes=dtypes, device=device).randomize_(g) for _ in range(layers)]
 
 
 def run_toy_decode(*, steps: int = 8, layers: int = 2, slots: int = 16, max_batch: int = 6, buckets=(1, 2, 4, 8),
@@ -150,26 +239,31 @@ def run_toy_decode(*, steps: int = 8, layers: int = 2, slots: int = 16, max_batc
     Each step: some live requests leave (their slot is freed, or kept as a cached prefix),
     new ones join (fresh zeroed slot, or a slot that reads a cached prefix's row as ``src``
     on its first step and writes its own row as ``dst``: prefix caching). Layer ``l + 1``'s
-    ``x`` is layer ``l``'s ``out``. Both pools start from the same random poison, so a stray
+    hidden state is layer ``l``'s output, RMS-normalised. Both pools start from the same random poison, so a stray
     write anywhere shows up in the whole-pool comparison. ``shape`` gives every layer's H, D, N, R
     and dtypes (default :class:`~mamba3_step.testing.LayerShape`: the flagship's D, N, R and
     dtypes, H=4 heads).
     """
     device = torch.device(device)
+    graphs = device.type == "cuda" if use_cuda_graph is None else bool(use_cuda_graph)
+    if graphs and device.type != "cuda":
+        raise ValueError(f"use_cuda_graph: CUDA graphs need a CUDA device, got {device}")
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
-    H, D, N, R = shape.H, shape.D, shape.N, shape.R
-    dtypes = shape.storage_dtypes
-    pool = StatePool(layers, slots, H, D, N, R, **dtypes, device=device, reserve_null_slot=null_slot)
+    model = _make_layers(layers, shape, device, g)
+    pool = StatePool(layers, slots, shape.H, shape.D, shape.N, shape.R, **shape.storage_dtypes, device=device,
+                     reserve_null_slot=null_slot, rope_angles=model[0].num_rope_angles)
     poison_pool(pool, g)
-    base = [tuple(t.clone() for t in pool.layer_tensors(l)) for l in range(layers)]  # the baseline's pool
-    weights = [layer_weights(H, D, R, proj_dtype=shape.proj_dtype, device=device, generator=g)
-               for _ in range(layers)]
-    runners = [CudaGraphStepRunner(pool, l, buckets=buckets, with_dst=True, use_cuda_graph=use_cuda_graph,
-                                   **weights[l]) for l in range(layers)]
-    if runners[0].use_cuda_graph:
-        for r in runners:
-            r.capture()
-    result = DemoResult(str(device), _kernel_name(device), runners[0].use_cuda_graph)
+    for l in range(layers):
+        angles = pool.angle_state(l)
+        angles.copy_(torch.randint(-2**62, 2**62, angles.shape, generator=g))
+    pools = [LayerPools(**pool.layer_rows(l)) for l in range(layers)]  # views of the pool's layers
+    base = [p.clone() for p in pools]  # the baseline's pool
+    graph_pool = torch.cuda.graph_pool_handle() if graphs else None
+    runners = [_LayerRunner(model[l], pools[l], check_buckets(buckets), pool, graphs, graph_pool)
+               for l in range(layers)]
+    for r in runners:
+        r.capture()
+    result = DemoResult(str(device), _kernel_name(device), graphs)
     requests = _Requests(pool, base, rng, max_batch)
     for step in range(steps):
         left = requests.leave()
@@ -179,25 +273,18 @@ def run_toy_decode(*, steps: int = 8, layers: int = 2, slots: int = 16, max_batc
         dst = torch.tensor(requests.live, dtype=torch.int32)
         src = torch.tensor([src_of.get(s, s) for s in requests.live], dtype=torch.int32)
         failures, err, err32 = [], 0.0, 0.0
-        x = x_base = None
+        hidden = torch.randn(n, model[0].d_model, generator=g).to(device)
         for l in range(layers):
-            inp = lane_inputs(n, H, D, N, R, kv_dtype=dtypes["kv_dtype"], x_dtype=dtypes["x_dtype"], device=device,
-                              generator=g)
-            inp_base = dict(inp) if l == 0 else dict(inp, x=x_base)
-            if l:
-                inp["x"] = x
-            before = [t.clone() for t in pool.layer_tensors(l)]
-            src_dev = src.to(device).long()
-            gathered = StepTensors(*(t[src_dev].clone() for t in base[l]), **inp, **weights[l])
-            out = runners[l].step(src, dst_slots=dst, **inp)
-            out_base = gather_dense_scatter(StepTensors(
-                *base[l], **inp_base, **weights[l], state_batch_indices=src.to(device),
-                dst_state_batch_indices=dst.to(device), null_slot_id=pool.null_slot_id))
+            before = pools[l].clone()
+            d = runners[l].decode(hidden, src.to(device), dst.to(device))
+            gathered = model[l].step_tensors(d.inputs, before, d.src, d.dst).dense_lanes(
+                torch.arange(n, device=device), src.to(device).long())
+            out_base = _baseline(model[l], base[l], d, pool.null_slot_id)
             failures += [f"step {step} layer {l}: {what} differs from the baseline"
-                         for what in _check_layer(out, out_base, pool.layer_tensors(l), base[l], before, dst, slots)]
-            e, e32 = _errors(gathered, out)
+                         for what in _check_layer(d, out_base, pools[l], base[l], before, dst, slots)]
+            e, e32 = _errors(gathered, d.step_out[:n], model[l].rotate_pairwise)
             err, err32 = max(err, e), max(err32, e32)
-            x, x_base = out, out_base
+            hidden = d.out * torch.rsqrt(d.out.square().mean(-1, keepdim=True) + 1e-6)  # a pre-norm block's norm
         for s in src_of.values():  # prefix rows consumed by forks this step are released
             pool.free([s])
         result.failures += failures
@@ -285,9 +372,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     t0 = time.perf_counter()
     print(f"mamba3_step demo: device={dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'}), "
           f"kernel: {_kernel_name(dev)}")
+    print(f"model: {args.layers} Mamba-3 MIMO layers (Mamba3DecodeLayer, d_model={args.heads * spec.headdim // 2}, "
+          f"random weights): in_proj, one step launch (rotary fused), out_proj")
     print(f"pool: L={args.layers} layers x P={args.slots} slots, H={args.heads} D={spec.headdim} "
-          f"N={spec.dstate} R={spec.mimo}, state {spec.state_dtype}, B {spec.kv_dtype}, x {spec.x_dtype}, "
-          f"pad id {0 if args.null_slot else -1}" + (" (row 0 reserved as null slot)" if args.null_slot else ""))
+          f"N={spec.dstate} R={spec.mimo} S={spec.dstate // 4}, state {spec.state_dtype}, B {spec.kv_dtype}, "
+          f"x {spec.x_dtype}, angle int64, pad id {0 if args.null_slot else -1}"
+          + (" (row 0 reserved as null slot)" if args.null_slot else ""))
     res = run_toy_decode(
         steps=args.steps, layers=args.layers, slots=args.slots, max_batch=args.max_batch, buckets=buckets,
         shape=_layer_shape(args, spec), null_slot=args.null_slot, seed=args.seed, device=dev,
@@ -308,7 +398,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print("  " + f)
     verdict = "PARITY HELD" if res.parity else "PARITY FAILED"
     print(f"{verdict}: pool mode vs gather -> dense -> scatter is "
-          f"{'byte-identical' if res.parity else 'NOT byte-identical'} (out, every pool row, untouched rows); "
+          f"{'byte-identical' if res.parity else 'NOT byte-identical'} (the step's out, every state/B/x/angle row, "
+          f"untouched rows); "
           f"error vs float64 {'within' if err_ok else 'OUTSIDE'} tolerance  [{time.perf_counter() - t0:.1f} s]")
     spec_ok = args.spec_tokens == 0 or _speculative_round(args, dev, buckets, spec)
     return 0 if res.parity and err_ok and spec_ok else 1

@@ -90,7 +90,9 @@ def spec_label(spec: StepSpec) -> str:
     flags = [n for n, on in (("pool", spec.pool), ("dst", spec.has_dst), ("dst/token", spec.dst_per_token),
                              ("accepted", spec.num_accepted), ("kv", spec.update_kv_state),
                              ("z", spec.has_z), ("outproj", spec.has_outproj),
-                             ("state_out", spec.has_state_out)) if on]
+                             ("state_out", spec.has_state_out),
+                             (f"rope{spec.rope_angles}", spec.rope_angles > 0), ("pairwise", spec.rotate_pairwise),
+                             ("bcbias", spec.has_bc_bias), ("sharedBC", spec.shared_bc)) if on]
     tokens = f"T{spec.tokens} " if spec.tokens > 1 else ""
     return (f"N{spec.dstate} D{spec.headdim} R{spec.mimo} {spec.state_dtype}/{spec.kv_dtype}/"
             f"{spec.x_dtype}/{spec.proj_dtype} tD{spec.tile_D} w{spec.num_warps} {tokens}"

@@ -108,3 +108,30 @@ def test_out_of_range_option_values_are_usage_errors(argv, named, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert named in err.splitlines()[-1] and "Traceback" not in err
+
+
+def test_rotary_flags_name_the_rotary_specialisation():
+    args = _args("precompile", "--rope-angles", "32", "--bc-bias", "--shared-bc")
+    assert specs_from_args(args) == [flagship_spec(rope_angles=32, has_bc_bias=True, shared_bc=True)]
+    args = _args("inspect", "--config", "64,32,1", "--rope-angles", "32", "--rotate-pairwise")
+    assert specs_from_args(args) == [flagship_spec(dstate=64, headdim=32, mimo=1, rope_angles=32,
+                                                   rotate_pairwise=True)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rotate-pairwise"], "--rotate-pairwise and --bc-bias need --rope-angles S > 0"),
+    (["--bc-bias"], "--rotate-pairwise and --bc-bias need --rope-angles S > 0"),
+    (["--rope-angles", "-1"], "--rope-angles: expected S >= 0"),
+    (["--rope-angles", "65"], r"rope_angles \(S\) must be an int in \[0, N/2 = 64\]"),
+    (["--rope-angles", "8", "--tile-d", "32"], "rope_angles > 0 needs tile_D >= headdim"),
+])
+def test_bad_rotary_flags_are_refused_with_the_flag_named(argv, message):
+    with pytest.raises(ValueError, match=message):
+        specs_from_args(_args("precompile", *argv))
+
+
+def test_verify_runs_a_rotary_specialisation(capsys):
+    argv = ["verify", "--config", "32,32,1", "--rope-angles", "8", "--rotate-pairwise", "--shared-bc", "--batch", "3",
+            "--heads", "2"]
+    assert cli.main(argv) == 0
+    assert "rope8+pairwise+sharedBC" in capsys.readouterr().out

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mamba3_step import cli, demo, demo_speculative
+from mamba3_step.layer import Mamba3DecodeLayer
 from mamba3_step.serving import StatePool
 from mamba3_step.testing import LayerShape
 
@@ -60,6 +61,30 @@ def test_demo_fails_loudly_when_parity_breaks(capsys, monkeypatch):
     text = capsys.readouterr().out
     assert rc == 1
     assert "PARITY FAILED" in text and "out differs from the baseline" in text
+
+
+def test_demo_decodes_through_the_layer_and_checks_the_angle_rows(monkeypatch):
+    """Each layer of each step is one Mamba3DecodeLayer decode (one step call); a wrong angle row fails."""
+    calls = []
+    real_decode, real_baseline = Mamba3DecodeLayer.decode_traced, demo._baseline
+
+    def counted(self, *args, **kwargs):
+        calls.append(self)
+        return real_decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(Mamba3DecodeLayer, "decode_traced", counted)
+    res = demo.run_toy_decode(steps=3, layers=2, shape=SMALL, seed=3)
+    assert res.parity and len(calls) == 3 * 2 and len(set(map(id, calls))) == 2
+    assert 0 < res.max_err <= 2 * res.max_err_fp32 + torch.finfo(torch.bfloat16).eps
+
+    def off_angle(layer, base, d, null_slot_id):
+        out = real_baseline(layer, base, d, null_slot_id)
+        base.angle_state[int(d.dst[0])] += 1  # one unit (2**-64 turn) of one angle
+        return out
+
+    monkeypatch.setattr(demo, "_baseline", off_angle)
+    res = demo.run_toy_decode(steps=1, layers=1, shape=SMALL, seed=3)
+    assert res.failures == ["step 0 layer 0: angle_state pool differs from the baseline"]
 
 
 def test_demo_bad_arguments(capsys):
