@@ -5,14 +5,17 @@ take the test runner with it).
 
 Hypothesis draws an entry point of the public surface (``mamba3_step_fn``, ``mamba3_step_op``,
 ``plan_step`` / ``StepPlan.run``, ``decode_step``, ``CudaGraphStepRunner.step`` on its CPU path, a
-``StatePool`` method, or one option of the ``demo``, ``inspect`` and ``precompile`` subcommands
+``StatePool`` method, or one option of the ``demo``, ``inspect``, ``precompile`` and ``verify`` subcommands
 with an odd string: exit 0, 1 or 2 without a traceback), one of its arguments and an odd value for it (an odd tensor kind, dtype,
 rank, size, stride or view, or an odd scalar), calls it with otherwise valid arguments, and
 records a failure when the call raises anything but a named ``TypeError``/``ValueError`` (the
 pool's ``SlotError``/``PoolExhaustedError`` included) or, refused, changed a byte of the pool or
 of the allocator. Prints ``RESULT {"examples": n, "failures": [...]}``.
 
-Letters (docs/contract.md): B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
+The surface's pool has an angle pool (S = 8), so the rotary arguments are fuzzed with the rest.
+
+Letters (docs/contract.md): B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank,
+S rotary angles.
 """
 
 from __future__ import annotations
@@ -69,8 +72,10 @@ ODD_TENSORS = {
 ODD_SCALARS = [None, 0, -1, 1, 2**31, 2**63, 2**70, -2**70, 1.5, float("nan"), True, False, "0", b"x",
                object(), (), [1]]
 TENSOR_ARGS = ("state", "Bstate", "Xstate", "A", "B", "C", "D", "x", "dt", "trap", "xproj", "outproj", "out",
-               "z", "zproj", "state_batch_indices", "dst_state_batch_indices", "num_accepted_tokens")
-OPTIONS = ("null_slot_id", "update_kv_state", "tile_D", "num_warps", "validate_indices")
+               "z", "zproj", "state_batch_indices", "dst_state_batch_indices", "num_accepted_tokens", "angle_state",
+               "angle_proj", "B_bias", "C_bias")
+OPTIONS = ("null_slot_id", "update_kv_state", "tile_D", "num_warps", "validate_indices", "rotate_pairwise")
+S = 8  # rotary angles per head: the surface's pool carries an angle pool
 POOL_CALLS = {  # method -> its valid arguments, by position (mine: three slots; groups: two of T = 2)
     "alloc": lambda mine, groups: (1,),
     "free": lambda mine, groups: ([mine[0]],),
@@ -109,6 +114,9 @@ CLI = {
     "inspect": (("--arch", "--config", "--tile-d", "--num-warps", "--tokens", "--mode", "--batch", "--heads",
                  "--state-dtype"), ["--json"]),
     "precompile": (("--arch", "--config", "--tile-d", "--num-warps", "--tokens", "--state-dtype"), ["--json"]),
+    # a valid run compiles and executes a small specialisation's PTX: kept small by these flags (the odd one comes last)
+    "verify": (("--arch", "--config", "--batch", "--heads", "--seed", "--tile-d", "--num-warps", "--rope-angles"),
+               ["--json", "--config", "32,32,1", "--batch", "2", "--heads", "1"]),
 }
 ODD_STRINGS = ["-1", "0", "1", "abc", "", "nan", "inf", "1.5", "1e9", "99999999999999999999", "-99999999999999999999",
                "0x10", " 1", "1,2", "sm_", "sm_90a", "cuda", "meta", "float32", "int8", "flagship", "all", "32,32,1",
@@ -130,14 +138,18 @@ def _cli_outcome(argv: list) -> str | None:
     return None
 
 
+def _rows(pool: StatePool) -> list:
+    return [t for t in pool.layer_rows(0).values() if t is not None]
+
+
 def _snapshot(pool: StatePool, groups=None):
-    return [t.clone() for t in pool.layer_tensors(0)], _bookkeeping(pool, groups)
+    return [t.clone() for t in _rows(pool)], _bookkeeping(pool, groups)
 
 
 def _same(pool: StatePool, snap, groups=None) -> bool:
     rows, book = snap
     return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in
-               zip([t.contiguous() for t in pool.layer_tensors(0)], [t.contiguous() for t in rows])) and \
+               zip([t.contiguous() for t in _rows(pool)], [t.contiguous() for t in rows])) and \
         _bookkeeping(pool, groups) == book
 
 
@@ -145,14 +157,16 @@ class Surface:
     """One pool, its layer's weights and lane inputs, and a plan and a runner built on them."""
 
     def __init__(self):
-        self.pool = StatePool(1, P, H, D, N, R, reserve_null_slot=True)
+        self.pool = StatePool(1, P, H, D, N, R, reserve_null_slot=True, rope_angles=S)
         poison_pool(self.pool, torch.Generator().manual_seed(1))
         self.mine = self.pool.alloc(3).tolist()
-        self.weights = layer_weights(H, D, R, generator=torch.Generator().manual_seed(2))
-        self.lanes = lane_inputs(B, H, D, N, R, generator=torch.Generator().manual_seed(3))
+        g = torch.Generator().manual_seed(2)
+        self.weights = dict(layer_weights(H, D, R, generator=g), B_bias=torch.randn(R, H, N, generator=g),
+                            C_bias=torch.randn(R, H, N, generator=g))
+        self.lanes = dict(lane_inputs(B, H, D, N, R, generator=torch.Generator().manual_seed(3)),
+                          angle_proj=torch.randn(B, H, S, generator=g))
         self.slots = torch.tensor([self.mine[0], -1, self.mine[1]], dtype=torch.int32)
-        state, Bstate, Xstate = self.pool.layer_tensors(0)
-        self.valid = dict(state=state, Bstate=Bstate, Xstate=Xstate, **self.lanes, **self.weights,
+        self.valid = dict(**self.pool.layer_rows(0), **self.lanes, **self.weights,
                           state_batch_indices=self.slots, null_slot_id=self.pool.null_slot_id)
         self.plan = plan_step(**self.valid, update_kv_state=True)
         self.runner = CudaGraphStepRunner(self.pool, 0, buckets=(4,), **self.weights)
@@ -169,10 +183,10 @@ class Surface:
         if entry == "plan.run":
             kw.pop("null_slot_id")
             return self.plan.run(**kw, null_slot_id=self.pool.null_slot_id if name != "null_slot_id" else value)
-        lane = {k: kw[k] for k in ("A", "B", "C", "x", "dt", "trap", "z")}
+        lane = {k: kw.get(k) for k in ("A", "B", "C", "x", "dt", "trap", "z", "angle_proj")}
         if entry == "decode_step":
             return decode_step(self.pool, 0, kw["state_batch_indices"], **lane,
-                               **{k: kw.get(k) for k in ("D", "xproj", "outproj", "zproj", "out")},
+                               **{k: kw.get(k) for k in ("D", "xproj", "outproj", "zproj", "out", "B_bias", "C_bias")},
                                dst_slots=kw.get("dst_state_batch_indices"),
                                num_accepted_tokens=kw.get("num_accepted_tokens"),
                                **{k: v for k, v in options.items() if k != "update_kv_state"})
@@ -218,14 +232,14 @@ def main(examples: int, seed_value: int) -> None:
         if entry == "cli":
             sub = sorted(CLI)[arg % len(CLI)]
             options, short = CLI[sub]
-            argv = [sub, options[arg // len(CLI) % len(options)], ODD_STRINGS[arg // 97 % len(ODD_STRINGS)], *short]
+            argv = [sub, *short, options[arg // len(CLI) % len(options)], ODD_STRINGS[arg // 97 % len(ODD_STRINGS)]]
             problem = _cli_outcome(argv)
             if problem:
                 failures.append(f"cli {' '.join(argv)}: {problem}")
             return
         pool, groups = s.pool, None
         if entry == "pool":  # a fresh pool each time: a successful odd call may take or free slots
-            pool = StatePool(1, 2 * P, H, D, N, R, reserve_null_slot=True)
+            pool = StatePool(1, 2 * P, H, D, N, R, reserve_null_slot=True, rope_angles=S)
             mine = pool.alloc(3).tolist()
             groups = pool.alloc_spec(2, 2)
             method = sorted(POOL_CALLS)[arg % len(POOL_CALLS)]
