@@ -197,3 +197,52 @@ def test_rotary_with_a_smaller_tile_is_refused():
     step = functools.partial(ptx_step_fn, tile_D=32, update_kv_state=False)
     with pytest.raises(ValueError, match="tile_D: angle_state needs tile_D >= headdim"):
         step(**inputs, state_batch_indices=torch.tensor([0, 1], dtype=torch.int32))
+
+
+EDGE_ANGLES = [-(2**63), 2**63 - 1, 2**62, -(2**62), 2**61, -(2**61), 2**61 - 1, -(2**61) - 1, 2**61 + 1,
+               3 * 2**61, -3 * 2**61, 0, 1, -1, 2**40, -(2**40)]
+
+
+def test_executed_cos_sin_at_quadrant_edges():
+    """With ``angle_proj`` 0 the angle stays put, so the stored B~ (fp32 Bstate) is B rotated by the
+    given angles: every quadrant boundary and both ends of the int64 range, against float64."""
+    spec = StepSpec(64, 32, 1, "float32", "float32", "float32", "float32", pool=True, update_kv_state=True,
+                    rope_angles=16).with_default_tiling()
+    B, P = 2, 2
+    inputs = rotary_inputs(spec, B, P, seed=51)
+    inputs["angle_state"] = torch.tensor(EDGE_ANGLES * 2, dtype=torch.int64).view(P, 1, 16).expand(P, 2, 16).clone()
+    inputs["angle_proj"] = torch.zeros_like(inputs["angle_proj"])
+    src = torch.arange(B, dtype=torch.int32)
+    run = clone_inputs(inputs)
+    ptx_step_fn(**run, state_batch_indices=src, update_kv_state=True)
+    assert torch.equal(run["angle_state"], inputs["angle_state"])
+    theta = inputs["angle_state"].double() * ANGLE_UNIT_RADIANS  # (P, H, S)
+    for b in range(B):
+        v = inputs["B"][b].double()  # (R, H, N)
+        a, c = v[..., :16], v[..., 32:48]
+        cos, sin = torch.cos(theta[b]), torch.sin(theta[b])
+        want = v.clone()
+        want[..., :16], want[..., 32:48] = a * cos - c * sin, a * sin + c * cos
+        err = (run["Bstate"][b].double() - want).abs().max().item()
+        assert err <= 4e-7 * max(1.0, v.abs().max().item()), f"lane {b}: B~ off by {err:.3g}"
+
+
+def test_executed_layer_forms_equal_their_materialised_forms():
+    """The layer's forms on the executed kernel: ``angle_proj`` with a stride-0 head axis and B/C
+    with a head axis of 1, against contiguous (B, H, S) and the B/C expanded to every head (a
+    per-head specialisation), bit for bit."""
+    spec = ROTARY["flagship-rotary"].with_default_tiling()
+    B, P = 4, 6
+    inputs = rotary_inputs(spec, B, P, seed=61)
+    inputs["angle_proj"] = inputs["angle_proj"][:, :1].expand(-1, 2, -1)
+    assert inputs["angle_proj"].stride(1) == 0 and inputs["B"].shape[2] == 1
+    src = torch.tensor([3, 0, -1, 5], dtype=torch.int32)
+    shared = clone_inputs(inputs)
+    out_shared = ptx_step_fn(**shared, state_batch_indices=src, update_kv_state=True)
+    full = clone_inputs(inputs)
+    full.update(angle_proj=inputs["angle_proj"].contiguous(), B=inputs["B"].expand(-1, -1, 2, -1).contiguous(),
+                C=inputs["C"].expand(-1, -1, 2, -1).contiguous())
+    out_full = ptx_step_fn(**full, state_batch_indices=src, update_kv_state=True)
+    assert torch.equal(out_shared.view(torch.int16), out_full.view(torch.int16))
+    for key in ("state", "Bstate", "Xstate", "angle_state"):
+        assert torch.equal(shared[key], full[key]), key
