@@ -27,7 +27,8 @@ ALLOWED_LOCAL_IMPORTS = {
 #: the layers, bottom to top (docs/design.md); a module may import only from its own layer or below
 LAYERS = [
     ["contract"],
-    ["tiling", "tensors", "signature", "arch", "sources", "testing", "ptx", "rotary"],  # ptx: the PTX executor, numpy only
+    # ptx: the PTX executor, numpy only; rounding: the state's random bits and low-precision stores
+    ["tiling", "tensors", "signature", "arch", "sources", "testing", "ptx", "rotary", "rounding"],
     ["spec"],
     ["reference", "validation", "bytes_model", "issue_model", "specsets"],
     ["kernel"],

@@ -1,6 +1,7 @@
 """bench/: the model benchmark's figures against an independent hand count, the static
-comparison on two real compiles, and the GPU benchmark's CPU-testable parts (no-CUDA exit,
-its correctness gate refusing to report, the set rotation, the table arithmetic)."""
+comparison on two real compiles, the GPU benchmark's CPU-testable parts (no-CUDA exit,
+its correctness gate refusing to report, the set rotation, the table arithmetic), and the drift
+benchmark on a short run."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ model_bench = _load("model_bench")
 angle_bench = _load("angle_bench")
 static_bench = _load("static_bench")
 gpu_bench = _load("gpu_bench")
+drift_bench = _load("drift_bench")
 
 
 def _hand_bytes(batch, heads, mode):
@@ -344,3 +346,82 @@ def test_gather_scatter_step_matches_pool_step_on_cpu():
     untouched = [1, 3, 4, 6, 7]
     for k in pool:
         assert gpu_bench.bits_equal(p1[k][untouched], pool[k][untouched]), k
+
+
+# ----------------------------------------------------------------------------- drift benchmark
+def test_drift_bench_short_run(tmp_path, capsys):
+    """64 steps, 2 heads: the tables, the JSON, the float64 loop checked against step_math."""
+    assert drift_bench.main(["--out", str(tmp_path), "--steps", "64", "--heads", "2", "--no-plot"]) == 0
+    text = capsys.readouterr().out
+    payload = json.loads((tmp_path / "drift_bench.json").read_text())
+    assert payload["checkpoints"] == [1, 64] and payload["formats"] == list(drift_bench.FORMATS)
+    assert payload["A"] == pytest.approx([-0.05, -8.0])
+    res = payload["results"]
+    assert res["steps"][0] == 1 and res["steps"][-1] == 64
+    for regime in drift_bench.REGIMES:
+        for f in drift_bench.FORMATS:
+            assert len(res[regime][f]["state"]) == len(res["steps"]) and len(res[regime][f]["state"][0]) == 2
+        assert max(max(e) for e in res[regime]["fp32"]["state"]) < 1e-6
+        assert 1e-4 < res[regime]["bf16 nearest"]["state"][-1][0] < 0.2
+    assert "matches step_math" in text and "step 64" in text and "stagnation from a prompt" in text
+    assert "int8 + scale" in text and "vs fp32" in text
+
+
+def test_drift_bench_shows_stagnation_and_its_cure():
+    """384 steps, 2 heads: in the stagnation regimes nearest rounding loses the slow head (bf16 and, from a
+    prompt's state, the 8-bit formats) and stochastic rounding keeps it; on fresh tokens nearest is the
+    better of the two (smaller variance), within a factor of two."""
+    res = drift_bench.run(384, 2)
+    last = {rg: {f: res[rg][f]["state"][-1][0] for f in drift_bench.FORMATS} for rg in drift_bench.REGIMES}
+    assert res["steps"][-1] == 384
+    assert last["stagnation"]["bf16 nearest"] > 3 * last["stagnation"]["bf16 stochastic"]
+    assert last["stagnation"]["fp16 nearest"] > 3 * last["stagnation"]["fp16 stochastic"]
+    prompt = last["stagnation from a prompt"]
+    for kind in ("int8+scale", "e4m3+scale"):
+        assert prompt[f"{kind} nearest"] > 3 * prompt[f"{kind} stochastic"], kind
+    for kind in ("bf16", "fp16", "int8+scale"):
+        ratio = last["fresh"][f"{kind} stochastic"] / last["fresh"][f"{kind} nearest"]
+        assert 1.0 < ratio < 2.0, (kind, ratio)
+
+
+def test_drift_bench_float64_step_is_step_math():
+    assert drift_bench.check_against_reference(H=2, seed=3) < 1e-12
+
+
+def test_drift_bench_stores_as_the_rounding_module_does():
+    from mamba3_step.rounding import dequantize_rows, quantize_rows, stochastic_round
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 128, generator=g, dtype=torch.float64)
+    r = torch.randint(0, 65536, x.shape, generator=g)
+    xf = x.float()
+    assert torch.equal(drift_bench.store(x, "fp32", r), xf.double())
+    assert torch.equal(drift_bench.store(x, "bf16 nearest", r), xf.bfloat16().double())
+    assert torch.equal(drift_bench.store(x, "fp16 stochastic", r), stochastic_round(xf, r, torch.float16).double())
+    q, s = quantize_rows(xf, r, "int8")
+    assert torch.equal(drift_bench.store(x, "int8+scale stochastic", r), dequantize_rows(q, s).double())
+    q, s = quantize_rows(xf, torch.full_like(r, 0x8000), "float8_e4m3fn")
+    assert torch.equal(drift_bench.store(x, "e4m3+scale nearest", r), dequantize_rows(q, s).double())
+
+
+def test_drift_bench_flagship_bytes_equal_hand_count():
+    """The state is 2 x B x H x D x N x (4, 2 or 1) bytes (read + write); 8-bit adds an fp32 scale per
+    (row, head, d), read + written; the rest of the step is the fp32 flagship's."""
+    B, H, D, N = 256, 48, 64, 128
+    fp32 = bytes_per_step(flagship_spec(), B, H)["total"]
+    state32 = 2 * B * H * D * N * 4
+    rows = {r["format"]: r for r in drift_bench.flagship_bytes()}
+    assert rows["fp32"]["bytes"] == fp32
+    assert rows["bf16"]["bytes"] == rows["fp16"]["bytes"] == fp32 - state32 // 2
+    for name in ("int8 + scale", "e4m3 + scale"):
+        assert rows[name]["bytes"] == fp32 - state32 * 3 // 4 + 2 * B * H * D * 4
+        assert rows[name]["scale_mib"] == pytest.approx(6.0)
+    assert rows["bf16"]["vs_fp32"] == pytest.approx((fp32 - state32 // 2) / fp32)
+
+
+def test_drift_bench_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    res = drift_bench.run(8, 2)
+    png = tmp_path / "d.png"
+    assert drift_bench.plot(res, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
