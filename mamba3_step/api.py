@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import is_fake
 from .contract import new_out, out_shape
 from .launch import launch_step
 from .reference import mamba3_step_reference
-from .signature import OP_ORDER, StepOptions
+from .signature import OP_ORDER, StepOptions, validated_options
 from .spec import StepSpec
 from .tensors import StepTensors
 from .validation import check_indices, check_options, check_step_inputs_cached
@@ -58,11 +58,13 @@ def mamba3_step_fn(
     angle_proj: torch.Tensor | None = None,
     B_bias: torch.Tensor | None = None,
     C_bias: torch.Tensor | None = None,
+    rand_seed: torch.Tensor | None = None,
     update_kv_state: bool = False,
     tile_D: int | None = None,
     num_warps: int | None = None,
     validate_indices: bool = False,
     rotate_pairwise: bool = False,
+    stochastic_rounding: bool = False,
 ) -> torch.Tensor:
     """One Mamba-3 MIMO decode step, dense or over a pool of recurrent-state rows.
 
@@ -93,6 +95,7 @@ def mamba3_step_fn(
     angle_state (in place)      (rows, H, S)            int64 (fixed-point turns)
     angle_proj                  (B, [T,] H, S)          float32
     B_bias, C_bias              (R, H, N)               float32
+    rand_seed                   (2,): [seed, offset]    int64
     ==========================  ======================  ================================
 
     Math per lane and head (accumulated in float32): see docs/contract.md or
@@ -150,6 +153,11 @@ def mamba3_step_fn(
             optional biases; see "Rotary" above. ``angle_state`` needs ``tile_D >= D``.
         rotate_pairwise: rotary pairs (2i, 2i + 1) (upstream's SISO layout) instead of
             (i, i + N/2).
+        stochastic_rounding, rand_seed: store a 16-bit state with stochastic rounding (unbiased),
+            its random bits a counter-based function (Philox4x32-10) of ``rand_seed``'s
+            ``[seed, offset]`` (read on the device: advance the offset in-graph for fresh bits),
+            the row written, the head, d and n; token t of a T-token step draws at offset + t.
+            The CPU path gives the kernel's bits exactly (docs/contract.md, "Stochastic rounding").
 
     Constraints: N in {32, 64, 128, 256}, D in {32, 64, 128}, R in {1, 2, 4, 8}; S in
     [1, N/2]; all tensors on
@@ -181,8 +189,8 @@ def mamba3_step_fn(
     """
     values = (state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
               state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens, angle_state, angle_proj,
-              B_bias, C_bias)
-    options = (update_kv_state, tile_D, num_warps, validate_indices, rotate_pairwise)
+              B_bias, C_bias, rand_seed)
+    options = (update_kv_state, tile_D, num_warps, validate_indices, rotate_pairwise, stochastic_rounding)
     if torch.compiler.is_compiling():  # the NamedTuples' own constructors: what every dynamo can trace
         return step_through_op(StepTensors(*values), StepOptions(*options))
     # the hot path: the bundles without their Python-level __new__
@@ -221,7 +229,7 @@ def runs_kernel(x: torch.Tensor) -> bool:
 def host_step(spec: StepSpec, tensors: StepTensors) -> None:
     """The step on CPU tensors: the PyTorch implementation of the contract, in float32."""
     mamba3_step_reference(tensors, update_kv_state=spec.update_kv_state, rotate_pairwise=spec.rotate_pairwise,
-                          compute_dtype=torch.float32)
+                          stochastic_rounding=spec.stochastic_rounding, compute_dtype=torch.float32)
 
 
 class PreparedStep(NamedTuple):
@@ -248,11 +256,11 @@ def prepare_step(tensors: StepTensors, **options) -> PreparedStep:
 
 def _prepare(tensors: StepTensors, options: StepOptions) -> tuple:
     """:func:`prepare_step` as a plain tuple ``(spec, tensors, out)`` (what the hot path unpacks)."""
-    update_kv_state, tile_D, num_warps, validate_indices, rotate_pairwise = options
+    update_kv_state, tile_D, num_warps, validate_indices, rotate_pairwise, stochastic_rounding = options
     if type(validate_indices) is not bool:
         validate_indices = check_options(validate_indices=validate_indices)["validate_indices"]  # raises
     spec = check_step_inputs_cached(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
-                                    rotate_pairwise=rotate_pairwise)
+                                    rotate_pairwise=rotate_pairwise, stochastic_rounding=stochastic_rounding)
     if tensors.null_slot_id is not None and type(tensors.null_slot_id) is not int:
         tensors = tensors._replace(null_slot_id=int(tensors.null_slot_id))  # e.g. a numpy integer
     tensors = tensors.with_out()
@@ -289,8 +297,7 @@ def step_through_op(tensors: StepTensors, options: StepOptions = StepOptions()) 
         # Outside a trace the whole call is checked first, so the dispatcher never sees what it
         # would refuse without naming it (a nested or sparse tensor: no kernel for its backend; an
         # int beyond the Scalar's 64 bits: OverflowError). A trace checks in the op's fake.
-        check_step_inputs_cached(tensors, update_kv_state=checked["update_kv_state"], tile_D=checked["tile_D"],
-                                 num_warps=checked["num_warps"], rotate_pairwise=checked["rotate_pairwise"])
+        check_step_inputs_cached(tensors, **validated_options(checked))
     out = tensors.out if tensors.out is not None else _new_out(tensors)
     call = {**dict(zip(StepTensors._fields, tensors)), "null_slot_id": checked.pop("null_slot_id"), "out": out, **checked}
     # by position: a keyword named "out" makes a tracer take the call for an out= variant

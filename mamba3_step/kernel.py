@@ -55,11 +55,12 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float32, Int32, Int64, const_expr
+from cutlass import Boolean, Float32, Int32, Int64, Uint32, Uint64, const_expr
 from cutlass._mlir.dialects import llvm
 
 from .contract import DTYPES
 from .rotary import ANGLE_UNIT_RADIANS
+from .rounding import N_PER_CALL, PHILOX_M, PHILOX_W
 from .spec import StepSpec
 from .tensors import KERNEL_ARGUMENT_NAMES, KernelArgs
 from .tiling import launch_grid, thread_layout, tiling_problem
@@ -85,6 +86,7 @@ class Cta(NamedTuple):
     dst: Any  # Int32: the row they are written to
     src_live: Any  # Boolean: src is a real row (else the lane is padding)
     dst_live: Any  # Boolean: dst is a real row (and src too)
+    seed: Any = None  # (seed, offset) Int64 from rand_seed, read once (stochastic rounding only)
 
 
 class Shared(NamedTuple):
@@ -111,6 +113,7 @@ class Token(NamedTuple):
     beta: Any  # Float32: (1 - trap) dt alpha
     gamma: Any  # Float32: trap dt
     dt: Any  # Float32: dt (the rotary angle's rate)
+    rng: Any = None  # (k0, k1, o0, o1) Uint32: stochastic rounding's key and this token's offset words
 
 
 class RowGroup(NamedTuple):
@@ -190,6 +193,9 @@ class Mamba3StepKernel:
         self.rotate_pairwise = spec.rotate_pairwise
         self.has_bc_bias = spec.has_bc_bias
         self.shared_bc = spec.shared_bc
+        self.stochastic = spec.stochastic_rounding
+        #: a 16-bit state's 16-byte vector is one Philox call's 8 elements (mamba3_step.rounding)
+        assert not self.stochastic or lay.VN == N_PER_CALL, "stochastic rounding needs a 16-bit state"
         #: the state is stored after each token only when every token has its own row
         self.store_each = self.T == 1 or self.dst_per_token
         self.group_rows = lay.rows_per_pass * lay.rows_per_group  # tile rows in one row group
@@ -230,7 +236,8 @@ class Mamba3StepKernel:
             shared = self.allocate_shared()
             # Issue every state load first: they are the bytes that matter.
             lane = tidx % self.layout.TPR
-            cta = Cta(b, h, dtile, tidx, lane, self.lane_permutation(lane), src, dst, src_live, dst_live)
+            cta = Cta(b, h, dtile, tidx, lane, self.lane_permutation(lane), src, dst, src_live, dst_live,
+                      (m.rand_seed[0], m.rand_seed[1]) if const_expr(self.stochastic) else None)
             groups = []  # RowGroup per row group, loaded up front with preload (else by token_step)
             for g in cutlass.range_constexpr(self.layout.row_groups if self.layout.preload else 1):
                 groups.append(self.load_state(m.state, g, cta))
@@ -285,7 +292,8 @@ class Mamba3StepKernel:
         lane_t = self.lane_index(cta.b, t)
         sB = shared.sBB[t % 2, None, None]
         sBs = shared.sBB[(t + 1) % 2, None, None]
-        tok = Token(t, lane_t, sB, sBs, *self.decay_coefficients(m, lane_t, cta.h))
+        tok = Token(t, lane_t, sB, sBs, *self.decay_coefficients(m, lane_t, cta.h),
+                    rng=self.token_rng(cta.seed, t) if const_expr(self.stochastic) else None)
         if const_expr(self.S > 0):
             if const_expr(self.dst_per_token):  # the angle is stored by advance_angles
                 cta = self.token_destination(m, t, cta)
@@ -704,9 +712,12 @@ class Mamba3StepKernel:
                             n = self.column(c, e, cta.lane)
                             b_, bs_ = tok.sB[r, n], tok.sBs[r, n]
                         tSrNew[e, c] = tSrNew[e, c] + tSrUV[r] * b_ + tSrUV[R + r] * bs_
-            for c in cutlass.range_constexpr(lay.CPT):
-                for e in cutlass.range_constexpr(lay.VN):
-                    tSrS[e, i, c] = tSrNew[e, c].to(self.state_dtype)
+            if const_expr(self.stochastic):
+                self.store_rounded(tSrS, tSrNew, i, rows[i], tok, cta)
+            else:
+                for c in cutlass.range_constexpr(lay.CPT):
+                    for e in cutlass.range_constexpr(lay.VN):
+                        tSrS[e, i, c] = tSrNew[e, c].to(self.state_dtype)
             for r in cutlass.range_constexpr(R):
                 if const_expr(not lay.cache_operands):
                     self.row_fence()
@@ -719,6 +730,74 @@ class Mamba3StepKernel:
                             y = y + tSrNew[e, c] * shared.sC[r ^ sigma, self.column(c, e, cta.lane)]
                 tYrY[i * R + r] = y
         return tYrY
+
+    # ------------------------------------------------------------------ stochastic rounding
+    @cute.jit
+    def token_rng(self, seed_offset: tuple, t: int) -> tuple:
+        """``(k0, k1, o0, o1)``: the seed's and token ``t``'s offset's (``offset + t``) 32-bit words."""
+        seed = seed_offset[0]
+        offset = seed_offset[1] + Int64(t)
+        return (Uint32(seed), Uint32(Uint64(seed) >> 32), Uint32(offset), Uint32(Uint64(offset) >> 32))
+
+    @cute.jit
+    def store_rounded(self, tSrS: cute.Tensor, tSrNew: cute.Tensor, i: int, row: Int32, tok: Token, cta: Cta):
+        """Register row ``i`` of the new state (fp32 ``tSrNew``) stochastically rounded into
+        ``tSrS``: vector ``c`` holds the 8 elements ``n = 8 g ... 8 g + 7`` of ``g = c TPR + lane``,
+        whose 16-bit draws are one Philox4x32 call with the counter (offset words, the row the
+        state goes to, ``(h D + d) N/8 + g``) and the seed's key (mamba3_step.rounding)."""
+        lay = self.layout
+        k0, k1, o0, o1 = tok.rng
+        d = cta.dtile * self.tile_D + row
+        base = (Uint32(cta.h) * Uint32(self.D) + Uint32(d)) * Uint32(self.N // N_PER_CALL)
+        for c in cutlass.range_constexpr(lay.CPT):
+            words = self.philox((o0, o1, Uint32(cta.dst), base + Uint32(c * lay.TPR + cta.lane)), k0, k1)
+            for e in cutlass.range_constexpr(lay.VN):
+                r = (words[e // 2] >> (16 * (e % 2))) & Uint32(0xFFFF)
+                tSrS[e, i, c] = self.round_stochastic(tSrNew[e, c], r)
+
+    def philox(self, counter: tuple, k0: Uint32, k1: Uint32) -> list:
+        """Philox4x32-10 (Random123): four Uint32 words of ``counter`` under the key ``(k0, k1)``."""
+        c0, c1, c2, c3 = counter
+        for _ in range(10):
+            p0 = Uint64(c0) * Uint64(PHILOX_M[0])
+            p1 = Uint64(c2) * Uint64(PHILOX_M[1])
+            c0, c1, c2, c3 = (Uint32(p1 >> 32) ^ c1 ^ k0, Uint32(p1), Uint32(p0 >> 32) ^ c3 ^ k1, Uint32(p0))
+            k0, k1 = k0 + Uint32(PHILOX_W[0]), k1 + Uint32(PHILOX_W[1])
+        return [c0, c1, c2, c3]
+
+    @cute.jit
+    def round_stochastic(self, x: Float32, r: Uint32):
+        """``x`` rounded to the state dtype with the 16 random bits ``r`` (mamba3_step.rounding's
+        rule: the magnitude rounds up iff its 16-bit fraction of a ulp plus ``r`` carries). bf16: the
+        fp32 pattern plus ``r``, truncated. fp16 normals: plus ``r >> 3`` (13 bits below its ulp),
+        truncated; fp16 subnormals (|x| < 2**-14): in units of 2**-24. The truncated value is exact
+        in the state dtype (or beyond its range: inf), so the final conversion does not round; NaN
+        converts to the canonical NaN."""
+        bits = self.f32_bits(x)
+        if const_expr(self.state_dtype is cutlass.BFloat16):
+            y = self.bits_f32((bits + r) & Uint32(0xFFFF0000))
+        else:
+            y = self.bits_f32((bits + (r >> 3)) & Uint32(0xFFFFE000))
+            ax = self.bits_f32(bits & Uint32(0x7FFFFFFF))
+            scaled = ax * Float32(2.0**24)  # exact: |x| in units of fp16's subnormal ulp
+            lo = self.asm_f32("cvt.rmi.f32.f32 $0, $1;", scaled)
+            frac = self.asm_f32("cvt.rmi.f32.f32 $0, $1;", (scaled - lo) * Float32(65536.0))  # F, exact
+            up = Float32(cutlass.select_(Uint32(frac) + r >= Uint32(65536), Float32(1.0), Float32(0.0)))
+            small = self.bits_f32((self.f32_bits((lo + up) * Float32(2.0**-24)) & Uint32(0x7FFFFFFF))
+                                  | (bits & Uint32(0x80000000)))
+            y = Float32(cutlass.select_(ax < Float32(2.0**-14), small, y))
+        y = Float32(cutlass.select_(x != x, x, y))
+        return y.to(self.state_dtype)
+
+    def f32_bits(self, x: Float32) -> Uint32:
+        return Uint32(llvm.inline_asm(Uint32.mlir_type, [Float32(x).ir_value()], "mov.b32 $0, $1;", "=r,f",
+                                      has_side_effects=False, is_align_stack=False,
+                                      asm_dialect=llvm.AsmDialect.AD_ATT))
+
+    def bits_f32(self, b: Uint32) -> Float32:
+        return Float32(llvm.inline_asm(Float32.mlir_type, [Uint32(b).ir_value()], "mov.b32 $0, $1;", "=f,r",
+                                       has_side_effects=False, is_align_stack=False,
+                                       asm_dialect=llvm.AsmDialect.AD_ATT))
 
     @cute.jit
     def row_fence(self):
@@ -914,6 +993,7 @@ def fake_arguments(spec: StepSpec) -> KernelArgs:
         angle_proj=lane(Float32, (heads, S)) if S else None,
         B_bias=strided(Float32, (R, heads, N)) if spec.has_bc_bias else None,
         C_bias=strided(Float32, (R, heads, N)) if spec.has_bc_bias else None,
+        rand_seed=strided(Int64, (2,)) if spec.stochastic_rounding else None,
         null_slot=Int32(-1),
     )
 

@@ -27,6 +27,7 @@ import torch
 
 from .contract import lane_is_live, source_rows
 from .rotary import advance_angle, angle_cos_sin, rotate_pairs
+from .rounding import state_bits, stochastic_round
 from .tensors import LANE_FIELDS, StepTensors
 
 __all__ = ["rotated_bc", "step_math", "mamba3_step_reference"]
@@ -127,6 +128,7 @@ def mamba3_step_reference(
     *,
     update_kv_state: bool = False,
     rotate_pairwise: bool = False,
+    stochastic_rounding: bool = False,
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The full in-place contract of ``mamba3_step_fn``, in PyTorch (no validation).
@@ -158,6 +160,12 @@ def mamba3_step_reference(
     rotated, unrounded B~ and C~; the angle is written where the state is, and B~ (rounded to
     Bstate's dtype, which is also what the next token reads as its previous B) where B would be.
 
+    Stochastic rounding (``rand_seed`` given): each token's new state is rounded to the state's
+    16-bit dtype by :func:`mamba3_step.rounding.stochastic_round` (from its float32 value) with
+    the bits :func:`mamba3_step.rounding.state_bits` draws for ``[seed, offset + t]``, the lane's
+    row for that token (its destination for the token, else its final destination, else its
+    source; the lane in dense mode) as an unsigned 32-bit value, the head, d and n.
+
     Runs under ``torch.no_grad()`` (no output carries a ``grad_fn``) and computes every written
     value before writing any, so an error part-way leaves the tensors unchanged.
 
@@ -173,7 +181,8 @@ def mamba3_step_reference(
     if t.batch == 0:
         return t.out
     with torch.no_grad():  # in-place writes of a step: no autograd graph, no grad_fn on any output
-        writes = _step_writes(t, update_kv_state, rotate_pairwise, compute_dtype)
+        rounding = _RoundingRule(t, stochastic_rounding)
+        writes = _step_writes(t, update_kv_state, rotate_pairwise, rounding, compute_dtype)
         # Commit, in order (a later write to a row wins): every value is computed and cast;
         # nothing below allocates a result or can fail on validated inputs, so a failure above
         # leaves every tensor as it was.
@@ -185,7 +194,27 @@ def mamba3_step_reference(
     return t.out
 
 
-def _step_writes(t: StepTensors, update_kv_state: bool, rotate_pairwise: bool, compute_dtype) -> list:
+class _RoundingRule:
+    """How a token's new state is stored: cast to the state's dtype, or stochastically rounded with
+    the bits of ``[seed, offset + t]`` and each lane's row (docs/contract.md, "Stochastic rounding")."""
+
+    def __init__(self, t: StepTensors, stochastic: bool):
+        self.dtype = t.state.dtype
+        self.seed_offset = [int(v) for v in t.rand_seed.tolist()] if stochastic else None
+        self.rows = None  # per token: the rows the bits are drawn for, one per live lane
+
+    def store(self, new_state: torch.Tensor, k: int) -> torch.Tensor:
+        if self.seed_offset is None:
+            return new_state.to(self.dtype)
+        seed, offset = self.seed_offset
+        rows = self.rows[k].to(torch.int64) & 0xFFFFFFFF
+        _, H, D, N = new_state.shape
+        bits = state_bits(seed, (offset + k + 2**63) % 2**64 - 2**63, rows.cpu(), H, D, N).to(new_state.device)
+        return stochastic_round(new_state.to(torch.float32), bits, self.dtype)
+
+
+def _step_writes(t: StepTensors, update_kv_state: bool, rotate_pairwise: bool, rounding: _RoundingRule,
+                 compute_dtype) -> list:
     """``(target, rows or None, value)`` for each tensor the step writes, in write order."""
     if t.pool:
         src = source_rows(t.state_batch_indices.to(t.x.device), t.num_accepted_tokens)
@@ -193,7 +222,8 @@ def _step_writes(t: StepTensors, update_kv_state: bool, rotate_pairwise: bool, c
         rows = src[lanes]
     else:
         lanes = rows = torch.arange(t.batch, device=t.x.device)
-    result, states = _run_tokens(t, t.dense_lanes(lanes, rows), lanes, rotate_pairwise, compute_dtype)
+    rounding.rows = _token_rows(t, lanes)
+    result, states = _run_tokens(t, t.dense_lanes(lanes, rows), lanes, rotate_pairwise, rounding, compute_dtype)
     writes = [(t.out, None, result)]
     if not t.pool:
         state, B, x, angle = states[-1]
@@ -215,7 +245,20 @@ def _step_writes(t: StepTensors, update_kv_state: bool, rotate_pairwise: bool, c
     return writes
 
 
-def _run_tokens(t: StepTensors, dense: StepTensors, lanes, rotate_pairwise: bool, compute_dtype) -> tuple:
+def _token_rows(t: StepTensors, lanes) -> list:
+    """Per token, the row each live lane's state is stored to (or would be, when that is padding):
+    its destination for the token, else its final destination, else its source; the lane in
+    dense mode."""
+    if not t.pool:
+        return [lanes] * t.tokens
+    dst = t.dst_state_batch_indices
+    if dst is not None and dst.dim() == 2:
+        return [dst[:, k].to(t.x.device)[lanes] for k in range(t.tokens)]
+    rows = source_rows(t.state_batch_indices.to(t.x.device), t.num_accepted_tokens) if dst is None else dst
+    return [rows.to(t.x.device)[lanes]] * t.tokens
+
+
+def _run_tokens(t: StepTensors, dense: StepTensors, lanes, rotate_pairwise: bool, rounding, compute_dtype) -> tuple:
     """Run the T tokens of the live ``lanes`` (``dense``: their gathered rows and inputs).
 
     Returns ``out``'s new value (zeros for padding lanes) and, per token, the live lanes'
@@ -235,7 +278,7 @@ def _run_tokens(t: StepTensors, dense: StepTensors, lanes, rotate_pairwise: bool
             step = step._replace(B=B_rot, C=C_rot)
         new_state, y = step_math(step, compute_dtype=compute_dtype)
         (result[:, k] if t.x.dim() == 4 else result)[lanes] = y.to(result.dtype)
-        state = new_state.to(t.state.dtype)
+        state = rounding.store(new_state, k)
         Bprev, xprev = step.B.to(t.Bstate.dtype), lane_inputs["x"]
         states.append((state, Bprev, xprev, angle))
     return result, states

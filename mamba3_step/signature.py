@@ -48,10 +48,11 @@ class StepOptions(NamedTuple):
     num_warps: Optional[int] = None
     validate_indices: bool = False
     rotate_pairwise: bool = False
+    stochastic_rounding: bool = False
 
 
 #: the options validation reads (``check_step_inputs``'s keywords); the rest act after it
-VALIDATED_OPTIONS = ("update_kv_state", "tile_D", "num_warps", "rotate_pairwise")
+VALIDATED_OPTIONS = ("update_kv_state", "tile_D", "num_warps", "rotate_pairwise", "stochastic_rounding")
 
 
 def validated_options(options) -> dict:

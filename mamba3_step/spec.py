@@ -54,6 +54,8 @@ class StepSpec:
         rotate_pairwise: rotary pairs are (2i, 2i + 1) (SISO); else (i, i + N/2) (MIMO).
         has_bc_bias: ``B_bias``/``C_bias`` are added before the rotation.
         shared_bc: B and C have a head axis of 1 (one B/C per lane, read by every head).
+        stochastic_rounding: a 16-bit state is stored with stochastic rounding, its bits drawn
+            from ``rand_seed`` (docs/contract.md, "Stochastic rounding").
     """
 
     dstate: int
@@ -78,6 +80,7 @@ class StepSpec:
     rotate_pairwise: bool = False
     has_bc_bias: bool = False
     shared_bc: bool = False
+    stochastic_rounding: bool = False
 
     def replace(self, **changes) -> "StepSpec":
         return dataclasses.replace(self, **changes)
@@ -104,7 +107,8 @@ class StepSpec:
     def with_default_tiling(self) -> "StepSpec":
         """Fill ``tile_D`` / ``num_warps`` left at 0 with the per-configuration default."""
         tile_D, num_warps = default_tiling(self.dstate, self.headdim, self.mimo, self.state_dtype, self.tokens,
-                                           whole_head=self.update_kv_state or self.rope_angles > 0)
+                                           whole_head=self.update_kv_state or self.rope_angles > 0,
+                                           lean=self.stochastic_rounding and self.state_dtype == "float16")
         return self.replace(
             tile_D=self.tile_D or tile_D,
             num_warps=self.num_warps or num_warps,
@@ -135,7 +139,8 @@ def flagship_spec(**changes) -> StepSpec:
 
 
 #: fields a key names only when they are not at their default (added after keys were on disk)
-_KEY_OMITTED_AT_DEFAULT = frozenset({"rope_angles", "rotate_pairwise", "has_bc_bias", "shared_bc"})
+_KEY_OMITTED_AT_DEFAULT = frozenset({"rope_angles", "rotate_pairwise", "has_bc_bias", "shared_bc",
+                                     "stochastic_rounding"})
 
 
 def flagship_rotary_spec(**changes) -> StepSpec:
@@ -205,4 +210,6 @@ def rotary_problem(spec: StepSpec) -> str | None:
         return "rotate_pairwise and has_bc_bias need rope_angles > 0 (angle_state given)"
     if S and spec.tile_D and spec.tile_D < spec.headdim:
         return "rope_angles > 0 needs tile_D >= headdim (one CTA per (lane, head) updates the angle)"
+    if spec.stochastic_rounding and spec.state_dtype not in ("bfloat16", "float16"):
+        return f"stochastic_rounding needs a 16-bit state (bfloat16 or float16), got {spec.state_dtype}"
     return None

@@ -63,6 +63,7 @@ class StepTensors(NamedTuple):
     angle_proj: Optional[Tensor] = None  # (B, H, S) fp32, with angle_state
     B_bias: Optional[Tensor] = None  # (R, H, N) fp32, with angle_state and C_bias
     C_bias: Optional[Tensor] = None  # (R, H, N) fp32, with angle_state and B_bias
+    rand_seed: Optional[Tensor] = None  # (2,) int64 [seed, offset]: stochastic rounding's bits
 
     @property
     def batch(self) -> int:
@@ -159,6 +160,7 @@ class KernelArgs(NamedTuple):
     angle_proj: Any  # (B[, T], H, S) fp32, or None
     B_bias: Any  # (R, H, N) fp32, or None
     C_bias: Any  # (R, H, N) fp32, or None
+    rand_seed: Any  # (2,) int64 [seed, offset] with stochastic rounding, or None
     null_slot: Any  # int32: pool rows equal to it are padding (-1: none)
 
 

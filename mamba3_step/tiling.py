@@ -126,7 +126,7 @@ def launch_grid(batch, heads, headdim: int, tile_D: int) -> tuple:
 
 
 def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, tokens: int = 1,
-                   whole_head: bool = True) -> tuple[int, int]:
+                   whole_head: bool = True, lean: bool = False) -> tuple[int, int]:
     """Per-configuration default ``(tile_D, num_warps)``.
 
     ``tile_D = headdim``: one CTA owns a whole (lane, head), which is what makes
@@ -143,11 +143,13 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
     R=1 T=6 compiled to 128 registers and 20 spilled bytes.) With more than one token, when the thread's share of the
     state cannot stay in registers across the tokens, fewer warps (more registers each) are
     tried, then, without ``whole_head`` (no update_kv_state), half the tile_D (N=256 D=128 R=8
-    fp32: tile_D=64 with 8 warps).
+    fp32: tile_D=64 with 8 warps). ``lean`` halves the target too, for a store that keeps many
+    more values live (an fp16 state with stochastic rounding: N=256 D=32 R=8 at 4 warps used 255
+    registers and 280 bytes of stack on sm_90a, at 8 warps 169 registers and none).
     """
     tile_D = headdim
     while True:
-        default = _default_warps(dstate, tile_D, state_dtype, tokens)
+        default = _default_warps(dstate, tile_D, state_dtype, tokens, lean)
         if tokens == 1:
             return tile_D, default
         num_warps = default
@@ -160,11 +162,11 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
         tile_D //= 2
 
 
-def _default_warps(dstate: int, tile_D: int, state_dtype: str, tokens: int) -> int:
+def _default_warps(dstate: int, tile_D: int, state_dtype: str, tokens: int, lean: bool = False) -> int:
     """The default warp count for a tile (see :func:`default_tiling`)."""
     slab_bytes = tile_D * dstate * DTYPE_BYTES[state_dtype]
     target = TARGET_STATE_VALUES_PER_THREAD * DTYPE_BYTES[state_dtype] // 4  # in 32-bit state words
-    if tokens > 1:
+    if tokens > 1 or lean:
         target //= 2
     want = slab_bytes // (WARP * 4 * target)
     num_warps = 1

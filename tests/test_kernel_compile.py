@@ -100,13 +100,26 @@ ROTARY = {
     "flagship-rotary-T4-spec": flagship_rotary_spec(tokens=4, **_speculative()),
 }
 
+# Stochastic rounding of 16-bit states (issue 21): bf16 and fp16, pool, dense, a speculative step.
+STOCHASTIC = {
+    "flagship-bf16state-sr": flagship_spec(state_dtype="bfloat16", stochastic_rounding=True),
+    "flagship-fp16state-sr": flagship_spec(state_dtype="float16", stochastic_rounding=True),
+    "N64-D32-R2-bf16state-dense-sr": StepSpec(64, 32, 2, "bfloat16", stochastic_rounding=True),
+    "N256-D32-R8-fp16state-pool-dst-sr": StepSpec(
+        256, 32, 8, "float16", "bfloat16", "bfloat16", "bfloat16", pool=True, has_dst=True, update_kv_state=True,
+        stochastic_rounding=True),
+    "flagship-bf16state-sr-T4-spec": flagship_spec(state_dtype="bfloat16", tokens=4, stochastic_rounding=True,
+                                                   **_speculative()),
+}
+
 #: the covering set with T in {2, 4, 8} (T = 1 is COVERING itself)
 COVERING_TOKENS = {f"{name}-T{T}": with_tokens(spec, T) for name, spec in COVERING.items() for T in (2, 4, 8)}
 
 #: the specialisations the PTX execution tier runs (tests/test_ptx_*.py, on EXECUTED_ARCH): their
 #: compiler facts come from that compile, the others' from a plain compile (no PTX to parse)
 EXECUTED_ARCH = "sm_90a"
-EXECUTED = frozenset(s.with_default_tiling() for s in (*COVERING.values(), *MULTI_TOKEN.values(), *ROTARY.values()))
+EXECUTED = frozenset(s.with_default_tiling() for s in (*COVERING.values(), *MULTI_TOKEN.values(), *ROTARY.values(),
+                                                       *STOCHASTIC.values()))
 
 
 def _full_matrix():
@@ -162,9 +175,11 @@ def check_compiler_facts(spec: StepSpec, arch: str) -> None:
     writes = spec.tokens if spec.dst_per_token else 1
     assert f.count("LDG", 128) == vectors, (where, f.sass)
     assert f.count("STG", 128) == vectors * writes, (where, f.sass)
-    # the only 8-byte accesses: the rotary angles (int64), one per angle a thread owns, stored like the state
+    # the only 8-byte accesses: the rotary angles (int64), one per angle a thread owns, stored like the state,
+    # and the seed and offset of stochastic rounding, read once
     angles = -(-spec.rope_angles // lay.num_threads)
-    assert f.count("LDG", 64) == angles and f.count("STG", 64) == angles * writes, where
+    seeds = 2 if spec.stochastic_rounding else 0
+    assert f.count("LDG", 64) == angles + seeds and f.count("STG", 64) == angles * writes, where
     if spec.pool:
         check_padding_guard(f.sass_text, where, loads=2 + spec.num_accepted)
 
@@ -225,6 +240,12 @@ def test_multi_token_compiles_with_clean_compiler_facts(name, arch):
 @pytest.mark.parametrize("name", list(ROTARY))
 def test_rotary_compiles_with_clean_compiler_facts(name, arch):
     check_compiler_facts(ROTARY[name], arch)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", list(STOCHASTIC))
+def test_stochastic_rounding_compiles_with_clean_compiler_facts(name, arch):
+    check_compiler_facts(STOCHASTIC[name], arch)
 
 
 # The default run compiles the covering set's T > 1 forms for sm_90a; sm_100a with --full-matrix

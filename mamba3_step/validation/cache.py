@@ -50,6 +50,7 @@ from typing import Callable
 import torch
 
 from ..contract import VECTOR_BYTES, shown
+from ..signature import VALIDATED_OPTIONS, StepOptions
 from ..spec import StepSpec
 from ..tensors import StepTensors
 from . import checks
@@ -329,12 +330,12 @@ class ValidationCache:
         with self._lock:
             self._entries.clear()
 
-    def check(self, tensors: StepTensors, *, update_kv_state=False, tile_D=None, num_warps=None,
-              rotate_pairwise=False) -> StepSpec:
-        """``check_step_inputs(tensors, ...)``, answered from the cache when a signature admits
+    def check(self, tensors: StepTensors, **options) -> StepSpec:
+        """``check_step_inputs(tensors, **options)``, answered from the cache when a signature admits
         the call; otherwise the full validation runs (raising its named error) and, for a call of
-        plain tensors and plain options, its result is kept."""
-        key = call_key(tensors, update_kv_state, tile_D, num_warps, rotate_pairwise)
+        plain tensors and plain options, its result is kept. ``options``: the
+        :data:`~mamba3_step.signature.VALIDATED_OPTIONS` given (the others at their defaults)."""
+        key = call_key(tensors, options)
         if key is not None:
             for sig in self._entries.get(key, ()):
                 verdict = sig.admits(tensors)
@@ -345,8 +346,7 @@ class ValidationCache:
                     break
         with self._lock:
             self.full_validations += 1
-        spec = check_step_inputs(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
-                                 rotate_pairwise=rotate_pairwise)
+        spec = check_step_inputs(tensors, **options)
         if key is None:
             return spec
         sig = CheckedSignature.from_call(spec, tensors, self.prefer_cpp, self.prefer_native)
@@ -361,27 +361,35 @@ class ValidationCache:
             self._entries[key] = (sig,) + (old or ())[: self.per_key - 1]
 
 
-def call_key(tensors, update_kv_state, tile_D, num_warps, rotate_pairwise=False):
+def call_key(tensors, options: dict):
     """The cache key of a call, or None when it is not cached (a non-plain or nested ``x``, or an
-    option of another type than bool/int/None: those take the full validation every time)."""
+    option of another type than its flag's bool / an int / None: those take the full validation
+    every time)."""
     x, nsi = tensors[_X], tensors[_NULL_SLOT]
-    if type(x) is not _Tensor or type(update_kv_state) is not bool or type(rotate_pairwise) is not bool \
-            or x.is_nested:
+    if type(x) is not _Tensor or x.is_nested:
         return None
-    for v in (tile_D, num_warps, nsi):
-        if v is not None and type(v) is not int:
+    values = []
+    for name in VALIDATED_OPTIONS:
+        v = options.get(name, _DEFAULTS[name])
+        if v is not None and type(v) is not (bool if name in _FLAGS else int):
             return None
-    return (x.shape, update_kv_state, tile_D, num_warps, nsi, torch.is_inference_mode_enabled(), rotate_pairwise)
+        values.append(v)
+    if nsi is not None and type(nsi) is not int:
+        return None
+    return (x.shape, nsi, torch.is_inference_mode_enabled(), *values)
+
+
+_DEFAULTS = StepOptions._field_defaults
+#: the validated options that are flags (bools); the others are ints or None
+_FLAGS = frozenset(name for name in VALIDATED_OPTIONS if type(_DEFAULTS[name]) is bool)
 
 
 #: the process-wide cache behind :func:`check_step_inputs_cached`
 VALIDATION_CACHE = ValidationCache()
 
 
-def check_step_inputs_cached(tensors: StepTensors, *, update_kv_state=False, tile_D=None,
-                             num_warps=None, rotate_pairwise=False) -> StepSpec:
+def check_step_inputs_cached(tensors: StepTensors, **options) -> StepSpec:
     """:func:`~mamba3_step.validation.step.check_step_inputs` through :data:`VALIDATION_CACHE`:
     the same StepSpec or the same exception; a repeated signature costs the guard and the address
     checks instead of the full validation (``bench/bench_host.py`` times both)."""
-    return VALIDATION_CACHE.check(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
-                                  rotate_pairwise=rotate_pairwise)
+    return VALIDATION_CACHE.check(tensors, **options)

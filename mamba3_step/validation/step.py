@@ -27,7 +27,7 @@ __all__ = ["check_options", "check_step_inputs"]
 
 
 def check_options(*, null_slot_id=None, update_kv_state=False, tile_D=None, num_warps=None,
-                  validate_indices=False, rotate_pairwise=False) -> dict:
+                  validate_indices=False, rotate_pairwise=False, stochastic_rounding=False) -> dict:
     """The step's non-tensor options, type-checked, as a dict of the same names.
 
     Integers may be any ``numbers.Integral`` but bool (numpy integers become ints); flags must be
@@ -40,11 +40,12 @@ def check_options(*, null_slot_id=None, update_kv_state=False, tile_D=None, num_
         num_warps=checks.check_int_option("num_warps", num_warps),
         validate_indices=checks.check_bool_option("validate_indices", validate_indices),
         rotate_pairwise=checks.check_bool_option("rotate_pairwise", rotate_pairwise),
+        stochastic_rounding=checks.check_bool_option("stochastic_rounding", stochastic_rounding),
     )
 
 
 def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=None, num_warps=None,
-                      rotate_pairwise=False) -> StepSpec:
+                      rotate_pairwise=False, stochastic_rounding=False) -> StepSpec:
     """Check every input of a step (metadata only) and return its complete StepSpec.
 
     ``tensors`` holds ``mamba3_step_fn``'s tensor arguments and ``null_slot_id`` (see its
@@ -75,13 +76,18 @@ def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=Non
     for rule in RULES:
         checks.check_is_tensor(rule.name, getattr(tensors, rule.name), optional=not rule.required)
     options = check_options(null_slot_id=tensors.null_slot_id, update_kv_state=update_kv_state, tile_D=tile_D,
-                            num_warps=num_warps, rotate_pairwise=rotate_pairwise)
+                            num_warps=num_warps, rotate_pairwise=rotate_pairwise,
+                            stochastic_rounding=stochastic_rounding)
     null_slot_id, tile_D, num_warps = options["null_slot_id"], options["tile_D"], options["num_warps"]
     _check_modes(tensors, null_slot_id)
     _check_rotary_modes(tensors, rotate_pairwise)
+    _check_rounding_modes(tensors, stochastic_rounding)
     layout = _check_layout(tensors)
     N, Dh, R, layout = _check_shapes(tensors, layout)
     dtypes = _check_dtypes(tensors)
+    if stochastic_rounding and dtypes["state_dtype"] not in ("bfloat16", "float16"):
+        raise ValueError(f"stochastic_rounding: expected a 16-bit state (bfloat16 or float16: a float32 state "
+                         f"is stored exactly as computed), got state dtype {dtypes['state_dtype']}")
     _check_memory(tensors)
     _check_grid(tensors)
     _check_writes(tensors, update_kv_state)
@@ -95,6 +101,7 @@ def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=Non
         num_accepted=layout.accepted,
         rope_angles=0 if tensors.angle_state is None else int(tensors.angle_state.shape[-1]),
         rotate_pairwise=rotate_pairwise, has_bc_bias=tensors.B_bias is not None, shared_bc=layout.shared_bc,
+        stochastic_rounding=stochastic_rounding,
     )
     return _check_tiling(spec, tile_D, num_warps)
 
@@ -142,6 +149,17 @@ def _check_rotary_modes(t: StepTensors, rotate_pairwise: bool) -> None:
                          "got True")
 
 
+def _check_rounding_modes(t: StepTensors, stochastic_rounding: bool) -> None:
+    """``rand_seed`` exactly with ``stochastic_rounding``; a 16-bit state (checked with the dtypes
+    below, where the state's dtype is known to be a tensor's)."""
+    if stochastic_rounding and t.rand_seed is None:
+        raise ValueError("rand_seed: expected an int64 tensor [seed, offset] on the state's device because "
+                         "stochastic_rounding=True, got None")
+    if not stochastic_rounding and t.rand_seed is not None:
+        raise ValueError("rand_seed: expected None without stochastic_rounding=True (it seeds the stochastic "
+                         "rounding of the state's store), got a tensor")
+
+
 def _check_layout(t: StepTensors) -> Layout:
     """The call's optional axes, from the ranks of ``x``, ``state_batch_indices`` and
     ``dst_state_batch_indices`` and the presence of ``num_accepted_tokens``."""
@@ -185,7 +203,7 @@ def _check_shapes(t: StepTensors, layout: Layout) -> tuple:
     angles = t.angle_state if t.angle_state is not None else t.angle_proj
     sizes = {"B": nb, "T": t.tokens, "P": t.state.shape[0] if layout.pool else nb, "H": H, "D": Dh, "N": N,
              "R": R, "K": t.state_batch_indices.shape[-1] if layout.accepted else 0, "1": 1,
-             "S": angles.shape[-1] if angles is not None and angles.dim() >= 1 else 0}
+             "S": angles.shape[-1] if angles is not None and angles.dim() >= 1 else 0, "2": 2}
     for rule in RULES:
         value = getattr(t, rule.name)
         if value is not None:

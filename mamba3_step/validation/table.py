@@ -75,6 +75,7 @@ RULES = (
     Rule("angle_proj", "B [T] H A", ("float32",)),
     Rule("B_bias", "R H N", ("float32",)),
     Rule("C_bias", "R H N", ("float32",)),
+    Rule("rand_seed", "2", ("int64",), hint=" ([seed, offset])"),
 )
 
 #: the arguments the letters are read from (their ranks are checked first): B, T, H, D from
