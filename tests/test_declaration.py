@@ -170,3 +170,15 @@ def test_fake_arguments_launcher_and_host_packing_agree(mode):
     assert [f is None for f in fakes] == [p is None for p in packed]
     masks = kernel.argument_masks(spec)
     assert [m is None for m in masks] == [p is None for p in packed]
+
+
+def test_the_validation_cache_keys_on_every_validated_option():
+    """``ValidationCache.check`` and ``call_key`` are written out for speed: their options must be
+    :data:`VALIDATED_OPTIONS`, in order, with StepOptions' defaults."""
+    from mamba3_step.signature import VALIDATED_OPTIONS, StepOptions
+    from mamba3_step.validation.cache import ValidationCache, call_key
+    for fn, skip in ((ValidationCache.check, 2), (call_key, 1)):
+        params = list(inspect.signature(fn).parameters.values())[skip:]
+        assert tuple(p.name for p in params) == VALIDATED_OPTIONS, fn
+    for p in list(inspect.signature(ValidationCache.check).parameters.values())[2:]:
+        assert p.default == StepOptions._field_defaults[p.name], p.name

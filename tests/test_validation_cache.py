@@ -30,7 +30,7 @@ from helpers import clone_inputs, count_calls, make_inputs, run_threads
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mamba3_step.signature import VALIDATED_OPTIONS
+from mamba3_step.signature import VALIDATED_OPTIONS, StepOptions
 from mamba3_step import mamba3_step_fn
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import speculative_indices
@@ -220,7 +220,7 @@ def test_a_change_between_two_calls_is_refused_with_the_full_validations_error(c
     assert expected[0] is exc and expected[1].startswith(start), expected
     before_entries, before_full = len(fresh_cache), fresh_cache.full_validations
     t, opts = tensors_and_options(kw)
-    key = cache.call_key(t, {k: v for k, v in opts.items() if k in VALIDATED_OPTIONS})
+    key = cache.call_key(t, *[opts.get(k, StepOptions._field_defaults[k]) for k in VALIDATED_OPTIONS])
     sigs = fresh_cache._entries.get(key, ())
     verdicts = [s.admits(t) for s in sigs]
     if same_signature:  # the guard matched: only the address or mode check tells

@@ -50,7 +50,6 @@ from typing import Callable
 import torch
 
 from ..contract import VECTOR_BYTES, shown
-from ..signature import VALIDATED_OPTIONS, StepOptions
 from ..spec import StepSpec
 from ..tensors import StepTensors
 from . import checks
@@ -330,12 +329,13 @@ class ValidationCache:
         with self._lock:
             self._entries.clear()
 
-    def check(self, tensors: StepTensors, **options) -> StepSpec:
+    def check(self, tensors: StepTensors, update_kv_state=False, tile_D=None, num_warps=None, rotate_pairwise=False,
+              stochastic_rounding=False) -> StepSpec:
         """``check_step_inputs(tensors, **options)``, answered from the cache when a signature admits
         the call; otherwise the full validation runs (raising its named error) and, for a call of
-        plain tensors and plain options, its result is kept. ``options``: the
-        :data:`~mamba3_step.signature.VALIDATED_OPTIONS` given (the others at their defaults)."""
-        key = call_key(tensors, options)
+        plain tensors and plain options, its result is kept. The options are
+        :data:`~mamba3_step.signature.VALIDATED_OPTIONS`."""
+        key = call_key(tensors, update_kv_state, tile_D, num_warps, rotate_pairwise, stochastic_rounding)
         if key is not None:
             for sig in self._entries.get(key, ()):
                 verdict = sig.admits(tensors)
@@ -346,7 +346,8 @@ class ValidationCache:
                     break
         with self._lock:
             self.full_validations += 1
-        spec = check_step_inputs(tensors, **options)
+        spec = check_step_inputs(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
+                                 rotate_pairwise=rotate_pairwise, stochastic_rounding=stochastic_rounding)
         if key is None:
             return spec
         sig = CheckedSignature.from_call(spec, tensors, self.prefer_cpp, self.prefer_native)
@@ -361,27 +362,19 @@ class ValidationCache:
             self._entries[key] = (sig,) + (old or ())[: self.per_key - 1]
 
 
-def call_key(tensors, options: dict):
-    """The cache key of a call, or None when it is not cached (a non-plain or nested ``x``, or an
-    option of another type than its flag's bool / an int / None: those take the full validation
-    every time)."""
+def call_key(tensors, update_kv_state, tile_D, num_warps, rotate_pairwise=False, stochastic_rounding=False):
+    """The cache key of a call (its options in :data:`~mamba3_step.signature.VALIDATED_OPTIONS`
+    order), or None when it is not cached (a non-plain or nested ``x``, or an option of another type
+    than bool/int/None: those take the full validation every time). Written out: it runs per call."""
     x, nsi = tensors[_X], tensors[_NULL_SLOT]
-    if type(x) is not _Tensor or x.is_nested:
+    if (type(x) is not _Tensor or type(update_kv_state) is not bool or type(rotate_pairwise) is not bool
+            or type(stochastic_rounding) is not bool or x.is_nested):
         return None
-    values = []
-    for name in VALIDATED_OPTIONS:
-        v = options.get(name, _DEFAULTS[name])
-        if v is not None and type(v) is not (bool if name in _FLAGS else int):
+    for v in (tile_D, num_warps, nsi):
+        if v is not None and type(v) is not int:
             return None
-        values.append(v)
-    if nsi is not None and type(nsi) is not int:
-        return None
-    return (x.shape, nsi, torch.is_inference_mode_enabled(), *values)
-
-
-_DEFAULTS = StepOptions._field_defaults
-#: the validated options that are flags (bools); the others are ints or None
-_FLAGS = frozenset(name for name in VALIDATED_OPTIONS if type(_DEFAULTS[name]) is bool)
+    return (x.shape, nsi, torch.is_inference_mode_enabled(), update_kv_state, tile_D, num_warps, rotate_pairwise,
+            stochastic_rounding)
 
 
 #: the process-wide cache behind :func:`check_step_inputs_cached`
