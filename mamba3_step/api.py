@@ -59,6 +59,7 @@ def mamba3_step_fn(
     B_bias: torch.Tensor | None = None,
     C_bias: torch.Tensor | None = None,
     rand_seed: torch.Tensor | None = None,
+    rand_rows: torch.Tensor | None = None,
     update_kv_state: bool = False,
     tile_D: int | None = None,
     num_warps: int | None = None,
@@ -96,6 +97,7 @@ def mamba3_step_fn(
     angle_proj                  (B, [T,] H, S)          float32
     B_bias, C_bias              (R, H, N)               float32
     rand_seed                   (2,): [seed, offset]    int64
+    rand_rows (dense only)      (B,)                    int32
     ==========================  ======================  ================================
 
     Math per lane and head (accumulated in float32): see docs/contract.md or
@@ -157,7 +159,10 @@ def mamba3_step_fn(
             its random bits a counter-based function (Philox4x32-10) of ``rand_seed``'s
             ``[seed, offset]`` (read on the device: advance the offset in-graph for fresh bits),
             the row written, the head, d and n; token t of a T-token step draws at offset + t.
-            The CPU path gives the kernel's bits exactly (docs/contract.md, "Stochastic rounding").
+            The CPU path draws the kernel's bits exactly (docs/contract.md, "Stochastic rounding").
+        rand_rows: dense mode with stochastic rounding: lane b draws the bits of row
+            ``rand_rows[b]`` instead of row b (a dense step on gathered rows then stores the bits a
+            pool step would: how the gather -> dense -> scatter baseline matches pool mode).
 
     Constraints: N in {32, 64, 128, 256}, D in {32, 64, 128}, R in {1, 2, 4, 8}; S in
     [1, N/2]; all tensors on
@@ -189,7 +194,7 @@ def mamba3_step_fn(
     """
     values = (state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
               state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens, angle_state, angle_proj,
-              B_bias, C_bias, rand_seed)
+              B_bias, C_bias, rand_seed, rand_rows)
     options = (update_kv_state, tile_D, num_warps, validate_indices, rotate_pairwise, stochastic_rounding)
     if torch.compiler.is_compiling():  # the NamedTuples' own constructors: what every dynamo can trace
         return step_through_op(StepTensors(*values), StepOptions(*options))

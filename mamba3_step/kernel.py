@@ -86,7 +86,7 @@ class Cta(NamedTuple):
     dst: Any  # Int32: the row they are written to
     src_live: Any  # Boolean: src is a real row (else the lane is padding)
     dst_live: Any  # Boolean: dst is a real row (and src too)
-    seed: Any = None  # (seed, offset) Int64 from rand_seed, read once (stochastic rounding only)
+    seed: Any = None  # (seed, offset, row) from rand_seed (and rand_rows), read once (stochastic rounding only)
 
 
 class Shared(NamedTuple):
@@ -237,7 +237,7 @@ class Mamba3StepKernel:
             # Issue every state load first: they are the bytes that matter.
             lane = tidx % self.layout.TPR
             cta = Cta(b, h, dtile, tidx, lane, self.lane_permutation(lane), src, dst, src_live, dst_live,
-                      (m.rand_seed[0], m.rand_seed[1]) if const_expr(self.stochastic) else None)
+                      self.rng_source(m, b) if const_expr(self.stochastic) else None)
             groups = []  # RowGroup per row group, loaded up front with preload (else by token_step)
             for g in cutlass.range_constexpr(self.layout.row_groups if self.layout.preload else 1):
                 groups.append(self.load_state(m.state, g, cta))
@@ -733,6 +733,13 @@ class Mamba3StepKernel:
 
     # ------------------------------------------------------------------ stochastic rounding
     @cute.jit
+    def rng_source(self, m: KernelArgs, b: Int32) -> tuple:
+        """``(seed, offset, row)``: rand_seed's two int64 values and, in dense mode with
+        ``rand_rows``, the row lane ``b`` draws for (else None: the row written, ``cta.dst``)."""
+        row = m.rand_rows[b] if const_expr(self.spec.has_rand_rows) else None
+        return (m.rand_seed[0], m.rand_seed[1], row)
+
+    @cute.jit
     def token_rng(self, seed_offset: tuple, t: int) -> tuple:
         """``(k0, k1, o0, o1)``: the seed's and token ``t``'s offset's (``offset + t``) 32-bit words."""
         seed = seed_offset[0]
@@ -750,7 +757,8 @@ class Mamba3StepKernel:
         d = cta.dtile * self.tile_D + row
         base = (Uint32(cta.h) * Uint32(self.D) + Uint32(d)) * Uint32(self.N // N_PER_CALL)
         for c in cutlass.range_constexpr(lay.CPT):
-            words = self.philox((o0, o1, Uint32(cta.dst), base + Uint32(c * lay.TPR + cta.lane)), k0, k1)
+            row_id = cta.dst if const_expr(cta.seed[2] is None) else cta.seed[2]
+            words = self.philox((o0, o1, Uint32(row_id), base + Uint32(c * lay.TPR + cta.lane)), k0, k1)
             for e in cutlass.range_constexpr(lay.VN):
                 r = (words[e // 2] >> (16 * (e % 2))) & Uint32(0xFFFF)
                 tSrS[e, i, c] = self.round_stochastic(tSrNew[e, c], r)
@@ -994,6 +1002,7 @@ def fake_arguments(spec: StepSpec) -> KernelArgs:
         B_bias=strided(Float32, (R, heads, N)) if spec.has_bc_bias else None,
         C_bias=strided(Float32, (R, heads, N)) if spec.has_bc_bias else None,
         rand_seed=strided(Int64, (2,)) if spec.stochastic_rounding else None,
+        rand_rows=strided(Int32, (batch,)) if spec.has_rand_rows else None,
         null_slot=Int32(-1),
     )
 

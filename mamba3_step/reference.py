@@ -200,6 +200,8 @@ class _RoundingRule:
 
     def __init__(self, t: StepTensors, stochastic: bool):
         self.dtype = t.state.dtype
+        # a wider state (the float64 test reference) stores the value as it is
+        stochastic = stochastic and self.dtype in (torch.bfloat16, torch.float16)
         self.seed_offset = [int(v) for v in t.rand_seed.tolist()] if stochastic else None
         self.rows = None  # per token: the rows the bits are drawn for, one per live lane
 
@@ -247,10 +249,10 @@ def _step_writes(t: StepTensors, update_kv_state: bool, rotate_pairwise: bool, r
 
 def _token_rows(t: StepTensors, lanes) -> list:
     """Per token, the row each live lane's state is stored to (or would be, when that is padding):
-    its destination for the token, else its final destination, else its source; the lane in
-    dense mode."""
+    its destination for the token, else its final destination, else its source; in dense mode
+    ``rand_rows[b]``, else the lane."""
     if not t.pool:
-        return [lanes] * t.tokens
+        return [lanes if t.rand_rows is None else t.rand_rows.to(t.x.device)[lanes]] * t.tokens
     dst = t.dst_state_batch_indices
     if dst is not None and dst.dim() == 2:
         return [dst[:, k].to(t.x.device)[lanes] for k in range(t.tokens)]

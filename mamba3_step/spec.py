@@ -56,6 +56,7 @@ class StepSpec:
         shared_bc: B and C have a head axis of 1 (one B/C per lane, read by every head).
         stochastic_rounding: a 16-bit state is stored with stochastic rounding, its bits drawn
             from ``rand_seed`` (docs/contract.md, "Stochastic rounding").
+        has_rand_rows: dense mode draws lane b's bits for row ``rand_rows[b]`` (else for b).
     """
 
     dstate: int
@@ -81,6 +82,7 @@ class StepSpec:
     has_bc_bias: bool = False
     shared_bc: bool = False
     stochastic_rounding: bool = False
+    has_rand_rows: bool = False
 
     def replace(self, **changes) -> "StepSpec":
         return dataclasses.replace(self, **changes)
@@ -140,7 +142,7 @@ def flagship_spec(**changes) -> StepSpec:
 
 #: fields a key names only when they are not at their default (added after keys were on disk)
 _KEY_OMITTED_AT_DEFAULT = frozenset({"rope_angles", "rotate_pairwise", "has_bc_bias", "shared_bc",
-                                     "stochastic_rounding"})
+                                     "stochastic_rounding", "has_rand_rows"})
 
 
 def flagship_rotary_spec(**changes) -> StepSpec:
@@ -212,4 +214,6 @@ def rotary_problem(spec: StepSpec) -> str | None:
         return "rope_angles > 0 needs tile_D >= headdim (one CTA per (lane, head) updates the angle)"
     if spec.stochastic_rounding and spec.state_dtype not in ("bfloat16", "float16"):
         return f"stochastic_rounding needs a 16-bit state (bfloat16 or float16), got {spec.state_dtype}"
+    if spec.has_rand_rows and (spec.pool or not spec.stochastic_rounding):
+        return "has_rand_rows needs dense mode and stochastic_rounding"
     return None

@@ -14,7 +14,8 @@ new one) names them the same way, through :func:`add_spec_arguments` and
   ``--state-out``: the mode flags, applied to every config; ``--tokens T`` (a T-token step),
   ``--dst-per-token`` ((B, T) destinations) and ``--num-accepted`` ((B, K) sources picked by
   ``num_accepted_tokens``), the multi-token flags; ``--rope-angles S``, ``--rotate-pairwise``,
-  ``--bc-bias``, ``--shared-bc``, the rotary flags;
+  ``--bc-bias``, ``--shared-bc``, the rotary flags; ``--stochastic-rounding`` (with a 16-bit
+  ``--state-dtype``);
 * ``--tile-d``, ``--num-warps``: the tiling (default: per configuration);
 * ``--arch``: the target (default: this machine's GPU, else sm_90a).
 
@@ -92,7 +93,8 @@ def spec_label(spec: StepSpec) -> str:
                              ("z", spec.has_z), ("outproj", spec.has_outproj),
                              ("state_out", spec.has_state_out),
                              (f"rope{spec.rope_angles}", spec.rope_angles > 0), ("pairwise", spec.rotate_pairwise),
-                             ("bcbias", spec.has_bc_bias), ("sharedBC", spec.shared_bc)) if on]
+                             ("bcbias", spec.has_bc_bias), ("sharedBC", spec.shared_bc),
+                             ("sr", spec.stochastic_rounding), ("rand_rows", spec.has_rand_rows)) if on]
     tokens = f"T{spec.tokens} " if spec.tokens > 1 else ""
     return (f"N{spec.dstate} D{spec.headdim} R{spec.mimo} {spec.state_dtype}/{spec.kv_dtype}/"
             f"{spec.x_dtype}/{spec.proj_dtype} tD{spec.tile_D} w{spec.num_warps} {tokens}"
@@ -133,6 +135,8 @@ def add_spec_arguments(parser: argparse.ArgumentParser, *, modes: bool = True, a
         g.add_argument("--rotate-pairwise", action="store_true", help="rotary pairs (2i, 2i+1) (SISO)")
         g.add_argument("--bc-bias", action="store_true", help="with B_bias/C_bias (rotary)")
         g.add_argument("--shared-bc", action="store_true", help="B/C with a head axis of 1 (shared by the heads)")
+        g.add_argument("--stochastic-rounding", action="store_true",
+                       help="store a 16-bit state with stochastic rounding (rand_seed [seed, offset])")
     if arch:
         g.add_argument("--arch", default=None, help=f"target architecture, e.g. sm_90a, sm_100a "
                                                     f"(default: this machine's GPU, else {DEFAULT_ARCH})")
@@ -164,7 +168,8 @@ def specs_from_args(args: argparse.Namespace) -> list[StepSpec]:
                        has_outproj=not args.no_outproj, has_state_out=args.state_out, tokens=args.tokens,
                        dst_per_token=args.dst_per_token, num_accepted=args.num_accepted,
                        rope_angles=args.rope_angles, rotate_pairwise=args.rotate_pairwise,
-                       has_bc_bias=args.bc_bias, shared_bc=args.shared_bc)
+                       has_bc_bias=args.bc_bias, shared_bc=args.shared_bc,
+                       stochastic_rounding=args.stochastic_rounding)
     specs = []
     for config in args.config or ["flagship"]:
         for spec in specs_for_config(config, **changes):

@@ -64,6 +64,7 @@ class StepTensors(NamedTuple):
     B_bias: Optional[Tensor] = None  # (R, H, N) fp32, with angle_state and C_bias
     C_bias: Optional[Tensor] = None  # (R, H, N) fp32, with angle_state and B_bias
     rand_seed: Optional[Tensor] = None  # (2,) int64 [seed, offset]: stochastic rounding's bits
+    rand_rows: Optional[Tensor] = None  # (B,) int32, dense mode: the row each lane's bits are drawn for
 
     @property
     def batch(self) -> int:
@@ -161,6 +162,7 @@ class KernelArgs(NamedTuple):
     B_bias: Any  # (R, H, N) fp32, or None
     C_bias: Any  # (R, H, N) fp32, or None
     rand_seed: Any  # (2,) int64 [seed, offset] with stochastic rounding, or None
+    rand_rows: Any  # (B,) int32 in dense mode: each lane's row for the draw, or None (the lane)
     null_slot: Any  # int32: pool rows equal to it are padding (-1: none)
 
 

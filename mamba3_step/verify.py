@@ -71,6 +71,8 @@ def _inputs(spec: StepSpec, batch: int, heads: int, seed: int, live_only: bool =
                      has_outproj=spec.has_outproj, tokens=spec.tokens if spec.tokens > 1 else None, seed=seed)
     if spec.rope_angles:
         kw = with_rotary(kw, spec.rope_angles, shared_bc=spec.shared_bc, bias=spec.has_bc_bias, seed=seed + 1)
+    if spec.stochastic_rounding:
+        kw["rand_seed"] = torch.tensor([seed * 7919 + 1, seed], dtype=torch.int64)
     kinds = ["live"] * batch
     if spec.pool:
         indices, kinds = step_indices(spec, batch, P, null_slot_id=None if live_only else NULL_SLOT,
@@ -86,8 +88,9 @@ def _clone(t: StepTensors) -> StepTensors:
 
 
 def _tiling(spec: StepSpec) -> dict:
-    """The spec's tiling and its option beyond the tensors (``rotate_pairwise``), as keywords."""
-    return dict(tile_D=spec.tile_D, num_warps=spec.num_warps, rotate_pairwise=spec.rotate_pairwise)
+    """The spec's tiling and its options beyond the tensors, as keywords."""
+    return dict(tile_D=spec.tile_D, num_warps=spec.num_warps, rotate_pairwise=spec.rotate_pairwise,
+                stochastic_rounding=spec.stochastic_rounding)
 
 
 def _accuracy(spec: StepSpec, tensors: StepTensors, executed: StepTensors) -> dict:
@@ -95,10 +98,10 @@ def _accuracy(spec: StepSpec, tensors: StepTensors, executed: StepTensors) -> di
     f64 = tensors._replace(**{k: v.double() if v.is_floating_point() else v.clone()
                               for k, v in tensors._asdict().items() if isinstance(v, torch.Tensor)})
     out64 = mamba3_step_reference(f64, update_kv_state=spec.update_kv_state, rotate_pairwise=spec.rotate_pairwise,
-                                  compute_dtype=torch.float64)
+                                  stochastic_rounding=spec.stochastic_rounding, compute_dtype=torch.float64)
     cpu = _clone(tensors)
     out32 = mamba3_step_fn(**cpu._asdict(), update_kv_state=spec.update_kv_state,
-                           rotate_pairwise=spec.rotate_pairwise)
+                           rotate_pairwise=spec.rotate_pairwise, stochastic_rounding=spec.stochastic_rounding)
     key = "state_out" if spec.has_state_out else "state"
 
     def err(a, b):
@@ -134,7 +137,8 @@ def _parity(spec: StepSpec, batch: int, heads: int, seed: int) -> bool:
     """Pool mode (of ``spec``, or its pool twin) bit-identical to gather -> executed dense -> scatter."""
     twin = spec if spec.pool else spec.replace(pool=True, has_dst=True, has_state_out=False,
                                                update_kv_state=spec.tile_D >= spec.headdim,
-                                               dst_per_token=spec.tokens > 1, num_accepted=spec.tokens > 1)
+                                               dst_per_token=spec.tokens > 1, num_accepted=spec.tokens > 1,
+                                               has_rand_rows=False)
     tensors, _ = _inputs(twin, batch, heads, seed + 1)
     rows = set(source_rows(tensors.state_batch_indices, tensors.num_accepted_tokens).tolist())
     for name in ROW_FIELDS:  # poison every row no live lane reads
@@ -143,7 +147,8 @@ def _parity(spec: StepSpec, batch: int, heads: int, seed: int) -> bool:
             if r not in rows or r == NULL_SLOT:
                 poison_(t[r], seed=seed + r)
     expected = _clone(tensors)
-    step = functools.partial(ptx_step_fn, rotate_pairwise=twin.rotate_pairwise)
+    step = functools.partial(ptx_step_fn, rotate_pairwise=twin.rotate_pairwise,
+                             stochastic_rounding=twin.stochastic_rounding)
     out_expected = gather_dense_scatter(expected, update_kv_state=twin.update_kv_state, step_fn=step,
                                         tile_D=twin.tile_D, num_warps=twin.num_warps)
     got = _clone(tensors)._replace(out=poison_(torch.empty_like(out_expected), seed=seed))

@@ -105,6 +105,8 @@ STOCHASTIC = {
     "flagship-bf16state-sr": flagship_spec(state_dtype="bfloat16", stochastic_rounding=True),
     "flagship-fp16state-sr": flagship_spec(state_dtype="float16", stochastic_rounding=True),
     "N64-D32-R2-bf16state-dense-sr": StepSpec(64, 32, 2, "bfloat16", stochastic_rounding=True),
+    "flagship-fp16state-dense-sr-rows": flagship_spec(state_dtype="float16", pool=False, stochastic_rounding=True,
+                                                      has_rand_rows=True),
     "N256-D32-R8-fp16state-pool-dst-sr": StepSpec(
         256, 32, 8, "float16", "bfloat16", "bfloat16", "bfloat16", pool=True, has_dst=True, update_kv_state=True,
         stochastic_rounding=True),

@@ -15,17 +15,21 @@ kind and separate destinations; dense; a T = 4 speculative step):
 2. the same with values that reach every branch of the rounding: fp16 subnormals and values
    below them, values next to the largest finite, signed zeros, inf and NaN;
 3. another offset changes the stored bits; the bits follow the row, not the lane;
-4. padding lanes read and write no state byte.
+4. padding lanes read and write no state byte;
+5. pool mode bit-identical to gather -> executed dense -> scatter, the dense steps drawing for the
+   gathered rows (``rand_rows``).
 
 Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
-from helpers import PAD_KINDS, clone_inputs
+from helpers import PAD_KINDS, check_pool_parity, clone_inputs
 from test_kernel_compile import STOCHASTIC
 
 from mamba3_step import mamba3_step_fn
@@ -196,3 +200,22 @@ def test_padding_lanes_touch_no_state_byte_with_stochastic_rounding():
     for b, kind in enumerate(kinds):
         touched = int((in_state & (lane == b)).sum())
         assert (touched == 0) == (kind in PAD_KINDS), (b, kind, touched)
+
+
+@pytest.mark.parametrize("name", [n for n, s in STOCHASTIC.items() if s.pool])
+def test_stochastic_pool_mode_is_gather_executed_dense_scatter(name):
+    """The dense steps of the baseline draw the pool step's bits: ``rand_rows`` (each gathered
+    lane's destination row) and ``offset + t`` (serving.gather_dense_scatter)."""
+    spec = STOCHASTIC[name].with_default_tiling()
+    B = 7
+    P = B * spec.tokens + 6
+    inputs = dict(sr_inputs(spec, B, P, seed=37), rand_seed=SEED.clone())
+    step = functools.partial(ptx_step_fn, stochastic_rounding=True)
+    if spec.num_accepted:
+        src, nat, dst, kinds = speculative_indices(B, P, spec.tokens, null_slot_id=NULL, seed=37)
+        check_pool_parity(inputs, src, dst, kinds, null_slot_id=NULL, update_kv_state=True, step_fn=step,
+                          num_accepted_tokens=nat)
+    else:
+        src, dst, kinds = padded_indices(B, P, null_slot_id=NULL, with_dst=spec.has_dst, layout="interleaved", seed=37)
+        check_pool_parity(inputs, src, dst, kinds, null_slot_id=NULL, update_kv_state=spec.update_kv_state,
+                          step_fn=step)

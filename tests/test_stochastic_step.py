@@ -13,17 +13,18 @@ Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
-from helpers import clone_inputs
+from helpers import check_pool_parity, clone_inputs
 
 from mamba3_step import mamba3_step_fn, mamba3_step_op, plan_step
 from mamba3_step.reference import step_math
 from mamba3_step.spec import StepSpec
 from mamba3_step.tensors import StepTensors
-from mamba3_step.testing import bits, bits_equal, make_inputs
+from mamba3_step.testing import bits, bits_equal, make_inputs, padded_indices, speculative_indices
 from mamba3_step.validation import check_step_inputs
 
 H, D, N, R = 2, 32, 32, 2
@@ -45,6 +46,8 @@ BAD = [
     ("rand_seed (3,)", dict(rand_seed=torch.zeros(3, dtype=torch.int64)), ValueError, "rand_seed: expected shape"),
     ("rand_seed (1, 2)", dict(rand_seed=SEED.view(1, 2)), ValueError, "rand_seed"),
     ("flag not a bool", dict(stochastic_rounding=1), TypeError, "stochastic_rounding"),
+    ("rand_rows in pool mode", dict(rand_rows=torch.zeros(3, dtype=torch.int32)), ValueError,
+     "rand_rows: expected None except in dense mode"),
 ]
 
 
@@ -128,6 +131,34 @@ def test_the_stored_state_is_unbiased(state):
     ulp = torch.finfo(inputs["state"].dtype).eps * torch.maximum(lo.abs(), new.abs()).double()
     bound = 5.5 * ulp / (2 * math.sqrt(K)) + 1e-30
     assert bool(((mean - new.double()).abs() <= bound).all()), float(((mean - new.double()).abs() / ulp).max())
+
+
+@pytest.mark.parametrize("state", ["bfloat16", "float16"])
+def test_pool_mode_is_gather_dense_scatter_with_the_rows_drawn_for(state):
+    inputs = dict(_inputs(state, B=8, P=12, seed=21), rand_seed=SEED.clone())
+    src, dst, kinds = padded_indices(8, 12, null_slot_id=2, with_dst=True, layout="interleaved", seed=21)
+    step = functools.partial(mamba3_step_fn, stochastic_rounding=True)
+    check_pool_parity(inputs, src, dst, kinds, null_slot_id=2, update_kv_state=True, step_fn=step)
+    T = 3
+    inputs = dict(_inputs(state, B=5, P=20, seed=22, tokens=T), rand_seed=SEED.clone())
+    src, nat, dst, kinds = speculative_indices(5, 20, T, null_slot_id=2, seed=22)
+    check_pool_parity(inputs, src, dst, kinds, null_slot_id=2, update_kv_state=True, num_accepted_tokens=nat,
+                      step_fn=step)
+
+
+def test_dense_rand_rows_draw_for_the_rows_named():
+    inputs = _inputs(B=3, P=None, seed=23)
+    rows = torch.tensor([7, 0, 2], dtype=torch.int32)
+    _, dense = _step(inputs, rand_rows=rows)
+    pool = make_inputs(3, 8, H, D, N, R, dtypes=dict(state_dtype="bfloat16"), seed=23)
+    pool["state"][rows.long()] = inputs["state"]
+    pool["Bstate"][rows.long()] = inputs["Bstate"]
+    pool["Xstate"][rows.long()] = inputs["Xstate"]
+    rows_of_pool = {k: pool[k] for k in ("state", "Bstate", "Xstate")}
+    _, pooled = _step(dict(inputs, **rows_of_pool), state_batch_indices=rows)
+    assert bits_equal(dense["state"], pooled["state"][rows.long()])
+    _, plain = _step(inputs)
+    assert not bits_equal(plain["state"], dense["state"])
 
 
 def test_op_and_plan_run_it_like_the_function_and_without_it_nothing_changes():

@@ -42,6 +42,9 @@ def gather_dense_scatter(tensors: StepTensors, *, update_kv_state: bool = True, 
     ``update_kv_state`` (the angle is always written); the B rows stored are the rotated B.
     ``rotate_pairwise`` reaches ``step_fn`` only when True (a ``step_fn`` with it bound keeps it).
 
+    With ``rand_seed`` (stochastic rounding) each dense step draws the pool step's bits: it is given
+    ``rand_rows``, each gathered lane's destination row, and ``offset + t`` for token t.
+
     A T-token bundle (``x`` (B, T, H, D); ``state_batch_indices`` (B, K) with
     ``num_accepted_tokens``; ``dst_state_batch_indices`` (B,) or (B, T)) runs as T one-token
     dense steps on the gathered rows, token t's B/x becoming token t + 1's previous B/x; with a
@@ -60,10 +63,11 @@ def gather_dense_scatter(tensors: StepTensors, *, update_kv_state: bool = True, 
     in_kernel = kv_update_in_kernel(t.x.shape[-1], t.B.shape[-1], t.B.shape[-3], t.state.dtype, tile_D)
     dst = t.dst_state_batch_indices
     for k in range(t.tokens):
-        token = dense.token(k)
+        token = _with_draw(t, dense.token(k), lanes, src, k)
         # the copies always take this token's B/x: the next token's previous B/x
         o = step_fn(**token._asdict(), update_kv_state=in_kernel, tile_D=tile_D, num_warps=num_warps,
-                    **({"rotate_pairwise": rotate_pairwise} if rotate_pairwise else {}))
+                    **({"rotate_pairwise": rotate_pairwise} if rotate_pairwise else {}),
+                    **({"stochastic_rounding": True} if t.rand_seed is not None else {}))
         if not in_kernel:
             token.Bstate.copy_(token.B)
             token.Xstate.copy_(token.x)
@@ -73,6 +77,18 @@ def gather_dense_scatter(tensors: StepTensors, *, update_kv_state: bool = True, 
     if dst is None or dst.dim() == 1:
         _scatter(t, dense, lanes, src if dst is None else dst, update_kv_state)
     return out
+
+
+def _with_draw(t: StepTensors, token: StepTensors, lanes: torch.Tensor, src: torch.Tensor, k: int) -> StepTensors:
+    """With stochastic rounding, token ``k``'s dense step draws what the pool step draws: at
+    ``offset + k``, each lane for the row its state goes to (``rand_rows``: its destination for the
+    token, else its final destination, else its source)."""
+    if t.rand_seed is None:
+        return token
+    dst = t.dst_state_batch_indices
+    rows = src if dst is None else (dst[:, k] if dst.dim() == 2 else dst)
+    seed = t.rand_seed + torch.tensor([0, k], dtype=torch.int64, device=t.rand_seed.device)
+    return token._replace(rand_seed=seed, rand_rows=rows[lanes].to(torch.int32).contiguous())
 
 
 def _scatter(t: StepTensors, dense: StepTensors, lanes: torch.Tensor, targets: torch.Tensor,

@@ -101,7 +101,7 @@ def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=Non
         num_accepted=layout.accepted,
         rope_angles=0 if tensors.angle_state is None else int(tensors.angle_state.shape[-1]),
         rotate_pairwise=rotate_pairwise, has_bc_bias=tensors.B_bias is not None, shared_bc=layout.shared_bc,
-        stochastic_rounding=stochastic_rounding,
+        stochastic_rounding=stochastic_rounding, has_rand_rows=tensors.rand_rows is not None,
     )
     return _check_tiling(spec, tile_D, num_warps)
 
@@ -158,6 +158,10 @@ def _check_rounding_modes(t: StepTensors, stochastic_rounding: bool) -> None:
     if not stochastic_rounding and t.rand_seed is not None:
         raise ValueError("rand_seed: expected None without stochastic_rounding=True (it seeds the stochastic "
                          "rounding of the state's store), got a tensor")
+    if t.rand_rows is not None and (t.pool or not stochastic_rounding):
+        raise ValueError("rand_rows: expected None except in dense mode with stochastic_rounding=True (it names "
+                         "the row each lane's random bits are drawn for; pool mode draws for the row written), "
+                         "got a tensor")
 
 
 def _check_layout(t: StepTensors) -> Layout:

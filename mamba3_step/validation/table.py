@@ -76,6 +76,7 @@ RULES = (
     Rule("B_bias", "R H N", ("float32",)),
     Rule("C_bias", "R H N", ("float32",)),
     Rule("rand_seed", "2", ("int64",), hint=" ([seed, offset])"),
+    Rule("rand_rows", "B", ("int32",), hint=" (convert with .to(torch.int32))"),
 )
 
 #: the arguments the letters are read from (their ranks are checked first): B, T, H, D from
