@@ -139,6 +139,9 @@ def _full_matrix():
         specs[f"N{N}-D{D}-R{R}-rotary-pool-dst-kv"] = StepSpec(
             N, D, R, pool=True, has_dst=True, update_kv_state=True, rope_angles=N // 4, has_bc_bias=True,
             shared_bc=True)
+    for N, D, R, sd in itertools.product(SUPPORTED_N, SUPPORTED_D, SUPPORTED_R, ("bfloat16", "float16")):
+        specs[f"N{N}-D{D}-R{R}-{sd}-sr-pool-dst-kv"] = StepSpec(
+            N, D, R, sd, pool=True, has_dst=True, update_kv_state=True, stochastic_rounding=True)
     for S, pw, bias, shared, dst, T in itertools.product((32, 64), *([(False, True)] * 4), (1, 4)):
         flags = dict(tokens=T, dst_per_token=dst and T > 1, num_accepted=T > 1) if T > 1 else {}
         specs[f"flagship-rotary-S{S}-pw{pw:d}-b{bias:d}-sh{shared:d}-dst{dst:d}-T{T}"] = flagship_spec(
