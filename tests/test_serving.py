@@ -588,3 +588,17 @@ def test_pool_takes_numpy_integers_where_it_takes_ints():
     assert pool.state(np.int64(0)).shape == (6, H, D, N)
     with pytest.raises(ValueError, match="n: expected a non-negative int, got True"):
         pool.alloc(True)
+
+
+def test_runner_refuses_a_declared_argument_it_has_no_buffer_for():
+    """``rand_seed``/``rand_rows`` are declared arguments the runner does not capture: refused by
+    name, nothing changed (they were silently ignored, so a stochastic step ran with nearest rounding)."""
+    pool = StatePool(1, 6, 2, 32, 32, 2, state_dtype="bfloat16")
+    slots = pool.alloc(3).to(torch.int32)
+    runner = CudaGraphStepRunner(pool, 0, buckets=(4,), **layer_weights(2, 32, 2))
+    lanes = lane_inputs(3, 2, 32, 32, 2)
+    before = [t.clone() for t in pool.layer_tensors(0)]
+    for name, value in (("rand_seed", torch.tensor([1, 2])), ("rand_rows", torch.zeros(3, dtype=torch.int32))):
+        with pytest.raises(ValueError, match=f"{name}: a CudaGraphStepRunner does not take {name}"):
+            runner.step(slots, **lanes, **{name: value})
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, pool.layer_tensors(0)))

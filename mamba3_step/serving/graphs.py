@@ -20,57 +20,12 @@ from ..tensors import LANE_FIELDS, WEIGHT_FIELDS, StepTensors
 from ..validation import check_options, check_step_inputs_cached
 from ..validation.checks import check_is_tensor
 from ..validation.table import RULE_BY_NAME
+from .buckets import DEFAULT_BUCKETS, check_buckets, choose_bucket, pad_lanes, pad_slots
 from .hook import POOL_SUPPLIED, decode_step, kv_update_in_kernel
 from .pool import StatePool
 
 __all__ = ["CudaGraphStepRunner", "DEFAULT_BUCKETS", "StepForm", "check_buckets", "choose_bucket", "pad_lanes",
            "pad_slots"]
-
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-
-
-def choose_bucket(n: int, buckets: Sequence[int]) -> int | None:
-    """The smallest bucket ``>= n``, or None when ``n`` exceeds the largest (run eagerly)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n: expected a non-negative int, got {shown(n)}")
-    for b in sorted(buckets):
-        if b >= n:
-            return b
-    return None
-
-
-def check_buckets(buckets) -> tuple[int, ...]:
-    """``buckets`` as a sorted tuple of distinct positive ints; ValueError naming ``buckets`` otherwise."""
-    bs = tuple(buckets)
-    if not bs:
-        raise ValueError("buckets: expected at least one batch size, got none")
-    for b in bs:
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise ValueError(f"buckets: expected positive ints, got {shown(b)}")
-    if len(set(bs)) != len(bs):
-        raise ValueError(f"buckets: expected distinct batch sizes, got {bs}")
-    return tuple(sorted(bs))
-
-
-def pad_slots(slots: torch.Tensor, bucket: int, pad_id: int) -> torch.Tensor:
-    """``(bucket,)`` int32: ``slots`` followed by ``pad_id`` (a new tensor on ``slots``' device)."""
-    n = slots.shape[0]
-    if n > bucket:
-        raise ValueError(f"slots: expected at most bucket={bucket} slots, got {n}")
-    padded = torch.full((bucket,), pad_id, dtype=torch.int32, device=slots.device)
-    padded[:n] = slots
-    return padded
-
-
-def pad_lanes(t: torch.Tensor, bucket: int) -> torch.Tensor:
-    """``t`` (``(n, ...)``) padded with zero lanes to ``(bucket, ...)`` (a new tensor)."""
-    n = t.shape[0]
-    if n > bucket:
-        raise ValueError(f"expected at most bucket={bucket} lanes, got {n}")
-    padded = torch.zeros((bucket,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    padded[:n] = t
-    return padded
-
 
 class StepForm(NamedTuple):
     """The shapes of a step, part of a bucket's key: each (bucket, form) has its own static buffers and
@@ -124,6 +79,8 @@ _STEP_VIEW = View(
     renamed={"state_batch_indices": "slots", "dst_state_batch_indices": "dst_slots"}, keyword_only=True,
     trailing=(Parameter("clone", Parameter.KEYWORD_ONLY, default=True, annotation="bool"),))
 _STEP_FIELDS = view_fields(_STEP_VIEW)
+#: the step's declared arguments the runner copies into its buffers (any other must be None)
+_STEP_HANDLED = frozenset(LANE_FIELDS) | {"state_batch_indices", "dst_state_batch_indices", "num_accepted_tokens"}
 _bind_step = make_binder("step", view_signature(_STEP_VIEW))
 
 
@@ -341,6 +298,10 @@ class CudaGraphStepRunner:
         call = {name: v for name, v in zip(_STEP_FIELDS, values) if name is not None}
         slots, dst_slots = call["state_batch_indices"], call["dst_state_batch_indices"]
         num_accepted_tokens, clone, x = call["num_accepted_tokens"], values[-1], call["x"]
+        for name in call.keys() - _STEP_HANDLED:  # declared, but no buffer of the runner holds it
+            if call[name] is not None:
+                raise ValueError(f"{name}: a CudaGraphStepRunner does not take {name} (it has no buffer for it); "
+                                 f"pass None, or call decode_step")
         self._check_kinds(call, slots, dst_slots, num_accepted_tokens)
         inputs = self._lane_inputs(slots, {f: call[f] for f in LANE_FIELDS}, dst_slots)
         n = slots.shape[0]
