@@ -178,3 +178,25 @@ def test_op_and_plan_run_it_like_the_function_and_without_it_nothing_changes():
     assert spec == StepSpec(N, D, R, "bfloat16", pool=True, update_kv_state=True).with_default_tiling()
     assert "stochastic" not in spec.key()
     assert bits(ref["state"]).dtype == torch.int16
+
+
+def test_decode_step_advances_the_offset_by_t():
+    from mamba3_step.serving import StatePool, decode_step
+    from mamba3_step.testing import lane_inputs, layer_weights
+    pool = StatePool(1, 6, H, D, N, R, state_dtype="bfloat16")
+    slots = pool.alloc(2).to(torch.int32)
+    weights = layer_weights(H, D, R)
+    seed = SEED.clone()
+    for T, after in ((None, 6), (3, 9)):
+        before = [t.clone() for t in pool.layer_tensors(0)]
+        lanes = lane_inputs(2, H, D, N, R, tokens=T)
+        want = [t.clone() for t in before]
+        mamba3_step_fn(*want, **lanes, **weights, state_batch_indices=slots, update_kv_state=True,
+                       stochastic_rounding=True, rand_seed=seed.clone())
+        decode_step(pool, 0, slots, **lanes, **weights, stochastic_rounding=True, rand_seed=seed)
+        assert seed.tolist() == [int(SEED[0]), after]
+        assert bits_equal(pool.state(0), want[0])
+    with pytest.raises(ValueError, match="tile_D"):  # refused: the offset stays
+        decode_step(pool, 0, slots, **lane_inputs(2, H, D, N, R), **weights, stochastic_rounding=True,
+                    rand_seed=seed, tile_D=7)
+    assert seed.tolist() == [int(SEED[0]), 9]

@@ -87,7 +87,9 @@ def decode_step(*args, **kwargs) -> torch.Tensor:
     rotary angles its ``angle_state`` rows ``dst`` get the advanced angle. When ``tile_D >= headdim``
     (the default) the kernel stores B/x itself (``update_kv_state=True``); otherwise the hook
     keeps the user's ``tile_D`` and follows the step with a masked scatter (graph-capturable:
-    padded lanes and padding tokens go to a hidden scratch row). Returns ``out``.
+    padded lanes and padding tokens go to a hidden scratch row). With ``stochastic_rounding`` the
+    hook then advances ``rand_seed``'s offset by ``T`` in place, on its device (so the next step, or
+    the next replay of a captured one, draws fresh bits). Returns ``out``.
     """
     values = _bind(*args, **kwargs)
     pool, layer, call = values[0], values[1], dict(zip(_FIELDS, values[2:]))
@@ -104,6 +106,8 @@ def decode_step(*args, **kwargs) -> torch.Tensor:
     out = run_step(tensors, options)
     if not in_kernel:
         _masked_kv_scatter(pool, layer, tensors)
+    if options.stochastic_rounding is True:  # validated: rand_seed is an int64 (2,) tensor
+        tensors.rand_seed[1:].add_(tokens)  # on its device: a captured step advances it at each replay
     return out
 
 
