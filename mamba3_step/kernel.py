@@ -32,6 +32,11 @@ C through :meth:`Mamba3StepKernel.stage_rotated` (bias, rotation, fp32 in shared
 token ``t > 0`` first rounds the previous token's staged B~ to the kv dtype
 (:meth:`Mamba3StepKernel.round_previous_b`), the value a one-token step reads back from Bstate.
 
+With stochastic rounding (a 16-bit state and ``rand_seed``; docs/contract.md) step 5 rounds each
+16-byte vector of the new state through :meth:`Mamba3StepKernel.store_rounded`: one Philox4x32-10
+call (:meth:`Mamba3StepKernel.philox`) for its 8 elements' random bits, then
+:meth:`Mamba3StepKernel.round_stochastic` per element (the rules of :mod:`mamba3_step.rounding`).
+
 A T-token specialisation (speculative decoding) loads the slab once (2) and runs 3-8 once per
 token, :meth:`Mamba3StepKernel.token_step`, in a loop unrolled at trace time: the state stays
 in registers between tokens, the previous token's B stays in the other half of a two-parity
