@@ -30,7 +30,7 @@ from .rotary import advance_angle, angle_cos_sin, rotate_pairs
 from .rounding import state_bits, stochastic_round
 from .tensors import LANE_FIELDS, StepTensors
 
-__all__ = ["rotated_bc", "step_math", "mamba3_step_reference"]
+__all__ = ["rotated_bc", "step_math", "mamba3_step_reference", "token_rows"]
 
 
 def step_math(t: StepTensors, compute_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,7 +224,7 @@ def _step_writes(t: StepTensors, update_kv_state: bool, rotate_pairwise: bool, r
         rows = src[lanes]
     else:
         lanes = rows = torch.arange(t.batch, device=t.x.device)
-    rounding.rows = _token_rows(t, lanes)
+    rounding.rows = token_rows(t, lanes)
     result, states = _run_tokens(t, t.dense_lanes(lanes, rows), lanes, rotate_pairwise, rounding, compute_dtype)
     writes = [(t.out, None, result)]
     if not t.pool:
@@ -247,7 +247,7 @@ def _step_writes(t: StepTensors, update_kv_state: bool, rotate_pairwise: bool, r
     return writes
 
 
-def _token_rows(t: StepTensors, lanes) -> list:
+def token_rows(t: StepTensors, lanes) -> list:
     """Per token, the row each live lane's state is stored to (or would be, when that is padding):
     its destination for the token, else its final destination, else its source; in dense mode
     ``rand_rows[b]``, else the lane."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..api import mamba3_step_fn
+from ..reference import token_rows
 from ..contract import lane_is_live, out_shape, source_rows
 from ..tensors import StepTensors
 from .hook import kv_update_in_kernel
@@ -63,7 +64,7 @@ def gather_dense_scatter(tensors: StepTensors, *, update_kv_state: bool = True, 
     in_kernel = kv_update_in_kernel(t.x.shape[-1], t.B.shape[-1], t.B.shape[-3], t.state.dtype, tile_D)
     dst = t.dst_state_batch_indices
     for k in range(t.tokens):
-        token = _with_draw(t, dense.token(k), lanes, src, k)
+        token = _with_draw(t, dense.token(k), lanes, k)
         # the copies always take this token's B/x: the next token's previous B/x
         o = step_fn(**token._asdict(), update_kv_state=in_kernel, tile_D=tile_D, num_warps=num_warps,
                     **({"rotate_pairwise": rotate_pairwise} if rotate_pairwise else {}),
@@ -79,16 +80,14 @@ def gather_dense_scatter(tensors: StepTensors, *, update_kv_state: bool = True, 
     return out
 
 
-def _with_draw(t: StepTensors, token: StepTensors, lanes: torch.Tensor, src: torch.Tensor, k: int) -> StepTensors:
+def _with_draw(t: StepTensors, token: StepTensors, lanes: torch.Tensor, k: int) -> StepTensors:
     """With stochastic rounding, token ``k``'s dense step draws what the pool step draws: at
-    ``offset + k``, each lane for the row its state goes to (``rand_rows``: its destination for the
-    token, else its final destination, else its source)."""
+    ``offset + k``, each lane for the row its state goes to (``rand_rows``:
+    :func:`mamba3_step.reference.token_rows`, the rule the pool step draws by)."""
     if t.rand_seed is None:
         return token
-    dst = t.dst_state_batch_indices
-    rows = src if dst is None else (dst[:, k] if dst.dim() == 2 else dst)
     seed = t.rand_seed + torch.tensor([0, k], dtype=torch.int64, device=t.rand_seed.device)
-    return token._replace(rand_seed=seed, rand_rows=rows[lanes].to(torch.int32).contiguous())
+    return token._replace(rand_seed=seed, rand_rows=token_rows(t, lanes)[k].to(torch.int32).contiguous())
 
 
 def _scatter(t: StepTensors, dense: StepTensors, lanes: torch.Tensor, targets: torch.Tensor,
