@@ -136,6 +136,14 @@ class Operands(NamedTuple):
     tOrC: Any  # (R, VN, CPT) fp32 registers, ranks in the lane's order (slot r: rank r ^ (phi & (R-1)))
 
 
+def inline_ptx(result_type, text: str, constraints: str, *operands):
+    """One inline PTX instruction ``text`` on ``operands`` (DSL numbers), its result as ``result_type``
+    (``constraints`` in LLVM's form, result first: ``"=f,f,f"``). Pure: free to be moved or dropped."""
+    value = llvm.inline_asm(result_type.mlir_type, [op.ir_value() for op in operands], text, constraints,
+                            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return result_type(value)
+
+
 def reduction_plan(partials: int, lanes: int) -> tuple[list, int]:
     """The shuffle rounds of :meth:`Mamba3StepKernel.reduce_rows` for ``partials`` values per
     lane over ``lanes`` lanes (powers of two): ``[(mask, halving), ...]`` with descending masks,
@@ -562,16 +570,12 @@ class Mamba3StepKernel:
         2**-64 turn: whole turns dropped exactly (``w - 2 rint(w / 2)``), then
         ``2 rint(w_frac 2**62)`` (wrapping at a half turn, like the CPU path)."""
         w_frac = w - Float32(2.0) * self.asm_f32("cvt.rni.f32.f32 $0, $1;", w * Float32(0.5))
-        units = Int64(llvm.inline_asm(Int64.mlir_type, [Float32(w_frac * Float32(2.0**62)).ir_value()],
-                                      "cvt.rni.s64.f32 $0, $1;", "=l,f", has_side_effects=False,
-                                      is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+        units = inline_ptx(Int64, "cvt.rni.s64.f32 $0, $1;", "=l,f", Float32(w_frac * Float32(2.0**62)))
         return units + units
 
     def asm_f32(self, text: str, a: Float32) -> Float32:
         """A one-operand fp32 PTX instruction ``text`` applied to ``a``."""
-        return Float32(llvm.inline_asm(Float32.mlir_type, [Float32(a).ir_value()], text, "=f,f",
-                                       has_side_effects=False, is_align_stack=False,
-                                       asm_dialect=llvm.AsmDialect.AD_ATT))
+        return inline_ptx(Float32, text, "=f,f", Float32(a))
 
     @cute.jit
     def turn_cos_sin(self, q: Int64):
@@ -803,14 +807,12 @@ class Mamba3StepKernel:
         return y.to(self.state_dtype)
 
     def f32_bits(self, x: Float32) -> Uint32:
-        return Uint32(llvm.inline_asm(Uint32.mlir_type, [Float32(x).ir_value()], "mov.b32 $0, $1;", "=r,f",
-                                      has_side_effects=False, is_align_stack=False,
-                                      asm_dialect=llvm.AsmDialect.AD_ATT))
+        """The bit pattern of ``x``."""
+        return inline_ptx(Uint32, "mov.b32 $0, $1;", "=r,f", Float32(x))
 
     def bits_f32(self, b: Uint32) -> Float32:
-        return Float32(llvm.inline_asm(Float32.mlir_type, [Uint32(b).ir_value()], "mov.b32 $0, $1;", "=f,r",
-                                       has_side_effects=False, is_align_stack=False,
-                                       asm_dialect=llvm.AsmDialect.AD_ATT))
+        """The fp32 whose bit pattern is ``b``."""
+        return inline_ptx(Float32, "mov.b32 $0, $1;", "=f,r", Uint32(b))
 
     @cute.jit
     def row_fence(self):
@@ -914,9 +916,7 @@ class Mamba3StepKernel:
     def mul_rn(self, a: Float32, b: Float32) -> Float32:
         """``a * b`` rounded to fp32 on its own: ``mul.rn`` is never contracted into an FMA, so
         the sum it feeds has the same terms however it is split."""
-        return Float32(llvm.inline_asm(Float32.mlir_type, [Float32(a).ir_value(), Float32(b).ir_value()],
-                                       "mul.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False,
-                                       is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+        return inline_ptx(Float32, "mul.rn.f32 $0, $1, $2;", "=f,f,f", Float32(a), Float32(b))
 
     def pairwise_sum(self, values: list) -> Float32:
         """The pairwise tree of ``values`` (a power of two of them): ``(v0 + v1) + (v2 + v3) ...``."""
