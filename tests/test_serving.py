@@ -591,14 +591,15 @@ def test_pool_takes_numpy_integers_where_it_takes_ints():
 
 
 def test_runner_refuses_a_declared_argument_it_has_no_buffer_for():
-    """``rand_seed``/``rand_rows`` are declared arguments the runner does not capture: refused by
-    name, nothing changed (they were silently ignored, so a stochastic step ran with nearest rounding)."""
+    """``rand_rows`` is a declared argument the runner does not capture: refused by name, nothing
+    changed (it was silently ignored); ``rand_seed`` is the runner's, fixed at construction."""
     pool = StatePool(1, 6, 2, 32, 32, 2, state_dtype="bfloat16")
     slots = pool.alloc(3).to(torch.int32)
     runner = CudaGraphStepRunner(pool, 0, buckets=(4,), **layer_weights(2, 32, 2))
     lanes = lane_inputs(3, 2, 32, 32, 2)
     before = [t.clone() for t in pool.layer_tensors(0)]
-    for name, value in (("rand_seed", torch.tensor([1, 2])), ("rand_rows", torch.zeros(3, dtype=torch.int32))):
-        with pytest.raises(ValueError, match=f"{name}: a CudaGraphStepRunner does not take {name}"):
-            runner.step(slots, **lanes, **{name: value})
+    with pytest.raises(ValueError, match="rand_rows: a CudaGraphStepRunner does not take rand_rows"):
+        runner.step(slots, **lanes, rand_rows=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(TypeError, match="rand_seed"):
+        runner.step(slots, **lanes, rand_seed=torch.tensor([1, 2]))
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, pool.layer_tensors(0)))

@@ -200,3 +200,24 @@ def test_decode_step_advances_the_offset_by_t():
         decode_step(pool, 0, slots, **lane_inputs(2, H, D, N, R), **weights, stochastic_rounding=True,
                     rand_seed=seed, tile_D=7)
     assert seed.tolist() == [int(SEED[0]), 9]
+
+
+def test_the_graph_runner_takes_the_seed_at_construction_and_advances_it():
+    from mamba3_step.serving import CudaGraphStepRunner, StatePool
+    from mamba3_step.testing import lane_inputs, layer_weights
+    pool = StatePool(1, 6, H, D, N, R, state_dtype="float16")
+    slots = pool.alloc(3).to(torch.int32)
+    weights = layer_weights(H, D, R)
+    seed = SEED.clone()
+    runner = CudaGraphStepRunner(pool, 0, buckets=(4,), **weights, stochastic_rounding=True, rand_seed=seed)
+    for step in range(2):
+        lanes = lane_inputs(3, H, D, N, R)
+        want = [t.clone() for t in pool.layer_tensors(0)]
+        out_want = mamba3_step_fn(*want, **lanes, **weights, state_batch_indices=slots, update_kv_state=True,
+                                  stochastic_rounding=True, rand_seed=seed.clone())
+        out = runner.step(slots, **lanes)
+        assert bits_equal(out, out_want) and bits_equal(pool.state(0), want[0]), step
+    assert seed.tolist() == [int(SEED[0]), int(SEED[1]) + 2]
+    with pytest.raises(ValueError, match="rand_seed: expected an int64 tensor"):
+        CudaGraphStepRunner(pool, 0, buckets=(4,), **weights, stochastic_rounding=True).step(
+            slots, **lane_inputs(3, H, D, N, R))

@@ -71,11 +71,14 @@ def _form_of(x: torch.Tensor, slots: torch.Tensor, dst_slots) -> StepForm:
                     isinstance(dst_slots, torch.Tensor) and dst_slots.dim() == 2)
 
 
-#: what a runner supplies itself: the pool's part, the weights fixed at construction, its static
+#: the tensors a runner fixes at construction (its graphs read their storage): the layer's weights and,
+#: with stochastic rounding, ``rand_seed`` (each step advances its offset in place, in the graph too)
+_RUNNER_FIXED = (*WEIGHT_FIELDS, "rand_seed")
+#: what a runner supplies itself: the pool's part, the tensors fixed at construction, its static
 #: ``out`` and the options; :meth:`CudaGraphStepRunner.step` takes the rest, keyword-only
 _STEP_VIEW = View(
     leading=(Parameter("self", Parameter.POSITIONAL_OR_KEYWORD),), promoted=("state_batch_indices",),
-    supplied=POOL_SUPPLIED | set(WEIGHT_FIELDS) | {"out"} | set(StepOptions._fields),
+    supplied=POOL_SUPPLIED | set(_RUNNER_FIXED) | {"out"} | set(StepOptions._fields),
     renamed={"state_batch_indices": "slots", "dst_state_batch_indices": "dst_slots"}, keyword_only=True,
     trailing=(Parameter("clone", Parameter.KEYWORD_ONLY, default=True, annotation="bool"),))
 _STEP_FIELDS = view_fields(_STEP_VIEW)
@@ -85,14 +88,14 @@ _bind_step = make_binder("step", view_signature(_STEP_VIEW))
 
 
 #: the options a runner fixes at construction (the rest it decides: update_kv_state, validate_indices)
-_RUNNER_OPTIONS = ("tile_D", "num_warps", "rotate_pairwise")
+_RUNNER_OPTIONS = ("tile_D", "num_warps", "rotate_pairwise", "stochastic_rounding")
 #: the constructor: the pool and layer, then (keyword-only) the layer's weights as declared (a new
 #: weight field becomes a parameter by itself), the options it fixes, then its own settings
 _INIT_VIEW = View(
     leading=(Parameter("self", Parameter.POSITIONAL_OR_KEYWORD),
              Parameter("pool", Parameter.POSITIONAL_OR_KEYWORD, annotation="StatePool"),
              Parameter("layer", Parameter.POSITIONAL_OR_KEYWORD, annotation="int")),
-    supplied=frozenset(STEP_SIGNATURE.parameters) - set(WEIGHT_FIELDS) - set(_RUNNER_OPTIONS), keyword_only=True,
+    supplied=frozenset(STEP_SIGNATURE.parameters) - set(_RUNNER_FIXED) - set(_RUNNER_OPTIONS), keyword_only=True,
     trailing=tuple(Parameter(name, Parameter.KEYWORD_ONLY, default=default, annotation=ann) for name, default, ann in (
         ("buckets", DEFAULT_BUCKETS, "Sequence[int]"), ("with_dst", False, "bool"), ("shared_bc", False, "bool"),
         ("use_cuda_graph", None, "bool | None"), ("graph_pool", None, "Any"))))
@@ -128,9 +131,10 @@ class CudaGraphStepRunner:
     buffers and padding are used, without graphs, so server logic is testable anywhere.
 
     The layer's weights (``D`` ``(H,)`` fp32; ``xproj``/``zproj``/``outproj`` ``(R, H, D)``; the rotary
-    ``B_bias``/``C_bias`` ``(R, H, N)`` fp32) and the options ``tile_D``, ``num_warps`` and
-    ``rotate_pairwise`` are fixed at construction (the graph reads the weights' storage: update them
-    in place). Per-step inputs: ``A``, ``dt``, ``trap`` ``(n, H)`` fp32; ``B``, ``C`` ``(n, R, H, N)``
+    ``B_bias``/``C_bias`` ``(R, H, N)`` fp32), the options ``tile_D``, ``num_warps``,
+    ``rotate_pairwise`` and ``stochastic_rounding``, and with the latter ``rand_seed`` ``(2,)`` int64,
+    are fixed at construction (the graph reads their storage: update them in place; each step,
+    replayed or not, advances ``rand_seed``'s offset by T, as ``decode_step`` does). Per-step inputs: ``A``, ``dt``, ``trap`` ``(n, H)`` fp32; ``B``, ``C`` ``(n, R, H, N)``
     (``(n, R, 1, N)`` with ``shared_bc=True``); ``x`` (and ``z`` when ``zproj`` is given) ``(n, H, D)``;
     ``angle_proj`` ``(n, H, S)`` fp32 when the pool has rotary angles (``rope_angles=S``; the pool
     supplies ``angle_state``). With ``with_dst=True`` a static destination-slot buffer is captured
@@ -151,9 +155,9 @@ class CudaGraphStepRunner:
         pool._layer(layer)
         self.pool = pool
         self.layer = layer
-        self._weights = {name: a[name] for name in WEIGHT_FIELDS}  # D, xproj, zproj, outproj, B_bias, C_bias
+        self._weights = {name: a[name] for name in _RUNNER_FIXED}  # D, xproj, zproj, outproj, B_bias, C_bias, rand_seed
         options = check_options(**{name: a[name] for name in _RUNNER_OPTIONS})  # named errors, numpy ints
-        self._options = {name: options[name] for name in _RUNNER_OPTIONS}  # tile_D, num_warps, rotate_pairwise
+        self._options = {name: options[name] for name in _RUNNER_OPTIONS}  # tile_D, num_warps, ..., stochastic_rounding
         self.__dict__.update(self._weights, **self._options)  # each also an attribute: self.D, self.tile_D ...
         self.buckets = check_buckets(a["buckets"])
         self.with_dst, self.shared_bc = bool(a["with_dst"]), bool(a["shared_bc"])
