@@ -86,6 +86,12 @@ def write_json(path: Path, payload) -> Path:
     return path
 
 
+def write_plot(draw, png: Path) -> None:
+    """``draw(png)`` (True when it wrote the plot, False without matplotlib), with the line a
+    benchmark prints either way."""
+    print(f"wrote {png}" if draw(png) else "matplotlib not installed: no plot (pip install mamba3-step[bench])")
+
+
 def pyplot():
     """matplotlib.pyplot with the Agg backend, or None when matplotlib is missing
     (``pip install mamba3-step[bench]``)."""

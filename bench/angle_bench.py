@@ -250,11 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                "seconds": seconds}
     print(f"wrote {_util.write_json(out / 'angle_bench.json', payload)} ({seconds:.1f} s)")
     if not args.no_plot:
-        png = out / "angle_bench.png"
-        if plot(results, png):
-            print(f"wrote {png}")
-        else:
-            print("matplotlib not installed: no plot (pip install mamba3-step[bench])")
+        _util.write_plot(lambda png: plot(results, png), out / "angle_bench.png")
     return 0
 
 

@@ -333,8 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                "flagship_bytes": brows, "seconds": seconds}
     print(f"\nwrote {_util.write_json(out / 'drift_bench.json', payload)} ({seconds:.1f} s)")
     if not args.no_plot:
-        png = out / "drift_bench.png"
-        print(f"wrote {png}" if plot(res, png) else "matplotlib not installed: no plot (pip install mamba3-step[bench])")
+        _util.write_plot(lambda png: plot(res, png), out / "drift_bench.png")
     return 0
 
 

@@ -292,11 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"wrote {_util.write_json(out / 'model_bench.json', payload)}")
     if not args.no_plot:
-        png = out / "model_bench.png"
-        if plot(rows, png):
-            print(f"wrote {png}")
-        else:
-            print("matplotlib not installed: no plot (pip install mamba3-step[bench])")
+        _util.write_plot(lambda png: plot(rows, png), out / "model_bench.png")
     return 0
 
 

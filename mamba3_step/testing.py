@@ -33,7 +33,7 @@ import torch
 
 from .contract import INT32_MAX, INT32_MIN, as_torch_dtype, source_rows
 
-__all__ = ["INPUT_DTYPES", "LayerShape", "with_rotary", "SPECULATIVE_PAD_KINDS", "bits", "bits_equal", "lane_inputs",
+__all__ = ["INPUT_DTYPES", "LayerShape", "inputs_for", "with_rotary", "SPECULATIVE_PAD_KINDS", "bits", "bits_equal", "lane_inputs",
            "layer_weights", "make_inputs", "padded_indices", "poison_", "poison_pool", "pool_rows", "row_tensors",
            "speculative_indices", "step_indices"]
 
@@ -151,6 +151,24 @@ def with_rotary(inputs: dict, S: int, *, shared_bc: bool = False, bias: bool = T
     if shared_bc:
         out["B"], out["C"] = inputs["B"][..., :1, :].clone(), inputs["C"][..., :1, :].clone()
     return out
+
+
+def inputs_for(spec, B: int, P: int | None = None, H: int = 2, seed: int = 0, device="cpu") -> dict:
+    """Fresh inputs of a call that ``spec`` (a :class:`~mamba3_step.spec.StepSpec`) compiles to:
+    :func:`make_inputs` with its sizes, dtypes, optional tensors and token axis, its rotary tensors
+    (:func:`with_rotary`, seed ``seed + 1``) and, with stochastic rounding, a ``rand_seed``. No
+    indices (``P``: pool rows, None for dense mode)."""
+    dtypes = dict(state_dtype=spec.state_dtype, kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype,
+                  proj_dtype=spec.proj_dtype)
+    inputs = make_inputs(B, P, H, spec.headdim, spec.dstate, spec.mimo, dtypes=dtypes, has_z=spec.has_z,
+                         has_outproj=spec.has_outproj, tokens=spec.tokens if spec.tokens > 1 else None, seed=seed,
+                         device=device)
+    if spec.rope_angles:
+        inputs = with_rotary(inputs, spec.rope_angles, shared_bc=spec.shared_bc, bias=spec.has_bc_bias,
+                             seed=seed + 1)
+    if spec.stochastic_rounding:
+        inputs["rand_seed"] = torch.tensor([seed * 7919 + 1, seed], dtype=torch.int64, device=device)
+    return inputs
 
 
 #: the int64 range (rotary angles are drawn over all of it)

@@ -46,7 +46,7 @@ from .serving import gather_dense_scatter
 from .spec import StepSpec
 from .specsets import add_spec_arguments, parse_spec_args, spec_label
 from .tensors import ROW_FIELDS, StepTensors
-from .testing import bits_equal, make_inputs, poison_, pool_rows, step_indices, with_rotary
+from .testing import bits_equal, inputs_for, poison_, pool_rows, step_indices
 
 __all__ = ["HELP", "add_arguments", "executed_facts", "run", "tolerance", "verify_spec"]
 
@@ -65,14 +65,7 @@ def _inputs(spec: StepSpec, batch: int, heads: int, seed: int, live_only: bool =
     """A call of ``spec``: fresh inputs; in pool mode indices with every padding kind
     (:func:`mamba3_step.testing.step_indices`), or with ``live_only`` every lane live on rows of its own."""
     P = pool_rows(spec, batch) if spec.pool else None
-    dtypes = dict(state_dtype=spec.state_dtype, kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype,
-                  proj_dtype=spec.proj_dtype)
-    kw = make_inputs(batch, P, heads, spec.headdim, spec.dstate, spec.mimo, dtypes=dtypes, has_z=spec.has_z,
-                     has_outproj=spec.has_outproj, tokens=spec.tokens if spec.tokens > 1 else None, seed=seed)
-    if spec.rope_angles:
-        kw = with_rotary(kw, spec.rope_angles, shared_bc=spec.shared_bc, bias=spec.has_bc_bias, seed=seed + 1)
-    if spec.stochastic_rounding:
-        kw["rand_seed"] = torch.tensor([seed * 7919 + 1, seed], dtype=torch.int64)
+    kw = inputs_for(spec, batch, P, heads, seed)
     kinds = ["live"] * batch
     if spec.pool:
         indices, kinds = step_indices(spec, batch, P, null_slot_id=None if live_only else NULL_SLOT,

@@ -34,18 +34,14 @@ from mamba3_step.reference import mamba3_step_reference
 from mamba3_step.rotary import ANGLE_UNIT_RADIANS
 from mamba3_step.spec import StepSpec
 from mamba3_step.tensors import StepTensors
-from mamba3_step.testing import make_inputs, padded_indices, poison_, speculative_indices, with_rotary
+from mamba3_step.testing import inputs_for, padded_indices, poison_, speculative_indices
 
 NULL = 2
 
 
-def rotary_inputs(spec: StepSpec, B: int, P: int | None, seed: int, tokens: int | None = None) -> dict:
-    """Fresh inputs for ``spec`` (H=2) with its rotary tensors."""
-    dtypes = dict(state_dtype=spec.state_dtype, kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype,
-                  proj_dtype=spec.proj_dtype)
-    inputs = make_inputs(B, P, H=2, D=spec.headdim, N=spec.dstate, R=spec.mimo, dtypes=dtypes, has_z=spec.has_z,
-                         has_outproj=spec.has_outproj, tokens=tokens, seed=seed)
-    return with_rotary(inputs, spec.rope_angles, shared_bc=spec.shared_bc, bias=spec.has_bc_bias, seed=seed + 1)
+def rotary_inputs(spec: StepSpec, B: int, P: int | None, seed: int) -> dict:
+    """Fresh inputs for ``spec`` (H=2) with its rotary tensors (and its token axis)."""
+    return inputs_for(spec, B, P, seed=seed)
 
 
 def _f64(inputs: dict) -> dict:
@@ -74,7 +70,7 @@ def test_executed_rotary_kernel_matches_float64_and_the_cpu_path(name):
     spec = ROTARY[name].with_default_tiling()
     B = 6
     P = 4 * B * spec.tokens if spec.pool else None
-    inputs = rotary_inputs(spec, B, P, seed=11, tokens=spec.tokens if spec.tokens > 1 else None)
+    inputs = rotary_inputs(spec, B, P, seed=11)
     kw = dict(_indices(spec, B, P, seed=3), update_kv_state=spec.update_kv_state,
               rotate_pairwise=spec.rotate_pairwise)
     ref = _f64(inputs)
@@ -112,7 +108,7 @@ def test_rotary_speculative_step_is_gather_executed_dense_scatter():
     spec = ROTARY["flagship-rotary-T4-spec"].with_default_tiling()
     B, T = 6, spec.tokens
     P = B * T + 4
-    inputs = rotary_inputs(spec, B, P, seed=23, tokens=T)
+    inputs = rotary_inputs(spec, B, P, seed=23)
     src, nat, dst, kinds = speculative_indices(B, P, T, null_slot_id=NULL, seed=5)
     check_pool_parity(inputs, src, dst, kinds, null_slot_id=NULL, update_kv_state=True, step_fn=ptx_step_fn,
                       num_accepted_tokens=nat)
@@ -172,7 +168,7 @@ def test_rotary_t_tokens_equal_t_one_token_steps_bit_for_bit():
     spec = ROTARY["flagship-rotary-T4-spec"].with_default_tiling()
     B, T = 3, spec.tokens
     P = B * T
-    inputs = rotary_inputs(spec, B, P, seed=41, tokens=T)
+    inputs = rotary_inputs(spec, B, P, seed=41)
     src = torch.arange(0, P, T, dtype=torch.int32)
     dst = (src[:, None] + torch.arange(T, dtype=torch.int32)[None]).contiguous()
     together = clone_inputs(inputs)

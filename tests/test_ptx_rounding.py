@@ -38,17 +38,17 @@ from mamba3_step.ptx import analysis
 from mamba3_step.ptx_tier import ptx_step_fn, run_step_ptx
 from mamba3_step.spec import StepSpec
 from mamba3_step.tensors import StepTensors
-from mamba3_step.testing import make_inputs, padded_indices, speculative_indices
+from mamba3_step.testing import inputs_for, padded_indices, speculative_indices
 
 NULL = 2
 SEED = torch.tensor([0x0123456789ABCDEF, 2**40 + 17], dtype=torch.int64)
 
 
 def sr_inputs(spec: StepSpec, B: int, P: int | None, seed: int) -> dict:
-    dtypes = dict(state_dtype=spec.state_dtype, kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype,
-                  proj_dtype=spec.proj_dtype)
-    return make_inputs(B, P, H=2, D=spec.headdim, N=spec.dstate, R=spec.mimo, dtypes=dtypes, has_z=spec.has_z,
-                       has_outproj=spec.has_outproj, tokens=spec.tokens if spec.tokens > 1 else None, seed=seed)
+    """Fresh inputs for ``spec`` (H=2), without its ``rand_seed`` (the tests give ``SEED``)."""
+    inputs = inputs_for(spec, B, P, seed=seed)
+    inputs.pop("rand_seed")
+    return inputs
 
 
 def _indices(spec: StepSpec, B: int, P: int, seed: int) -> dict:
