@@ -1,7 +1,8 @@
 """Storing a state in fewer bits: the random bits, stochastic rounding, 8-bit rows with scales.
 
-The CPU reference a kernel must match bit for bit (issue 21). Everything is integer or exactly
-rounded arithmetic on the fp32 pattern, vectorised in PyTorch; the docstrings are the rules.
+The CPU reference the step's kernel matches bit for bit (for the same fp32 values). Everything is
+integer or exactly rounded arithmetic on the fp32 pattern, vectorised in PyTorch; the docstrings
+are the rules.
 
 Random bits (:func:`state_bits`): Philox4x32 (Salmon et al., SC11; :func:`philox4x32`) with
 
