@@ -110,11 +110,22 @@ class StepSpec:
         """Fill ``tile_D`` / ``num_warps`` left at 0 with the per-configuration default."""
         tile_D, num_warps = default_tiling(self.dstate, self.headdim, self.mimo, self.state_dtype, self.tokens,
                                            whole_head=self.update_kv_state or self.rope_angles > 0,
-                                           lean=self.stochastic_rounding and self.state_dtype == "float16")
+                                           lean=_rounding_lean(self))
         return self.replace(
             tile_D=self.tile_D or tile_D,
             num_warps=self.num_warps or num_warps,
         )
+
+
+def _rounding_lean(spec: StepSpec):
+    """How much lighter a stochastic-rounding specialisation's default threads are (tiling.default_tiling's
+    ``lean``): a quarter of the values with R = 8 (its operands and the Philox state), half with an fp16
+    state (its rounding keeps many values live), else as usual."""
+    if not spec.stochastic_rounding:
+        return False
+    if spec.mimo == 8:
+        return "quarter"
+    return spec.state_dtype == "float16"
 
 
 def flagship_spec(**changes) -> StepSpec:

@@ -126,7 +126,7 @@ def launch_grid(batch, heads, headdim: int, tile_D: int) -> tuple:
 
 
 def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, tokens: int = 1,
-                   whole_head: bool = True, lean: bool = False) -> tuple[int, int]:
+                   whole_head: bool = True, lean: bool | str = False) -> tuple[int, int]:
     """Per-configuration default ``(tile_D, num_warps)``.
 
     ``tile_D = headdim``: one CTA owns a whole (lane, head), which is what makes
@@ -143,9 +143,10 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
     R=1 T=6 compiled to 128 registers and 20 spilled bytes.) With more than one token, when the thread's share of the
     state cannot stay in registers across the tokens, fewer warps (more registers each) are
     tried, then, without ``whole_head`` (no update_kv_state), half the tile_D (N=256 D=128 R=8
-    fp32: tile_D=64 with 8 warps). ``lean`` halves the target too, for a store that keeps many
-    more values live (an fp16 state with stochastic rounding: N=256 D=32 R=8 at 4 warps used 255
-    registers and 280 bytes of stack on sm_90a, at 8 warps 169 registers and none).
+    fp32: tile_D=64 with 8 warps). ``lean`` (True: half, ``"quarter"``) lowers the target too, for
+    a store that keeps many more values live: stochastic rounding (``spec._rounding_lean``). An fp16
+    state: N=256 D=32 R=8 at 4 warps used 255 registers and 280 bytes of stack on sm_90a, at 8 warps
+    169 registers and none; R = 8, bf16 or fp16: N=32 D=64 at 1 warp 208 bytes, at 4 warps none.
     """
     tile_D = headdim
     while True:
@@ -162,11 +163,13 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
         tile_D //= 2
 
 
-def _default_warps(dstate: int, tile_D: int, state_dtype: str, tokens: int, lean: bool = False) -> int:
+def _default_warps(dstate: int, tile_D: int, state_dtype: str, tokens: int, lean: bool | str = False) -> int:
     """The default warp count for a tile (see :func:`default_tiling`)."""
     slab_bytes = tile_D * dstate * DTYPE_BYTES[state_dtype]
     target = TARGET_STATE_VALUES_PER_THREAD * DTYPE_BYTES[state_dtype] // 4  # in 32-bit state words
     if tokens > 1 or lean:
+        target //= 2
+    if lean == "quarter":
         target //= 2
     want = slab_bytes // (WARP * 4 * target)
     num_warps = 1

@@ -125,14 +125,11 @@ EXECUTED = frozenset(s.with_default_tiling() for s in (*COVERING.values(), *MULT
 
 
 #: stochastic-rounding specialisations (pool, dst, update_kv_state) that use stack at their default
-#: tiling on sm_90a (bytes measured 2026-11-24): the Philox state and the rounding's temporaries on
-#: top of R = 8's operands, or at 16 warps (128 registers a thread); more warps cure the first kind
-SR_SPILLS = {(32, 32, 8, "bfloat16"): 56, (32, 32, 8, "float16"): 48, (32, 64, 8, "bfloat16"): 208,
-             (32, 64, 8, "float16"): 48, (32, 128, 8, "bfloat16"): 176, (32, 128, 8, "float16"): 8,
-             (64, 32, 8, "bfloat16"): 56, (64, 64, 8, "bfloat16"): 56, (64, 128, 8, "bfloat16"): 56,
-             (128, 64, 8, "bfloat16"): 64, (128, 128, 4, "float16"): 48, (128, 128, 8, "bfloat16"): 48,
-             (256, 128, 1, "bfloat16"): 32, (256, 128, 1, "float16"): 8, (256, 128, 4, "bfloat16"): 152,
-             (256, 128, 4, "float16"): 200}
+#: tiling on sm_90a and sm_100a (bytes on sm_90a, measured 2026-11-25): D = 128 with N = 128 or 256 at 16
+#: warps, capped at 128 registers a thread, where more warps are impossible and update_kv_state keeps
+#: the whole head in one CTA (R = 8 needed four times the warps: spec._rounding_lean)
+SR_SPILLS = {(128, 128, 4, "float16"): 48, (256, 128, 1, "bfloat16"): 32, (256, 128, 1, "float16"): 8,
+             (256, 128, 4, "bfloat16"): 152, (256, 128, 4, "float16"): 200}
 
 
 def _full_matrix():
