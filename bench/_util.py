@@ -92,6 +92,22 @@ def write_plot(draw, png: Path) -> None:
     print(f"wrote {png}" if draw(png) else "matplotlib not installed: no plot (pip install mamba3-step[bench])")
 
 
+def log_panel(ax, title: str) -> None:
+    """A log-log panel of error against decode steps (the drift and angle benchmarks)."""
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("decode steps")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def save_figure(plt, fig, path, dpi: int = 110) -> None:
+    """Lay out, write and close ``fig``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def pyplot():
     """matplotlib.pyplot with the Agg backend, or None when matplotlib is missing
     (``pip install mamba3-step[bench]``)."""

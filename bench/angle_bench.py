@@ -209,16 +209,10 @@ def plot(results: dict, path) -> bool:
         cps = res["_ref"]["checkpoints"]
         for method, marker in zip(METHODS, "osv^"):
             ax.plot(cps, [max(e, 1e-17) for e in res[method]["f64"]], marker=marker, label=method)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("decode steps")
-        ax.set_title(regime, fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
+        _util.log_panel(ax, regime)
     axes[0][0].set_ylabel("cos/sin error (float64 evaluation)")
     axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _util.save_figure(plt, fig, path)
     return True
 
 

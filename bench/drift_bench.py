@@ -283,16 +283,10 @@ def plot(res: dict, path) -> bool:
             for f in FORMATS:
                 ys = [max(e[head], 1e-17) for e in res[rg][f]["state"]]
                 ax.plot(res["steps"], ys, label=f, linestyle="--" if "nearest" in f else "-")
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            ax.set_title(f"{rg}: {label}", fontsize=10)
-            ax.set_xlabel("decode steps")
-            ax.grid(True, which="both", alpha=0.3)
+            _util.log_panel(ax, f"{rg}: {label}")
         axes[r][0].set_ylabel("relative state error")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _util.save_figure(plt, fig, path)
     return True
 
 

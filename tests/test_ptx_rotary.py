@@ -34,7 +34,7 @@ from mamba3_step.reference import mamba3_step_reference
 from mamba3_step.rotary import ANGLE_UNIT_RADIANS
 from mamba3_step.spec import StepSpec
 from mamba3_step.tensors import StepTensors
-from mamba3_step.testing import inputs_for, padded_indices, poison_, speculative_indices
+from mamba3_step.testing import inputs_for, padded_indices, poison_, speculative_indices, step_indices
 
 NULL = 2
 
@@ -56,13 +56,8 @@ def _angle_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _indices(spec: StepSpec, B: int, P: int, seed: int) -> dict:
-    if spec.num_accepted:
-        src, nat, dst, _ = speculative_indices(B, P, spec.tokens, null_slot_id=NULL, seed=seed)
-        return dict(state_batch_indices=src, num_accepted_tokens=nat, dst_state_batch_indices=dst, null_slot_id=NULL)
-    if not spec.pool:
-        return {}
-    src, dst, _ = padded_indices(B, P, null_slot_id=NULL, with_dst=spec.has_dst, layout="interleaved", seed=seed)
-    return dict(state_batch_indices=src, dst_state_batch_indices=dst, null_slot_id=NULL)
+    """The spec's index arguments with every padding kind (testing.step_indices), none in dense mode."""
+    return step_indices(spec, B, P, null_slot_id=NULL, seed=seed)[0] if spec.pool else {}
 
 
 @pytest.mark.parametrize("name", list(ROTARY))

@@ -38,7 +38,7 @@ from mamba3_step.ptx import analysis
 from mamba3_step.ptx_tier import ptx_step_fn, run_step_ptx
 from mamba3_step.spec import StepSpec
 from mamba3_step.tensors import StepTensors
-from mamba3_step.testing import inputs_for, padded_indices, speculative_indices
+from mamba3_step.testing import inputs_for, padded_indices, speculative_indices, step_indices
 
 NULL = 2
 SEED = torch.tensor([0x0123456789ABCDEF, 2**40 + 17], dtype=torch.int64)
@@ -52,13 +52,8 @@ def sr_inputs(spec: StepSpec, B: int, P: int | None, seed: int) -> dict:
 
 
 def _indices(spec: StepSpec, B: int, P: int, seed: int) -> dict:
-    if spec.num_accepted:
-        src, nat, dst, _ = speculative_indices(B, P, spec.tokens, null_slot_id=NULL, seed=seed)
-        return dict(state_batch_indices=src, num_accepted_tokens=nat, dst_state_batch_indices=dst, null_slot_id=NULL)
-    if not spec.pool:
-        return {}
-    src, dst, _ = padded_indices(B, P, null_slot_id=NULL, with_dst=spec.has_dst, layout="interleaved", seed=seed)
-    return dict(state_batch_indices=src, dst_state_batch_indices=dst, null_slot_id=NULL)
+    """The spec's index arguments with every padding kind (testing.step_indices), none in dense mode."""
+    return step_indices(spec, B, P, null_slot_id=NULL, seed=seed)[0] if spec.pool else {}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
