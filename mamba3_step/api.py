@@ -60,6 +60,7 @@ def mamba3_step_fn(
     C_bias: torch.Tensor | None = None,
     rand_seed: torch.Tensor | None = None,
     rand_rows: torch.Tensor | None = None,
+    state_scale: torch.Tensor | None = None,
     update_kv_state: bool = False,
     tile_D: int | None = None,
     num_warps: int | None = None,
@@ -76,7 +77,8 @@ def mamba3_step_fn(
     ==========================  ======================  ================================
     argument                    shape                   dtype
     ==========================  ======================  ================================
-    state (in place)            (rows, H, D, N)         float32, bfloat16 or float16
+    state (in place)            (rows, H, D, N)         float32, bfloat16, float16, int8 or
+                                                        float8_e4m3fn
     Bstate (previous B)         (rows, R, H, N)         same as B
     Xstate (previous x)         (rows, H, D)            same as x
     A, dt, trap                 (B, [T,] H)             float32
@@ -98,6 +100,8 @@ def mamba3_step_fn(
     B_bias, C_bias              (R, H, N)               float32
     rand_seed                   (2,): [seed, offset]    int64
     rand_rows (dense only)      (B,)                    int32
+    state_scale (in place;      (rows, H, D)            float32
+    8-bit state only)
     ==========================  ======================  ================================
 
     Math per lane and head (accumulated in float32): see docs/contract.md or
@@ -163,6 +167,11 @@ def mamba3_step_fn(
         rand_rows: dense mode with stochastic rounding: lane b draws the bits of row
             ``rand_rows[b]`` instead of row b (a dense step on gathered rows then stores the bits a
             pool step would: how the gather -> dense -> scatter baseline matches pool mode).
+        state_scale: with an 8-bit ``state`` (int8 or float8_e4m3fn; required then, and
+            ``stochastic_rounding=True``): its fp32 scale per (row, head, d), read and written
+            wherever the state is. The state is read as ``q * scale``; each store sets
+            ``scale = absmax over N / Q`` (Q = 127, or 448 for e4m3) and quantises with
+            stochastic rounding (docs/contract.md, "8-bit states").
 
     Constraints: N in {32, 64, 128, 256}, D in {32, 64, 128}, R in {1, 2, 4, 8}; S in
     [1, N/2]; all tensors on
@@ -194,7 +203,7 @@ def mamba3_step_fn(
     """
     values = (state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
               state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens, angle_state, angle_proj,
-              B_bias, C_bias, rand_seed, rand_rows)
+              B_bias, C_bias, rand_seed, rand_rows, state_scale)
     options = (update_kv_state, tile_D, num_warps, validate_indices, rotate_pairwise, stochastic_rounding)
     if torch.compiler.is_compiling():  # the NamedTuples' own constructors: what every dynamo can trace
         return step_through_op(StepTensors(*values), StepOptions(*options))

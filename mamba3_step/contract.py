@@ -26,7 +26,7 @@ import torch
 
 __all__ = [
     "ANGLE_DTYPES", "DTYPES", "DType", "DTYPE_BYTES", "KV_DTYPES", "MAX_GRID_X", "MAX_GRID_Y", "PAD_SLOT_ID",
-    "PROJ_DTYPES", "STATE_DTYPES", "SUPPORTED_D", "SUPPORTED_N", "SUPPORTED_R", "VECTOR_BYTES",
+    "PROJ_DTYPES", "ROUNDED_STATE_DTYPES", "SCALED_STATE_DTYPES", "STATE_DTYPES", "SUPPORTED_D", "SUPPORTED_N", "SUPPORTED_R", "VECTOR_BYTES",
     "X_DTYPES", "as_torch_dtype", "dtype_name", "lane_is_live", "source_rows", "out_shape", "shown",
 ]
 
@@ -52,9 +52,16 @@ DTYPES = {
     "float32": DType(torch.float32, 4, "Float32"),
     "bfloat16": DType(torch.bfloat16, 2, "BFloat16"),
     "float16": DType(torch.float16, 2, "Float16"),
+    "int8": DType(torch.int8, 1, "Int8"),
+    "float8_e4m3fn": DType(torch.float8_e4m3fn, 1, "Float8E4M3FN"),
 }
 #: dtype names accepted for each tensor group
-STATE_DTYPES = ("float32", "bfloat16", "float16")  # state, state_out
+STATE_DTYPES = ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn")  # state, state_out
+#: states stored in 8 bits with a per-(row, head, d) fp32 scale (``state_scale``), always with stochastic
+#: rounding (docs/contract.md, "8-bit states")
+SCALED_STATE_DTYPES = ("int8", "float8_e4m3fn")
+#: states a store rounds stochastically with ``stochastic_rounding=True`` (16-bit ones optionally, 8-bit always)
+ROUNDED_STATE_DTYPES = ("bfloat16", "float16") + SCALED_STATE_DTYPES
 KV_DTYPES = ("bfloat16", "float16", "float32")  # B, C, Bstate
 X_DTYPES = ("bfloat16", "float16", "float32")  # x, z, Xstate, out
 PROJ_DTYPES = ("float32", "bfloat16", "float16")  # xproj, zproj, outproj
@@ -87,7 +94,7 @@ def as_torch_dtype(dtype, name: str) -> torch.dtype:
             raise TypeError(f"{name}: expected one of {sorted(DTYPES)}, got {dtype!r}")
         return DTYPES[key].torch
     if not any(dtype == d.torch for d in DTYPES.values()):
-        raise TypeError(f"{name}: expected one of torch.float32/bfloat16/float16, got {dtype!r}")
+        raise TypeError(f"{name}: expected one of {', '.join('torch.' + n for n in DTYPES)}, got {dtype!r}")
     return dtype
 
 

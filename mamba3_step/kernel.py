@@ -63,9 +63,9 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64, Uint32, Uint64, const_expr
 from cutlass._mlir.dialects import llvm
 
-from .contract import DTYPES
+from .contract import DTYPES, SCALED_STATE_DTYPES
 from .rotary import ANGLE_UNIT_RADIANS
-from .rounding import N_PER_CALL, PHILOX_M, PHILOX_W
+from .rounding import N_PER_CALL, PHILOX_M, PHILOX_W, QMAX, SMALL_ROW
 from .spec import StepSpec
 from .tensors import KERNEL_ARGUMENT_NAMES, KernelArgs
 from .tiling import launch_grid, thread_layout, tiling_problem
@@ -126,6 +126,7 @@ class RowGroup(NamedTuple):
 
     tSrS: Any  # (VN, rows_per_group, CPT) registers in the state dtype, updated in place
     rows: list  # the tile row (Int32) of each register row
+    tSrScale: Any = None  # (rows_per_group,) fp32: an 8-bit state's scale per register row, updated in place
 
 
 class Operands(NamedTuple):
@@ -207,8 +208,12 @@ class Mamba3StepKernel:
         self.has_bc_bias = spec.has_bc_bias
         self.shared_bc = spec.shared_bc
         self.stochastic = spec.stochastic_rounding
-        #: a 16-bit state's 16-byte vector is one Philox call's 8 elements (mamba3_step.rounding)
-        assert not self.stochastic or lay.VN == N_PER_CALL, "stochastic rounding needs a 16-bit state"
+        #: an 8-bit state with a scale per (row, head, d) (docs/contract.md, "8-bit states")
+        self.scaled = spec.state_dtype in SCALED_STATE_DTYPES
+        #: a 16-bit state's 16-byte vector is one Philox call's 8 elements, an 8-bit one's two calls' 16
+        #: (mamba3_step.rounding)
+        assert not self.stochastic or lay.VN in (N_PER_CALL, 2 * N_PER_CALL), "stochastic rounding: 16- or 8-bit"
+        assert not self.scaled or self.stochastic, "an 8-bit state is always rounded stochastically"
         #: the state is stored after each token only when every token has its own row
         self.store_each = self.T == 1 or self.dst_per_token
         self.group_rows = lay.rows_per_pass * lay.rows_per_group  # tile rows in one row group
@@ -253,7 +258,7 @@ class Mamba3StepKernel:
                       self.rng_source(m, b) if const_expr(self.stochastic) else None)
             groups = []  # RowGroup per row group, loaded up front with preload (else by token_step)
             for g in cutlass.range_constexpr(self.layout.row_groups if self.layout.preload else 1):
-                groups.append(self.load_state(m.state, g, cta))
+                groups.append(self.load_state(m, g, cta))
             # Unrolled at trace time: every buffer parity and token offset is static, and fewer
             # values stay live than in a runtime token loop (which spilled at R = 8); code grows with T.
             for t in cutlass.range_constexpr(self.T):
@@ -263,7 +268,7 @@ class Mamba3StepKernel:
             if const_expr(not self.store_each):  # the final state, and the last token's B/x, to row dst
                 if dst_live:
                     for g in cutlass.range_constexpr(self.layout.row_groups):
-                        self.store_state(groups[g], self.state_target(m), cta)
+                        self.store_state(groups[g], m, cta)
                     if const_expr(self.update_kv_state):
                         self.store_kv_state(m, shared.sBB[(self.T - 1) % 2, None, None], shared.sX, cta)
         else:
@@ -330,12 +335,12 @@ class Mamba3StepKernel:
         operands = self.load_operands(tok, shared, cta)
         for g in cutlass.range_constexpr(self.layout.row_groups):
             if const_expr(g >= len(groups)):  # without preload: this group's loads now
-                groups.append(self.load_state(m.state, g, cta))
+                groups.append(self.load_state(m, g, cta))
             tYrY = self.update_rows(groups[g], operands, tok, shared, cta)
             self.reduce_rows(tYrY, shared.sY, cta, g)
             if const_expr(self.store_each):
                 if cta.dst_live:
-                    self.store_state(groups[g], self.state_target(m), cta)
+                    self.store_state(groups[g], m, cta)
         cute.arch.barrier()
         self.epilogue(m, tok, shared, cta)
 
@@ -424,12 +429,13 @@ class Mamba3StepKernel:
         gamma = trap * dt
         return alpha, beta, gamma, dt
 
-    @cute.jit
-    def lane_permutation(self, lane: Int32) -> Int32:
+    def lane_permutation(self, lane):
         """``phi``: which of a row group's ``rows x R`` partial sums this lane keeps at each
         halving round of :meth:`reduce_rows`, as a permutation of slot indices (slot ``k``
         of the lane holds partial ``k ^ phi``). Built from the lane bits the rounds use, so
-        every lane always keeps its *first* half and no selects are needed."""
+        every lane always keeps its *first* half and no selects are needed. Shifts and masks
+        of the lane's bits: linear over XOR, so ``phi(a ^ b) = phi(a) ^ phi(b)`` (a Python int
+        ``lane`` gives the trace-time value)."""
         lay = self.layout
         K = lay.partials_per_group
         if const_expr(K <= lay.TPR):
@@ -462,9 +468,10 @@ class Mamba3StepKernel:
         return cute.local_tile(gT[d, None], (self.layout.VN,), (c * self.layout.TPR + cta.lane,))
 
     @cute.jit
-    def load_state(self, mState: cute.Tensor, g: int, cta: Cta) -> RowGroup:
+    def load_state(self, m: KernelArgs, g: int, cta: Cta) -> RowGroup:
         """Row group ``g`` of the thread's share of pool row ``src``: 16-byte loads into a
-        ``(VN, rows_per_group, CPT)`` register fragment in the state dtype."""
+        ``(VN, rows_per_group, CPT)`` register fragment in the state dtype (and, for an 8-bit
+        state, each row's scale)."""
         lay = self.layout
         rows = self.thread_rows(cta, g)
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.state_dtype, num_bits_per_copy=128)
@@ -473,18 +480,31 @@ class Mamba3StepKernel:
             self.state_dtype)
         for i in cutlass.range_constexpr(lay.rows_per_group):
             for c in cutlass.range_constexpr(lay.CPT):
-                cute.copy(atom, self.state_vector(mState, cta.src, rows[i], c, cta), tSrS[None, i, c])
-        return RowGroup(tSrS, rows)
+                cute.copy(atom, self.state_vector(m.state, cta.src, rows[i], c, cta), tSrS[None, i, c])
+        tSrScale = None
+        if const_expr(self.scaled):
+            tSrScale = cute.make_rmem_tensor(cute.make_layout(lay.rows_per_group), Float32)
+            d0 = cta.dtile * self.tile_D
+            for i in cutlass.range_constexpr(lay.rows_per_group):
+                tSrScale[i] = m.state_scale[cta.src, cta.h, d0 + rows[i]]
+        return RowGroup(tSrS, rows, tSrScale)
 
     @cute.jit
-    def store_state(self, group: RowGroup, mTarget: cute.Tensor, cta: Cta):
-        """16-byte stores of a row group's new state to row ``dst`` of ``mTarget`` (the pool, or
-        ``state_out`` in dense mode)."""
+    def store_state(self, group: RowGroup, m: KernelArgs, cta: Cta):
+        """16-byte stores of a row group's new state to row ``dst`` of the pool (or of
+        ``state_out`` in dense mode with it); an 8-bit state's scales to ``state_scale``."""
         lay = self.layout
+        mTarget = self.state_target(m)
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.state_dtype, num_bits_per_copy=128)
         for i in cutlass.range_constexpr(lay.rows_per_group):
             for c in cutlass.range_constexpr(lay.CPT):
                 cute.copy(atom, group.tSrS[None, i, c], self.state_vector(mTarget, cta.dst, group.rows[i], c, cta))
+        if const_expr(self.scaled):  # every lane of a row holds its scale: the first stores it
+            if cta.lane == 0:
+                mScale = m.state_scale
+                d0 = cta.dtile * self.tile_D
+                for i in cutlass.range_constexpr(lay.rows_per_group):
+                    mScale[cta.dst, cta.h, d0 + group.rows[i]] = group.tSrScale[i]
 
     @cute.jit
     def stage_operands(self, m: KernelArgs, tok: Token, Xprev: tuple, shared: Shared, cta: Cta):
@@ -699,17 +719,27 @@ class Mamba3StepKernel:
         """
         lay = self.layout
         R = self.R
-        tSrS, rows = group
+        tSrS, rows = group.tSrS, group.rows
         sigma = cta.phi & (R - 1)
         tYrY = cute.make_rmem_tensor(cute.make_layout(lay.partials_per_group), Float32)
+        if const_expr(self.scaled):  # the whole group's new state, fp32: a row's scale needs its lanes' rows
+            tSrNewG = cute.make_rmem_tensor(
+                cute.make_layout((lay.VN, lay.rows_per_group, lay.CPT), stride=(1, lay.VN, lay.VN * lay.rows_per_group)),
+                Float32)
         for i in cutlass.range_constexpr(lay.rows_per_group):
             tSrUV = cute.make_rmem_tensor(cute.make_layout(2 * R), Float32)  # the row's u_r, v_r
             for k in cutlass.range_constexpr(2 * R):
                 tSrUV[k] = shared.sUV[rows[i], k]
-            tSrNew = cute.make_rmem_tensor(cute.make_layout((lay.VN, lay.CPT), stride=(1, lay.VN)), Float32)  # new, fp32
+            if const_expr(self.scaled):
+                tSrNew = tSrNewG[None, i, None]  # (VN, CPT) view
+            else:
+                tSrNew = cute.make_rmem_tensor(cute.make_layout((lay.VN, lay.CPT), stride=(1, lay.VN)), Float32)
             for c in cutlass.range_constexpr(lay.CPT):
                 for e in cutlass.range_constexpr(lay.VN):
-                    tSrNew[e, c] = tok.alpha * tSrS[e, i, c].to(Float32)
+                    if const_expr(self.scaled):  # q * scale, then the decay: two rounded products
+                        tSrNew[e, c] = tok.alpha * (tSrS[e, i, c].to(Float32) * group.tSrScale[i])
+                    else:
+                        tSrNew[e, c] = tok.alpha * tSrS[e, i, c].to(Float32)
             for r in cutlass.range_constexpr(R):
                 if const_expr(not lay.cache_operands):
                     self.row_fence()  # one rank's operands at a time in registers
@@ -721,7 +751,9 @@ class Mamba3StepKernel:
                             n = self.column(c, e, cta.lane)
                             b_, bs_ = tok.sB[r, n], tok.sBs[r, n]
                         tSrNew[e, c] = tSrNew[e, c] + tSrUV[r] * b_ + tSrUV[R + r] * bs_
-            if const_expr(self.stochastic):
+            if const_expr(self.scaled):
+                pass  # after the group (store_quantized)
+            elif const_expr(self.stochastic):
                 self.store_rounded(tSrS, tSrNew, i, rows[i], tok, cta)
             else:
                 for c in cutlass.range_constexpr(lay.CPT):
@@ -738,6 +770,8 @@ class Mamba3StepKernel:
                         else:
                             y = y + tSrNew[e, c] * shared.sC[r ^ sigma, self.column(c, e, cta.lane)]
                 tYrY[i * R + r] = y
+        if const_expr(self.scaled):
+            self.store_quantized(group, tSrNewG, tok, cta)
         return tYrY
 
     # ------------------------------------------------------------------ stochastic rounding
@@ -771,6 +805,104 @@ class Mamba3StepKernel:
             for e in cutlass.range_constexpr(lay.VN):
                 r = (words[e // 2] >> (16 * (e % 2))) & Uint32(0xFFFF)
                 tSrS[e, i, c] = self.round_stochastic(tSrNew[e, c], r)
+
+    @cute.jit
+    def store_quantized(self, group: RowGroup, tSrNewG: cute.Tensor, tok: Token, cta: Cta):
+        """A row group's new state (fp32 ``tSrNewG``, ``(VN, rows_per_group, CPT)``) quantised to 8
+        bits into ``group.tSrS``, each row's scale into ``group.tSrScale``
+        (mamba3_step.rounding.quantize_rows).
+
+        A row's absmax is the largest ``|x|`` bit pattern (integer order is magnitude order, and
+        any NaN or inf pattern is at least 0x7F800000): over the thread's columns, then over the
+        row's TPR lanes by a butterfly. Lanes keep their rows in different register orders
+        (:meth:`thread_rows`: register ``i`` holds row ``i ^ rho``), and ``rho`` is linear in the
+        lane's bits, so across lane mask ``m`` the partner holds this lane's register ``i`` at
+        ``i ^ rho(m)``, a trace-time constant: each round sends register ``i ^ rho(m)`` and
+        receives the partner's copy of row ``i``. Every lane ends with its rows' absmax."""
+        lay = self.layout
+        big = []
+        for i in cutlass.range_constexpr(lay.rows_per_group):
+            top = Uint32(0)
+            for c in cutlass.range_constexpr(lay.CPT):
+                for e in cutlass.range_constexpr(lay.VN):
+                    top = self.umax(top, self.f32_bits(tSrNewG[e, i, c]) & Uint32(0x7FFFFFFF))
+            big.append(top)
+        log2r = self.R.bit_length() - 1
+        for k in cutlass.range_constexpr(lay.TPR.bit_length() - 1):
+            mask = lay.TPR >> (k + 1)
+            swap = self.lane_permutation(mask) >> log2r  # rho(mask), a Python int
+            sent = [cute.arch.shuffle_sync_bfly(big[i ^ swap], offset=mask) for i in range(lay.rows_per_group)]
+            big = [self.umax(big[i], sent[i]) for i in range(lay.rows_per_group)]
+        for i in cutlass.range_constexpr(lay.rows_per_group):
+            self.quantize_row(group, tSrNewG, i, big[i], tok, cta)
+
+    @cute.jit
+    def quantize_row(self, group: RowGroup, tSrNewG: cute.Tensor, i: int, big: Uint32, tok: Token, cta: Cta):
+        """Register row ``i``: its scale from the row's absmax pattern ``big`` (``scale = absmax /
+        Q`` and ``inv = Q / absmax`` IEEE divisions, ``v = x inv`` a rounded product; a row with a
+        NaN or inf stores zeros and scale NaN, a row below SMALL_ROW zeros and scale 0), and its
+        values rounded with their bits. Each 16-byte vector ``c`` (16 elements, ``n = 16 (c TPR
+        + lane) ...``) takes the bits of two Philox calls, ``g = 2 (c TPR + lane)`` and ``g + 1``:
+        the 8 elements of each, as for a 16-bit state."""
+        lay = self.layout
+        absmax = self.bits_f32(big)
+        bad = big >= Uint32(0x7F800000)  # a NaN or an inf in the row
+        odd = bad | (absmax < Float32(SMALL_ROW))
+        safe = Float32(cutlass.select_(odd, Float32(1.0), absmax))
+        q_max = Float32(QMAX[self.spec.state_dtype])
+        inv = self.div_rn(q_max, safe)
+        scale = Float32(cutlass.select_(odd, Float32(0.0), self.div_rn(safe, q_max)))
+        group.tSrScale[i] = Float32(cutlass.select_(bad, Float32(float("nan")), scale))
+        k0, k1, o0, o1 = tok.rng
+        d = cta.dtile * self.tile_D + group.rows[i]
+        base = (Uint32(cta.h) * Uint32(self.D) + Uint32(d)) * Uint32(self.N // N_PER_CALL)
+        row_id = cta.dst if const_expr(cta.seed[2] is None) else cta.seed[2]
+        for c in cutlass.range_constexpr(lay.CPT):
+            for half in cutlass.range_constexpr(2):
+                g = Uint32(2 * (c * lay.TPR + cta.lane) + half)
+                words = self.philox((o0, o1, Uint32(row_id), base + g), k0, k1)
+                for k in cutlass.range_constexpr(N_PER_CALL):
+                    e = half * N_PER_CALL + k
+                    r = (words[k // 2] >> (16 * (k % 2))) & Uint32(0xFFFF)
+                    v = Float32(cutlass.select_(odd, Float32(0.0), self.mul_rn(tSrNewG[e, i, c], inv)))
+                    group.tSrS[e, i, c] = self.quantize_8bit(v, r)
+
+    @cute.jit
+    def quantize_8bit(self, v: Float32, r: Uint32):
+        """``v`` (``|v| <= Q`` up to two roundings) stochastically rounded with the 16 bits ``r``:
+        int8, ``sign(v) min(127, (floor(|v| 2**16) + r) >> 16)``; e4m3, the rule of
+        :meth:`round_stochastic` on e4m3's grid (normals: the fp32 pattern plus ``r << 4``
+        truncated to 3 mantissa bits; below 2**-6 in units of 2**-9), saturated at 448; the final
+        conversion is exact."""
+        if const_expr(self.state_dtype is cutlass.Int8):
+            frac = self.asm_u32("cvt.rzi.u32.f32 $0, $1;", self.bits_f32(self.f32_bits(v) & Uint32(0x7FFFFFFF))
+                                * Float32(65536.0))
+            mag = Int32(self.umin((frac + r) >> 16, Uint32(127)))
+            return Int32(cutlass.select_(v < Float32(0.0), -mag, mag)).to(self.state_dtype)
+        bits = self.f32_bits(v)
+        sign = bits & Uint32(0x80000000)
+        y = self.bits_f32(((bits + (r << 4)) & Uint32(0xFFF00000)) & Uint32(0x7FFFFFFF))
+        ax = self.bits_f32(bits & Uint32(0x7FFFFFFF))
+        scaled = ax * Float32(2.0**9)  # exact: |v| in units of e4m3's subnormal step
+        lo = self.asm_f32("cvt.rmi.f32.f32 $0, $1;", scaled)
+        frac = self.asm_f32("cvt.rmi.f32.f32 $0, $1;", (scaled - lo) * Float32(65536.0))  # F, exact
+        up = Float32(cutlass.select_(Uint32(frac) + r >= Uint32(65536), Float32(1.0), Float32(0.0)))
+        y = Float32(cutlass.select_(ax < Float32(2.0**-6), (lo + up) * Float32(2.0**-9), y))
+        y = self.asm_f32("min.f32 $0, $1, 0f43E00000;", y)  # 448: e4m3fn saturates
+        return self.bits_f32(self.f32_bits(y) | sign).to(self.state_dtype)
+
+    def umax(self, a: Uint32, b: Uint32) -> Uint32:
+        return inline_ptx(Uint32, "max.u32 $0, $1, $2;", "=r,r,r", Uint32(a), Uint32(b))
+
+    def umin(self, a: Uint32, b: Uint32) -> Uint32:
+        return inline_ptx(Uint32, "min.u32 $0, $1, $2;", "=r,r,r", Uint32(a), Uint32(b))
+
+    def div_rn(self, a: Float32, b: Float32) -> Float32:
+        """``a / b`` rounded to nearest (IEEE), as the CPU path divides."""
+        return inline_ptx(Float32, "div.rn.f32 $0, $1, $2;", "=f,f,f", Float32(a), Float32(b))
+
+    def asm_u32(self, text: str, a: Float32) -> Uint32:
+        return inline_ptx(Uint32, text, "=r,f", Float32(a))
 
     def philox(self, counter: tuple, k0: Uint32, k1: Uint32) -> list:
         """Philox4x32-10 (Random123): four Uint32 words of ``counter`` under the key ``(k0, k1)``."""
@@ -1008,6 +1140,7 @@ def fake_arguments(spec: StepSpec) -> KernelArgs:
         C_bias=strided(Float32, (R, heads, N)) if spec.has_bc_bias else None,
         rand_seed=strided(Int64, (2,)) if spec.stochastic_rounding else None,
         rand_rows=strided(Int32, (batch,)) if spec.has_rand_rows else None,
+        state_scale=strided(Float32, (rows, heads, D)) if spec.state_dtype in SCALED_STATE_DTYPES else None,
         null_slot=Int32(-1),
     )
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from .contract import lane_is_live, source_rows
+from .contract import ROUNDED_STATE_DTYPES, SCALED_STATE_DTYPES, dtype_name, lane_is_live, source_rows
 from .rotary import advance_angle, angle_cos_sin, rotate_pairs
-from .rounding import state_bits, stochastic_round
+from .rounding import dequantize_rows, quantize_rows, state_bits, stochastic_round
 from .tensors import LANE_FIELDS, StepTensors
 
 __all__ = ["rotated_bc", "step_math", "mamba3_step_reference", "token_rows"]
@@ -164,7 +164,10 @@ def mamba3_step_reference(
     16-bit dtype by :func:`mamba3_step.rounding.stochastic_round` (from its float32 value) with
     the bits :func:`mamba3_step.rounding.state_bits` draws for ``[seed, offset + t]``, the lane's
     row for that token (its destination for the token, else its final destination, else its
-    source; the lane in dense mode) as an unsigned 32-bit value, the head, d and n.
+    source; the lane in dense mode) as an unsigned 32-bit value, the head, d and n. An 8-bit
+    state (int8, float8_e4m3fn) is read as ``q * state_scale`` and stored by
+    :func:`mamba3_step.rounding.quantize_rows` with the same bits: its values to ``state``, its
+    scales to ``state_scale``, at the same rows.
 
     Runs under ``torch.no_grad()`` (no output carries a ``grad_fn``) and computes every written
     value before writing any, so an error part-way leaves the tensors unchanged.
@@ -195,24 +198,37 @@ def mamba3_step_reference(
 
 
 class _RoundingRule:
-    """How a token's new state is stored: cast to the state's dtype, or stochastically rounded with
-    the bits of ``[seed, offset + t]`` and each lane's row (docs/contract.md, "Stochastic rounding")."""
+    """How a token's new state is stored: cast to the state's dtype, stochastically rounded with the
+    bits of ``[seed, offset + t]`` and each lane's row (docs/contract.md, "Stochastic rounding"), or
+    quantised to 8 bits with a scale per (row, head, d) ("8-bit states").
+
+    A stored state is a pair ``(value, scale)``: ``value`` in the state's dtype, ``scale`` the
+    (L, H, D) fp32 scales of an 8-bit state (else None). :meth:`load` turns it into what the next
+    token's math reads."""
 
     def __init__(self, t: StepTensors, stochastic: bool):
         self.dtype = t.state.dtype
+        self.format = dtype_name(self.dtype) if dtype_name(self.dtype) in SCALED_STATE_DTYPES else None
         # a wider state (the float64 test reference) stores the value as it is
-        stochastic = stochastic and self.dtype in (torch.bfloat16, torch.float16)
+        stochastic = stochastic and dtype_name(self.dtype) in ROUNDED_STATE_DTYPES
         self.seed_offset = [int(v) for v in t.rand_seed.tolist()] if stochastic else None
         self.rows = None  # per token: the rows the bits are drawn for, one per live lane
 
-    def store(self, new_state: torch.Tensor, k: int) -> torch.Tensor:
+    def load(self, value: torch.Tensor, scale) -> torch.Tensor:
+        """The state a token's math reads: an 8-bit state dequantised (``q * scale`` in fp32)."""
+        return value if self.format is None else dequantize_rows(value, scale)
+
+    def store(self, new_state: torch.Tensor, k: int) -> tuple:
+        """Token ``k``'s new state (compute dtype) as stored: ``(value, scale or None)``."""
         if self.seed_offset is None:
-            return new_state.to(self.dtype)
+            return new_state.to(self.dtype), None
         seed, offset = self.seed_offset
         rows = self.rows[k].to(torch.int64) & 0xFFFFFFFF
         _, H, D, N = new_state.shape
         bits = state_bits(seed, (offset + k + 2**63) % 2**64 - 2**63, rows.cpu(), H, D, N).to(new_state.device)
-        return stochastic_round(new_state.to(torch.float32), bits, self.dtype)
+        if self.format is not None:
+            return quantize_rows(new_state.to(torch.float32), bits, self.format)
+        return stochastic_round(new_state.to(torch.float32), bits, self.dtype), None
 
 
 def _step_writes(t: StepTensors, update_kv_state: bool, rotate_pairwise: bool, rounding: _RoundingRule,
@@ -228,9 +244,11 @@ def _step_writes(t: StepTensors, update_kv_state: bool, rotate_pairwise: bool, r
     result, states = _run_tokens(t, t.dense_lanes(lanes, rows), lanes, rotate_pairwise, rounding, compute_dtype)
     writes = [(t.out, None, result)]
     if not t.pool:
-        state, B, x, angle = states[-1]
+        (state, scale), B, x, angle = states[-1]
         target = t.state_out if t.state_out is not None else t.state
         writes.append((target, None, state.to(target.dtype)))
+        if scale is not None:
+            writes.append((t.state_scale, None, scale))
         if update_kv_state:
             writes += [(t.Bstate, None, B.to(t.Bstate.dtype)), (t.Xstate, None, x.to(t.Xstate.dtype))]
         if angle is not None:
@@ -264,34 +282,39 @@ def _run_tokens(t: StepTensors, dense: StepTensors, lanes, rotate_pairwise: bool
     """Run the T tokens of the live ``lanes`` (``dense``: their gathered rows and inputs).
 
     Returns ``out``'s new value (zeros for padding lanes) and, per token, the live lanes'
-    ``(state, B, x, angle)`` after it (state in the stored dtype, as it is kept between tokens;
-    B rotated and in Bstate's dtype with rotary; angle None without)."""
-    state, Bprev, xprev, angle = dense.state, dense.Bstate, dense.Xstate, dense.angle_state
+    ``(stored, B, x, angle)`` after it (``stored``: the state as it is kept between tokens, a
+    ``(value, scale)`` pair of :class:`_RoundingRule`; B rotated and in Bstate's dtype with
+    rotary; angle None without)."""
+    stored = (dense.state, dense.state_scale)
+    Bprev, xprev, angle = dense.Bstate, dense.Xstate, dense.angle_state
     result = torch.zeros(t.out.shape, dtype=t.out.dtype, device=t.out.device)
     states = []
     for k in range(t.tokens):
         tok = t.token(k)
         lane_inputs = {f: (None if getattr(tok, f) is None else getattr(tok, f).index_select(0, lanes))
                        for f in LANE_FIELDS}
-        step = dense._replace(state=state, Bstate=Bprev, Xstate=xprev, **lane_inputs)
+        step = dense._replace(state=rounding.load(*stored), Bstate=Bprev, Xstate=xprev, **lane_inputs)
         if angle is not None:
             angle = advance_angle(angle, step.angle_proj, step.dt, compute_dtype)
             B_rot, C_rot = rotated_bc(step, angle, rotate_pairwise, compute_dtype)
             step = step._replace(B=B_rot, C=C_rot)
         new_state, y = step_math(step, compute_dtype=compute_dtype)
         (result[:, k] if t.x.dim() == 4 else result)[lanes] = y.to(result.dtype)
-        state = rounding.store(new_state, k)
+        stored = rounding.store(new_state, k)
         Bprev, xprev = step.B.to(t.Bstate.dtype), lane_inputs["x"]
-        states.append((state, Bprev, xprev, angle))
+        states.append((stored, Bprev, xprev, angle))
     return result, states
 
 
-def _row_writes(t: StepTensors, targets, state, B, x, angle, update_kv_state: bool) -> list:
-    """Writes of ``state`` (and B/x, the angle) to rows ``targets``, one per live lane (padding
-    targets skipped)."""
+def _row_writes(t: StepTensors, targets, stored, B, x, angle, update_kv_state: bool) -> list:
+    """Writes of the ``stored`` state (and its scales, B/x, the angle) to rows ``targets``, one per
+    live lane (padding targets skipped)."""
     write = lane_is_live(targets, t.state.shape[0], t.null_slot_id)
     rows = targets[write]
+    state, scale = stored
     writes = [(t.state, rows, state[write].to(t.state.dtype))]
+    if scale is not None:
+        writes.append((t.state_scale, rows, scale[write]))
     if update_kv_state:
         writes += [(t.Bstate, rows, B[write].to(t.Bstate.dtype)), (t.Xstate, rows, x[write].to(t.Xstate.dtype))]
     if angle is not None:

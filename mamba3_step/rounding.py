@@ -256,8 +256,9 @@ def quantize_rows(new_state: torch.Tensor, bits: torch.Tensor, fmt) -> tuple[tor
     odd = small | bad
     any_odd = bool(odd.any())
     safe = torch.where(odd, torch.ones((), dtype=x.dtype), absmax) if any_odd else absmax
-    scale = safe / Q
-    inv = Q / safe
+    q_max = torch.full_like(safe, Q)  # tensor / tensor: an IEEE division (a scalar divisor may become a reciprocal)
+    scale = safe / q_max
+    inv = q_max / safe
     v = x * inv[..., None]
     if any_odd:
         v = torch.where(odd[..., None], torch.zeros((), dtype=x.dtype), v)

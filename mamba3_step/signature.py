@@ -193,7 +193,7 @@ def _op_order() -> tuple[str, ...]:
 #: before the options, which callers pass by keyword.
 OP_ORDER = _op_order()
 #: the tensors the op declares as mutated: every tensor the step may write
-OP_MUTATED = ("state", "Bstate", "Xstate", "state_out", "out", "angle_state")
+OP_MUTATED = ("state", "Bstate", "Xstate", "state_out", "out", "angle_state", "state_scale")
 
 
 def op_schema() -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .contract import KV_DTYPES, PROJ_DTYPES, STATE_DTYPES, X_DTYPES
+from .contract import KV_DTYPES, PROJ_DTYPES, ROUNDED_STATE_DTYPES, SCALED_STATE_DTYPES, STATE_DTYPES, X_DTYPES
 from .tiling import default_tiling, shape_problem, tiling_problem
 
 __all__ = ["FLAGSHIP_HEADS", "MAX_TOKENS", "StepSpec", "complete_spec", "flagship_rotary_spec", "flagship_spec",
@@ -55,7 +55,9 @@ class StepSpec:
         has_bc_bias: ``B_bias``/``C_bias`` are added before the rotation.
         shared_bc: B and C have a head axis of 1 (one B/C per lane, read by every head).
         stochastic_rounding: a 16-bit state is stored with stochastic rounding, its bits drawn
-            from ``rand_seed`` (docs/contract.md, "Stochastic rounding").
+            from ``rand_seed`` (docs/contract.md, "Stochastic rounding"); always set with an
+            8-bit state (``int8``/``float8_e4m3fn``, whose ``state_scale`` the kernel then reads
+            and writes: docs/contract.md, "8-bit states").
         has_rand_rows: dense mode draws lane b's bits for row ``rand_rows[b]`` (else for b).
     """
 
@@ -223,8 +225,12 @@ def rotary_problem(spec: StepSpec) -> str | None:
         return "rotate_pairwise and has_bc_bias need rope_angles > 0 (angle_state given)"
     if S and spec.tile_D and spec.tile_D < spec.headdim:
         return "rope_angles > 0 needs tile_D >= headdim (one CTA per (lane, head) updates the angle)"
-    if spec.stochastic_rounding and spec.state_dtype not in ("bfloat16", "float16"):
-        return f"stochastic_rounding needs a 16-bit state (bfloat16 or float16), got {spec.state_dtype}"
+    if spec.stochastic_rounding and spec.state_dtype not in ROUNDED_STATE_DTYPES:
+        return f"stochastic_rounding needs a 16- or 8-bit state {ROUNDED_STATE_DTYPES}, got {spec.state_dtype}"
+    if spec.state_dtype in SCALED_STATE_DTYPES and not spec.stochastic_rounding:
+        return f"a {spec.state_dtype} state needs stochastic_rounding (8-bit states are always rounded stochastically)"
+    if spec.state_dtype in SCALED_STATE_DTYPES and spec.has_state_out:
+        return f"a {spec.state_dtype} state is updated in place: has_state_out must be False"
     if spec.has_rand_rows and (spec.pool or not spec.stochastic_rounding):
         return "has_rand_rows needs dense mode and stochastic_rounding"
     return None

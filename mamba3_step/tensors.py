@@ -25,7 +25,7 @@ __all__ = ["KERNEL_ARGUMENT_NAMES", "KernelArgs", "LANE_FIELDS", "ROW_FIELDS", "
 Tensor = torch.Tensor
 
 #: fields with one row per pool row (pool mode) or per lane (dense mode)
-ROW_FIELDS = ("state", "Bstate", "Xstate", "angle_state")
+ROW_FIELDS = ("state", "Bstate", "Xstate", "angle_state", "state_scale")
 #: this step's per-lane inputs (first dimension B)
 LANE_FIELDS = ("A", "B", "C", "x", "dt", "trap", "z", "angle_proj")
 #: the layer's weights (no lane dimension)
@@ -65,6 +65,7 @@ class StepTensors(NamedTuple):
     C_bias: Optional[Tensor] = None  # (R, H, N) fp32, with angle_state and B_bias
     rand_seed: Optional[Tensor] = None  # (2,) int64 [seed, offset]: stochastic rounding's bits
     rand_rows: Optional[Tensor] = None  # (B,) int32, dense mode: the row each lane's bits are drawn for
+    state_scale: Optional[Tensor] = None  # (P|B, H, D) fp32 with an 8-bit state: its scales, updated in place
 
     @property
     def batch(self) -> int:
@@ -163,6 +164,7 @@ class KernelArgs(NamedTuple):
     C_bias: Any  # (R, H, N) fp32, or None
     rand_seed: Any  # (2,) int64 [seed, offset] with stochastic rounding, or None
     rand_rows: Any  # (B,) int32 in dense mode: each lane's row for the draw, or None (the lane)
+    state_scale: Any  # (P|B, H, D) fp32, an 8-bit state's scales, updated in place, or None
     null_slot: Any  # int32: pool rows equal to it are padding (-1: none)
 
 

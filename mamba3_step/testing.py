@@ -31,7 +31,8 @@ from typing import NamedTuple
 
 import torch
 
-from .contract import INT32_MAX, INT32_MIN, as_torch_dtype, source_rows
+from .contract import INT32_MAX, INT32_MIN, SCALED_STATE_DTYPES, as_torch_dtype, dtype_name, source_rows
+from .rounding import quantize_rows
 
 __all__ = ["INPUT_DTYPES", "LayerShape", "inputs_for", "with_rotary", "SPECULATIVE_PAD_KINDS", "bits", "bits_equal", "lane_inputs",
            "layer_weights", "make_inputs", "padded_indices", "poison_", "poison_pool", "pool_rows", "row_tensors",
@@ -63,10 +64,20 @@ class _Draw:
 
 def row_tensors(rows, H, D, N, R, *, state_dtype="float32", kv_dtype="bfloat16", x_dtype="bfloat16",
                 generator=None, device="cpu") -> dict:
-    """``state`` (rows, H, D, N), ``Bstate`` (rows, R, H, N), ``Xstate`` (rows, H, D)."""
+    """``state`` (rows, H, D, N), ``Bstate`` (rows, R, H, N), ``Xstate`` (rows, H, D); with an 8-bit
+    ``state_dtype`` also ``state_scale`` (rows, H, D): a normal fp32 state quantised with random bits
+    (every code of the format in use, scales of the normal rows' absmax)."""
     d = _Draw(generator, device)
-    return dict(state=d.normal(rows, H, D, N, dtype=state_dtype),
-                Bstate=d.normal(rows, R, H, N, dtype=kv_dtype, scale=0.5), Xstate=d.normal(rows, H, D, dtype=x_dtype))
+    name = dtype_name(as_torch_dtype(state_dtype, "state_dtype"))
+    if name in SCALED_STATE_DTYPES:
+        full = d.normal(rows, H, D, N).cpu()
+        r = torch.randint(0, 1 << 16, full.shape, generator=d.g, dtype=torch.int64)
+        q, scale = quantize_rows(full, r, name)
+        state = dict(state=q.to(device), state_scale=scale.to(device))
+    else:
+        state = dict(state=d.normal(rows, H, D, N, dtype=state_dtype))
+    return dict(**state, Bstate=d.normal(rows, R, H, N, dtype=kv_dtype, scale=0.5),
+                Xstate=d.normal(rows, H, D, dtype=x_dtype))
 
 
 def lane_inputs(B, H, D, N, R, *, kv_dtype="bfloat16", x_dtype="bfloat16", has_z=True, tokens=None,

@@ -68,6 +68,8 @@ def _cvt(ins, ctx):
         raise unsupported(ins)
     dt, at = ins.mods[-2], ins.mods[-1]
     mods = check_mods(ins, {dt, at, "ftz", "sat", "satfinite", "relu", *_IRND, *_FRND})
+    if at == "e4m3x2" or dt == "e4m3x2":
+        return _cvt_e4m3(ins, dt, at, mods)
     if dt in ("f16x2", "bf16x2"):
         return _cvt_pack(ins, dt, at, mods)
     conv = _converter(ins, dt, at, mods)
@@ -202,6 +204,33 @@ def _cvt_pack(ins, dt, at, mods):
         lo = narrow(F.read(b, np.float32, idx), frnd, satfinite, relu).astype(np.uint32)
         F.write(d, (hi << np.uint32(16)) | lo, np.uint32, idx)
     return run
+
+
+def _cvt_e4m3(ins, dt, at, mods):
+    """``cvt.rn.satfinite.e4m3x2.f32 d, a, b`` (a -> upper byte, b -> lower byte of the 16-bit d) and
+    ``cvt.rn.f16x2.e4m3x2 d, a`` (a's upper byte -> d's upper half, lower byte -> lower half; exact)."""
+    if dt == "e4m3x2" and at == "f32":
+        if "rn" not in mods or "satfinite" not in mods or "relu" in mods:
+            raise unsupported(ins, "f32 -> e4m3x2 is implemented for .rn.satfinite")
+        d, a, b = ins.operands
+
+        def pack(F, idx):
+            hi = fp.f32_to_e4m3_bits(F.read(a, np.float32, idx)).astype(np.uint16)
+            lo = fp.f32_to_e4m3_bits(F.read(b, np.float32, idx)).astype(np.uint16)
+            F.write(d, (hi << np.uint16(8)) | lo, np.uint16, idx)
+        return pack
+    if dt == "f16x2" and at == "e4m3x2":
+        if set(mods) - {"rn", dt, at}:
+            raise unsupported(ins)
+        d, a = ins.operands
+
+        def unpack(F, idx):
+            v = F.read(a, np.uint16, idx).astype(np.uint32)
+            hi = fp.f32_to_f16_bits(fp.e4m3_bits_to_f32(v >> np.uint32(8))).astype(np.uint32)
+            lo = fp.f32_to_f16_bits(fp.e4m3_bits_to_f32(v & np.uint32(0xFF))).astype(np.uint32)
+            F.write(d, (hi << np.uint32(16)) | lo, np.uint32, idx)
+        return unpack
+    raise unsupported(ins)
 
 
 # ------------------------------------------------------------------------------ setp / selp

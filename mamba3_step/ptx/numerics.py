@@ -13,6 +13,8 @@ What each function guarantees (the executor's numerics, documented in docs/ptx-t
 * **Conversions.** fp32 -> bf16/fp16 round-to-nearest-even (or the named direction),
   overflow to infinity (``.satfinite``: to the largest finite value), bf16/fp16 -> fp32
   exact; float -> int rounds as named and saturates, NaN -> 0; ``.sat`` clamps to [0, 1].
+* **8-bit floats.** fp32 -> float8_e4m3fn rounds to nearest even and saturates at 448
+  (``.satfinite``, the only form PTX has), NaN -> 0x7F; e4m3 -> fp16 is exact.
 * **NaN.** Every arithmetic result that is NaN is the canonical NaN (fp32 ``0x7fffffff``,
   16-bit ``0x7fff``), as NVIDIA GPUs produce; payloads are not modelled. ``neg``/``abs``/
   ``mov`` are bit operations and keep the payload.
@@ -247,6 +249,39 @@ def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
 def f16_bits_to_f32(b: np.ndarray) -> np.ndarray:
     """fp16 bits -> fp32 (exact; NaN canonical)."""
     return canon32(np.asarray(b, np.uint16).view(np.float16).astype(np.float32))
+
+
+# ----------------------------------------------------------------------- 8-bit float (e4m3fn)
+E4M3_MAX = 448.0
+E4M3_NAN = np.uint8(0x7F)
+
+
+def f32_to_e4m3_bits(x: np.ndarray) -> np.ndarray:
+    """fp32 -> float8_e4m3fn bits (uint8) as ``cvt.rn.satfinite.e4m3x2.f32`` does: round to nearest
+    even on e4m3's grid (3 mantissa bits, normals from 2**-6, subnormals in steps of 2**-9),
+    magnitudes above 448 (infinities too) to 448, NaN -> 0x7F. The sign is kept (-0.0 -> 0x80)."""
+    x = np.asarray(x, np.float32)
+    a = np.abs(x.astype(np.float64))
+    a = np.where(np.isnan(a), 0.0, np.minimum(a, 2.0 * E4M3_MAX))  # inf saturates; NaN is set below
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        e = np.floor(np.log2(np.where(a > 0, a, 1.0)))
+        step = np.exp2(np.maximum(e, -6.0) - 3.0)  # the grid step at a (2**-9 below 2**-6)
+        value = np.minimum(np.rint(a / step) * step, E4M3_MAX)
+        ev = np.floor(np.log2(np.where(value >= 2.0**-6, value, 1.0)))
+        normal = value >= 2.0**-6
+        code = np.where(normal, (ev + 7.0) * 8.0 + (value / np.exp2(ev) - 1.0) * 8.0, value * 512.0)
+    out = code.astype(np.uint8) | np.where(np.signbit(x), np.uint8(0x80), np.uint8(0))
+    return np.where(np.isnan(x), E4M3_NAN, out).astype(np.uint8)
+
+
+def e4m3_bits_to_f32(b: np.ndarray) -> np.ndarray:
+    """float8_e4m3fn bits -> fp32 (exact; 0x7F/0xFF are NaN, canonical)."""
+    b = np.asarray(b).astype(np.uint32) & np.uint32(0xFF)
+    e = ((b >> np.uint32(3)) & np.uint32(15)).astype(np.float64)
+    m = (b & np.uint32(7)).astype(np.float64)
+    mag = np.where(e == 0, m * 2.0**-9, (1.0 + m / 8.0) * np.exp2(e - 7.0))
+    val = np.where((b & np.uint32(0x80)) != 0, -mag, mag).astype(np.float32)
+    return np.where((b & np.uint32(0x7F)) == np.uint32(0x7F), np.float32(np.nan), val).astype(np.float32)
 
 
 def round_to_16(hi: np.ndarray, lo: np.ndarray, fmt: str) -> np.ndarray:

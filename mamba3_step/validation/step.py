@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..contract import INT32_MAX, INT32_MIN, MAX_GRID_X, MAX_GRID_Y
+from ..contract import INT32_MAX, INT32_MIN, MAX_GRID_X, MAX_GRID_Y, ROUNDED_STATE_DTYPES, SCALED_STATE_DTYPES
 from ..spec import MAX_TOKENS, StepSpec
 from ..tensors import StepTensors
 from ..tiling import shape_problem, tiling_problem
@@ -85,9 +85,7 @@ def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=Non
     layout = _check_layout(tensors)
     N, Dh, R, layout = _check_shapes(tensors, layout)
     dtypes = _check_dtypes(tensors)
-    if stochastic_rounding and dtypes["state_dtype"] not in ("bfloat16", "float16"):
-        raise ValueError(f"stochastic_rounding: expected a 16-bit state (bfloat16 or float16: a float32 state "
-                         f"is stored exactly as computed), got state dtype {dtypes['state_dtype']}")
+    _check_scaled_state(tensors, dtypes["state_dtype"], stochastic_rounding)
     _check_memory(tensors)
     _check_grid(tensors)
     _check_writes(tensors, update_kv_state)
@@ -162,6 +160,28 @@ def _check_rounding_modes(t: StepTensors, stochastic_rounding: bool) -> None:
         raise ValueError("rand_rows: expected None except in dense mode with stochastic_rounding=True (it names "
                          "the row each lane's random bits are drawn for; pool mode draws for the row written), "
                          "got a tensor")
+
+
+def _check_scaled_state(t: StepTensors, state_dtype: str, stochastic_rounding: bool) -> None:
+    """A rounded state (16- or 8-bit) for ``stochastic_rounding``; an 8-bit state comes with
+    ``state_scale``, is always rounded stochastically and is updated in place (docs/contract.md,
+    "8-bit states")."""
+    if stochastic_rounding and state_dtype not in ROUNDED_STATE_DTYPES:
+        raise ValueError(f"stochastic_rounding: expected a 16- or 8-bit state ({', '.join(ROUNDED_STATE_DTYPES)}: a "
+                         f"float32 state is stored exactly as computed), got state dtype {state_dtype}")
+    scaled = state_dtype in SCALED_STATE_DTYPES
+    if scaled and t.state_scale is None:
+        raise ValueError(f"state_scale: expected a float32 tensor (rows, H, D) of the {state_dtype} state's scales, "
+                         "got None")
+    if not scaled and t.state_scale is not None:
+        raise ValueError(f"state_scale: expected None with a {state_dtype} state (scales belong to an 8-bit state: "
+                         f"{', '.join(SCALED_STATE_DTYPES)}), got a tensor")
+    if scaled and not stochastic_rounding:
+        raise ValueError(f"stochastic_rounding: expected True with a {state_dtype} state (an 8-bit state is always "
+                         "stored with stochastic rounding: rounding to nearest stalls it), got False")
+    if scaled and t.state_out is not None:
+        raise ValueError(f"state_out: expected None with a {state_dtype} state (an 8-bit state and its scales are "
+                         "updated in place), got a tensor")
 
 
 def _check_layout(t: StepTensors) -> Layout:

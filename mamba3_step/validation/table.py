@@ -77,6 +77,7 @@ RULES = (
     Rule("C_bias", "R H N", ("float32",)),
     Rule("rand_seed", "2", ("int64",), hint=" ([seed, offset])"),
     Rule("rand_rows", "B", ("int32",), hint=" (convert with .to(torch.int32))"),
+    Rule("state_scale", "S H D", ("float32",), written=WRITE_UNLESS_STATE_OUT),
 )
 
 #: the arguments the letters are read from (their ranks are checked first): B, T, H, D from
