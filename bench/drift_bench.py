@@ -239,19 +239,16 @@ def check_against_reference(H: int = 3, seed: int = 1) -> float:
 
 
 def flagship_bytes(batch: int = 256, heads: int = 48) -> list[dict]:
-    """Modelled bytes per decode step at the flagship for each storage format (bytes_model; the 8-bit
-    formats: the fp32 step with a 1-byte state plus the fp32 scale pool (rows, H, D), read + written)."""
+    """Modelled bytes per decode step at the flagship for each storage format (bytes_model: the 8-bit
+    formats' entries include their fp32 scale pool (rows, H, D), read + written like the state)."""
     rows = []
     base = None
-    for name, dtype, sb in (("fp32", "float32", 4), ("bf16", "bfloat16", 2), ("fp16", "float16", 2),
-                            ("int8 + scale", None, 1), ("e4m3 + scale", None, 1)):
-        b = bytes_per_step(flagship_spec(state_dtype=dtype or "float32"), batch, heads)
-        state = b["state"] * sb // 4 if dtype is None else b["state"]
-        scale = 2 * batch * heads * SIZES["D"] * 4 if dtype is None else 0
-        total = b["total"] - b["state"] + state + scale
-        base = base or total
-        rows.append({"format": name, "state_mib": state / 2**20, "scale_mib": scale / 2**20,
-                     "total_mib": total / 2**20, "vs_fp32": total / base, "bytes": total})
+    for name, dtype in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16"),
+                        ("int8 + scale", "int8"), ("e4m3 + scale", "float8_e4m3fn")):
+        b = bytes_per_step(flagship_spec(state_dtype=dtype, stochastic_rounding=dtype != "float32"), batch, heads)
+        base = base or b["total"]
+        rows.append({"format": name, "state_mib": b["state"] / 2**20, "scale_mib": b["state_scale"] / 2**20,
+                     "total_mib": b["total"] / 2**20, "vs_fp32": b["total"] / base, "bytes": b["total"]})
     return rows
 
 

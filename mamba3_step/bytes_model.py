@@ -35,6 +35,12 @@ entry                          bytes                                 note
                                                                     row dst (int64 angles)
 ``angle_proj``                 Bl * H * S * 4                       rotary
 ``B_bias``, ``C_bias``         R * H * N * 4 each                   once per step; has_bc_bias
+``state_scale``                (1 + w) * Bl * H * D * 4             8-bit state: its scales, read
+                                                                    and written like the state
+``rand_seed``                  16                                   stochastic rounding (the
+                                                                    seed and offset, read once a
+                                                                    thread; counted once)
+``rand_rows``                  B * 4                                dense mode with rand_rows
 =============================  ===================================  ===========================
 
 With ``shared_bc`` (B and C have a head axis of 1: one (R, N) row per lane, read by every head)
@@ -70,7 +76,7 @@ pools, the gather and scatter of the four state tensors.
 
 from __future__ import annotations
 
-from .contract import DTYPE_BYTES
+from .contract import DTYPE_BYTES, SCALED_STATE_DTYPES
 from .spec import StepSpec
 
 __all__ = [
@@ -157,6 +163,9 @@ def _kernel_bytes(spec: StepSpec, batch: int, live: int, heads: int, pool: bool)
         "angle_proj": T * live * H * S * _F32,
         "B_bias": bias,
         "C_bias": bias,
+        "state_scale": (1 + writes) * live * H * D * _F32 if spec.state_dtype in SCALED_STATE_DTYPES else 0,
+        "rand_seed": 2 * _I64 if spec.stochastic_rounding else 0,
+        "rand_rows": batch * _I32 if spec.has_rand_rows else 0,
     }
     return out
 
@@ -200,22 +209,27 @@ def bytes_per_step(
 
 
 def _batch_rows(spec: StepSpec, batch: int, heads: int, angle_bytes: int = _I64) -> dict:
-    """Bytes of ``batch`` rows of each state tensor (the angle's at ``angle_bytes`` an angle)."""
+    """Bytes of ``batch`` rows of each state tensor (the angle's at ``angle_bytes`` an angle; the
+    scales of an 8-bit state)."""
     N, D, R, H = spec.dstate, spec.headdim, spec.mimo, heads
-    return {
+    rows = {
         "state": batch * H * D * N * DTYPE_BYTES[spec.state_dtype],
         "Bstate": batch * R * H * N * DTYPE_BYTES[spec.kv_dtype],
         "Xstate": batch * H * D * DTYPE_BYTES[spec.x_dtype],
         "angle_state": batch * H * spec.rope_angles * angle_bytes,
     }
+    if spec.state_dtype in SCALED_STATE_DTYPES:
+        rows["state_scale"] = batch * H * D * _F32
+    return rows
 
 
 def _gather_scatter_bytes(spec: StepSpec, batch: int, heads: int) -> dict:
     """gather -> dense kernel -> scatter (module docstring): per gathered tensor a read of the
     pool rows and a write of the dense copy, per scattered one the reverse, index reads."""
     rows = _batch_rows(spec, batch, heads)
-    gathered = ("state", "Bstate", "Xstate") + (("angle_state",) if spec.rope_angles else ())
-    scattered = ("state",) + (("Bstate", "Xstate") if spec.update_kv_state else ()) + gathered[3:]
+    extra = (("angle_state",) if spec.rope_angles else ()) + (("state_scale",) if "state_scale" in rows else ())
+    gathered = ("state", "Bstate", "Xstate") + extra
+    scattered = ("state",) + (("Bstate", "Xstate") if spec.update_kv_state else ()) + extra
     out = {}
     for t in rows:
         out[f"gather:{t}"] = 2 * rows[t] if t in gathered else 0  # read pool rows, write dense copies

@@ -36,6 +36,10 @@ With stochastic rounding (a 16-bit state and ``rand_seed``; docs/contract.md) st
 16-byte vector of the new state through :meth:`Mamba3StepKernel.store_rounded`: one Philox4x32-10
 call (:meth:`Mamba3StepKernel.philox`) for its 8 elements' random bits, then
 :meth:`Mamba3StepKernel.round_stochastic` per element (the rules of :mod:`mamba3_step.rounding`).
+An 8-bit state (int8, e4m3; docs/contract.md, "8-bit states") is read as ``q * scale`` (the row's
+scale loaded with it by step 2) and stored through :meth:`Mamba3StepKernel.store_quantized` after
+the row group's update: each row's absmax over its TPR lanes, its scale, and per 16-byte vector
+two Philox calls for :meth:`Mamba3StepKernel.quantize_8bit`; the row's first lane stores the scale.
 
 A T-token specialisation (speculative decoding) loads the slab once (2) and runs 3-8 once per
 token, :meth:`Mamba3StepKernel.token_step`, in a loop unrolled at trace time: the state stays
@@ -851,6 +855,8 @@ class Mamba3StepKernel:
         safe = Float32(cutlass.select_(odd, Float32(1.0), absmax))
         q_max = Float32(QMAX[self.spec.state_dtype])
         inv = self.div_rn(q_max, safe)
+        if const_expr(self.state_dtype is cutlass.Int8):  # v = x * 0: 0, or NaN for a bad row, both code 0
+            inv = Float32(cutlass.select_(odd, Float32(0.0), inv))
         scale = Float32(cutlass.select_(odd, Float32(0.0), self.div_rn(safe, q_max)))
         group.tSrScale[i] = Float32(cutlass.select_(bad, Float32(float("nan")), scale))
         k0, k1, o0, o1 = tok.rng
@@ -864,7 +870,9 @@ class Mamba3StepKernel:
                 for k in cutlass.range_constexpr(N_PER_CALL):
                     e = half * N_PER_CALL + k
                     r = (words[k // 2] >> (16 * (k % 2))) & Uint32(0xFFFF)
-                    v = Float32(cutlass.select_(odd, Float32(0.0), self.mul_rn(tSrNewG[e, i, c], inv)))
+                    v = self.mul_rn(tSrNewG[e, i, c], inv)
+                    if const_expr(self.state_dtype is not cutlass.Int8):
+                        v = Float32(cutlass.select_(odd, Float32(0.0), v))
                     group.tSrS[e, i, c] = self.quantize_8bit(v, r)
 
     @cute.jit
@@ -874,9 +882,8 @@ class Mamba3StepKernel:
         :meth:`round_stochastic` on e4m3's grid (normals: the fp32 pattern plus ``r << 4``
         truncated to 3 mantissa bits; below 2**-6 in units of 2**-9), saturated at 448; the final
         conversion is exact."""
-        if const_expr(self.state_dtype is cutlass.Int8):
-            frac = self.asm_u32("cvt.rzi.u32.f32 $0, $1;", self.bits_f32(self.f32_bits(v) & Uint32(0x7FFFFFFF))
-                                * Float32(65536.0))
+        if const_expr(self.state_dtype is cutlass.Int8):  # a NaN v (a bad row, inv = 0) converts to 0
+            frac = self.asm_u32("cvt.rzi.u32.f32 $0, $1;", self.asm_f32("abs.f32 $0, $1;", v) * Float32(65536.0))
             mag = Int32(self.umin((frac + r) >> 16, Uint32(127)))
             return Int32(cutlass.select_(v < Float32(0.0), -mag, mag)).to(self.state_dtype)
         bits = self.f32_bits(v)

@@ -241,9 +241,19 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def poison_pool(pool, generator=None) -> None:
     """Fill every row of every layer of a ``StatePool`` (the null row and the scratch rows too)
-    with random finite values, so a stray write or a wrong read shows up in a comparison."""
+    with random finite values, so a stray write or a wrong read shows up in a comparison. An 8-bit
+    state gets random codes with positive random scales: a normal fp32 state quantised with random
+    bits (every code of the format in use, never NaN), each scale then times a random factor in
+    ``[0.5, 2)`` (a scale need not be its row's absmax / Q: the step reads ``code * scale``)."""
     g = generator if generator is not None else torch.Generator().manual_seed(0)
-    for t in (pool._state, pool._Bstate, pool._Xstate):
+    scales = getattr(pool, "_state_scale", None)
+    if scales is not None:  # 8-bit codes and their scales
+        full = torch.randn(pool._state.shape, generator=g)
+        bits16 = torch.randint(0, 1 << 16, full.shape, generator=g, dtype=torch.int64)
+        q, scale = quantize_rows(full, bits16, dtype_name(pool._state.dtype))
+        pool._state.copy_(q)
+        scales.copy_(scale * torch.exp2(torch.rand(scale.shape, generator=g) * 2 - 1))
+    for t in ((pool._state,) if scales is None else ()) + (pool._Bstate, pool._Xstate):
         t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
     if pool._angle_state is not None:  # random angles over the whole turn
         pool._angle_state.copy_(torch.randint(INT64_MIN, INT64_MAX, pool._angle_state.shape, generator=g,

@@ -42,6 +42,7 @@ from .contract import source_rows
 from .ptx import analysis
 from .ptx_tier import ptx_kernel, ptx_step_fn, run_step_ptx
 from .reference import mamba3_step_reference
+from .rounding import dequantize_rows
 from .serving import gather_dense_scatter
 from .spec import StepSpec
 from .specsets import add_spec_arguments, parse_spec_args, spec_label
@@ -90,6 +91,8 @@ def _accuracy(spec: StepSpec, tensors: StepTensors, executed: StepTensors) -> di
     """Errors of the executed run (already done on ``executed``) and of PyTorch float32 vs float64."""
     f64 = tensors._replace(**{k: v.double() if v.is_floating_point() else v.clone()
                               for k, v in tensors._asdict().items() if isinstance(v, torch.Tensor)})
+    if tensors.state_scale is not None:  # an 8-bit state: the float64 reference carries its values unrounded
+        f64 = f64._replace(state=dequantize_rows(tensors.state, tensors.state_scale).double(), state_scale=None)
     out64 = mamba3_step_reference(f64, update_kv_state=spec.update_kv_state, rotate_pairwise=spec.rotate_pairwise,
                                   stochastic_rounding=spec.stochastic_rounding, compute_dtype=torch.float64)
     cpu = _clone(tensors)
@@ -100,9 +103,12 @@ def _accuracy(spec: StepSpec, tensors: StepTensors, executed: StepTensors) -> di
     def err(a, b):
         return (a.double() - b).abs().max().item()
 
+    def values(t):  # the state's values (an 8-bit state's codes times its scales)
+        return getattr(t, key) if t.state_scale is None else dequantize_rows(t.state, t.state_scale)
+
     row = dict(err_out=err(executed.out, out64), budget_out=err(out32, out64),
-               err_state=err(getattr(executed, key), getattr(f64, key)),
-               budget_state=err(getattr(cpu, key), getattr(f64, key)))
+               err_state=err(values(executed), getattr(f64, key)),
+               budget_state=err(values(cpu), getattr(f64, key)))
     scale = out64.abs().max().item()
     row["accurate"] = (row["err_out"] <= tolerance(row["budget_out"], scale)
                        and row["err_state"] <= tolerance(row["budget_state"], 1.0))

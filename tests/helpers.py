@@ -208,7 +208,8 @@ def gather_dense_scatter(
 
     Runs :func:`mamba3_step.serving.gather_dense_scatter` (``step_fn``, default
     ``mamba3_step_fn``, does the dense step) on copies of the pools. Returns a dict with
-    ``out``, ``state``, ``Bstate``, ``Xstate`` (the expected tensors).
+    ``out``, ``state``, ``Bstate``, ``Xstate``, ``angle_state``, ``state_scale`` (the expected
+    tensors; None where absent).
     """
     fields = {k: v for k, v in clone_inputs(inputs).items() if k in StepTensors._fields}
     fields.update(out=None, state_batch_indices=src, dst_state_batch_indices=dst, null_slot_id=null_slot_id,
@@ -216,15 +217,15 @@ def gather_dense_scatter(
     tensors = StepTensors(**fields)
     out = _gather_dense_scatter(tensors, update_kv_state=update_kv_state, step_fn=step_fn or mamba3_step_fn)
     return {"out": out, "state": tensors.state, "Bstate": tensors.Bstate, "Xstate": tensors.Xstate,
-            "angle_state": tensors.angle_state}
+            "angle_state": tensors.angle_state, "state_scale": tensors.state_scale}
 
 
 POOL_STATE_KEYS = ("state", "Bstate", "Xstate")
 
 
 def pool_keys(inputs: dict) -> tuple:
-    """The per-row tensors of a call: ``POOL_STATE_KEYS``, and ``angle_state`` when given."""
-    return POOL_STATE_KEYS + (("angle_state",) if inputs.get("angle_state") is not None else ())
+    """The per-row tensors of a call: ``POOL_STATE_KEYS``, and ``angle_state`` / ``state_scale`` when given."""
+    return POOL_STATE_KEYS + tuple(k for k in ("angle_state", "state_scale") if inputs.get(k) is not None)
 
 
 def check_pool_parity(

@@ -406,15 +406,16 @@ def test_drift_bench_stores_as_the_rounding_module_does():
 
 def test_drift_bench_flagship_bytes_equal_hand_count():
     """The state is 2 x B x H x D x N x (4, 2 or 1) bytes (read + write); 8-bit adds an fp32 scale per
-    (row, head, d), read + written; the rest of the step is the fp32 flagship's."""
+    (row, head, d), read + written; the rounded formats read the seed and offset (16 bytes); the rest
+    of the step is the fp32 flagship's."""
     B, H, D, N = 256, 48, 64, 128
     fp32 = bytes_per_step(flagship_spec(), B, H)["total"]
     state32 = 2 * B * H * D * N * 4
     rows = {r["format"]: r for r in drift_bench.flagship_bytes()}
     assert rows["fp32"]["bytes"] == fp32
-    assert rows["bf16"]["bytes"] == rows["fp16"]["bytes"] == fp32 - state32 // 2
+    assert rows["bf16"]["bytes"] == rows["fp16"]["bytes"] == fp32 - state32 // 2 + 16
     for name in ("int8 + scale", "e4m3 + scale"):
-        assert rows[name]["bytes"] == fp32 - state32 * 3 // 4 + 2 * B * H * D * 4
+        assert rows[name]["bytes"] == fp32 - state32 * 3 // 4 + 2 * B * H * D * 4 + 16
         assert rows[name]["scale_mib"] == pytest.approx(6.0)
     assert rows["bf16"]["vs_fp32"] == pytest.approx((fp32 - state32 // 2) / fp32)
 

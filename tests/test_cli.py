@@ -140,5 +140,5 @@ def test_verify_runs_a_rotary_specialisation(capsys):
 def test_stochastic_rounding_flag_names_the_specialisation():
     args = _args("precompile", "--state-dtype", "bfloat16", "--stochastic-rounding")
     assert specs_from_args(args) == [flagship_spec(state_dtype="bfloat16", stochastic_rounding=True)]
-    with pytest.raises(ValueError, match="stochastic_rounding needs a 16-bit state"):
+    with pytest.raises(ValueError, match="stochastic_rounding needs a 16- or 8-bit state"):
         specs_from_args(_args("inspect", "--stochastic-rounding"))

@@ -24,7 +24,8 @@ from mamba3_step.inspection import kernel_facts
 from mamba3_step.issue_model import GPUS, issue_model, slab_bytes
 from mamba3_step.kernel import compile_step_kernel
 from mamba3_step.ptx_tier import ptx_kernel
-from mamba3_step.contract import DTYPE_BYTES, KV_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R
+from mamba3_step.contract import (DTYPE_BYTES, KV_DTYPES, SCALED_STATE_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N,
+                                  SUPPORTED_R)
 from mamba3_step.spec import StepSpec, flagship_rotary_spec, flagship_spec
 from mamba3_step.tiling import default_tiling, thread_layout, tiling_problem
 
@@ -100,6 +101,9 @@ ROTARY = {
     "flagship-rotary-T4-spec": flagship_rotary_spec(tokens=4, **_speculative()),
 }
 
+#: the state dtypes without a scale (8-bit states need stochastic rounding and state_scale: EIGHT_BIT)
+UNSCALED = tuple(d for d in STATE_DTYPES if d not in SCALED_STATE_DTYPES)
+
 # Stochastic rounding of 16-bit states (issue 21): bf16 and fp16, pool, dense, a speculative step.
 STOCHASTIC = {
     "flagship-bf16state-sr": flagship_spec(state_dtype="bfloat16", stochastic_rounding=True),
@@ -114,6 +118,20 @@ STOCHASTIC = {
                                                    **_speculative()),
 }
 
+# 8-bit states with scales (issue 21): int8 and e4m3, pool, dense (with rand_rows), R = 8, a speculative step.
+EIGHT_BIT = {
+    "flagship-int8state": flagship_spec(state_dtype="int8", stochastic_rounding=True),
+    "flagship-fp8state": flagship_spec(state_dtype="float8_e4m3fn", stochastic_rounding=True),
+    "N32-D64-R2-int8state-dense": StepSpec(32, 64, 2, "int8", stochastic_rounding=True),
+    "flagship-fp8state-dense-rows": flagship_spec(state_dtype="float8_e4m3fn", pool=False, stochastic_rounding=True,
+                                                  has_rand_rows=True),
+    "N256-D32-R8-fp8state-pool-dst": StepSpec(
+        256, 32, 8, "float8_e4m3fn", "bfloat16", "bfloat16", "bfloat16", pool=True, has_dst=True,
+        update_kv_state=True, stochastic_rounding=True),
+    "flagship-int8state-T4-spec": flagship_spec(state_dtype="int8", tokens=4, stochastic_rounding=True,
+                                                **_speculative()),
+}
+
 #: the covering set with T in {2, 4, 8} (T = 1 is COVERING itself)
 COVERING_TOKENS = {f"{name}-T{T}": with_tokens(spec, T) for name, spec in COVERING.items() for T in (2, 4, 8)}
 
@@ -121,7 +139,7 @@ COVERING_TOKENS = {f"{name}-T{T}": with_tokens(spec, T) for name, spec in COVERI
 #: compiler facts come from that compile, the others' from a plain compile (no PTX to parse)
 EXECUTED_ARCH = "sm_90a"
 EXECUTED = frozenset(s.with_default_tiling() for s in (*COVERING.values(), *MULTI_TOKEN.values(), *ROTARY.values(),
-                                                       *STOCHASTIC.values()))
+                                                       *STOCHASTIC.values(), *EIGHT_BIT.values()))
 
 
 #: stochastic-rounding specialisations (pool, dst, update_kv_state) that use stack at their default
@@ -134,7 +152,7 @@ SR_SPILLS = {(128, 128, 4, "float16"): 48, (256, 128, 1, "bfloat16"): 32, (256, 
 
 def _full_matrix():
     specs = {}
-    for N, D, R, sd, kv in itertools.product(SUPPORTED_N, SUPPORTED_D, SUPPORTED_R, STATE_DTYPES, KV_DTYPES):
+    for N, D, R, sd, kv in itertools.product(SUPPORTED_N, SUPPORTED_D, SUPPORTED_R, UNSCALED, KV_DTYPES):
         specs[f"N{N}-D{D}-R{R}-{sd}-{kv}-pool-dst-kv"] = StepSpec(
             N, D, R, sd, kv, kv, "bfloat16", pool=True, has_dst=True, update_kv_state=True)
     for dst, kv, z, o in itertools.product((False, True), repeat=4):
@@ -147,7 +165,8 @@ def _full_matrix():
         specs[f"N{N}-D{D}-R{R}-rotary-pool-dst-kv"] = StepSpec(
             N, D, R, pool=True, has_dst=True, update_kv_state=True, rope_angles=N // 4, has_bc_bias=True,
             shared_bc=True)
-    for N, D, R, sd in itertools.product(SUPPORTED_N, SUPPORTED_D, SUPPORTED_R, ("bfloat16", "float16")):
+    for N, D, R, sd in itertools.product(SUPPORTED_N, SUPPORTED_D, SUPPORTED_R, ("bfloat16", "float16",
+                                                                                *SCALED_STATE_DTYPES)):
         specs[f"N{N}-D{D}-R{R}-{sd}-sr-pool-dst-kv"] = StepSpec(
             N, D, R, sd, pool=True, has_dst=True, update_kv_state=True, stochastic_rounding=True)
     for S, pw, bias, shared, dst, T in itertools.product((32, 64), *([(False, True)] * 4), (1, 4)):
@@ -261,6 +280,12 @@ def test_stochastic_rounding_compiles_with_clean_compiler_facts(name, arch):
     check_compiler_facts(STOCHASTIC[name], arch)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", list(EIGHT_BIT))
+def test_eight_bit_states_compile_with_clean_compiler_facts(name, arch):
+    check_compiler_facts(EIGHT_BIT[name], arch)
+
+
 # The default run compiles the covering set's T > 1 forms for sm_90a; sm_100a with --full-matrix
 # (the flagship's T in {2, 3, 4, 6, 8} is compiled for both in every run: MULTI_TOKEN).
 @pytest.mark.parametrize("arch", [ARCHS[0], pytest.param(ARCHS[1], marks=pytest.mark.full_matrix)])
@@ -272,9 +297,10 @@ def test_covering_set_with_tokens_compiles_with_clean_compiler_facts(name, arch)
 def test_covering_set_covers_every_supported_value():
     specs = [s.with_default_tiling() for s in COVERING.values()]
     for field, values in [("dstate", SUPPORTED_N), ("headdim", SUPPORTED_D), ("mimo", SUPPORTED_R),
-                          ("state_dtype", STATE_DTYPES), ("kv_dtype", KV_DTYPES), ("x_dtype", KV_DTYPES),
-                          ("proj_dtype", STATE_DTYPES)]:
+                          ("state_dtype", UNSCALED), ("kv_dtype", KV_DTYPES), ("x_dtype", KV_DTYPES),
+                          ("proj_dtype", UNSCALED)]:
         assert {getattr(s, field) for s in specs} >= set(values), field
+    assert {s.state_dtype for s in EIGHT_BIT.values()} == set(SCALED_STATE_DTYPES)  # their own set
     for flag in ("pool", "has_dst", "update_kv_state", "has_z", "has_outproj", "has_state_out"):
         assert {getattr(s, flag) for s in specs} == {False, True}, flag
     assert any(s.tile_D < s.headdim for s in specs)

@@ -12,14 +12,16 @@ from helpers import LANE_KINDS, build_pool_indices, check_pool_parity, make_inpu
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mamba3_step.contract import KV_DTYPES, PROJ_DTYPES, STATE_DTYPES, X_DTYPES
+from mamba3_step.contract import KV_DTYPES, PROJ_DTYPES, SCALED_STATE_DTYPES, STATE_DTYPES, X_DTYPES
 from mamba3_step.contract import SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, source_rows
 from mamba3_step.testing import speculative_indices
 
 
 def _dtypes(draw) -> dict:
+    """Storage dtypes; 8-bit states (stochastic rounding and scales) have their own tests
+    (tests/test_ptx_8bit.py, tests/test_eight_bit_step.py)."""
     return {name: draw(st.sampled_from(group)) for name, group in (
-        ("state_dtype", STATE_DTYPES), ("kv_dtype", KV_DTYPES), ("x_dtype", X_DTYPES), ("proj_dtype", PROJ_DTYPES))}
+        ("state_dtype", [d for d in STATE_DTYPES if d not in SCALED_STATE_DTYPES]), ("kv_dtype", KV_DTYPES), ("x_dtype", X_DTYPES), ("proj_dtype", PROJ_DTYPES))}
 
 
 @st.composite

@@ -38,7 +38,7 @@ def _inputs(state="bfloat16", B=3, P=5, seed=0, tokens=None):
 
 #: (what, changes to the call, exception, message start)
 BAD = [
-    ("fp32 state", dict(state_dtype="float32"), ValueError, "stochastic_rounding: expected a 16-bit state"),
+    ("fp32 state", dict(state_dtype="float32"), ValueError, "stochastic_rounding: expected a 16- or 8-bit state"),
     ("no rand_seed", dict(rand_seed=None), ValueError, "rand_seed: expected an int64 tensor"),
     ("rand_seed without the flag", dict(stochastic_rounding=False), ValueError,
      "rand_seed: expected None without stochastic_rounding"),

@@ -11,6 +11,7 @@ speculative verify step).
 ``baseline``     :func:`gather_dense_scatter`: what pool mode must equal, byte for byte
 ``speculative``  :class:`SpecIndices` and the bookkeeping of ``StatePool``'s speculative groups
 ``slots``        what a slot argument is; :class:`SlotError`, :class:`PoolExhaustedError`
+``pool_args``    the checks of ``StatePool``'s constructor arguments (sizes, dtypes, device)
 ===============  ========================================================================
 
 A server's Mamba-3 layer step becomes::

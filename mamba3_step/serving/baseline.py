@@ -7,7 +7,8 @@ This is what a server does without pool indexing, and the definition the parity 
 and the GPU suite compare pool mode against: gather the live lanes' rows out of the pool, run a
 dense step on them, scatter the new rows back for lanes whose destination is a real row, and
 give padding lanes an ``out`` of exact zeros. With rotary angles the angle rows travel with the
-state rows (gathered, advanced by the dense step, scattered back to the same destinations).
+state rows (gathered, advanced by the dense step, scattered back to the same destinations), and so
+do an 8-bit state's scale rows (``state_scale``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ def gather_dense_scatter(tensors: StepTensors, *, update_kv_state: bool = True, 
     ``rotate_pairwise`` reaches ``step_fn`` only when True (a ``step_fn`` with it bound keeps it).
 
     With ``rand_seed`` (stochastic rounding) each dense step draws the pool step's bits: it is given
-    ``rand_rows``, each gathered lane's destination row, and ``offset + t`` for token t.
+    ``rand_rows``, each gathered lane's destination row, and ``offset + t`` for token t. An 8-bit
+    state's ``state_scale`` (P, H, D) rows are gathered and scattered with the state rows (every
+    ``ROW_FIELDS`` row is gathered; ``rand_seed`` is not advanced: the caller's, as for the pool step).
 
     A T-token bundle (``x`` (B, T, H, D); ``state_batch_indices`` (B, K) with
     ``num_accepted_tokens``; ``dst_state_batch_indices`` (B,) or (B, T)) runs as T one-token
@@ -93,18 +96,20 @@ def _with_draw(t: StepTensors, token: StepTensors, lanes: torch.Tensor, k: int) 
 def _scatter(t: StepTensors, dense: StepTensors, lanes: torch.Tensor, targets: torch.Tensor,
              update_kv_state: bool) -> None:
     """The dense rows of ``lanes`` to pool rows ``targets[lanes]`` (padding targets skipped); the
-    angle rows always, the B/x rows with ``update_kv_state``."""
+    angle and scale rows always (when present), the B/x rows with ``update_kv_state``."""
     rows = targets[lanes].long()
     keep = torch.nonzero(lane_is_live(rows, t.state.shape[0], t.null_slot_id)).flatten()
     if keep.numel() == 0:
         return
     rows = rows[keep]
-    t.state.index_copy_(0, rows, dense.state.index_select(0, keep))
-    if t.angle_state is not None:
-        t.angle_state.index_copy_(0, rows, dense.angle_state.index_select(0, keep))
-    if update_kv_state:
-        t.Bstate.index_copy_(0, rows, dense.Bstate.index_select(0, keep))
-        t.Xstate.index_copy_(0, rows, dense.Xstate.index_select(0, keep))
+    names = ("state", "angle_state", "state_scale") + (("Bstate", "Xstate") if update_kv_state else ())
+    for name in names:  # the state and the optional rows that travel with it, then B/x
+        pool, new = getattr(t, name), getattr(dense, name)
+        if pool is None:
+            continue
+        if pool.dtype == torch.float8_e4m3fn:  # as its bytes: PyTorch's index_copy_ takes no float8
+            pool, new = pool.view(torch.uint8), new.view(torch.uint8)
+        pool.index_copy_(0, rows, new.index_select(0, keep))
 
 
 def gather_scatter_step(*args, slots: torch.Tensor, dst_slots: torch.Tensor | None = None,
@@ -115,7 +120,8 @@ def gather_scatter_step(*args, slots: torch.Tensor, dst_slots: torch.Tensor | No
 
     ``args``/``kwargs`` are ``mamba3_step_fn``'s tensors (``state``, ``Bstate``, ``Xstate``, ``A``,
     ``B``, ``C``, ``D``, ``x``, ``dt``, ``trap``, ``xproj``, ``outproj``, ``z=``, ``zproj=``, and the
-    rotary ``angle_state=``, ``angle_proj=``, ``B_bias=``, ``C_bias=``);
+    rotary ``angle_state=``, ``angle_proj=``, ``B_bias=``, ``C_bias=``, an 8-bit state's ``state_scale=``
+    and ``rand_seed=``);
     ``slots``/``dst_slots`` are the pool indices. Same effects; returns a fresh ``out``.
     """
     tensors = StepTensors(*args, **kwargs, state_batch_indices=slots, dst_state_batch_indices=dst_slots,

@@ -137,7 +137,9 @@ class CudaGraphStepRunner:
     replayed or not, advances ``rand_seed``'s offset by T, as ``decode_step`` does). Per-step inputs: ``A``, ``dt``, ``trap`` ``(n, H)`` fp32; ``B``, ``C`` ``(n, R, H, N)``
     (``(n, R, 1, N)`` with ``shared_bc=True``); ``x`` (and ``z`` when ``zproj`` is given) ``(n, H, D)``;
     ``angle_proj`` ``(n, H, S)`` fp32 when the pool has rotary angles (``rope_angles=S``; the pool
-    supplies ``angle_state``). With ``with_dst=True`` a static destination-slot buffer is captured
+    supplies ``angle_state``). An 8-bit pool (int8 / float8_e4m3fn) supplies ``state_scale`` the same
+    way; its runner needs ``stochastic_rounding=True`` and ``rand_seed`` (else its steps and captures
+    are refused). With ``with_dst=True`` a static destination-slot buffer is captured
     too and :meth:`step` takes ``dst_slots`` (prefix caching).
     Capture happens lazily on first use of a bucket, or eagerly with :meth:`capture`.
 

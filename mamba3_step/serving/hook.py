@@ -38,9 +38,9 @@ def kv_update_in_kernel(headdim: int, dstate: int, mimo: int, state_dtype, tile_
     return tile_D >= headdim
 
 
-#: what the pool supplies: its layer's rows (the angle's too), its null slot; the hook decides
-#: update_kv_state
-POOL_SUPPLIED = frozenset({"state", "Bstate", "Xstate", "angle_state", "state_out", "null_slot_id",
+#: what the pool supplies: its layer's rows (the angle's and an 8-bit state's scales too), its null
+#: slot; the hook decides update_kv_state
+POOL_SUPPLIED = frozenset({"state", "Bstate", "Xstate", "angle_state", "state_scale", "state_out", "null_slot_id",
                            "update_kv_state"})
 _VIEW = View(
     leading=(Parameter("pool", Parameter.POSITIONAL_OR_KEYWORD, annotation="StatePool"),
@@ -73,6 +73,9 @@ def decode_step(*args, **kwargs) -> torch.Tensor:
             and rotates B and C by it (docs/contract.md).
         B_bias, C_bias: optional ``(R, H, N)`` fp32, together, with the angles (added before the rotation).
         rotate_pairwise: which element pairs rotate (upstream's ``rotate_pairwise``).
+        stochastic_rounding, rand_seed: ``True`` and an int64 ``(2,)`` ``[seed, offset]`` on the pool's
+            device, required with an 8-bit pool (``state_dtype`` int8 / float8_e4m3fn, whose
+            ``state_scale`` rows the pool supplies), optional with a bf16/fp16 one, refused with fp32.
         dst_slots: optional int32 destination rows: ``(B,)`` (the final state; prefix caching:
             read a cached prefix row, write the request's own row) or, with a token axis,
             ``(B, T)`` (the state after token ``t`` to row ``dst_slots[b, t]``; a padding entry
@@ -84,7 +87,8 @@ def decode_step(*args, **kwargs) -> torch.Tensor:
     Effects: layer ``layer``'s ``state`` rows ``dst`` get the new state and its
     ``Bstate``/``Xstate`` rows ``dst`` get this step's ``B``/``x`` (next step's "previous"; per
     token with a ``(B, T)`` ``dst_slots``, else the last token's; with rotary the rotated B); with
-    rotary angles its ``angle_state`` rows ``dst`` get the advanced angle. When ``tile_D >= headdim``
+    rotary angles its ``angle_state`` rows ``dst`` get the advanced angle, with an 8-bit state its
+    ``state_scale`` rows ``dst`` the new state's scales. When ``tile_D >= headdim``
     (the default) the kernel stores B/x itself (``update_kv_state=True``); otherwise the hook
     keeps the user's ``tile_D`` and follows the step with a masked scatter (graph-capturable:
     padded lanes and padding tokens go to a hidden scratch row). With ``stochastic_rounding`` the

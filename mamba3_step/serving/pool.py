@@ -11,36 +11,14 @@ import threading
 
 import torch
 
-from ..contract import PAD_SLOT_ID, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, as_torch_dtype, shown
+from ..contract import (KV_DTYPES, PAD_SLOT_ID, SCALED_STATE_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N,
+                        SUPPORTED_R, X_DTYPES, dtype_name, shown)
 from ..spec import MAX_TOKENS
+from .pool_args import checked_device, checked_dtype, checked_size
 from .slots import PoolExhaustedError, SlotError, int_list, is_int
 from .speculative import SpecGroups, SpecIndices
 
 __all__ = ["PoolExhaustedError", "SlotError", "SpecIndices", "StatePool"]
-
-
-def _checked_size(name: str, v, supported=None) -> int:
-    if not is_int(v) or v < 1:
-        raise ValueError(f"{name}: expected a positive int, got {shown(v)}")
-    if supported is not None and v not in supported:
-        raise ValueError(f"{name}: expected one of {supported} (the sizes the step supports), got {shown(v)}")
-    return int(v)
-
-
-def _checked_device(device) -> torch.device:
-    """``device`` as a torch.device that exists here; ValueError naming it otherwise."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {shown(device)} ({e})") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device: expected a device this process can use, got {shown(device)}, but CUDA "
-                             f"is not available (torch.cuda.is_available() is False)")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device: expected a CUDA device index below {torch.cuda.device_count()} "
-                             f"(the visible GPUs), got {shown(device)}")
-    return dev
 
 
 class StatePool:
@@ -48,7 +26,9 @@ class StatePool:
 
     Per layer ``l`` it holds (row ``p`` belongs to the request that owns slot ``p``):
 
-    * ``state(l)``  ``(P, H, D, N)``  ``state_dtype`` (fp32 / bf16 / fp16)
+    * ``state(l)``  ``(P, H, D, N)``  ``state_dtype`` (fp32 / bf16 / fp16, or 8-bit: int8 / float8_e4m3fn)
+    * ``state_scale(l)`` ``(P, H, D)`` fp32, with an 8-bit ``state_dtype`` only (else None): the
+      state row's scales, element ``(h, d, n)`` reading as ``state * state_scale[h, d]``
     * ``Bstate(l)`` ``(P, R, H, N)``  ``kv_dtype``    (previous step's B)
     * ``Xstate(l)`` ``(P, H, D)``     ``x_dtype``     (previous step's x; defaults to ``kv_dtype``)
     * ``angle_state(l)`` ``(P, H, S)`` int64 (the rotary angle, fixed-point turns), with ``rope_angles=S``
@@ -56,10 +36,11 @@ class StatePool:
 
     These are contiguous views into one allocation per tensor kind, ``(L, P, ...)``, so
     ``reset`` and ``copy`` touch every layer with one indexing op, and every kind alike (a reset
-    angle is 0, a copied one the source's bits). ``Bstate``/``Xstate``
-    carry one hidden scratch row after the ``P`` visible ones (never handed to the kernel,
-    never allocated); the decode hook sends padded lanes' B/x there when it has to scatter
-    B/x itself (``tile_D < headdim``). The pool is zero-initialised.
+    angle is 0, a reset 8-bit row zero codes with scale 0, reading as exact zeros; a copied row
+    holds the source's bits, its scales too). ``Bstate``/``Xstate`` carry one hidden scratch row
+    after the ``P`` visible ones (never handed to the kernel, never allocated); the decode hook
+    sends padded lanes' B/x there when it has to scatter B/x itself (``tile_D < headdim``). The
+    pool is zero-initialised.
 
     Allocator: ``alloc(n)`` hands out the ``n`` lowest free slots as a CPU int32 tensor;
     ``free(slots)`` returns them. The allocator is thread-safe: ``alloc``, ``free``, ``reset``,
@@ -100,11 +81,11 @@ class StatePool:
         reserve_null_slot: bool = False,
         rope_angles: int = 0,
     ):
-        num_layers, num_slots, nheads = (_checked_size(n, v) for n, v in (
+        num_layers, num_slots, nheads = (checked_size(n, v) for n, v in (
             ("num_layers", num_layers), ("num_slots", num_slots), ("nheads", nheads)))
-        headdim = _checked_size("headdim", headdim, SUPPORTED_D)
-        dstate = _checked_size("dstate", dstate, SUPPORTED_N)
-        mimo = _checked_size("mimo", mimo, SUPPORTED_R)
+        headdim = checked_size("headdim", headdim, SUPPORTED_D)
+        dstate = checked_size("dstate", dstate, SUPPORTED_N)
+        mimo = checked_size("mimo", mimo, SUPPORTED_R)
         if not is_int(rope_angles) or not 0 <= rope_angles <= dstate // 2:
             raise ValueError(f"rope_angles: expected an int in [0, dstate/2 = {dstate // 2}] (rotary angles per head, "
                              f"each rotating one pair of B/C's dstate elements; 0: none), got {shown(rope_angles)}")
@@ -122,10 +103,10 @@ class StatePool:
         self.dstate = dstate
         self.mimo = mimo
         self.rope_angles = int(rope_angles)
-        self.state_dtype = as_torch_dtype(state_dtype, "state_dtype")
-        self.kv_dtype = as_torch_dtype(kv_dtype, "kv_dtype")
-        self.x_dtype = self.kv_dtype if x_dtype is None else as_torch_dtype(x_dtype, "x_dtype")
-        self.device = _checked_device(device)
+        self.state_dtype = checked_dtype(state_dtype, "state_dtype", STATE_DTYPES)
+        self.kv_dtype = checked_dtype(kv_dtype, "kv_dtype", KV_DTYPES)
+        self.x_dtype = self.kv_dtype if x_dtype is None else checked_dtype(x_dtype, "x_dtype", X_DTYPES)
+        self.device = checked_device(device)
         self.reserve_null_slot = reserve_null_slot
 
         L, P, H, D, N, R = num_layers, num_slots, nheads, headdim, dstate, mimo
@@ -135,6 +116,8 @@ class StatePool:
         self._Xstate = torch.zeros((L, P + 1, H, D), dtype=self.x_dtype, device=self.device)
         S = self.rope_angles
         self._angle_state = torch.zeros((L, P, H, S), dtype=torch.int64, device=self.device) if S else None
+        scaled = dtype_name(self.state_dtype) in SCALED_STATE_DTYPES  # 8-bit: a scale per (row, head, d)
+        self._state_scale = torch.zeros((L, P, H, D), dtype=torch.float32, device=self.device) if scaled else None
 
         first = 1 if self.reserve_null_slot else 0
         self._lock = threading.RLock()  # guards the free list and the allocated flags
@@ -171,20 +154,29 @@ class StatePool:
         layer = self._layer(layer)
         return None if self._angle_state is None else self._angle_state[layer]
 
+    def state_scale(self, layer: int) -> torch.Tensor | None:
+        """Layer ``layer``'s state-scale pool, ``(P, H, D)`` fp32, contiguous view; None unless the state is 8-bit."""
+        layer = self._layer(layer)
+        return None if self._state_scale is None else self._state_scale[layer]
+
     def layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(state, Bstate, Xstate)`` of one layer (views, see above); the angle: :meth:`layer_rows`."""
         return self.state(layer), self.Bstate(layer), self.Xstate(layer)
 
     def layer_rows(self, layer: int) -> dict[str, torch.Tensor | None]:
         """Every row tensor of one layer by its step argument name (``tensors.ROW_FIELDS``): ``state``,
-        ``Bstate``, ``Xstate`` and ``angle_state`` (None without ``rope_angles``). What a step supplies."""
+        ``Bstate``, ``Xstate``, ``angle_state`` (None without ``rope_angles``) and, with an 8-bit state
+        only, ``state_scale`` (absent otherwise: splatted into a step, it is then its default, None).
+        What a step supplies."""
         state, Bstate, Xstate = self.layer_tensors(layer)
-        return dict(state=state, Bstate=Bstate, Xstate=Xstate, angle_state=self.angle_state(layer))
+        rows = dict(state=state, Bstate=Bstate, Xstate=Xstate, angle_state=self.angle_state(layer))
+        return rows if self._state_scale is None else dict(rows, state_scale=self.state_scale(layer))
 
     def _pools(self) -> tuple[torch.Tensor, ...]:
-        """The ``(L, P[+1], ...)`` allocations whose rows belong to the slots (every kind a row op touches)."""
-        kinds = (self._state, self._Bstate, self._Xstate)
-        return kinds if self._angle_state is None else kinds + (self._angle_state,)
+        """The ``(L, P[+1], ...)`` allocations whose rows belong to the slots (every kind a row op touches);
+        a float8 one as its bytes (PyTorch's index ops take no float8; bytes copy and zero alike)."""
+        kinds = (self._state, self._Bstate, self._Xstate, self._angle_state, self._state_scale)
+        return tuple(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in kinds if t is not None)
 
     def _layer(self, layer: int) -> int:
         if not is_int(layer) or not 0 <= layer < self.num_layers:
@@ -193,13 +185,14 @@ class StatePool:
 
     @property
     def bytes_per_slot_per_layer(self) -> int:
-        """Bytes one slot occupies in one layer (state + Bstate + Xstate rows, and the angle row)."""
+        """Bytes one slot occupies in one layer (state + Bstate + Xstate rows, the angle and scale rows)."""
         H, D, N, R = self.nheads, self.headdim, self.dstate, self.mimo
         return (
             H * D * N * self.state_dtype.itemsize
             + R * H * N * self.kv_dtype.itemsize
             + H * D * self.x_dtype.itemsize
             + H * self.rope_angles * 8
+            + (0 if self._state_scale is None else H * D * 4)
         )
 
     @property
@@ -309,7 +302,7 @@ class StatePool:
 
     # ---- row operations -------------------------------------------------------------
     def reset(self, slots) -> None:
-        """Zero the rows of ``slots`` (allocated slots) in every layer: state, Bstate, Xstate, the angle."""
+        """Zero the rows of ``slots`` (allocated slots) in every layer: state, Bstate, Xstate, angle, scale."""
         with self._lock:  # the slots stay allocated (to their owner) until the rows are zeroed
             lst = self._checked_allocated(slots, "slots", what="reset")
             if not lst:
@@ -319,7 +312,7 @@ class StatePool:
                 t.index_fill_(1, idx, 0)
 
     def copy(self, src, dst) -> None:
-        """Fork rows: every layer's ``state``/``Bstate``/``Xstate`` (and angle) row ``dst[i]`` := row ``src[i]``.
+        """Fork rows: every layer's ``state``/``Bstate``/``Xstate`` (angle, scale) row ``dst[i]`` := row ``src[i]``.
 
         ``src`` has one slot (broadcast to every ``dst``: parallel sampling) or ``len(dst)``
         slots (beam search reordering). All slots must be allocated; ``dst`` must not repeat.
@@ -423,7 +416,7 @@ class StatePool:
             T = self._groups.same_size(gids, "groups")
             rows = torch.tensor([self._groups.rows(g) for g in gids], dtype=torch.int32).view(len(gids), T)
             nat = torch.tensor([self._groups.accepted(g) for g in gids], dtype=torch.int32)
-        dev = self.device if device is None else _checked_device(device)
+        dev = self.device if device is None else checked_device(device)
         return SpecIndices(rows.to(dev), nat.to(dev), rows.clone().to(dev))
 
     def current_rows(self, groups) -> torch.Tensor:
@@ -440,7 +433,8 @@ class StatePool:
     def __repr__(self) -> str:
         return (
             f"StatePool(L={self.num_layers}, P={self.num_slots}, H={self.nheads}, D={self.headdim}, "
-            f"N={self.dstate}, R={self.mimo}, S={self.rope_angles}, state={self.state_dtype}, kv={self.kv_dtype}, "
+            f"N={self.dstate}, R={self.mimo}, S={self.rope_angles}, state={self.state_dtype}"
+            f"{'' if self._state_scale is None else ' (state_scale=torch.float32)'}, kv={self.kv_dtype}, "
             f"x={self.x_dtype}, device={self.device}, null_slot={self.null_slot_id}, "
             f"free={self.num_free}, {self.total_bytes / 2**20:.1f} MiB)"
         )

@@ -1,8 +1,9 @@
-"""GPU suite for stochastic rounding of 16-bit states (skipped without CUDA; docs/contract.md,
-"Stochastic rounding"). Not yet run on a GPU.
+"""GPU suite for stochastic rounding of 16-bit states and for 8-bit states with scales (skipped
+without CUDA; docs/contract.md, "Stochastic rounding", "8-bit states"). Not yet run on a GPU.
 
 * pool mode bit-identical to gather -> dense kernel -> scatter, the dense steps drawing for the
-  pool rows (``rand_rows``), bf16 and fp16, every padding kind, a speculative step;
+  pool rows (``rand_rows``), bf16, fp16, int8 and e4m3 (codes and scales), every padding kind,
+  a speculative step;
 * for inputs whose float32 arithmetic is exact in both, the kernel stores the CPU path's bits;
 * a captured step replayed after advancing ``rand_seed[1]`` in place draws fresh bits, and equals
   the eager step at that offset.
@@ -35,8 +36,11 @@ def _seed(offset=5):
     return torch.tensor([0x5EED, offset], dtype=torch.int64, device=DEV)
 
 
+ROUNDED = ["bfloat16", "float16", "int8", "float8_e4m3fn"]
+
+
 @pytest.mark.parametrize("B", [1, 9, 64, 256])
-@pytest.mark.parametrize("state", ["bfloat16", "float16"])
+@pytest.mark.parametrize("state", ROUNDED)
 def test_stochastic_pool_parity(state, B):
     P = B + 30
     inputs = dict(make_inputs(B, P, **SHAPE, dtypes=dict(state_dtype=state), seed=B, device=DEV), rand_seed=_seed())
@@ -45,7 +49,7 @@ def test_stochastic_pool_parity(state, B):
                       step_fn=functools.partial(mamba3_step_fn, stochastic_rounding=True))
 
 
-@pytest.mark.parametrize("state", ["bfloat16", "float16"])
+@pytest.mark.parametrize("state", ROUNDED)
 def test_stochastic_speculative_parity(state):
     B, T = 9, 4
     P = B * T + 5
@@ -57,7 +61,7 @@ def test_stochastic_speculative_parity(state):
 
 
 @pytest.mark.parametrize("scale", [1.0, 2.0**-20])
-@pytest.mark.parametrize("state", ["bfloat16", "float16"])
+@pytest.mark.parametrize("state", ROUNDED)
 def test_kernel_stores_the_cpu_paths_bits_for_exact_arithmetic(state, scale):
     """A = 0 (alpha = 1), trap = 1 (beta = 0), dt = 1/8, 16-bit B/x/projections: every float32
     operation of the update is exact or identically rounded on both executors."""
@@ -66,7 +70,7 @@ def test_kernel_stores_the_cpu_paths_bits_for_exact_arithmetic(state, scale):
     inputs["trap"].fill_(1.0)
     inputs["dt"].fill_(0.125)
     inputs["x"].mul_(scale)
-    inputs["state"].mul_(scale)
+    inputs["state_scale" if "state_scale" in inputs else "state"].mul_(scale)
     src = torch.randperm(20)[:16].to(torch.int32)
     cpu = clone_inputs(inputs)
     mamba3_step_fn(**cpu, state_batch_indices=src, update_kv_state=True, stochastic_rounding=True,
@@ -75,7 +79,10 @@ def test_kernel_stores_the_cpu_paths_bits_for_exact_arithmetic(state, scale):
     mamba3_step_fn(**gpu, state_batch_indices=src.to(DEV), update_kv_state=True, stochastic_rounding=True,
                    rand_seed=_seed())
     torch.cuda.synchronize()
-    assert torch.equal(gpu["state"].cpu().view(torch.int16), cpu["state"].view(torch.int16))
+    width = {1: torch.int8, 2: torch.int16}[cpu["state"].element_size()]
+    assert torch.equal(gpu["state"].cpu().view(width), cpu["state"].view(width))
+    if "state_scale" in cpu:
+        assert torch.equal(gpu["state_scale"].cpu().view(torch.int32), cpu["state_scale"].view(torch.int32))
 
 
 def test_graph_replay_with_an_advanced_offset_draws_fresh_bits():
