@@ -93,8 +93,9 @@ def test_seed_offset_row_and_lane_rules(state):
         assert bits_equal(a["state"][row], inputs["state"][row])
 
 
-@pytest.mark.parametrize("state", ["bfloat16", "float16"])
+@pytest.mark.parametrize("state", ["bfloat16", "float16", "int8", "float8_e4m3fn"])
 def test_t_tokens_equal_t_one_token_steps_at_offset_plus_t(state):
+    """For 8-bit states (docs/contract.md, "8-bit states") the codes and the scales."""
     T, B = 3, 2
     inputs = _inputs(state, B=B, P=B * T, seed=5, tokens=T)
     src = torch.arange(0, B * T, T, dtype=torch.int32)
@@ -109,6 +110,8 @@ def test_t_tokens_equal_t_one_token_steps_at_offset_plus_t(state):
         assert bits_equal(out_1, out_t[:, t]), t
         rows = dst[:, t].contiguous()
     assert bits_equal(together["state"], one["state"])
+    if "state_scale" in inputs:
+        assert bits_equal(together["state_scale"], one["state_scale"])
 
 
 @pytest.mark.parametrize("state", ["bfloat16", "float16"])
