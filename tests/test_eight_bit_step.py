@@ -8,25 +8,25 @@
   tests/test_stochastic_step.py, with the 16-bit states);
 * the stored state is unbiased: its mean over many offsets is the fp32 new state (a statistical
   test with a stated false-failure rate);
-* pool mode equals gather -> dense -> scatter; the op and a plan run it like ``mamba3_step_fn``.
+* the op and a plan run it like ``mamba3_step_fn`` (pool mode = gather -> dense -> scatter:
+  tests/test_stochastic_step.py, with the 16-bit states).
 
 Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
 import torch
-from helpers import check_pool_parity, clone_inputs
+from helpers import clone_inputs
 
 from mamba3_step import mamba3_step_fn, mamba3_step_op, plan_step
 from mamba3_step.reference import step_math
 from mamba3_step.rounding import dequantize_rows, quantize_rows, state_bits
 from mamba3_step.tensors import StepTensors
-from mamba3_step.testing import bits_equal, make_inputs, padded_indices, speculative_indices
+from mamba3_step.testing import bits_equal, make_inputs
 
 H, D, N, R = 2, 32, 32, 2
 SEED = torch.tensor([987654321, 5], dtype=torch.int64)
@@ -130,19 +130,6 @@ def test_the_stored_state_is_unbiased(fmt):
                                                                                     .clamp(min=2.0**-6))) - 3)
     bound = 5.5 * step / (2 * math.sqrt(K)) + 4 * 2.0**-24 * new.double().abs() + 1e-30
     assert bool(((mean - new.double()).abs() <= bound).all()), float(((mean - new.double()).abs() / step).max())
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_pool_mode_is_gather_dense_scatter_with_the_rows_drawn_for(fmt):
-    inputs = dict(_inputs(fmt, B=8, P=12, seed=21), rand_seed=SEED.clone())
-    src, dst, kinds = padded_indices(8, 12, null_slot_id=2, with_dst=True, layout="interleaved", seed=21)
-    step = functools.partial(mamba3_step_fn, stochastic_rounding=True)
-    check_pool_parity(inputs, src, dst, kinds, null_slot_id=2, update_kv_state=True, step_fn=step)
-    T = 3
-    inputs = dict(_inputs(fmt, B=5, P=20, seed=22, tokens=T), rand_seed=SEED.clone())
-    src, nat, dst, kinds = speculative_indices(5, 20, T, null_slot_id=2, seed=22)
-    check_pool_parity(inputs, src, dst, kinds, null_slot_id=2, update_kv_state=True, num_accepted_tokens=nat,
-                      step_fn=step)
 
 
 def test_op_and_plan_run_it_like_the_function():

@@ -136,7 +136,7 @@ def test_the_stored_state_is_unbiased(state):
     assert bool(((mean - new.double()).abs() <= bound).all()), float(((mean - new.double()).abs() / ulp).max())
 
 
-@pytest.mark.parametrize("state", ["bfloat16", "float16"])
+@pytest.mark.parametrize("state", ["bfloat16", "float16", "int8", "float8_e4m3fn"])
 def test_pool_mode_is_gather_dense_scatter_with_the_rows_drawn_for(state):
     inputs = dict(_inputs(state, B=8, P=12, seed=21), rand_seed=SEED.clone())
     src, dst, kinds = padded_indices(8, 12, null_slot_id=2, with_dst=True, layout="interleaved", seed=21)
