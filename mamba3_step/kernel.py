@@ -35,7 +35,8 @@ token ``t > 0`` first rounds the previous token's staged B~ to the kv dtype
 With stochastic rounding (a 16-bit state and ``rand_seed``; docs/contract.md) step 5 rounds each
 16-byte vector of the new state through :meth:`Mamba3StepKernel.store_rounded`: one Philox4x32-10
 call (:meth:`Mamba3StepKernel.philox`) for its 8 elements' random bits, then
-:meth:`Mamba3StepKernel.round_stochastic` per element (the rules of :mod:`mamba3_step.rounding`).
+:meth:`Mamba3StepKernel.round_bf16_pair` per bf16 pair or :meth:`Mamba3StepKernel.round_stochastic`
+per fp16 element (the rules of :mod:`mamba3_step.rounding`, on the fp32 pattern, without branches).
 An 8-bit state (int8, e4m3; docs/contract.md, "8-bit states") is read as ``q * scale`` (the row's
 scale loaded with it by step 2) and stored through :meth:`Mamba3StepKernel.store_quantized` after
 the row group's update: each row's absmax over its TPR lanes, its scale, and per 16-byte vector
@@ -69,7 +70,7 @@ from cutlass._mlir.dialects import llvm
 
 from .contract import DTYPES, SCALED_STATE_DTYPES
 from .rotary import ANGLE_UNIT_RADIANS
-from .rounding import N_PER_CALL, PHILOX_M, PHILOX_W, QMAX, SMALL_ROW
+from .rounding import N_PER_CALL, PHILOX_M, PHILOX_W, QMAX, SMALL_ROW, SUBNORMAL_GRIDS
 from .spec import StepSpec
 from .tensors import KERNEL_ARGUMENT_NAMES, KernelArgs
 from .tiling import launch_grid, thread_layout, tiling_problem
@@ -191,7 +192,8 @@ class Mamba3StepKernel:
         self.D = spec.headdim
         self.R = spec.mimo
         self.tile_D = spec.tile_D
-        lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo, spec.tokens)
+        lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo, spec.tokens,
+                            spec.stochastic_rounding)
         self.layout = lay
         self.num_threads = lay.num_threads
         self.state_dtype = CUTLASS_DTYPES[spec.state_dtype]
@@ -798,17 +800,23 @@ class Mamba3StepKernel:
         """Register row ``i`` of the new state (fp32 ``tSrNew``) stochastically rounded into
         ``tSrS``: vector ``c`` holds the 8 elements ``n = 8 g ... 8 g + 7`` of ``g = c TPR + lane``,
         whose 16-bit draws are one Philox4x32 call with the counter (offset words, the row the
-        state goes to, ``(h D + d) N/8 + g``) and the seed's key (mamba3_step.rounding)."""
+        state goes to, ``(h D + d) N/8 + g``) and the seed's key (mamba3_step.rounding); output
+        word ``j`` holds the draws of elements ``2j`` (low half) and ``2j + 1`` (high half). A bf16
+        pair is written as one word (:meth:`round_bf16_pair`)."""
         lay = self.layout
         k0, k1, o0, o1 = tok.rng
         d = cta.dtile * self.tile_D + row
         base = (Uint32(cta.h) * Uint32(self.D) + Uint32(d)) * Uint32(self.N // N_PER_CALL)
+        tSrW = cute.recast_tensor(tSrS, Uint32) if const_expr(self.state_dtype is cutlass.BFloat16) else None
         for c in cutlass.range_constexpr(lay.CPT):
             row_id = cta.dst if const_expr(cta.seed[2] is None) else cta.seed[2]
             words = self.philox((o0, o1, Uint32(row_id), base + Uint32(c * lay.TPR + cta.lane)), k0, k1)
-            for e in cutlass.range_constexpr(lay.VN):
-                r = (words[e // 2] >> (16 * (e % 2))) & Uint32(0xFFFF)
-                tSrS[e, i, c] = self.round_stochastic(tSrNew[e, c], r)
+            for j in cutlass.range_constexpr(lay.VN // 2):
+                if const_expr(tSrW is not None):
+                    tSrW[j, i, c] = self.round_bf16_pair(tSrNew[2 * j, c], tSrNew[2 * j + 1, c], words[j])
+                else:
+                    tSrS[2 * j, i, c] = self.round_stochastic(tSrNew[2 * j, c], words[j] & Uint32(0xFFFF))
+                    tSrS[2 * j + 1, i, c] = self.round_stochastic(tSrNew[2 * j + 1, c], words[j] >> Uint32(16))
 
     @cute.jit
     def store_quantized(self, group: RowGroup, tSrNewG: cute.Tensor, tok: Token, cta: Cta):
@@ -878,25 +886,17 @@ class Mamba3StepKernel:
     @cute.jit
     def quantize_8bit(self, v: Float32, r: Uint32):
         """``v`` (``|v| <= Q`` up to two roundings) stochastically rounded with the 16 bits ``r``:
-        int8, ``sign(v) min(127, (floor(|v| 2**16) + r) >> 16)``; e4m3, the rule of
-        :meth:`round_stochastic` on e4m3's grid (normals: the fp32 pattern plus ``r << 4``
-        truncated to 3 mantissa bits; below 2**-6 in units of 2**-9), saturated at 448; the final
-        conversion is exact."""
+        int8, ``sign(v) min(127, (floor(|v| 2**16) + r) >> 16)``; e4m3, :meth:`round_on_grid`
+        with ``r << 4`` (20 bits below e4m3's last mantissa bit), saturated at 448; the final
+        conversion is exact. ``|v|`` is finite and near 448 at most, so the sum cannot carry
+        into the sign bit (no guard)."""
         if const_expr(self.state_dtype is cutlass.Int8):  # a NaN v (a bad row, inv = 0) converts to 0
             frac = self.asm_u32("cvt.rzi.u32.f32 $0, $1;", self.asm_f32("abs.f32 $0, $1;", v) * Float32(65536.0))
             mag = Int32(self.umin((frac + r) >> 16, Uint32(127)))
             return Int32(cutlass.select_(v < Float32(0.0), -mag, mag)).to(self.state_dtype)
-        bits = self.f32_bits(v)
-        sign = bits & Uint32(0x80000000)
-        y = self.bits_f32(((bits + (r << 4)) & Uint32(0xFFF00000)) & Uint32(0x7FFFFFFF))
-        ax = self.bits_f32(bits & Uint32(0x7FFFFFFF))
-        scaled = ax * Float32(2.0**9)  # exact: |v| in units of e4m3's subnormal step
-        lo = self.asm_f32("cvt.rmi.f32.f32 $0, $1;", scaled)
-        frac = self.asm_f32("cvt.rmi.f32.f32 $0, $1;", (scaled - lo) * Float32(65536.0))  # F, exact
-        up = Float32(cutlass.select_(Uint32(frac) + r >= Uint32(65536), Float32(1.0), Float32(0.0)))
-        y = Float32(cutlass.select_(ax < Float32(2.0**-6), (lo + up) * Float32(2.0**-9), y))
+        y = self.round_on_grid(v, r << Uint32(4), SUBNORMAL_GRIDS[self.spec.state_dtype], guard=False)
         y = self.asm_f32("min.f32 $0, $1, 0f43E00000;", y)  # 448: e4m3fn saturates
-        return self.bits_f32(self.f32_bits(y) | sign).to(self.state_dtype)
+        return self.bits_f32(self.f32_bits(y) | (self.f32_bits(v) & Uint32(0x80000000))).to(self.state_dtype)
 
     def umax(self, a: Uint32, b: Uint32) -> Uint32:
         return inline_ptx(Uint32, "max.u32 $0, $1, $2;", "=r,r,r", Uint32(a), Uint32(b))
@@ -922,28 +922,52 @@ class Mamba3StepKernel:
         return [c0, c1, c2, c3]
 
     @cute.jit
+    def round_bf16_pair(self, x0: Float32, x1: Float32, w: Uint32) -> Uint32:
+        """Two bf16 values stochastically rounded (mamba3_step.rounding's rule: the magnitude rounds
+        up iff its 16-bit fraction of a ulp plus ``r`` carries), packed as one word: each fp32
+        pattern plus its 16 bits of ``w`` (``x0`` the low half, ``x1`` the high), the high halves
+        taken (a byte permute, the truncation). The signed max with the pattern keeps a NaN from
+        carrying into the sign bit: the new state comes from fp32 arithmetic, whose NaN is the
+        canonical 0x7FFFFFFF (PTX ISA), stored as 0x7FFF."""
+        b0, b1 = self.f32_bits(x0), self.f32_bits(x1)
+        s0 = self.smax(b0 + (w & Uint32(0xFFFF)), b0)
+        s1 = self.smax(b1 + (w >> Uint32(16)), b1)
+        return inline_ptx(Uint32, "prmt.b32 $0, $1, $2, 0x7632;", "=r,r,r", s0, s1)
+
+    @cute.jit
     def round_stochastic(self, x: Float32, r: Uint32):
-        """``x`` rounded to the state dtype with the 16 random bits ``r`` (mamba3_step.rounding's
-        rule: the magnitude rounds up iff its 16-bit fraction of a ulp plus ``r`` carries). bf16: the
-        fp32 pattern plus ``r``, truncated. fp16 normals: plus ``r >> 3`` (13 bits below its ulp),
-        truncated; fp16 subnormals (|x| < 2**-14): in units of 2**-24. The truncated value is exact
-        in the state dtype (or beyond its range: inf), so the final conversion does not round; NaN
-        converts to the canonical NaN."""
-        bits = self.f32_bits(x)
-        if const_expr(self.state_dtype is cutlass.BFloat16):
-            y = self.bits_f32((bits + r) & Uint32(0xFFFF0000))
-        else:
-            y = self.bits_f32((bits + (r >> 3)) & Uint32(0xFFFFE000))
-            ax = self.bits_f32(bits & Uint32(0x7FFFFFFF))
-            scaled = ax * Float32(2.0**24)  # exact: |x| in units of fp16's subnormal ulp
-            lo = self.asm_f32("cvt.rmi.f32.f32 $0, $1;", scaled)
-            frac = self.asm_f32("cvt.rmi.f32.f32 $0, $1;", (scaled - lo) * Float32(65536.0))  # F, exact
-            up = Float32(cutlass.select_(Uint32(frac) + r >= Uint32(65536), Float32(1.0), Float32(0.0)))
-            small = self.bits_f32((self.f32_bits((lo + up) * Float32(2.0**-24)) & Uint32(0x7FFFFFFF))
-                                  | (bits & Uint32(0x80000000)))
-            y = Float32(cutlass.select_(ax < Float32(2.0**-14), small, y))
-        y = Float32(cutlass.select_(x != x, x, y))
-        return y.to(self.state_dtype)
+        """``x`` rounded to fp16 with the 16 random bits ``r``: :meth:`round_on_grid` with ``r >> 3``
+        (13 bits below fp16's last mantissa bit), then ``x``'s sign. The truncated value is exact
+        in fp16 (or beyond its range: inf), so the final conversion does not round; a NaN converts
+        to the canonical 0x7FFF."""
+        y = self.round_on_grid(x, r >> Uint32(3), SUBNORMAL_GRIDS[self.spec.state_dtype], guard=True)
+        return self.bits_f32(self.f32_bits(y) | (self.f32_bits(x) & Uint32(0x80000000))).to(self.state_dtype)
+
+    @cute.jit
+    def round_on_grid(self, x: Float32, r_aligned: Uint32, grid: tuple, guard: bool) -> Float32:
+        """``|x|`` stochastically rounded to the grid of a format whose smallest normal is
+        ``grid[0]`` and whose last mantissa bit lies ``grid[1]`` bits above fp32's
+        (mamba3_step.rounding, ``_round_magnitude``): ``t = |x| + c`` with ``c`` = the smallest
+        normal if ``|x|`` is below it, else 0 (one rounded addition that puts the subnormal grid on
+        t's last kept bit), ``t``'s pattern plus ``r_aligned`` (the random bits below that bit)
+        truncated, minus ``c`` (exact). ``c`` is a 0/1 flag times the smallest normal, folded into
+        two fmas (the product is exact, so each is the rounded sum). A NaN ``t`` is the canonical
+        0x7FFFFFFF; ``guard`` keeps its sum from carrying into the sign bit (an unsigned min)."""
+        smallest, kept = grid
+        a = self.asm_f32("abs.f32 $0, $1;", x)
+        below = inline_ptx(Float32, "set.lt.f32.f32 $0, $1, $2;", "=f,f,f", a, Float32(smallest))
+        s = self.f32_bits(self.fma_rn(below, Float32(smallest), a)) + r_aligned
+        if const_expr(guard):
+            s = self.umin(s, Uint32(0x7FFFFFFF))
+        return self.fma_rn(below, Float32(-smallest), self.bits_f32(s & Uint32((0xFFFFFFFF << kept) & 0xFFFFFFFF)))
+
+    def fma_rn(self, a: Float32, b: Float32, c: Float32) -> Float32:
+        """``a b + c`` rounded once, to nearest."""
+        return inline_ptx(Float32, "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", Float32(a), Float32(b), Float32(c))
+
+    def smax(self, a: Uint32, b: Uint32) -> Uint32:
+        """The larger of two patterns compared as signed 32-bit integers."""
+        return inline_ptx(Uint32, "max.s32 $0, $1, $2;", "=r,r,r", Uint32(a), Uint32(b))
 
     def f32_bits(self, x: Float32) -> Uint32:
         """The bit pattern of ``x``."""

@@ -26,7 +26,11 @@ element's 16 random bits ``r`` the magnitude rounds up iff ``F + r >= 2**16`` (p
 ``F / 2**16``), then takes ``x``'s sign (so ``-x`` gives exactly ``-result`` for the same ``r``,
 and a negative ``x`` that rounds to zero gives ``-0.0``). ``E[result] = x`` exactly when ``x``'s
 fraction of a ulp has at most 16 bits (always for bf16, and for fp16 normals); otherwise the
-bias is below ``2**-16`` ulp, towards zero.
+bias is below ``2**-16`` ulp, towards zero. Below a format's smallest normal ``2**emin`` (fp16,
+e4m3) the fraction is that of ``t = |x| + 2**emin``, one fp32 addition rounded to nearest, whose
+ulp is the subnormal step; the result is ``t``'s rounding minus ``2**emin`` (exact), unbiased for
+``t``, which is within ``2**-14`` (fp16) or ``2**-21`` (e4m3) of a subnormal step from ``|x|``.
+This is what the kernel computes without a branch (``_round_magnitude``).
 """
 
 from __future__ import annotations
@@ -56,6 +60,10 @@ _GRIDS = {torch.bfloat16: (7, -126, None), torch.float16: (10, -14, None), torch
 NAN16 = 0x7FFF
 #: float8_e4m3fn's NaN (it has no inf)
 NAN8 = 0x7F
+#: per format with subnormals above fp32's: (its smallest normal, the fp32 mantissa bits below its
+#: last one), what the kernel's ``round_on_grid`` takes
+SUBNORMAL_GRIDS = {str(dt).removeprefix("torch."): (2.0**emin, 23 - man)
+                   for dt, (man, emin, _) in _GRIDS.items() if dt != torch.bfloat16}
 
 
 # ----------------------------------------------------------------------------- Philox4x32
@@ -153,22 +161,24 @@ def _check_bits(x: torch.Tensor, bits16: torch.Tensor, who: str) -> torch.Tensor
 
 def _round_magnitude(x: torch.Tensor, r: torch.Tensor, man: int, emin: int) -> torch.Tensor:
     """|x| (finite fp32) stochastically rounded to the grid of a format with ``man`` mantissa bits and
-    smallest normal exponent ``emin`` (subnormals below it, no upper limit), as float64.
+    smallest normal ``2**emin`` (subnormals below it, no upper limit), as float32.
 
-    Integer form: ``|x| = sig * 2**(E' - 150)`` (``sig`` the 24-bit significand, ``E' = max(E, 1)``);
-    the grid step there is ``2**u``, ``u = max(E' - 127, emin) - man``; with ``s = u - (E' - 150)``
-    discarded bits, ``lo = sig >> s``, ``F = ((sig << 16) >> s) & 0xFFFF``, result
-    ``(lo + ((F + r) >> 16)) * 2**u``."""
-    b = x.view(torch.int32).to(torch.int64) & 0x7FFFFFFF
-    E = b >> 23
-    sig = (b & 0x7FFFFF) | ((E > 0).to(torch.int64) << 23)
-    Ep = E.clamp(min=1)
-    u = (Ep - 127).clamp(min=emin) - man
-    s = (u - (Ep - 150)).clamp(max=40)  # from 40 on, lo = F = 0: the same result
-    lo = sig >> s
-    F = ((sig << 16) >> s) & 0xFFFF
-    k = lo + ((F + r) >> 16)
-    return k.to(torch.float64) * _pow2(u)
+    Bit form, the kernel's (``k = 23 - man`` fp32 bits below the format's last mantissa bit)::
+
+        c = 2**emin if |x| < 2**emin else 0
+        t = |x| + c                                  (one fp32 round-to-nearest addition)
+        result = ((bits(t) + r * 2**(k - 16)) & ~(2**k - 1)) - c     (r >> (16 - k) when k < 16)
+
+    For ``|x| >= 2**emin`` (``c = 0``, ``t = |x|``) this is "round up iff F + r >= 2**16", ``F`` the top
+    16 bits of ``|x|``'s fraction of a ulp. Below it, ``t`` lies in ``[2**emin, 2**(emin+1))``, whose
+    ulp is the subnormal step: the fraction is ``t``'s, and the subtraction is exact."""
+    a = x.abs()
+    c = torch.where(a < 2.0**emin, torch.full((), 2.0**emin, dtype=x.dtype), torch.zeros((), dtype=x.dtype))
+    t = a + c
+    k = 23 - man
+    add = (r >> (16 - k)) if k < 16 else (r << (k - 16))
+    s = (t.view(torch.int32).to(torch.int64) + add) & ~((1 << k) - 1)
+    return s.to(torch.int32).view(torch.float32) - c
 
 
 def stochastic_round(x: torch.Tensor, bits16: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -206,7 +216,7 @@ def stochastic_round(x: torch.Tensor, bits16: torch.Tensor, dtype: torch.dtype) 
     mag = _round_magnitude(xf, r, man, emin)
     if satur is not None:
         mag = mag.clamp(max=satur)
-    val = mag.to(torch.float32).copysign(xf)  # exact: on the target grid; x's sign, -0.0 included
+    val = mag.copysign(xf)  # exact: on the target grid; x's sign, -0.0 included
     if dtype == torch.float8_e4m3fn:  # no inf: NaN and +-inf -> its NaN 0x7F (torch's cast would saturate inf)
         val = val.to(dtype)
         return val if all_finite else torch.where(finite, val, torch.tensor(NAN8, dtype=torch.uint8).view(dtype))

@@ -66,7 +66,7 @@ MAX_CACHED_OPERAND_WORDS = 48
 
 
 def thread_layout(dstate: int, tile_D: int, num_warps: int, state_dtype: str, mimo: int = 1,
-                  tokens: int = 1) -> ThreadLayout:
+                  tokens: int = 1, rounding: bool = False) -> ThreadLayout:
     """The thread layout of one specialisation (see the module docstring).
 
     All ``rows_per_thread`` rows of a thread are loaded at once (at most 64 state words,
@@ -75,7 +75,8 @@ def thread_layout(dstate: int, tile_D: int, num_warps: int, state_dtype: str, mi
     :data:`MAX_GROUP_PARTIALS` (a group is at least one row). With more than one token the
     whole state stays in registers across the token loop (``preload`` is required) and the
     loop keeps more values live: groups hold half as many partials and the register model
-    reserves :data:`TOKEN_LOOP_RESERVE` more.
+    reserves :data:`TOKEN_LOOP_RESERVE` more. A one-token store with stochastic rounding
+    (``rounding``) reserves :data:`ROUNDING_RESERVE` for the Philox state.
     """
     VN = VECTOR_BYTES // DTYPE_BYTES[state_dtype]
     TPR = min(WARP, dstate // VN)
@@ -90,6 +91,8 @@ def thread_layout(dstate: int, tile_D: int, num_warps: int, state_dtype: str, mi
     if tokens > 1:
         budget -= TOKEN_LOOP_RESERVE
         max_partials //= 2
+    elif rounding:
+        budget -= ROUNDING_RESERVE
     rows_per_group = rows_per_thread
     while rows_per_group % 2 == 0 and (
             rows_per_group * mimo > max_partials
@@ -109,6 +112,11 @@ MAX_REGISTERS = 255
 REGISTER_RESERVE = 40
 #: registers the token loop keeps live besides the state (its addresses, the next token's indices)
 TOKEN_LOOP_RESERVE = 32
+#: registers a stochastic-rounding store keeps live besides the state: a Philox call's counter,
+#: key and products, the row's draws. It matters only where the cap is 128 a thread (16 warps):
+#: there the row groups shrink and stop preloading (the compile matrix's D = 128, N = 128/256
+#: specialisations used 8-200 bytes of stack without it)
+ROUNDING_RESERVE = 24
 
 
 def _registers(state_words: int, partials: int, mimo: int, elements: int, cache: bool) -> int:
@@ -144,9 +152,8 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
     state cannot stay in registers across the tokens, fewer warps (more registers each) are
     tried, then, without ``whole_head`` (no update_kv_state), half the tile_D (N=256 D=128 R=8
     fp32: tile_D=64 with 8 warps). ``lean`` (True: half, ``"quarter"``) lowers the target too, for
-    a store that keeps many more values live: stochastic rounding (``spec._rounding_lean``). An fp16
-    state: N=256 D=32 R=8 at 4 warps used 255 registers and 280 bytes of stack on sm_90a, at 8 warps
-    169 registers and none; R = 8, bf16 or fp16: N=32 D=64 at 1 warp 208 bytes, at 4 warps none.
+    a store that keeps many more values live: stochastic rounding with R = 8 (``spec._rounding_lean``;
+    bf16 or fp16, N=32 D=64 at 1 warp used 208 bytes of stack on sm_90a, at 4 warps none).
     """
     tile_D = headdim
     while True:
@@ -192,7 +199,8 @@ def tiling_problem(spec) -> str | None:
         return (
             f"tile_D must be a power of two dividing headdim={spec.headdim}, got {spec.tile_D}"
         )
-    lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo, spec.tokens)
+    lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo, spec.tokens,
+                        spec.stochastic_rounding)
     if lay.rows_per_pass > spec.tile_D:
         return (
             f"tile_D={spec.tile_D} is smaller than the {lay.rows_per_pass} rows that "

@@ -259,6 +259,17 @@ def test_float_compare_is_ordered_or_unordered_as_named():
         assert got[:4].tolist() == want, cmp
 
 
+def test_set_writes_one_or_zero_in_the_destination_type():
+    """set.lt.f32.f32 (the fp16/e4m3 rounding's "below the smallest normal" flag): 1.0f or 0.0f, false
+    for a NaN; set with an integer destination: all ones or 0."""
+    a = np.array([0x387FFFFF, 0x38800000, 0x7FFFFFFF, 0x80000000] * 8, np.uint32)  # < 2**-14, 2**-14, NaN, -0
+    b = np.full(32, 0x38800000, np.uint32)
+    got = run_lanes("set.lt.f32.f32 %r4, %r1, %r2;", a, b)
+    assert got[:4].tolist() == [0x3F800000, 0, 0, 0x3F800000]
+    got = run_lanes("set.ge.u32.f32 %r4, %r1, %r2;", a, b)
+    assert got[:4].tolist() == [0, 0xFFFFFFFF, 0, 0]
+
+
 # ------------------------------------------------------------------------------ helpers
 
 def _s(v: int, bits: int) -> int:

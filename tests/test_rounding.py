@@ -141,12 +141,25 @@ def test_state_bits_refuses_bad_arguments():
 
 
 # ----------------------------------------------------------------------------- stochastic rounding
-def _neighbours(x: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(lo, hi, fraction) in float64, independently of the implementation: lo = |x| truncated to the
-    target grid, hi the next grid value up (2**(emax+1) above the largest finite one), fraction of a
-    step, from the format's exponent and mantissa width."""
+def _rounded_magnitude(x: torch.Tensor, dtype) -> torch.Tensor:
+    """The magnitude the rule rounds, float64: ``|x|``, or below the smallest normal ``2**emin`` (fp16,
+    e4m3) ``fl32(|x| + 2**emin) - 2**emin``, within 2**-14 (fp16) / 2**-21 (e4m3) of a step of |x|."""
     man, emin = GRID[dtype]
     a = x.double().abs()
+    if dtype == torch.bfloat16:
+        return a
+    t = (x.abs() + 2.0**emin).double() - 2.0**emin  # an fp32 addition, then exact in float64
+    small = a < 2.0**emin
+    assert bool(((t - a).abs()[small] <= 2.0 ** (emin - man) * 2.0 ** (man - 24)).all())
+    return torch.where(small, t, a)
+
+
+def _neighbours(x: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lo, hi, fraction) in float64, independently of the implementation: lo = the rounded magnitude
+    (:func:`_rounded_magnitude`) truncated to the target grid, hi the next grid value up (2**(emax+1)
+    above the largest finite one), fraction of a step, from the format's exponent and mantissa width."""
+    man, emin = GRID[dtype]
+    a = _rounded_magnitude(x, dtype)
     e = torch.floor(torch.log2(a.clamp(min=1e-300))).clamp(min=emin)
     e = torch.where(2.0**e > a, e - 1, e).clamp(min=emin)  # log2 may round at a power of two
     e = torch.where(2.0 ** (e + 1) <= a, e + 1, e)
@@ -191,9 +204,9 @@ def test_results_are_neighbours_with_the_exact_probability(dtype):
     ups = (mag == hi[:, None]).sum(1)
     assert torch.equal(ups, torch.floor(frac * 65536).to(torch.int64))
     assert bool((torch.signbit(got.float()) == torch.signbit(x)[:, None]).all())  # -0.0 from a negative x
-    mean = mag.mean(1)
-    assert bool(((x.double().abs() - mean) < (hi - lo) * 2.0**-16).all())  # bias below 2**-16 ulp
-    assert bool((mean <= x.double().abs()).all())  # and towards zero
+    mean, a = mag.mean(1), _rounded_magnitude(x, dtype)
+    assert bool(((a - mean) < (hi - lo) * 2.0**-16).all())  # bias below 2**-16 ulp
+    assert bool((mean <= a).all())  # and towards zero
 
 
 def test_bf16_is_unbiased_exactly_and_equals_the_pattern_rule():
@@ -255,6 +268,9 @@ def test_overflow():
 
 
 def test_fp16_subnormals_round_at_the_subnormal_step():
+    """Between fp16 subnormals (step 2**-24) the draw compares 13 bits: t = fl32(|x| + 2**-14) has 13
+    fraction bits below that step, so hi comes up 8 floor(frac(t) 2**13) times in 2**16 draws, within
+    one 13-bit step of |x|'s own fraction."""
     tiny = 2.0**-24
     x = torch.tensor([1.3 * tiny, 0.3 * tiny, 5.75 * tiny, 1000.5 * tiny, -0.01 * tiny])
     every = stochastic_round(x[:, None].expand(-1, 65536).contiguous(), ALL_R.expand(5, -1), torch.float16)
@@ -262,11 +278,11 @@ def test_fp16_subnormals_round_at_the_subnormal_step():
     assert vals[0] == [tiny, 2 * tiny] and vals[1] == [0.0, tiny] and vals[2] == [5 * tiny, 6 * tiny]
     assert vals[3] == [1000 * tiny, 1001 * tiny] and vals[4] == [0.0, tiny]
     ups = [(row.double().abs() == v[1]).sum().item() for row, v in zip(every, vals)]
-    expect = [math.floor(f * 65536) for f in (0.3, 0.3, 0.75, 0.5, 0.01)]
-    assert ups[2:4] == expect[2:4]
-    for got, want, xi in zip(ups, expect, x.tolist()):
-        exact = math.floor((abs(xi) / tiny % 1) * 65536)  # x as stored in fp32
-        assert got == exact and abs(got - want) <= 1
+    assert ups[2:4] == [math.floor(f * 65536) for f in (0.75, 0.5)]  # fractions of 13 bits or fewer
+    for got, xi in zip(ups, x.tolist()):
+        t = float(torch.tensor(abs(xi)) + 2.0**-14) - 2.0**-14  # the fp32 addition
+        assert got == 8 * math.floor((t / tiny % 1) * 2**13)
+        assert abs(got - (abs(xi) / tiny % 1) * 65536) <= 8
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

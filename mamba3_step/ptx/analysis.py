@@ -46,7 +46,7 @@ def classify(opcode: str) -> str:
             return "global"
         return "other"
     if base in ("add", "sub", "mul", "mad", "and", "or", "xor", "not", "shl", "shr", "min", "max", "neg",
-                "abs", "div", "rem", "popc", "clz", "bfe", "bfi", "prmt", "lop3", "shf", "selp", "setp"):
+                "abs", "div", "rem", "popc", "clz", "bfe", "bfi", "prmt", "lop3", "shf", "selp", "setp", "set"):
         typ = parts[-1]
         return "integer" if typ in _INT_TYPES else "other"
     if base == "cvt" and len(parts) >= 3 and parts[-1] in _INT_TYPES and parts[-2] in _INT_TYPES:

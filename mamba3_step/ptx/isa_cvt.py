@@ -297,6 +297,28 @@ def _setp(ins, ctx):
     return run
 
 
+@handler("set")
+def _set(ins, ctx):
+    """``set.CmpOp{.ftz}.dtype.stype d, a, b``: 1.0f / 0.0f into an .f32 destination, all ones / 0
+    into a .u32 or .s32 one (the form without a boolean operand)."""
+    dtype, stype, cmp = ins.mods[-2], ins.mods[-1], ins.mods[0]
+    check_mods(ins, {cmp, "ftz", dtype, stype})
+    if dtype not in ("f32", "u32", "s32") or len(ins.operands) != 3:
+        raise unsupported(ins, "implemented for .f32/.u32/.s32 destinations, without a boolean operand")
+    view, fn = _compare(ins, cmp, stype)
+    d, a, b = ins.operands
+    yes, no = (np.float32(1.0), np.float32(0.0)) if dtype == "f32" else (np.uint32(0xFFFFFFFF), np.uint32(0))
+
+    def run(F, idx):
+        x, y = F.read(a, view, idx), F.read(b, view, idx)
+        if "ftz" in ins.mods and view is np.float32:
+            x, y = fp.ftz32(np.asarray(x)), fp.ftz32(np.asarray(y))
+        with np.errstate(invalid="ignore"):
+            r = np.asarray(fn(x, y), bool)
+        F.write(d, np.where(r, yes, no), type(yes), idx)
+    return run
+
+
 @handler("selp")
 def _selp(ins, ctx):
     t = type_of(ins)
