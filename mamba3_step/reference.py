@@ -30,7 +30,7 @@ from .rotary import advance_angle, angle_cos_sin, rotate_pairs
 from .rounding import dequantize_rows, quantize_rows, state_bits, stochastic_round
 from .tensors import LANE_FIELDS, StepTensors
 
-__all__ = ["rotated_bc", "step_math", "mamba3_step_reference", "token_rows"]
+__all__ = ["epilogue", "rotated_bc", "step_math", "mamba3_step_reference", "token_rows"]
 
 
 def step_math(t: StepTensors, compute_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,8 +61,7 @@ def step_math(t: StepTensors, compute_dtype: torch.dtype = torch.float32) -> tup
         (B, R, H, D), both in ``compute_dtype``; the caller casts them to storage dtypes.
         Nothing is written to the inputs.
     """
-    z, zproj, outproj = t.z, t.zproj, t.outproj
-    if (z is None) != (zproj is None):
+    if (t.z is None) != (t.zproj is None):
         raise ValueError("step_math: z and zproj must be given together")
     cd = compute_dtype
 
@@ -72,7 +71,7 @@ def step_math(t: StepTensors, compute_dtype: torch.dtype = torch.float32) -> tup
     R = t.xproj.shape[0]
     state_c, Bstate_c, B_c, C_c = f(t.state), f(t.Bstate), f(t.B), f(t.C)
     x_c, Xstate_c, xproj_c = f(t.x), f(t.Xstate), f(t.xproj)
-    A_c, dt_c, trap_c, D_c = f(t.A), f(t.dt), f(t.trap), f(t.D)
+    A_c, dt_c, trap_c = f(t.A), f(t.dt), f(t.trap)
 
     alpha = torch.exp(A_c * dt_c)  # (B, H)
     beta = (1 - trap_c) * dt_c * alpha  # (B, H)
@@ -91,21 +90,25 @@ def step_math(t: StepTensors, compute_dtype: torch.dtype = torch.float32) -> tup
     for r in range(R):
         new_state = new_state + (beta3 * xsr[r])[..., None] * Bstate_c[:, r, :, None, :]
 
-    ys = []  # R tensors of (B, H, D)
-    for r in range(R):
-        y = (new_state * C_c[:, r, :, None, :]).sum(-1) + D_c[None, :, None] * xr[r]
-        if z is not None:
-            y = y * torch.nn.functional.silu(f(z) * f(zproj)[r])
-        ys.append(y)
+    ys = [(new_state * C_c[:, r, :, None, :]).sum(-1) for r in range(R)]  # R tensors of (B, H, D)
+    return new_state, epilogue(ys, xr, t, cd)
 
-    if outproj is not None:
-        outproj_c = f(outproj)
-        out = ys[0] * outproj_c[0]
-        for r in range(1, R):
-            out = out + ys[r] * outproj_c[r]
-    else:
-        out = torch.stack(ys, dim=1)  # (B, R, H, D)
-    return new_state, out
+
+def epilogue(ys: list, xr: list, t: StepTensors, compute_dtype: torch.dtype) -> torch.Tensor:
+    """From the R contractions ``ys[r] = sum_n new[d, n] C[r, n]`` (B, H, D) to ``out``:
+    ``+ D xr[r]``, the z gate, the outproj sum (docs/contract.md, "The math"), in ``compute_dtype``."""
+    D_c = t.D.to(compute_dtype)
+    ys = [y + D_c[None, :, None] * x for y, x in zip(ys, xr)]
+    if t.z is not None:
+        z_c, zproj_c = t.z.to(compute_dtype), t.zproj.to(compute_dtype)
+        ys = [y * torch.nn.functional.silu(z_c * zproj_c[r]) for r, y in enumerate(ys)]
+    if t.outproj is None:
+        return torch.stack(ys, dim=1)  # (B, R, H, D)
+    outproj_c = t.outproj.to(compute_dtype)
+    out = ys[0] * outproj_c[0]
+    for r in range(1, len(ys)):
+        out = out + ys[r] * outproj_c[r]
+    return out
 
 
 def rotated_bc(t: StepTensors, angle: torch.Tensor, pairwise: bool, compute_dtype) -> tuple:

@@ -30,7 +30,7 @@ LAYERS = [
     # ptx: the PTX executor, numpy only; rounding: the state's random bits and low-precision stores
     ["tiling", "tensors", "signature", "arch", "sources", "testing", "ptx", "rotary", "rounding"],
     ["spec"],
-    ["reference", "validation", "bytes_model", "issue_model", "specsets"],
+    ["reference", "validation", "bytes_model", "issue_model", "specsets", "replay"],  # replay: CPU path only
     ["kernel"],
     ["build"],  # the kernel's cutlass-free face: imports it lazily, on the first compile
     ["compile_cache"],

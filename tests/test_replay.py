@@ -1,0 +1,170 @@
+"""Replay's CPU path (mamba3_step.replay; docs/contract.md, "Replay"): long random decodes in which
+requests join, leave and fork, each step run twice, stepwise (the pool-mode CPU path with
+update_kv_state) and with replay, on pools that start equal.
+
+* Every row's materialised state (checkpoint + ring) equals the stepwise pool's row bit for bit
+  after every step (state, Bstate, Xstate), and a row whose ring is empty holds it as its checkpoint.
+* A flushing lane's out equals the stepwise out bit for bit.
+* An appending lane's out is within twice PyTorch-float32's error of a float64 evaluation of the
+  recurrence from the stored checkpoint over the ring's tokens (verify.tolerance).
+* Padding lanes write zeros and no pool byte; rows no lane reads keep their bits.
+
+Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank, K flush length.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_accurate
+
+from mamba3_step.reference import mamba3_step_reference
+from mamba3_step.replay import Ring, fork_row, materialize, new_ring, replay_step
+from mamba3_step.tensors import StepTensors
+from mamba3_step.testing import lane_inputs, layer_weights, row_tensors
+
+NULL = 5
+
+
+class Decode:
+    """Two copies of one layer's pools, decoded stepwise and with replay."""
+
+    def __init__(self, P, H, D, N, R, K, state_dtype, seed, io_dtype="float32"):
+        self.g = torch.Generator().manual_seed(seed)
+        self.sizes = (H, D, N, R)
+        self.io = dict(kv_dtype=io_dtype, x_dtype=io_dtype)
+        rows = row_tensors(P, H, D, N, R, state_dtype=state_dtype, generator=self.g, **self.io)
+        self.weights = layer_weights(H, D, R, generator=self.g)
+        self.step_pools = {k: v.clone() for k, v in rows.items()}
+        self.replay_pools = {k: v.clone() for k, v in rows.items()}
+        self.ring = new_ring(P, K, R, H, N, D, kv_dtype=rows["Bstate"].dtype, x_dtype=rows["Xstate"].dtype)
+        self.P = P
+
+    def tensors(self, pools, lane, indices) -> StepTensors:
+        return StepTensors(pools["state"], pools["Bstate"], pools["Xstate"], lane["A"], lane["B"], lane["C"],
+                           self.weights["D"], lane["x"], lane["dt"], lane["trap"], self.weights["xproj"],
+                           outproj=self.weights["outproj"], z=lane["z"], zproj=self.weights["zproj"],
+                           state_batch_indices=indices, null_slot_id=NULL)
+
+    def step(self, indices: torch.Tensor):
+        H, D, N, R = self.sizes
+        lane = lane_inputs(len(indices), H, D, N, R, generator=self.g, **self.io)
+        before = {k: v.clone() for k, v in self.replay_pools.items()}
+        ring_before = Ring(*(v.clone() for v in self.ring))
+        want = mamba3_step_reference(self.tensors(self.step_pools, lane, indices), update_kv_state=True)
+        got = replay_step(self.tensors(self.replay_pools, lane, indices), self.ring)
+        return lane, want, got, before, ring_before
+
+
+def _reference_from_checkpoint(d: Decode, pools, ring: Ring, lane, b: int, row: int, dtype) -> torch.Tensor:
+    """Lane ``b``'s out from row ``row``'s checkpoint over its ring tokens and this token, in ``dtype``
+    with the state kept in ``dtype`` between tokens (the T-token CPU path, dense)."""
+    count = int(ring.length[row])
+    H = d.sizes[0]
+
+    def cat(ring_part, now):
+        return torch.cat([ring_part.to(dtype), now.to(dtype)[None]], 0)[None]
+
+    tok = {"A": cat(ring.coef[row, :count, :, 0], lane["A"][b]), "dt": cat(ring.coef[row, :count, :, 1], lane["dt"][b]),
+           "trap": cat(ring.coef[row, :count, :, 2], lane["trap"][b]),
+           "B": cat(ring.B[row, :count], lane["B"][b].expand(-1, H, -1)), "x": cat(ring.x[row, :count], lane["x"][b])}
+    C = torch.zeros((1, count + 1) + tuple(lane["C"].shape[1:]), dtype=dtype)
+    C[0, -1] = lane["C"][b]
+    z = torch.zeros((1, count + 1) + tuple(lane["z"].shape[1:]), dtype=dtype)
+    z[0, -1] = lane["z"][b]
+    w = {k: (v.to(dtype) if v is not None else None) for k, v in d.weights.items()}
+    dense = StepTensors(pools["state"][row:row + 1].to(dtype), pools["Bstate"][row:row + 1].to(dtype),
+                        pools["Xstate"][row:row + 1].to(dtype), tok["A"], tok["B"], C, w["D"], tok["x"], tok["dt"],
+                        tok["trap"], w["xproj"], outproj=w["outproj"], z=z, zproj=w["zproj"])
+    return mamba3_step_reference(dense, update_kv_state=True, compute_dtype=dtype)[0, -1]
+
+
+def _check_step(d: Decode, indices, lane, want, got, before, ring_before):
+    P = d.P
+    live = [(b, int(r)) for b, r in enumerate(indices.tolist()) if 0 <= r < P and r != NULL]
+    for b in range(len(indices)):
+        if b not in dict(live):
+            assert torch.equal(got[b], torch.zeros_like(got[b])), f"padding lane {b} wrote out"
+    for b, row in live:
+        if int(ring_before.length[row]) == d.ring.K - 1:  # flushed
+            assert torch.equal(got[b], want[b]), f"lane {b}: flush out differs from stepwise"
+            assert int(d.ring.length[row]) == 0
+        else:  # appended
+            assert int(d.ring.length[row]) == int(ring_before.length[row]) + 1
+            want64 = _reference_from_checkpoint(d, before, ring_before, lane, b, row, torch.float64)
+            torch32 = _reference_from_checkpoint(d, before, ring_before, lane, b, row, torch.float32).to(got.dtype)
+            assert_accurate(f"lane {b}", got[b], want64, torch32, want64.abs().max().item())
+    touched = {row for _, row in live}
+    for row in range(P):
+        if row not in touched:
+            for k in ("state", "Bstate", "Xstate"):
+                assert torch.equal(d.replay_pools[k][row], before[k][row]), f"row {row} of {k} written"
+            for name, pool in zip(Ring._fields, d.ring):
+                assert torch.equal(pool[row], getattr(ring_before, name)[row]), f"row {row} of ring.{name} written"
+    state, Bstate, Xstate = materialize(d.tensors(d.replay_pools, lane, indices), d.ring, range(P))
+    for k, v in (("state", state), ("Bstate", Bstate), ("Xstate", Xstate)):
+        assert torch.equal(v, d.step_pools[k]), f"materialised {k} differs from stepwise decoding"
+    empty = d.ring.length == 0
+    assert torch.equal(d.replay_pools["state"][empty], d.step_pools["state"][empty])
+
+
+@pytest.mark.parametrize("state_dtype,K,R,io", [("float32", 4, 2, "float32"), ("bfloat16", 4, 4, "float32"),
+                                                ("float16", 3, 1, "float32"), ("float32", 2, 2, "bfloat16")])
+def test_replay_equals_stepwise_decoding_with_joins_leaves_and_forks(state_dtype, K, R, io):
+    """bf16 B, x and out in the last case (out compared after its rounding to bf16)."""
+    P, B, steps = 8, 4, 18
+    d = Decode(P, 2, 32, 32, R, K, state_dtype, seed=K * 10 + R, io_dtype=io)
+    g = torch.Generator().manual_seed(99)
+    rows = torch.randperm(P, generator=g)[:B]  # the lanes' requests
+    flushes = appends = 0
+    for step in range(steps):
+        if step % 5 == 4:  # a request leaves; a fork of another takes its slot (pools copied in both)
+            fork_row(d.tensors(d.replay_pools, lane_inputs(1, 2, 32, 32, R, generator=g, **d.io), rows), d.ring,
+                     int(rows[0]), int(rows[1]))
+            for k in ("state", "Bstate", "Xstate"):
+                d.step_pools[k][rows[1]] = d.step_pools[k][rows[0]]
+        if step % 7 == 6:  # a new request joins in a free slot: a fresh state, an empty ring
+            free = [r for r in range(P) if r not in rows.tolist() and r != NULL]
+            new = free[step % len(free)]
+            fresh = row_tensors(1, 2, 32, 32, R, state_dtype=state_dtype, generator=g, **d.io)
+            for k in ("state", "Bstate", "Xstate"):
+                d.step_pools[k][new] = fresh[k][0]
+                d.replay_pools[k][new] = fresh[k][0]
+            d.ring.length[new] = 0
+            rows[2] = new
+        indices = rows.clone().to(torch.int32)
+        if step % 3 == 1:
+            indices[3] = [-1, NULL, P + 2][step % 3 - 1]  # padding kinds
+        flushes += sum(int(d.ring.length[r]) == K - 1 for r in indices.tolist() if 0 <= r < P and r != NULL)
+        appends += sum(int(d.ring.length[r]) < K - 1 for r in indices.tolist() if 0 <= r < P and r != NULL)
+        _check_step(d, indices, *d.step(indices))
+    assert flushes >= 4 and appends >= 4
+
+
+def test_replay_refuses_what_it_does_not_take_yet_and_bad_ring_lengths():
+    d = Decode(6, 2, 32, 32, 2, 4, "float32", seed=1)
+    lane = lane_inputs(2, 2, 32, 32, 2, generator=d.g, **d.io)
+    indices = torch.tensor([0, 1], dtype=torch.int32)
+    t = d.tensors(d.replay_pools, lane, indices)
+    with pytest.raises(ValueError, match="dst_state_batch_indices"):
+        replay_step(t._replace(dst_state_batch_indices=indices), d.ring)
+    with pytest.raises(ValueError, match="pool-mode"):
+        replay_step(t._replace(state=t.state[:2].clone(), Bstate=t.Bstate[:2].clone(), Xstate=t.Xstate[:2].clone(),
+                               state_batch_indices=None, null_slot_id=None), d.ring)
+    with pytest.raises(ValueError, match="ring.x"):
+        replay_step(t, d.ring._replace(x=d.ring.x[:, :2]))
+    with pytest.raises(ValueError, match="ring.coef"):
+        replay_step(t, d.ring._replace(coef=d.ring.coef.double()))
+    d.ring.length[1] = 4  # K = 4: at most 3 tokens wait in a ring
+    before = {k: v.clone() for k, v in d.replay_pools.items()}
+    ring_before = [v.clone() for v in d.ring]
+    with pytest.raises(ValueError, match=r"ring.length must be in \[0, K - 1\]"):
+        replay_step(t, d.ring)
+    for k, v in before.items():  # a failed call changes nothing
+        assert torch.equal(d.replay_pools[k], v)
+    for a, b in zip(d.ring, ring_before):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="K must be"):
+        new_ring(4, 1, 2, 2, 32, 32, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rows must be"):
+        materialize(t, d.ring, [6])
