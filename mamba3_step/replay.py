@@ -3,19 +3,26 @@
 docs/design.md, "Replay", has the design and the model that picks K; docs/contract.md, "Replay",
 the rules. The kernel is not built yet: this module is the reference it will be held to.
 
-Letters (docs/contract.md): P pool rows, B lanes, H heads, D head dim, N state size, R MIMO rank;
-K the flush length (a row's state is written every K tokens), L = K - 1 the ring's entries.
+Letters (docs/contract.md): P pool rows, B lanes, T draft tokens, H heads, D head dim, N state
+size, R MIMO rank; K the flush length (a row's state is written every K tokens), L = K - 1 +
+draft the ring's entries.
 
 A row's current state is the checkpoint (``state``, with ``Bstate``/``Xstate`` the token before
-the ring) advanced by the ``ring.length`` committed tokens in the ring. A step of a live lane:
+the ring) advanced by the ``ring.length`` committed tokens in the ring. With ``accepted``, a step
+first commits that many of the row's pending drafts. Then, for a live lane whose row holds ``m``
+committed tokens:
 
-* ``length < K - 1`` (append): ``out`` from the checkpoint and the ring without the new state
-  (:func:`append_output`); this token's B, x, A, dt, trap go to ring entry ``length``;
-  ``length + 1``. The state row is read, never written.
-* ``length == K - 1`` (flush): the ring's tokens and this one replayed on the checkpoint with the
-  step's math and storage rounding (the T-token CPU path, which equals T one-token steps bit for
-  bit); the new checkpoint, this token's B/x as ``Bstate``/``Xstate``, ``length = 0``. ``out`` is
-  the stepwise one.
+* one token, ``m < K - 1`` (append): ``out`` from the checkpoint and the ring without the new
+  state (:func:`output_from_checkpoint`); the token's B, x, A, dt, trap go to entry ``m``;
+  ``length = m + 1``. The state row is read, never written.
+* one token, ``m >= K - 1`` (flush): the committed tokens and this one replayed on the checkpoint
+  with the step's math and storage rounding (the T-token CPU path, which equals T one-token steps
+  bit for bit); the new checkpoint, this token's B/x as ``Bstate``/``Xstate``, ``length = 0``.
+  ``out`` is the stepwise one.
+* T draft tokens (verify): if ``m >= K`` the committed tokens are flushed first; each draft's
+  ``out`` from the checkpoint, the committed tokens and the drafts before it; the drafts go to
+  the entries after the committed ones, uncommitted (``length = m``): a rejected draft is rolled
+  back by not accepting it.
 
 Padding lanes (docs/contract.md) write zeros to ``out`` and touch no row of any pool.
 """
@@ -31,40 +38,38 @@ from .reference import epilogue, mamba3_step_reference
 from .tensors import StepTensors
 from .validation.step import check_step_inputs
 
-__all__ = ["Ring", "append_output", "fork_row", "materialize", "new_ring", "replay_step"]
+__all__ = ["Ring", "fork_row", "materialize", "new_ring", "output_from_checkpoint", "replay_step"]
 
 Tensor = torch.Tensor
 
 
 class Ring(NamedTuple):
     """One layer's ring pools: entry ``j < length[p]`` of row ``p`` is the ``j``-th token after the
-    checkpoint of row ``p``."""
+    checkpoint of row ``p``; entries past ``length`` are a verify step's uncommitted drafts."""
 
     B: Tensor  # (P, L, R, H, N), B's dtype: the token's B (per head, a shared B expanded)
     x: Tensor  # (P, L, H, D), x's dtype
     coef: Tensor  # (P, L, H, 3) float32: the token's A, dt, trap
     length: Tensor  # (P,) int32: committed tokens
 
-    @property
-    def K(self) -> int:
-        """The flush length: the ring holds K - 1 tokens, the K-th flushes."""
-        return self.B.shape[1] + 1
-
 
 def new_ring(rows: int, K: int, mimo: int, heads: int, dstate: int, headdim: int, *,
-             kv_dtype: torch.dtype, x_dtype: torch.dtype, device=None) -> Ring:
-    """An empty ring for ``rows`` pool rows with flush length ``K`` (2 to 16)."""
+             kv_dtype: torch.dtype, x_dtype: torch.dtype, draft: int = 0, device=None) -> Ring:
+    """An empty ring for ``rows`` pool rows, flush length ``K`` (2 to 16) and room for verify steps of
+    up to ``draft`` tokens (0 to 16): ``K - 1 + draft`` entries."""
     if not isinstance(K, int) or not 2 <= K <= 16:
         raise ValueError(f"new_ring: K must be an int in [2, 16], got {K!r}")
-    L = K - 1
+    if not isinstance(draft, int) or not 0 <= draft <= 16:
+        raise ValueError(f"new_ring: draft must be an int in [0, 16], got {draft!r}")
+    L = K - 1 + draft
     return Ring(torch.zeros(rows, L, mimo, heads, dstate, dtype=kv_dtype, device=device),
                 torch.zeros(rows, L, heads, headdim, dtype=x_dtype, device=device),
                 torch.zeros(rows, L, heads, 3, dtype=torch.float32, device=device),
                 torch.zeros(rows, dtype=torch.int32, device=device))
 
 
-def _check(t: StepTensors, ring: Ring) -> None:
-    """What this CPU path takes: pool mode, one token, the state written back to its source."""
+def _check(t: StepTensors, ring: Ring, K: int) -> None:
+    """What this CPU path takes: pool mode, the state written back to its source, a ring that fits."""
     unsupported = {"dst_state_batch_indices": t.dst_state_batch_indices, "num_accepted_tokens": t.num_accepted_tokens,
                    "angle_state": t.angle_state, "rand_seed": t.rand_seed, "state_scale": t.state_scale,
                    "state_out": t.state_out}
@@ -73,11 +78,15 @@ def _check(t: StepTensors, ring: Ring) -> None:
             raise ValueError(f"replay_step: {name} is not supported with replay yet (docs/contract.md, 'Replay')")
     if not t.pool:
         raise ValueError("replay_step: replay is a pool-mode step: state_batch_indices is required")
-    if t.x.dim() != 3:
-        raise ValueError(f"replay_step: one token per lane (x of shape (B, H, D)), got x {tuple(t.x.shape)}")
+    if not isinstance(K, int) or not 2 <= K <= 16:
+        raise ValueError(f"replay_step: K must be an int in [2, 16], got {K!r}")
     P, H, D, N = t.state.shape
-    R = t.xproj.shape[0]
-    want = {"B": (P, ring.K - 1, R, H, N), "x": (P, ring.K - 1, H, D), "coef": (P, ring.K - 1, H, 3), "length": (P,)}
+    R, L = t.xproj.shape[0], ring.B.shape[1]
+    drafts = t.tokens if t.x.dim() == 4 else 0
+    if L < K - 1 + drafts:
+        raise ValueError(f"replay_step: the ring holds {L} entries; K = {K} with {drafts}-token drafts needs "
+                         f"{K - 1 + drafts} (new_ring(..., draft={drafts}))")
+    want = {"B": (P, L, R, H, N), "x": (P, L, H, D), "coef": (P, L, H, 3), "length": (P,)}
     dtypes = {"B": t.Bstate.dtype, "x": t.Xstate.dtype, "coef": torch.float32, "length": torch.int32}
     for name, shape in want.items():
         got = getattr(ring, name)
@@ -86,25 +95,33 @@ def _check(t: StepTensors, ring: Ring) -> None:
                              f"got {got.dtype} {tuple(got.shape)} on {got.device}")
 
 
-def _tokens(ring: Ring, rows: Tensor, count: int, heads: int) -> dict:
+def _ring_tokens(ring: Ring, rows: Tensor, count: int) -> dict:
     """The first ``count`` ring tokens of ``rows`` as per-lane inputs with a token axis."""
     coef = ring.coef[rows, :count]  # (n, count, H, 3)
     return {"A": coef[..., 0], "dt": coef[..., 1], "trap": coef[..., 2], "B": ring.B[rows, :count],
             "x": ring.x[rows, :count]}
 
 
-def _with_token(tokens: dict, t: StepTensors, lanes: Tensor, heads: int) -> dict:
-    """``tokens`` with this step's token of ``lanes`` appended on the token axis."""
-    now = {"A": t.A[lanes], "dt": t.dt[lanes], "trap": t.trap[lanes], "x": t.x[lanes],
-           "B": t.B[lanes].expand(-1, -1, heads, -1)}
-    return {f: torch.cat([tokens[f], now[f][:, None].to(tokens[f].dtype)], 1) for f in tokens}
+def _step_tokens(t: StepTensors, lanes: Tensor) -> dict:
+    """This step's tokens of ``lanes`` in the ring's form, with a token axis (T = 1 without one)."""
+    H = t.state.shape[1]
+    picked = {f: getattr(t, f)[lanes] for f in ("A", "dt", "trap", "B", "x")}
+    if t.x.dim() == 3:
+        picked = {f: v[:, None] for f, v in picked.items()}
+    picked["B"] = picked["B"].expand(-1, -1, -1, H, -1)
+    return picked
 
 
-def _replay(t: StepTensors, rows: Tensor, tokens: dict, C: Tensor, z: Optional[Tensor],
+def _cat(first: dict, second: dict, upto: Optional[int] = None) -> dict:
+    """Two token dicts joined on the token axis (the second's first ``upto`` tokens)."""
+    return {f: torch.cat([first[f], second[f][:, :upto].to(first[f].dtype)], 1) for f in first}
+
+
+def _replay(t: StepTensors, base: tuple, tokens: dict, C: Tensor, z: Optional[Tensor],
             compute_dtype: torch.dtype) -> tuple:
-    """``tokens`` (T per lane) replayed on the checkpoints of ``rows`` with the T-token CPU path
-    (dense, ``update_kv_state``): ``(state, Bstate, Xstate, out)`` after the last token, ``out``
-    that token's (its ``C``/``z``; the others' outputs are not needed: zeros stand in for theirs)."""
+    """``tokens`` (T per lane) replayed on the checkpoints ``base`` = ``(state, Bstate, Xstate)`` rows
+    with the T-token CPU path (dense, ``update_kv_state``): ``(state, Bstate, Xstate, out)`` after the
+    last token, ``out`` that token's (its ``C``/``z``; zeros stand in for the others', not needed)."""
     n, T = tokens["x"].shape[:2]
     C_all = torch.zeros((n, T) + tuple(C.shape[1:]), dtype=C.dtype, device=C.device)
     C_all[:, -1] = C
@@ -114,42 +131,40 @@ def _replay(t: StepTensors, rows: Tensor, tokens: dict, C: Tensor, z: Optional[T
     if z is not None:
         z_all = torch.zeros((n, T) + tuple(z.shape[1:]), dtype=z.dtype, device=z.device)
         z_all[:, -1] = z
-    dense = StepTensors(t.state[rows].clone(), t.Bstate[rows].clone(), t.Xstate[rows].clone(), tokens["A"],
-                        tokens["B"], C_all, t.D, tokens["x"], tokens["dt"], tokens["trap"], t.xproj,
-                        outproj=t.outproj, z=z_all, zproj=t.zproj)
+    dense = StepTensors(base[0].clone(), base[1].clone(), base[2].clone(), tokens["A"], tokens["B"], C_all, t.D,
+                        tokens["x"], tokens["dt"], tokens["trap"], t.xproj, outproj=t.outproj, z=z_all,
+                        zproj=t.zproj)
     out = mamba3_step_reference(dense, update_kv_state=True, compute_dtype=compute_dtype)
     return dense.state, dense.Bstate, dense.Xstate, out[:, -1]
 
 
-def append_output(t: StepTensors, ring: Ring, lanes: Tensor, rows: Tensor, count: int,
-                  compute_dtype: torch.dtype = torch.float32) -> Tensor:
-    """``out`` of this step's token for ``lanes`` whose rows hold ``count`` ring tokens, from the
-    checkpoint and the ring, without the new state (docs/design.md, "Replay", the algebra):
+def output_from_checkpoint(t: StepTensors, base: tuple, tokens: dict, C: Tensor, z: Optional[Tensor],
+                           compute_dtype: torch.dtype = torch.float32) -> Tensor:
+    """``out`` of the last of ``tokens`` (tokens 1..k after the checkpoints ``base`` = ``(state,
+    Bstate, Xstate)`` rows; its ``C`` (n, R, H, N) and ``z``), without the new state (docs/design.md,
+    "Replay", the algebra)::
 
         y_k[r, d] = P_k sum_n s_0[d, n] C_k[r, n]
                   + sum_{j=0..k} w_j sum_r' xr_j[r', d] sum_n B_j[r', n] C_k[r, n]  +  D xr_k[r, d]
         P_k = alpha_1 ... alpha_k,   w_j = gamma_j alpha_{j+1} ... alpha_k + beta_{j+1} alpha_{j+2} ... alpha_k
 
-    with token 0 the one before the ring (``Bstate``/``Xstate``), tokens 1..count the ring's and
-    ``k = count + 1`` this one; then the z gate and outproj as the step. In ``compute_dtype``, the
-    checkpoint term first, then the ring terms in token order."""
+    token 0 being the one before the ring (``Bstate``/``Xstate``); then the z gate and outproj as the
+    step. In ``compute_dtype``, the checkpoint term first, then the others in token order."""
     cd = compute_dtype
-    H = t.state.shape[1]
-    R = t.xproj.shape[0]
-    tokens = _with_token(_tokens(ring, rows, count, H), t, lanes, H)
+    H, R = t.state.shape[1], t.xproj.shape[0]
     A, dt, trap = (tokens[f].to(cd) for f in ("A", "dt", "trap"))  # (n, k, H): tokens 1..k
     alpha = torch.exp(A * dt)
     beta = (1 - trap) * dt * alpha
     gamma = trap * dt
-    k = count + 1
+    k = A.shape[1]
     suffix = [torch.ones_like(alpha[:, 0])] * (k + 1)  # suffix[j] = alpha_{j+1} ... alpha_k (token j, 0..k)
     for j in range(k - 1, -1, -1):
         suffix[j] = alpha[:, j] * suffix[j + 1]
-    Bs = [t.Bstate[rows].to(cd)] + [tokens["B"][:, j].to(cd) for j in range(k)]  # tokens 0..k: (n, R, H, N)
-    xs = [t.Xstate[rows].to(cd)] + [tokens["x"][:, j].to(cd) for j in range(k)]  # (n, H, D)
+    Bs = [base[1].to(cd)] + [tokens["B"][:, j].to(cd) for j in range(k)]  # tokens 0..k: (n, R, H, N)
+    xs = [base[2].to(cd)] + [tokens["x"][:, j].to(cd) for j in range(k)]  # (n, H, D)
     xproj = t.xproj.to(cd)
-    C = t.C[lanes].to(cd).expand(-1, -1, H, -1)  # (n, R, H, N)
-    s0 = t.state[rows].to(cd)
+    C = C.to(cd).expand(-1, -1, H, -1)  # (n, R, H, N)
+    s0 = base[0].to(cd)
     ys = [suffix[0][..., None] * (s0 * C[:, r, :, None, :]).sum(-1) for r in range(R)]  # (n, H, D)
     for j in range(k + 1):
         w = gamma[:, j - 1] * suffix[j] if j >= 1 else torch.zeros_like(suffix[0])
@@ -162,52 +177,86 @@ def append_output(t: StepTensors, ring: Ring, lanes: Tensor, rows: Tensor, count
                 acc = term if acc is None else acc + term
             ys[r] = ys[r] + w[..., None] * acc
     xr = [xs[k] * xproj[r] for r in range(R)]
-    return epilogue(ys, xr, t._replace(z=None if t.z is None else t.z[lanes]), cd)
+    return epilogue(ys, xr, t._replace(z=z), cd)
 
 
-def replay_step(tensors: StepTensors, ring: Ring, *, compute_dtype: torch.dtype = torch.float32) -> Tensor:
-    """One decode step of a pool with replay (module docstring; docs/contract.md, "Replay").
+def _committed(ring: Ring, rows: Tensor, lanes: Tensor, accepted: Optional[Tensor]) -> Tensor:
+    """Each live lane's committed ring length after ``accepted`` (B,) of its row's drafts are taken;
+    refused by name when it leaves ``[0, capacity]``."""
+    m = ring.length[rows].to(torch.int64)
+    if accepted is not None:
+        if not isinstance(accepted, torch.Tensor) or accepted.dtype != torch.int32 or accepted.dim() != 1:
+            raise TypeError("replay_step: accepted must be an int32 tensor of shape (B,)")
+        m = m + accepted.to(device=m.device, dtype=torch.int64)[lanes]
+    bad = (m < 0) | (m > ring.B.shape[1])
+    if bool(bad.any()):
+        raise ValueError(f"replay_step: ring.length (plus accepted) must be in [0, {ring.B.shape[1]}] at the lanes' "
+                         f"rows, got {m[bad].tolist()} at rows {rows[bad].tolist()}")
+    return m
 
-    ``tensors`` is a one-token pool-mode step (``state`` the checkpoints, ``Bstate``/``Xstate`` the
-    tokens before the rings), ``ring`` the rings of the same rows. Updates ``state``, ``Bstate``,
-    ``Xstate`` (flushing lanes) and the ring (appending lanes) in place and returns ``out``. Every
-    value is computed before anything is written; a ring length outside ``[0, K - 1]`` at a live
-    lane is refused by name before anything is written.
+
+def _lane_writes(t: StepTensors, ring: Ring, K: int, ln: Tensor, rw: Tensor, m: int, cd) -> tuple:
+    """``(out, writes)`` of the live lanes ``ln`` (rows ``rw``) whose rows hold ``m`` committed tokens."""
+    base = (t.state[rw], t.Bstate[rw], t.Xstate[rw])
+    now = _step_tokens(t, ln)
+    committed = _ring_tokens(ring, rw, m)
+    one = t.x.dim() == 3
+    C = t.C[ln][:, None] if one else t.C[ln]  # (n, T, R, H or 1, N)
+    z = None if t.z is None else (t.z[ln][:, None] if one else t.z[ln])
+    writes = []
+    T = now["x"].shape[1]
+    if (one and m >= K - 1) or (not one and m >= K):  # flush: the committed tokens (and a one-token step's)
+        tokens = _cat(committed, now) if one else committed
+        state, Bstate, Xstate, out = _replay(t, base, tokens, C[:, -1], None if z is None else z[:, -1], cd)
+        writes += [(t.state, rw, state), (t.Bstate, rw, Bstate), (t.Xstate, rw, Xstate),
+                   (ring.length, rw, torch.zeros_like(rw, dtype=torch.int32))]
+        if one:
+            return out, writes
+        base, m, committed = (state, Bstate, Xstate), 0, _ring_tokens(ring, rw, 0)
+    outs = [output_from_checkpoint(t, base, _cat(committed, now, i + 1), C[:, i], None if z is None else z[:, i], cd)
+            for i in range(T)]
+    coef = torch.stack([now["A"], now["dt"], now["trap"]], -1)
+    slots = torch.arange(m, m + T, device=rw.device)
+    writes += [(ring.B, (rw[:, None], slots), now["B"]), (ring.x, (rw[:, None], slots), now["x"]),
+               (ring.coef, (rw[:, None], slots), coef),
+               (ring.length, rw, torch.full_like(rw, m + 1 if one else m, dtype=torch.int32))]
+    return (outs[0] if one else torch.stack(outs, 1)), writes
+
+
+def replay_step(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[Tensor] = None,
+                compute_dtype: torch.dtype = torch.float32) -> Tensor:
+    """One decode step of a pool with replay and flush length ``K`` (module docstring; docs/contract.md,
+    "Replay").
+
+    ``tensors`` is a pool-mode step (``state`` the checkpoints, ``Bstate``/``Xstate`` the tokens before
+    the rings), one token per lane, or T draft tokens (a verify step: their outputs, the drafts
+    stored after the committed entries, uncommitted). ``accepted`` (B,) int32 first commits that many
+    of each lane's pending drafts. Updates ``state``, ``Bstate``, ``Xstate`` (flushing lanes) and the
+    ring in place and returns ``out``. Every value is computed before anything is written; what is
+    refused is refused by name before anything is written.
     """
     check_step_inputs(tensors, update_kv_state=True)
     t = tensors.with_out()
-    _check(t, ring)
-    P, H = t.state.shape[:2]
-    K = ring.K
+    _check(t, ring, K)
+    P = t.state.shape[0]
     src = t.state_batch_indices.to(device=t.x.device, dtype=torch.int64)
     lanes = lane_is_live(src, P, t.null_slot_id).nonzero().squeeze(1)
     rows = src[lanes]
-    length = ring.length[rows].to(torch.int64)
-    bad = (length < 0) | (length > K - 1)
-    if bool(bad.any()):
-        raise ValueError(f"replay_step: ring.length must be in [0, K - 1] = [0, {K - 1}] at the lanes' rows, "
-                         f"got {ring.length[rows[bad]].tolist()} at rows {rows[bad].tolist()}")
+    m = _committed(ring, rows, lanes, accepted)
+    if t.x.dim() == 4:
+        room = torch.where(m >= K, 0, m) + t.tokens > ring.B.shape[1]
+        if bool(room.any()):
+            raise ValueError(f"replay_step: no room for {t.tokens} drafts after {m[room].tolist()} committed tokens "
+                             f"at rows {rows[room].tolist()} (ring of {ring.B.shape[1]} entries)")
     result = torch.zeros(t.out.shape, dtype=t.out.dtype, device=t.out.device)
     writes = []
     with torch.no_grad():
-        for count in range(K):
-            pick = (length == count).nonzero().squeeze(1)
-            if pick.numel() == 0:
-                continue
-            ln, rw = lanes[pick], rows[pick]
-            if count < K - 1:  # append
-                result[ln] = append_output(t, ring, ln, rw, count, compute_dtype).to(result.dtype)
-                coef = torch.stack([t.A[ln], t.dt[ln], t.trap[ln]], -1)
-                writes += [(ring.B, (rw, count), t.B[ln].expand(-1, -1, H, -1)), (ring.x, (rw, count), t.x[ln]),
-                           (ring.coef, (rw, count), coef),
-                           (ring.length, rw, torch.full_like(rw, count + 1, dtype=torch.int32))]
-            else:  # flush
-                tokens = _with_token(_tokens(ring, rw, count, H), t, ln, H)
-                z = None if t.z is None else t.z[ln]
-                state, Bstate, Xstate, out = _replay(t, rw, tokens, t.C[ln].expand(-1, -1, H, -1), z, compute_dtype)
-                result[ln] = out.to(result.dtype)
-                writes += [(t.state, rw, state), (t.Bstate, rw, Bstate), (t.Xstate, rw, Xstate),
-                           (ring.length, rw, torch.zeros_like(rw, dtype=torch.int32))]
+        for count in range(ring.B.shape[1] + 1):
+            pick = (m == count).nonzero().squeeze(1)
+            if pick.numel():
+                out, lane_writes = _lane_writes(t, ring, K, lanes[pick], rows[pick], count, compute_dtype)
+                result[lanes[pick]] = out.to(result.dtype)
+                writes += lane_writes
         t.out.copy_(result)
         for target, index, value in writes:
             target[index] = value.to(target.dtype)
@@ -220,21 +269,23 @@ def materialize(tensors: StepTensors, ring: Ring, rows, *, compute_dtype: torch.
     what stepwise decoding holds. Reads ``tensors``' ``state``, ``Bstate``, ``Xstate`` and weights
     (its per-lane inputs are not read); writes nothing."""
     rows = torch.as_tensor(rows, dtype=torch.int64, device=tensors.state.device).reshape(-1)
-    P, H = tensors.state.shape[:2]
+    P = tensors.state.shape[0]
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= P):
         raise ValueError(f"materialize: rows must be in [0, {P}), got {rows.tolist()}")
     length = ring.length[rows].to(torch.int64)
-    if bool(((length < 0) | (length > ring.K - 1)).any()):
-        raise ValueError(f"materialize: ring.length must be in [0, {ring.K - 1}], got {length.tolist()}")
+    if bool(((length < 0) | (length > ring.B.shape[1])).any()):
+        raise ValueError(f"materialize: ring.length must be in [0, {ring.B.shape[1]}], got {length.tolist()}")
     state, Bstate, Xstate = tensors.state[rows].clone(), tensors.Bstate[rows].clone(), tensors.Xstate[rows].clone()
     with torch.no_grad():
-        for count in range(1, ring.K):
+        for count in range(1, ring.B.shape[1] + 1):
             pick = (length == count).nonzero().squeeze(1)
             if pick.numel() == 0:
                 continue
-            tokens = _tokens(ring, rows[pick], count, H)
+            rw = rows[pick]
+            tokens = _ring_tokens(ring, rw, count)
+            base = (tensors.state[rw], tensors.Bstate[rw], tensors.Xstate[rw])
             C = torch.zeros_like(tokens["B"][:, 0])
-            state[pick], Bstate[pick], Xstate[pick], _ = _replay(tensors, rows[pick], tokens, C, None, compute_dtype)
+            state[pick], Bstate[pick], Xstate[pick], _ = _replay(tensors, base, tokens, C, None, compute_dtype)
     return state, Bstate, Xstate
 
 

@@ -29,7 +29,7 @@ NULL = 5
 class Decode:
     """Two copies of one layer's pools, decoded stepwise and with replay."""
 
-    def __init__(self, P, H, D, N, R, K, state_dtype, seed, io_dtype="float32"):
+    def __init__(self, P, H, D, N, R, K, state_dtype, seed, io_dtype="float32", draft=0):
         self.g = torch.Generator().manual_seed(seed)
         self.sizes = (H, D, N, R)
         self.io = dict(kv_dtype=io_dtype, x_dtype=io_dtype)
@@ -37,8 +37,8 @@ class Decode:
         self.weights = layer_weights(H, D, R, generator=self.g)
         self.step_pools = {k: v.clone() for k, v in rows.items()}
         self.replay_pools = {k: v.clone() for k, v in rows.items()}
-        self.ring = new_ring(P, K, R, H, N, D, kv_dtype=rows["Bstate"].dtype, x_dtype=rows["Xstate"].dtype)
-        self.P = P
+        self.ring = new_ring(P, K, R, H, N, D, kv_dtype=rows["Bstate"].dtype, x_dtype=rows["Xstate"].dtype, draft=draft)
+        self.P, self.K = P, K
 
     def tensors(self, pools, lane, indices) -> StepTensors:
         return StepTensors(pools["state"], pools["Bstate"], pools["Xstate"], lane["A"], lane["B"], lane["C"],
@@ -52,31 +52,30 @@ class Decode:
         before = {k: v.clone() for k, v in self.replay_pools.items()}
         ring_before = Ring(*(v.clone() for v in self.ring))
         want = mamba3_step_reference(self.tensors(self.step_pools, lane, indices), update_kv_state=True)
-        got = replay_step(self.tensors(self.replay_pools, lane, indices), self.ring)
+        got = replay_step(self.tensors(self.replay_pools, lane, indices), self.ring, self.K)
         return lane, want, got, before, ring_before
 
 
-def _reference_from_checkpoint(d: Decode, pools, ring: Ring, lane, b: int, row: int, dtype) -> torch.Tensor:
-    """Lane ``b``'s out from row ``row``'s checkpoint over its ring tokens and this token, in ``dtype``
-    with the state kept in ``dtype`` between tokens (the T-token CPU path, dense)."""
-    count = int(ring.length[row])
-    H = d.sizes[0]
-
-    def cat(ring_part, now):
-        return torch.cat([ring_part.to(dtype), now.to(dtype)[None]], 0)[None]
-
-    tok = {"A": cat(ring.coef[row, :count, :, 0], lane["A"][b]), "dt": cat(ring.coef[row, :count, :, 1], lane["dt"][b]),
-           "trap": cat(ring.coef[row, :count, :, 2], lane["trap"][b]),
-           "B": cat(ring.B[row, :count], lane["B"][b].expand(-1, H, -1)), "x": cat(ring.x[row, :count], lane["x"][b])}
-    C = torch.zeros((1, count + 1) + tuple(lane["C"].shape[1:]), dtype=dtype)
-    C[0, -1] = lane["C"][b]
-    z = torch.zeros((1, count + 1) + tuple(lane["z"].shape[1:]), dtype=dtype)
-    z[0, -1] = lane["z"][b]
-    w = {k: (v.to(dtype) if v is not None else None) for k, v in d.weights.items()}
-    dense = StepTensors(pools["state"][row:row + 1].to(dtype), pools["Bstate"][row:row + 1].to(dtype),
-                        pools["Xstate"][row:row + 1].to(dtype), tok["A"], tok["B"], C, w["D"], tok["x"], tok["dt"],
-                        tok["trap"], w["xproj"], outproj=w["outproj"], z=z, zproj=w["zproj"])
+def _reference(d: Decode, base: dict, row: int, tokens: dict, C, z, dtype) -> torch.Tensor:
+    """The out of the last of ``tokens`` (dicts of (k, ...) tensors: A, dt, trap, B per head, x) from
+    row ``row`` of the checkpoints ``base``, in ``dtype`` with the state kept in ``dtype`` in between."""
+    k = tokens["x"].shape[0]
+    Cs = torch.zeros((1, k) + tuple(C.shape), dtype=dtype)
+    Cs[0, -1] = C
+    zs = torch.zeros((1, k) + tuple(z.shape), dtype=dtype)
+    zs[0, -1] = z
+    w = {name: (v.to(dtype) if v is not None else None) for name, v in d.weights.items()}
+    tok = {f: v.to(dtype)[None] for f, v in tokens.items()}
+    rows = [base[k][row:row + 1].to(dtype, copy=True) for k in ("state", "Bstate", "Xstate")]  # the call writes them
+    dense = StepTensors(*rows, tok["A"], tok["B"], Cs, w["D"], tok["x"], tok["dt"], tok["trap"], w["xproj"],
+                        outproj=w["outproj"], z=zs, zproj=w["zproj"])
     return mamba3_step_reference(dense, update_kv_state=True, compute_dtype=dtype)[0, -1]
+
+
+def _ring_part(ring: Ring, row: int, count: int) -> dict:
+    c = ring.coef[row, :count]
+    return {"A": c[..., 0], "dt": c[..., 1], "trap": c[..., 2], "B": ring.B[row, :count], "x": ring.x[row, :count]}
+
 
 
 def _check_step(d: Decode, indices, lane, want, got, before, ring_before):
@@ -86,13 +85,17 @@ def _check_step(d: Decode, indices, lane, want, got, before, ring_before):
         if b not in dict(live):
             assert torch.equal(got[b], torch.zeros_like(got[b])), f"padding lane {b} wrote out"
     for b, row in live:
-        if int(ring_before.length[row]) == d.ring.K - 1:  # flushed
+        if int(ring_before.length[row]) == d.K - 1:  # flushed
             assert torch.equal(got[b], want[b]), f"lane {b}: flush out differs from stepwise"
             assert int(d.ring.length[row]) == 0
         else:  # appended
             assert int(d.ring.length[row]) == int(ring_before.length[row]) + 1
-            want64 = _reference_from_checkpoint(d, before, ring_before, lane, b, row, torch.float64)
-            torch32 = _reference_from_checkpoint(d, before, ring_before, lane, b, row, torch.float32).to(got.dtype)
+            now = {f: lane[f][b][None] for f in ("A", "dt", "trap", "x")}
+            now["B"] = lane["B"][b][None].expand(-1, -1, d.sizes[0], -1)
+            part = _ring_part(ring_before, row, int(ring_before.length[row]))
+            tokens = {f: torch.cat([part[f].to(v.dtype), v]) for f, v in now.items()}
+            args = (d, before, row, tokens, lane["C"][b], lane["z"][b])
+            want64, torch32 = _reference(*args, torch.float64), _reference(*args, torch.float32).to(got.dtype)
             assert_accurate(f"lane {b}", got[b], want64, torch32, want64.abs().max().item())
     touched = {row for _, row in live}
     for row in range(P):
@@ -147,19 +150,19 @@ def test_replay_refuses_what_it_does_not_take_yet_and_bad_ring_lengths():
     indices = torch.tensor([0, 1], dtype=torch.int32)
     t = d.tensors(d.replay_pools, lane, indices)
     with pytest.raises(ValueError, match="dst_state_batch_indices"):
-        replay_step(t._replace(dst_state_batch_indices=indices), d.ring)
+        replay_step(t._replace(dst_state_batch_indices=indices), d.ring, 4)
     with pytest.raises(ValueError, match="pool-mode"):
         replay_step(t._replace(state=t.state[:2].clone(), Bstate=t.Bstate[:2].clone(), Xstate=t.Xstate[:2].clone(),
-                               state_batch_indices=None, null_slot_id=None), d.ring)
+                               state_batch_indices=None, null_slot_id=None), d.ring, 4)
     with pytest.raises(ValueError, match="ring.x"):
-        replay_step(t, d.ring._replace(x=d.ring.x[:, :2]))
+        replay_step(t, d.ring._replace(x=d.ring.x[:, :2]), 4)
     with pytest.raises(ValueError, match="ring.coef"):
-        replay_step(t, d.ring._replace(coef=d.ring.coef.double()))
-    d.ring.length[1] = 4  # K = 4: at most 3 tokens wait in a ring
+        replay_step(t, d.ring._replace(coef=d.ring.coef.double()), 4)
+    d.ring.length[1] = 4  # K = 4 without drafts: a ring of 3 entries
     before = {k: v.clone() for k, v in d.replay_pools.items()}
     ring_before = [v.clone() for v in d.ring]
-    with pytest.raises(ValueError, match=r"ring.length must be in \[0, K - 1\]"):
-        replay_step(t, d.ring)
+    with pytest.raises(ValueError, match=r"ring.length \(plus accepted\) must be in \[0, 3\]"):
+        replay_step(t, d.ring, 4)
     for k, v in before.items():  # a failed call changes nothing
         assert torch.equal(d.replay_pools[k], v)
     for a, b in zip(d.ring, ring_before):
@@ -168,3 +171,67 @@ def test_replay_refuses_what_it_does_not_take_yet_and_bad_ring_lengths():
         new_ring(4, 1, 2, 2, 32, 32, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="rows must be"):
         materialize(t, d.ring, [6])
+
+
+def _advance_stepwise(d: Decode, lane: dict, indices, accepted: list):
+    """The stepwise pools after each lane's first ``accepted[b]`` draft tokens (a dense T-token step on
+    the lane's row, which equals that many one-token steps)."""
+    for b, row in enumerate(indices.tolist()):
+        a = accepted[b]
+        if a == 0:
+            continue
+        p = d.step_pools
+        dense = StepTensors(p["state"][row:row + 1].clone(), p["Bstate"][row:row + 1].clone(),
+                            p["Xstate"][row:row + 1].clone(), lane["A"][b:b + 1, :a], lane["B"][b:b + 1, :a],
+                            lane["C"][b:b + 1, :a], d.weights["D"], lane["x"][b:b + 1, :a], lane["dt"][b:b + 1, :a],
+                            lane["trap"][b:b + 1, :a], d.weights["xproj"], outproj=d.weights["outproj"],
+                            z=lane["z"][b:b + 1, :a], zproj=d.weights["zproj"])
+        mamba3_step_reference(dense, update_kv_state=True)
+        for k in ("state", "Bstate", "Xstate"):
+            p[k][row] = getattr(dense, k)[0]
+
+
+@pytest.mark.parametrize("state_dtype,K,T", [("float32", 4, 3), ("bfloat16", 3, 2)])
+def test_verify_steps_and_rollback_by_the_cursor_equal_stepwise_speculative_decoding(state_dtype, K, T):
+    """Verify steps (T drafts) and plain steps, the accepted count of each verify passed to the next
+    step (0 to T, every lane its own): after every step the materialised state equals stepwise
+    decoding of the accepted tokens bit for bit; each draft's out is within twice PyTorch-float32's
+    error of float64 from the stored checkpoint over the committed tokens and the drafts up to it."""
+    P, H, D, N, R = 6, 2, 32, 32, 2
+    d = Decode(P, H, D, N, R, K, state_dtype, seed=T, draft=T)
+    indices = torch.tensor([3, 0, 4], dtype=torch.int32)
+    g = torch.Generator().manual_seed(7)
+    pending, flushed_before_verify = None, 0
+    for kind in "VPVVPVVVPPVV":
+        if kind == "P":
+            lane = lane_inputs(3, H, D, N, R, generator=d.g, **d.io)
+            mamba3_step_reference(d.tensors(d.step_pools, lane, indices), update_kv_state=True)
+            replay_step(d.tensors(d.replay_pools, lane, indices), d.ring, K, accepted=pending)
+        else:
+            lane = lane_inputs(3, H, D, N, R, tokens=T, generator=d.g, **d.io)
+            before = {k: v.clone() for k, v in d.replay_pools.items()}
+            ring_before = Ring(*(v.clone() for v in d.ring))
+            got = replay_step(d.tensors(d.replay_pools, lane, indices), d.ring, K, accepted=pending)
+            for b, row in enumerate(indices.tolist()):
+                m = int(ring_before.length[row]) + (0 if pending is None else int(pending[b]))
+                flushed_before_verify += m >= K
+                base, committed = (d.replay_pools, 0) if m >= K else (before, m)
+                assert int(d.ring.length[row]) == committed  # the drafts wait uncommitted
+                for i in range(T):
+                    draft = {f: lane[f][b, :i + 1] for f in ("A", "dt", "trap", "x")}
+                    draft["B"] = lane["B"][b, :i + 1].expand(-1, -1, H, -1)
+                    tokens = {f: torch.cat([_ring_part(ring_before, row, committed)[f].to(v.dtype), v])
+                              for f, v in draft.items()}
+                    args = (d, base, row, tokens, lane["C"][b, i], lane["z"][b, i])
+                    want64, torch32 = _reference(*args, torch.float64), _reference(*args, torch.float32)
+                    assert_accurate(f"lane {b} draft {i}", got[b, i], want64, torch32.to(got.dtype),
+                                    want64.abs().max().item())
+            accepted = [int(v) for v in torch.randint(0, T + 1, (3,), generator=g)]
+            _advance_stepwise(d, lane, indices, accepted)
+            pending = torch.tensor(accepted, dtype=torch.int32)
+            continue
+        pending = None
+        state, Bstate, Xstate = materialize(d.tensors(d.replay_pools, lane, indices), d.ring, indices.tolist())
+        for k, v in (("state", state), ("Bstate", Bstate), ("Xstate", Xstate)):
+            assert torch.equal(v, d.step_pools[k][indices.long()]), f"materialised {k} differs from stepwise"
+    assert flushed_before_verify >= 1
