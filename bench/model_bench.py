@@ -25,6 +25,7 @@ from mamba3_step.bytes_model import (  # noqa: E402
     HBM_BANDWIDTH,
     MODES,
     bytes_per_step,
+    replay_bytes,
     token_saving,
     upstream_pipeline_bytes,
 )
@@ -262,6 +263,39 @@ def plot(rows: list[dict], path) -> bool:
     return True
 
 
+REPLAY_BATCHES = (1, 64, 256)
+REPLAY_K = (2, 4, 8)
+REPLAY_NOTE = ("replay (docs/design.md, 'Replay'; CPU path only, no kernel yet): bytes averaged over ring "
+               "positions; a verify step pays the flushes its accepted tokens cause (all T accepted: "
+               "min(1, T/K) of a state write). Bytes only: the time ratio is the bytes ratio while the "
+               "step stays memory-bound; the design's issue estimate for K = 4 is an H100 issue/memory "
+               "ratio of 0.52 (plain decode)")
+
+
+def replay_rows(batches=REPLAY_BATCHES, heads: int = FLAGSHIP_HEADS) -> list[dict]:
+    """The flagship's bytes per plain step and per T = 4 verify step (a destination row per token),
+    stepwise and with replay at each K of :data:`REPLAY_K` (``bytes_model.replay_bytes``)."""
+    plain = flagship_spec()
+    verify = flagship_spec(tokens=4, has_dst=True, dst_per_token=True, num_accepted=True)
+    rows = []
+    for batch in batches:
+        for kind, spec in (("plain", plain), ("verify T=4", verify)):
+            base = bytes_per_step(spec, batch, heads)["total"]
+            row = {"batch": batch, "heads": heads, "step": kind, "bytes_stepwise": base, "mib_stepwise": base / 2**20,
+                   "us_stepwise_H100": base / HBM_BANDWIDTH["H100"] * 1e6}
+            for K in REPLAY_K:
+                b = replay_bytes(spec, K, batch, heads)["total"]
+                row.update({f"bytes_K{K}": b, f"mib_K{K}": b / 2**20, f"ratio_K{K}": b / base,
+                            f"us_K{K}_H100": b / HBM_BANDWIDTH["H100"] * 1e6})
+            rows.append(row)
+    return rows
+
+
+REPLAY_COLUMNS = [("batch", "B", ">d"), ("step", "step", "<"), ("mib_stepwise", "stepwise MiB", ">.1f")] + [
+    col for K in REPLAY_K for col in ((f"mib_K{K}", f"K={K} MiB", ">.1f"), (f"ratio_K{K}", f"K={K} x", ">.3f"))
+] + [("us_stepwise_H100", "H100 stepwise us", ">.1f"), ("us_K4_H100", "H100 K=4 us", ">.1f")]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="output folder (default bench/results)")
@@ -279,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     rotary = rotary_rows(heads=args.heads)
     print(format_rotary(rotary))
+    print()
+    replay = replay_rows(heads=args.heads)
+    print(f"replay, flagship, H={args.heads}: stepwise vs a checkpoint and a ring of K - 1 tokens; modelled "
+          "(bytes / peak HBM bandwidth)")
+    print(_util.format_table(replay, REPLAY_COLUMNS))
+    print(f"  - {REPLAY_NOTE}")
     out = _util.results_dir(args.out)
     payload = {
         "what": "modelled, not measured: compulsory HBM bytes per decode step (mamba3_step.bytes_model) "
@@ -289,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "tokens": tokens,
         "rotary": {"spec": flagship_rotary_spec().as_dict(), "rows": rotary, "notes": list(ROTARY_NOTES)},
+        "replay": {"rows": replay, "note": REPLAY_NOTE},
     }
     print(f"wrote {_util.write_json(out / 'model_bench.json', payload)}")
     if not args.no_plot:

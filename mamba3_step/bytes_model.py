@@ -72,6 +72,10 @@ scattered too (the step always writes the angle).
 :func:`upstream_pipeline_bytes` models upstream's rotary decode (``Mamba3.step`` of
 state-spaces/mamba): a separate rotary launch, the dense step, three state copies, and, with
 pools, the gather and scatter of the four state tensors.
+
+:func:`replay_bytes` models replay (docs/design.md, "Replay"; its CPU path is
+``mamba3_step.replay``, no kernel yet): per step the state row is read, written only by a flush;
+the ring's committed entries are read and this step's tokens appended.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ __all__ = [
     "bc_load_bytes",
     "bytes_per_step",
     "predicted_seconds",
+    "replay_bytes",
     "predicted_speedup",
     "token_saving",
     "upstream_pipeline_bytes",
@@ -340,3 +345,40 @@ def upstream_pipeline_bytes(spec: StepSpec, batch: int, heads: int, pools: bool 
     out["gather/scatter indices"] = 2 * len(rows) * batch * _I32 if pools else 0
     out["total"] = sum(out.values())
     return out
+
+
+def replay_bytes(spec: StepSpec, K: int, batch: int, heads: int, position: int | None = None) -> dict:
+    """Bytes of one pool-mode step with replay (docs/design.md, "Replay"), every lane live, at ring
+    ``position`` (committed tokens before the step; None: the average over positions 0..K-1, each
+    as often, as requests at every position share a batch). ``spec`` is the stepwise step's
+    (``update_kv_state``; ``spec.tokens`` = T > 1 a verify step, its destinations not used).
+
+    Per live lane and head, on top of the step's inputs, ``out``, weights and indices (as
+    :func:`bytes_per_step`): the state and ``Bstate``/``Xstate`` rows read; ``position`` ring entries
+    read and T entries written (an entry: B ``R N`` kv bytes, x ``D`` x bytes, A/dt/trap 12); the
+    ring length read and written (4 + 4 a lane). A one-token step at position K - 1 flushes: it
+    writes the state and ``Bstate``/``Xstate`` rows and no entry. A verify step (T drafts) pays the
+    flushes its accepted tokens cause, at most one per K tokens: ``min(1, T / K)`` of a state,
+    Bstate and Xstate write. Returns ``{entry: bytes, "total": bytes}``."""
+    if not isinstance(K, int) or not 2 <= K <= 16:
+        raise ValueError(f"K must be an int in [2, 16], got {K!r}")
+    if position is None:
+        rows = [replay_bytes(spec, K, batch, heads, m) for m in range(K)]
+        return {k: sum(r[k] for r in rows) / K for k in rows[0]}
+    if not isinstance(position, int) or not 0 <= position <= K - 1:
+        raise ValueError(f"position must be an int in [0, K - 1], got {position!r}")
+    T = spec.tokens
+    step = _kernel_bytes(spec.replace(update_kv_state=False, has_dst=False, dst_per_token=False), batch, batch,
+                         heads, pool=True)
+    N, D, R, H = spec.dstate, spec.headdim, spec.mimo, heads
+    row = {"state": H * D * N * DTYPE_BYTES[spec.state_dtype], "Bstate": R * H * N * DTYPE_BYTES[spec.kv_dtype],
+           "Xstate": H * D * DTYPE_BYTES[spec.x_dtype]}
+    entry = H * (R * N * DTYPE_BYTES[spec.kv_dtype] + D * DTYPE_BYTES[spec.x_dtype] + 3 * _F32)
+    flush = (1.0 if position == K - 1 else 0.0) if T == 1 else min(1.0, T / K)
+    for name, b in row.items():
+        step[name] = batch * b * (1 + flush)
+    appended = 0 if (T == 1 and position == K - 1) else T
+    step["ring"] = batch * entry * (position + appended)
+    step["ring.length"] = batch * 2 * _I32
+    step["total"] = sum(step.values())
+    return step

@@ -426,3 +426,20 @@ def test_drift_bench_plot(tmp_path):
     png = tmp_path / "d.png"
     assert drift_bench.plot(res, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_model_bench_replay_table(tmp_path, capsys):
+    """The replay table: stepwise and each K's bytes from bytes_model, plain and T = 4 verify steps."""
+    from mamba3_step.bytes_model import bytes_per_step, replay_bytes
+    from mamba3_step.spec import flagship_spec
+    assert model_bench.main(["--out", str(tmp_path), "--no-plot"]) == 0
+    assert "replay, flagship" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "model_bench.json").read_text())["replay"]["rows"]
+    assert [(r["batch"], r["step"]) for r in rows] == [(b, s) for b in (1, 64, 256) for s in ("plain", "verify T=4")]
+    for r in rows:
+        spec = flagship_spec() if r["step"] == "plain" else flagship_spec(
+            tokens=4, has_dst=True, dst_per_token=True, num_accepted=True)
+        assert r["bytes_stepwise"] == bytes_per_step(spec, r["batch"], 48)["total"]
+        for K in (2, 4, 8):
+            assert r[f"bytes_K{K}"] == pytest.approx(replay_bytes(spec, K, r["batch"], 48)["total"])
+    assert rows[-2]["ratio_K4"] < 0.7  # plain decode at B = 256

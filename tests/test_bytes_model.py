@@ -19,6 +19,7 @@ from mamba3_step.bytes_model import (
     bytes_per_step,
     predicted_seconds,
     predicted_speedup,
+    replay_bytes,
     token_saving,
     upstream_pipeline_bytes,
 )
@@ -372,3 +373,30 @@ def test_executed_rotary_bytes_equal_the_model(case):
     want = bc_load_bytes(s, B, H)
     assert loads["B"] == want["B"] and loads["C"] == want["C"]
     assert (want["B"] == H * model["B"]) == case["shared_bc"]
+
+
+def test_replay_bytes_by_hand():
+    """Replay's bytes (docs/design.md, "Replay") against a hand count, flagship, B = 3, H = 2, K = 4:
+    an append step at ring position m reads the state, Bstate and Xstate rows and m entries, writes
+    one entry; a flush reads K - 1 entries and writes the three rows; each reads and writes its
+    ring length; the step's inputs, out, weights and indices are the stepwise step's."""
+    spec, B, H, K = flagship_spec(), 3, 2, 4
+    N, D, R = spec.dstate, spec.headdim, spec.mimo
+    rows = B * (H * D * N * 4 + R * H * N * 2 + H * D * 2)  # state fp32, Bstate, Xstate bf16
+    entry = B * H * (R * N * 2 + D * 2 + 12)
+    stepwise = bytes_per_step(spec, B, H)["total"]
+    with_kv = 2 * rows  # the stepwise step reads and writes the three rows
+    rest = stepwise - with_kv
+    for m in range(K - 1):
+        assert replay_bytes(spec, K, B, H, m)["total"] == rest + rows + (m + 1) * entry + 8 * B
+    assert replay_bytes(spec, K, B, H, K - 1)["total"] == rest + 2 * rows + (K - 1) * entry + 8 * B
+    average = replay_bytes(spec, K, B, H)["total"]
+    assert average == pytest.approx(sum(replay_bytes(spec, K, B, H, m)["total"] for m in range(K)) / K)
+    assert replay_bytes(spec, K, 256, FLAGSHIP_HEADS)["total"] / bytes_per_step(spec, 256, FLAGSHIP_HEADS)["total"] < 0.7
+    verify = flagship_spec(tokens=4, has_dst=True, dst_per_token=True, num_accepted=True)
+    v = replay_bytes(verify, 8, B, H, 2)  # a flush every 8 tokens, 4 accepted a round: half a row write
+    assert v["state"] == B * H * D * N * 4 * 1.5 and v["ring"] == (2 + 4) * entry
+    with pytest.raises(ValueError, match="K must be"):
+        replay_bytes(spec, 1, B, H)
+    with pytest.raises(ValueError, match="position"):
+        replay_bytes(spec, K, B, H, K)
