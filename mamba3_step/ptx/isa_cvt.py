@@ -268,6 +268,16 @@ def _compare(ins, cmp, t):
     raise unsupported(ins)
 
 
+def _compared(ins, F, idx, a, b, view, fn) -> np.ndarray:
+    """The comparison ``fn`` of operands ``a``, ``b`` read as ``view`` (fp32 subnormals flushed with .ftz),
+    as a bool array: what setp and set compute."""
+    x, y = F.read(a, view, idx), F.read(b, view, idx)
+    if "ftz" in ins.mods and view is np.float32:
+        x, y = fp.ftz32(np.asarray(x)), fp.ftz32(np.asarray(y))
+    with np.errstate(invalid="ignore"):
+        return np.asarray(fn(x, y), bool)
+
+
 @handler("setp")
 def _setp(ins, ctx):
     t = type_of(ins)
@@ -282,11 +292,7 @@ def _setp(ins, ctx):
     p, q = (d.first, d.second) if isinstance(d, Pair) else (d, None)
 
     def run(F, idx):
-        x, y = F.read(a, view, idx), F.read(b, view, idx)
-        if "ftz" in ins.mods and view is np.float32:
-            x, y = fp.ftz32(np.asarray(x)), fp.ftz32(np.asarray(y))
-        with np.errstate(invalid="ignore"):
-            r = np.asarray(fn(x, y), bool)
+        r = _compared(ins, F, idx, a, b, view, fn)
         nr = ~r
         if boolop:
             cv = F.read(c, np.bool_, idx)
@@ -310,12 +316,7 @@ def _set(ins, ctx):
     yes, no = (np.float32(1.0), np.float32(0.0)) if dtype == "f32" else (np.uint32(0xFFFFFFFF), np.uint32(0))
 
     def run(F, idx):
-        x, y = F.read(a, view, idx), F.read(b, view, idx)
-        if "ftz" in ins.mods and view is np.float32:
-            x, y = fp.ftz32(np.asarray(x)), fp.ftz32(np.asarray(y))
-        with np.errstate(invalid="ignore"):
-            r = np.asarray(fn(x, y), bool)
-        F.write(d, np.where(r, yes, no), type(yes), idx)
+        F.write(d, np.where(_compared(ins, F, idx, a, b, view, fn), yes, no), type(yes), idx)
     return run
 
 
