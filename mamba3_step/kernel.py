@@ -35,7 +35,7 @@ token ``t > 0`` first rounds the previous token's staged B~ to the kv dtype
 With stochastic rounding (a 16-bit state and ``rand_seed``; docs/contract.md) step 5 rounds each
 16-byte vector of the new state through :meth:`Mamba3StepKernel.store_rounded`: one Philox4x32-10
 call (:meth:`Mamba3StepKernel.philox`) for its 8 elements' random bits, then
-:meth:`Mamba3StepKernel.round_bf16_pair` per bf16 pair or :meth:`Mamba3StepKernel.round_stochastic`
+:meth:`Mamba3StepKernel.round_bf16_pair` per bf16 pair or :meth:`Mamba3StepKernel.round_fp16`
 per fp16 element (the rules of :mod:`mamba3_step.rounding`, on the fp32 pattern, without branches).
 An 8-bit state (int8, e4m3; docs/contract.md, "8-bit states") is read as ``q * scale`` (the row's
 scale loaded with it by step 2) and stored through :meth:`Mamba3StepKernel.store_quantized` after
@@ -815,8 +815,8 @@ class Mamba3StepKernel:
                 if const_expr(tSrW is not None):
                     tSrW[j, i, c] = self.round_bf16_pair(tSrNew[2 * j, c], tSrNew[2 * j + 1, c], words[j])
                 else:
-                    tSrS[2 * j, i, c] = self.round_stochastic(tSrNew[2 * j, c], words[j] & Uint32(0xFFFF))
-                    tSrS[2 * j + 1, i, c] = self.round_stochastic(tSrNew[2 * j + 1, c], words[j] >> Uint32(16))
+                    tSrS[2 * j, i, c] = self.round_fp16(tSrNew[2 * j, c], words[j] & Uint32(0xFFFF))
+                    tSrS[2 * j + 1, i, c] = self.round_fp16(tSrNew[2 * j + 1, c], words[j] >> Uint32(16))
 
     @cute.jit
     def store_quantized(self, group: RowGroup, tSrNewG: cute.Tensor, tok: Token, cta: Cta):
@@ -935,7 +935,7 @@ class Mamba3StepKernel:
         return inline_ptx(Uint32, "prmt.b32 $0, $1, $2, 0x7632;", "=r,r,r", s0, s1)
 
     @cute.jit
-    def round_stochastic(self, x: Float32, r: Uint32):
+    def round_fp16(self, x: Float32, r: Uint32):
         """``x`` rounded to fp16 with the 16 random bits ``r``: :meth:`round_on_grid` with ``r >> 3``
         (13 bits below fp16's last mantissa bit), then ``x``'s sign. The truncated value is exact
         in fp16 (or beyond its range: inf), so the final conversion does not round; a NaN converts
