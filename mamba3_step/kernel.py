@@ -40,7 +40,8 @@ per fp16 element (the rules of :mod:`mamba3_step.rounding`, on the fp32 pattern,
 An 8-bit state (int8, e4m3; docs/contract.md, "8-bit states") is read as ``q * scale`` (the row's
 scale loaded with it by step 2) and stored through :meth:`Mamba3StepKernel.store_quantized` after
 the row group's update: each row's absmax over its TPR lanes, its scale, and per 16-byte vector
-two Philox calls for :meth:`Mamba3StepKernel.quantize_8bit`; the row's first lane stores the scale.
+two Philox calls for :meth:`Mamba3StepKernel.quantize_int8` (per code) or
+:meth:`Mamba3StepKernel.round_e4m3` (converted in pairs); the row's first lane stores the scale.
 
 A T-token specialisation (speculative decoding) loads the slab once (2) and runs 3-8 once per
 token, :meth:`Mamba3StepKernel.token_step`, in a loop unrolled at trace time: the state stays
@@ -65,7 +66,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float32, Int32, Int64, Uint32, Uint64, const_expr
+from cutlass import Boolean, Float32, Int32, Int64, Uint16, Uint32, Uint64, const_expr
 from cutlass._mlir.dialects import llvm
 
 from .contract import DTYPES, SCALED_STATE_DTYPES
@@ -862,41 +863,53 @@ class Mamba3StepKernel:
         odd = bad | (absmax < Float32(SMALL_ROW))
         safe = Float32(cutlass.select_(odd, Float32(1.0), absmax))
         q_max = Float32(QMAX[self.spec.state_dtype])
-        inv = self.div_rn(q_max, safe)
-        if const_expr(self.state_dtype is cutlass.Int8):  # v = x * 0: 0, or NaN for a bad row, both code 0
-            inv = Float32(cutlass.select_(odd, Float32(0.0), inv))
+        # odd rows: v = x * 0 (0, or NaN in a bad row): int8 converts both to code 0, e4m3 pairs are zeroed
+        inv = Float32(cutlass.select_(odd, Float32(0.0), self.div_rn(q_max, safe)))
         scale = Float32(cutlass.select_(odd, Float32(0.0), self.div_rn(safe, q_max)))
         group.tSrScale[i] = Float32(cutlass.select_(bad, Float32(float("nan")), scale))
         k0, k1, o0, o1 = tok.rng
         d = cta.dtile * self.tile_D + group.rows[i]
         base = (Uint32(cta.h) * Uint32(self.D) + Uint32(d)) * Uint32(self.N // N_PER_CALL)
         row_id = cta.dst if const_expr(cta.seed[2] is None) else cta.seed[2]
+        int8 = const_expr(self.state_dtype is cutlass.Int8)
+        tSrH = None if int8 else cute.recast_tensor(group.tSrS, Uint16)  # e4m3 codes in pairs
         for c in cutlass.range_constexpr(lay.CPT):
             for half in cutlass.range_constexpr(2):
                 g = Uint32(2 * (c * lay.TPR + cta.lane) + half)
                 words = self.philox((o0, o1, Uint32(row_id), base + g), k0, k1)
-                for k in cutlass.range_constexpr(N_PER_CALL):
+                for k in cutlass.range_constexpr(0, N_PER_CALL, 2):
                     e = half * N_PER_CALL + k
-                    r = (words[k // 2] >> (16 * (k % 2))) & Uint32(0xFFFF)
-                    v = self.mul_rn(tSrNewG[e, i, c], inv)
-                    if const_expr(self.state_dtype is not cutlass.Int8):
-                        v = Float32(cutlass.select_(odd, Float32(0.0), v))
-                    group.tSrS[e, i, c] = self.quantize_8bit(v, r)
+                    w = words[k // 2]
+                    v0, v1 = self.mul_rn(tSrNewG[e, i, c], inv), self.mul_rn(tSrNewG[e + 1, i, c], inv)
+                    if const_expr(int8):
+                        group.tSrS[e, i, c] = self.quantize_int8(v0, w & Uint32(0xFFFF))
+                        group.tSrS[e + 1, i, c] = self.quantize_int8(v1, w >> Uint32(16))
+                    else:
+                        pair = self.e4m3_pair(self.round_e4m3(v0, w & Uint32(0xFFFF)),
+                                              self.round_e4m3(v1, w >> Uint32(16)))
+                        tSrH[e // 2, i, c] = Uint16(cutlass.select_(odd, Uint16(0), pair))
 
     @cute.jit
-    def quantize_8bit(self, v: Float32, r: Uint32):
-        """``v`` (``|v| <= Q`` up to two roundings) stochastically rounded with the 16 bits ``r``:
-        int8, ``sign(v) min(127, (floor(|v| 2**16) + r) >> 16)``; e4m3, :meth:`round_on_grid`
-        with ``r << 4`` (20 bits below e4m3's last mantissa bit), saturated at 448; the final
-        conversion is exact. ``|v|`` is finite and near 448 at most, so the sum cannot carry
-        into the sign bit (no guard)."""
-        if const_expr(self.state_dtype is cutlass.Int8):  # a NaN v (a bad row, inv = 0) converts to 0
-            frac = self.asm_u32("cvt.rzi.u32.f32 $0, $1;", self.asm_f32("abs.f32 $0, $1;", v) * Float32(65536.0))
-            mag = Int32(self.umin((frac + r) >> 16, Uint32(127)))
-            return Int32(cutlass.select_(v < Float32(0.0), -mag, mag)).to(self.state_dtype)
+    def quantize_int8(self, v: Float32, r: Uint32):
+        """``v`` (``|v| <= 127`` up to two roundings) stochastically rounded with the 16 bits ``r``:
+        ``sign(v) min(127, (floor(|v| 2**16) + r) >> 16)``; a NaN ``v`` (a bad row) converts to 0."""
+        frac = self.asm_u32("cvt.rzi.u32.f32 $0, $1;", self.asm_f32("abs.f32 $0, $1;", v) * Float32(65536.0))
+        mag = Int32(self.umin((frac + r) >> 16, Uint32(127)))
+        return Int32(cutlass.select_(v < Float32(0.0), -mag, mag)).to(self.state_dtype)
+
+    @cute.jit
+    def round_e4m3(self, v: Float32, r: Uint32) -> Float32:
+        """``v`` (``|v| <= 448`` up to two roundings) stochastically rounded to e4m3's grid with the 16
+        bits ``r``: :meth:`round_on_grid` with ``r << 4`` (20 bits below e4m3's last mantissa bit),
+        saturated at 448, ``v``'s sign; exact in e4m3. ``|v|`` is finite, so the sum cannot carry into
+        the sign bit (no guard)."""
         y = self.round_on_grid(v, r << Uint32(4), SUBNORMAL_GRIDS[self.spec.state_dtype], guard=False)
         y = self.asm_f32("min.f32 $0, $1, 0f43E00000;", y)  # 448: e4m3fn saturates
-        return self.bits_f32(self.f32_bits(y) | (self.f32_bits(v) & Uint32(0x80000000))).to(self.state_dtype)
+        return self.bits_f32(self.f32_bits(y) | (self.f32_bits(v) & Uint32(0x80000000)))
+
+    def e4m3_pair(self, lo: Float32, hi: Float32) -> Uint16:
+        """Two e4m3 values (exact on its grid) as one 16-bit pair of codes, ``lo`` in the low byte."""
+        return inline_ptx(Uint16, "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f", Float32(hi), Float32(lo))
 
     def umax(self, a: Uint32, b: Uint32) -> Uint32:
         return inline_ptx(Uint32, "max.u32 $0, $1, $2;", "=r,r,r", Uint32(a), Uint32(b))

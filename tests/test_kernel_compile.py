@@ -324,7 +324,8 @@ def test_flagship_instruction_budget(state_dtype, arch):
     """The flagship (fp32) and the flagship with a stochastically rounded 16-bit state."""
     spec = flagship_spec(state_dtype=state_dtype, stochastic_rounding=state_dtype != "float32")
     issued = slab_warp_instructions(facts_for(spec, arch), spec)
-    assert issued <= FLAGSHIP_SLAB_BUDGET[state_dtype][arch], f"{state_dtype} {arch}: {issued} warp-instructions per slab"
+    budget = FLAGSHIP_SLAB_BUDGET[state_dtype][arch]
+    assert issued <= budget, f"{state_dtype} {arch}: {issued} warp-instructions per slab (budget {budget})"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
