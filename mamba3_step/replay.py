@@ -24,7 +24,10 @@ committed tokens:
   the entries after the committed ones, uncommitted (``length = m``): a rejected draft is rolled
   back by not accepting it.
 
-Padding lanes (docs/contract.md) write zeros to ``out`` and touch no row of any pool.
+With stochastic rounding (``rand_seed``) the ring keeps each token's offset and the row it drew
+for, so a flush (and :func:`materialize`) draws the stepwise bits again; an 8-bit state's scales
+(``state_scale``) are part of the checkpoint. Padding lanes (docs/contract.md) write zeros to
+``out`` and touch no row of any pool.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ import torch
 
 from .contract import lane_is_live
 from .reference import epilogue, mamba3_step_reference
+from .rounding import dequantize_rows
 from .tensors import StepTensors
 from .validation.step import check_step_inputs
 
-__all__ = ["Ring", "fork_row", "materialize", "new_ring", "output_from_checkpoint", "replay_step"]
+__all__ = ["Current", "Ring", "fork_row", "materialize", "new_ring", "output_from_checkpoint", "replay_step"]
 
 Tensor = torch.Tensor
 
@@ -51,12 +55,25 @@ class Ring(NamedTuple):
     x: Tensor  # (P, L, H, D), x's dtype
     coef: Tensor  # (P, L, H, 3) float32: the token's A, dt, trap
     length: Tensor  # (P,) int32: committed tokens
+    offset: Optional[Tensor] = None  # (P, L) int64, with stochastic rounding: the rand_seed offset it drew at
+    drawn_for: Optional[Tensor] = None  # (P, L) int32, with stochastic rounding: the row it drew for
+
+
+class Current(NamedTuple):
+    """A row's current state, as stepwise decoding holds it (:func:`materialize`)."""
+
+    state: Tensor
+    Bstate: Tensor
+    Xstate: Tensor
+    state_scale: Optional[Tensor] = None  # with an 8-bit state
 
 
 def new_ring(rows: int, K: int, mimo: int, heads: int, dstate: int, headdim: int, *,
-             kv_dtype: torch.dtype, x_dtype: torch.dtype, draft: int = 0, device=None) -> Ring:
+             kv_dtype: torch.dtype, x_dtype: torch.dtype, draft: int = 0, stochastic: bool = False,
+             device=None) -> Ring:
     """An empty ring for ``rows`` pool rows, flush length ``K`` (2 to 16) and room for verify steps of
-    up to ``draft`` tokens (0 to 16): ``K - 1 + draft`` entries."""
+    up to ``draft`` tokens (0 to 16): ``K - 1 + draft`` entries; ``stochastic``: with the offsets a
+    stochastically rounded state's flush draws at."""
     if not isinstance(K, int) or not 2 <= K <= 16:
         raise ValueError(f"new_ring: K must be an int in [2, 16], got {K!r}")
     if not isinstance(draft, int) or not 0 <= draft <= 16:
@@ -65,14 +82,15 @@ def new_ring(rows: int, K: int, mimo: int, heads: int, dstate: int, headdim: int
     return Ring(torch.zeros(rows, L, mimo, heads, dstate, dtype=kv_dtype, device=device),
                 torch.zeros(rows, L, heads, headdim, dtype=x_dtype, device=device),
                 torch.zeros(rows, L, heads, 3, dtype=torch.float32, device=device),
-                torch.zeros(rows, dtype=torch.int32, device=device))
+                torch.zeros(rows, dtype=torch.int32, device=device),
+                torch.zeros(rows, L, dtype=torch.int64, device=device) if stochastic else None,
+                torch.zeros(rows, L, dtype=torch.int32, device=device) if stochastic else None)
 
 
 def _check(t: StepTensors, ring: Ring, K: int) -> None:
     """What this CPU path takes: pool mode, the state written back to its source, a ring that fits."""
     unsupported = {"dst_state_batch_indices": t.dst_state_batch_indices, "num_accepted_tokens": t.num_accepted_tokens,
-                   "angle_state": t.angle_state, "rand_seed": t.rand_seed, "state_scale": t.state_scale,
-                   "state_out": t.state_out}
+                   "angle_state": t.angle_state, "state_out": t.state_out}
     for name, v in unsupported.items():
         if v is not None:
             raise ValueError(f"replay_step: {name} is not supported with replay yet (docs/contract.md, 'Replay')")
@@ -86,42 +104,66 @@ def _check(t: StepTensors, ring: Ring, K: int) -> None:
     if L < K - 1 + drafts:
         raise ValueError(f"replay_step: the ring holds {L} entries; K = {K} with {drafts}-token drafts needs "
                          f"{K - 1 + drafts} (new_ring(..., draft={drafts}))")
-    want = {"B": (P, L, R, H, N), "x": (P, L, H, D), "coef": (P, L, H, 3), "length": (P,)}
-    dtypes = {"B": t.Bstate.dtype, "x": t.Xstate.dtype, "coef": torch.float32, "length": torch.int32}
+    want = {"B": (P, L, R, H, N), "x": (P, L, H, D), "coef": (P, L, H, 3), "length": (P,), "offset": (P, L),
+            "drawn_for": (P, L)}
+    dtypes = {"B": t.Bstate.dtype, "x": t.Xstate.dtype, "coef": torch.float32, "length": torch.int32,
+              "offset": torch.int64, "drawn_for": torch.int32}
     for name, shape in want.items():
         got = getattr(ring, name)
-        if tuple(got.shape) != shape or got.dtype != dtypes[name] or got.device != t.state.device:
-            raise ValueError(f"replay_step: ring.{name} must be {dtypes[name]} of shape {shape} on {t.state.device}, "
-                             f"got {got.dtype} {tuple(got.shape)} on {got.device}")
+        if got is None and name in ("offset", "drawn_for") and t.rand_seed is None:
+            continue
+        if got is None or tuple(got.shape) != shape or got.dtype != dtypes[name] or got.device != t.state.device:
+            got = "None" if got is None else f"{got.dtype} {tuple(got.shape)} on {got.device}"
+            hint = " (stochastic rounding: new_ring(..., stochastic=True))" if name in ("offset", "drawn_for") else ""
+            raise ValueError(f"replay_step: ring.{name} must be {dtypes[name]} of shape {shape} on {t.state.device}"
+                             f"{hint}, got {got}")
 
 
 def _ring_tokens(ring: Ring, rows: Tensor, count: int) -> dict:
     """The first ``count`` ring tokens of ``rows`` as per-lane inputs with a token axis."""
     coef = ring.coef[rows, :count]  # (n, count, H, 3)
-    return {"A": coef[..., 0], "dt": coef[..., 1], "trap": coef[..., 2], "B": ring.B[rows, :count],
-            "x": ring.x[rows, :count]}
+    tokens = {"A": coef[..., 0], "dt": coef[..., 1], "trap": coef[..., 2], "B": ring.B[rows, :count],
+              "x": ring.x[rows, :count]}
+    if ring.offset is not None:
+        tokens["offset"], tokens["drawn_for"] = ring.offset[rows, :count], ring.drawn_for[rows, :count]
+    return tokens
 
 
-def _step_tokens(t: StepTensors, lanes: Tensor) -> dict:
-    """This step's tokens of ``lanes`` in the ring's form, with a token axis (T = 1 without one)."""
+def _step_tokens(t: StepTensors, lanes: Tensor, rows: Tensor) -> dict:
+    """This step's tokens of ``lanes`` (rows ``rows``) in the ring's form, with a token axis (T = 1
+    without one); with stochastic rounding each token's offset and the row it draws for."""
     H = t.state.shape[1]
     picked = {f: getattr(t, f)[lanes] for f in ("A", "dt", "trap", "B", "x")}
     if t.x.dim() == 3:
         picked = {f: v[:, None] for f, v in picked.items()}
     picked["B"] = picked["B"].expand(-1, -1, -1, H, -1)
+    if t.rand_seed is not None:  # token t draws at offset + t (int64 wrap)
+        T = picked["x"].shape[1]
+        offset = t.rand_seed[1].to(torch.int64) + torch.arange(T, device=t.x.device)
+        picked["offset"] = offset.expand(lanes.numel(), T)
+        picked["drawn_for"] = rows.to(torch.int32)[:, None].expand(-1, T)  # the row the state is stored to
     return picked
 
 
 def _cat(first: dict, second: dict, upto: Optional[int] = None) -> dict:
     """Two token dicts joined on the token axis (the second's first ``upto`` tokens)."""
-    return {f: torch.cat([first[f], second[f][:, :upto].to(first[f].dtype)], 1) for f in first}
+    return {f: torch.cat([first[f], second[f][:, :upto].to(first[f].dtype)], 1) for f in first if f in second}
+
+
+def _base(t: StepTensors, rows: Tensor) -> tuple:
+    """The checkpoints of ``rows``: ``(state, Bstate, Xstate, state_scale or None)``."""
+    scale = None if t.state_scale is None else t.state_scale[rows]
+    return t.state[rows], t.Bstate[rows], t.Xstate[rows], scale
 
 
 def _replay(t: StepTensors, base: tuple, tokens: dict, C: Tensor, z: Optional[Tensor],
             compute_dtype: torch.dtype) -> tuple:
-    """``tokens`` (T per lane) replayed on the checkpoints ``base`` = ``(state, Bstate, Xstate)`` rows
-    with the T-token CPU path (dense, ``update_kv_state``): ``(state, Bstate, Xstate, out)`` after the
-    last token, ``out`` that token's (its ``C``/``z``; zeros stand in for the others', not needed)."""
+    """``tokens`` (T per lane) replayed on the checkpoints ``base`` (:func:`_base`) with the CPU path
+    (dense, ``update_kv_state``): ``(state, Bstate, Xstate, state_scale, out)`` after the last token,
+    ``out`` that token's (its ``C``/``z``; zeros stand in for the others', not needed). Without
+    stochastic rounding one T-token step; with it one step per lane and token, drawing at the
+    token's ``offset`` for the row it was stored to (``drawn_for``: a forked row's pending tokens
+    drew for the row they were decoded in), as the stepwise step drew."""
     n, T = tokens["x"].shape[:2]
     C_all = torch.zeros((n, T) + tuple(C.shape[1:]), dtype=C.dtype, device=C.device)
     C_all[:, -1] = C
@@ -131,17 +173,33 @@ def _replay(t: StepTensors, base: tuple, tokens: dict, C: Tensor, z: Optional[Te
     if z is not None:
         z_all = torch.zeros((n, T) + tuple(z.shape[1:]), dtype=z.dtype, device=z.device)
         z_all[:, -1] = z
+    scale = None if base[3] is None else base[3].clone()
     dense = StepTensors(base[0].clone(), base[1].clone(), base[2].clone(), tokens["A"], tokens["B"], C_all, t.D,
                         tokens["x"], tokens["dt"], tokens["trap"], t.xproj, outproj=t.outproj, z=z_all,
-                        zproj=t.zproj)
-    out = mamba3_step_reference(dense, update_kv_state=True, compute_dtype=compute_dtype)
-    return dense.state, dense.Bstate, dense.Xstate, out[:, -1]
+                        zproj=t.zproj, state_scale=scale)
+    if "offset" not in tokens:
+        out = mamba3_step_reference(dense, update_kv_state=True, compute_dtype=compute_dtype)[:, -1]
+        return dense.state, dense.Bstate, dense.Xstate, dense.state_scale, out
+    outs = []
+    for b in range(n):
+        lane = slice(b, b + 1)
+        for j in range(T):
+            one = dense._replace(**{f: getattr(dense, f)[lane, j] for f in ("A", "B", "C", "x", "dt", "trap")},
+                                 z=None if z_all is None else z_all[lane, j],
+                                 state=dense.state[lane], Bstate=dense.Bstate[lane], Xstate=dense.Xstate[lane],
+                                 state_scale=None if scale is None else scale[lane],
+                                 rand_seed=torch.stack([t.rand_seed[0], tokens["offset"][b, j]]),
+                                 rand_rows=tokens["drawn_for"][lane, j])
+            last = mamba3_step_reference(one, update_kv_state=True, stochastic_rounding=True,
+                                         compute_dtype=compute_dtype)[0]
+        outs.append(last)
+    return dense.state, dense.Bstate, dense.Xstate, dense.state_scale, torch.stack(outs)
 
 
 def output_from_checkpoint(t: StepTensors, base: tuple, tokens: dict, C: Tensor, z: Optional[Tensor],
                            compute_dtype: torch.dtype = torch.float32) -> Tensor:
-    """``out`` of the last of ``tokens`` (tokens 1..k after the checkpoints ``base`` = ``(state,
-    Bstate, Xstate)`` rows; its ``C`` (n, R, H, N) and ``z``), without the new state (docs/design.md,
+    """``out`` of the last of ``tokens`` (tokens 1..k after the checkpoints ``base``, :func:`_base`:
+    an 8-bit state read as ``q * scale``; its ``C`` (n, R, H, N) and ``z``), without the new state (docs/design.md,
     "Replay", the algebra)::
 
         y_k[r, d] = P_k sum_n s_0[d, n] C_k[r, n]
@@ -164,7 +222,7 @@ def output_from_checkpoint(t: StepTensors, base: tuple, tokens: dict, C: Tensor,
     xs = [base[2].to(cd)] + [tokens["x"][:, j].to(cd) for j in range(k)]  # (n, H, D)
     xproj = t.xproj.to(cd)
     C = C.to(cd).expand(-1, -1, H, -1)  # (n, R, H, N)
-    s0 = base[0].to(cd)
+    s0 = (base[0] if base[3] is None else dequantize_rows(base[0], base[3].to(torch.float32))).to(cd)
     ys = [suffix[0][..., None] * (s0 * C[:, r, :, None, :]).sum(-1) for r in range(R)]  # (n, H, D)
     for j in range(k + 1):
         w = gamma[:, j - 1] * suffix[j] if j >= 1 else torch.zeros_like(suffix[0])
@@ -197,8 +255,8 @@ def _committed(ring: Ring, rows: Tensor, lanes: Tensor, accepted: Optional[Tenso
 
 def _lane_writes(t: StepTensors, ring: Ring, K: int, ln: Tensor, rw: Tensor, m: int, cd) -> tuple:
     """``(out, writes)`` of the live lanes ``ln`` (rows ``rw``) whose rows hold ``m`` committed tokens."""
-    base = (t.state[rw], t.Bstate[rw], t.Xstate[rw])
-    now = _step_tokens(t, ln)
+    base = _base(t, rw)
+    now = _step_tokens(t, ln, rw)
     committed = _ring_tokens(ring, rw, m)
     one = t.x.dim() == 3
     C = t.C[ln][:, None] if one else t.C[ln]  # (n, T, R, H or 1, N)
@@ -207,19 +265,21 @@ def _lane_writes(t: StepTensors, ring: Ring, K: int, ln: Tensor, rw: Tensor, m: 
     T = now["x"].shape[1]
     if (one and m >= K - 1) or (not one and m >= K):  # flush: the committed tokens (and a one-token step's)
         tokens = _cat(committed, now) if one else committed
-        state, Bstate, Xstate, out = _replay(t, base, tokens, C[:, -1], None if z is None else z[:, -1], cd)
-        writes += [(t.state, rw, state), (t.Bstate, rw, Bstate), (t.Xstate, rw, Xstate),
-                   (ring.length, rw, torch.zeros_like(rw, dtype=torch.int32))]
+        *flushed, out = _replay(t, base, tokens, C[:, -1], None if z is None else z[:, -1], cd)
+        writes += [(pool, rw, v) for pool, v in zip((t.state, t.Bstate, t.Xstate, t.state_scale), flushed)
+                   if pool is not None]
+        writes.append((ring.length, rw, torch.zeros_like(rw, dtype=torch.int32)))
         if one:
             return out, writes
-        base, m, committed = (state, Bstate, Xstate), 0, _ring_tokens(ring, rw, 0)
+        base, m, committed = tuple(flushed), 0, _ring_tokens(ring, rw, 0)
     outs = [output_from_checkpoint(t, base, _cat(committed, now, i + 1), C[:, i], None if z is None else z[:, i], cd)
             for i in range(T)]
     coef = torch.stack([now["A"], now["dt"], now["trap"]], -1)
-    slots = torch.arange(m, m + T, device=rw.device)
-    writes += [(ring.B, (rw[:, None], slots), now["B"]), (ring.x, (rw[:, None], slots), now["x"]),
-               (ring.coef, (rw[:, None], slots), coef),
+    at = (rw[:, None], torch.arange(m, m + T, device=rw.device))
+    writes += [(ring.B, at, now["B"]), (ring.x, at, now["x"]), (ring.coef, at, coef),
                (ring.length, rw, torch.full_like(rw, m + 1 if one else m, dtype=torch.int32))]
+    if "offset" in now:
+        writes += [(ring.offset, at, now["offset"]), (ring.drawn_for, at, now["drawn_for"])]
     return (outs[0] if one else torch.stack(outs, 1)), writes
 
 
@@ -235,7 +295,7 @@ def replay_step(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[
     ring in place and returns ``out``. Every value is computed before anything is written; what is
     refused is refused by name before anything is written.
     """
-    check_step_inputs(tensors, update_kv_state=True)
+    check_step_inputs(tensors, update_kv_state=True, stochastic_rounding=tensors.rand_seed is not None)
     t = tensors.with_out()
     _check(t, ring, K)
     P = t.state.shape[0]
@@ -263,11 +323,12 @@ def replay_step(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[
     return t.out
 
 
-def materialize(tensors: StepTensors, ring: Ring, rows, *, compute_dtype: torch.dtype = torch.float32) -> tuple:
-    """The current ``(state, Bstate, Xstate)`` of pool ``rows`` (a list or int tensor of real rows): the
-    checkpoint advanced by the ring's committed tokens with the flush's math, equal bit for bit to
-    what stepwise decoding holds. Reads ``tensors``' ``state``, ``Bstate``, ``Xstate`` and weights
-    (its per-lane inputs are not read); writes nothing."""
+def materialize(tensors: StepTensors, ring: Ring, rows, *, compute_dtype: torch.dtype = torch.float32) -> Current:
+    """The current state of pool ``rows`` (a list or int tensor of real rows), a :class:`Current`: the
+    checkpoint advanced by the ring's committed tokens with the flush's math (with stochastic
+    rounding, ``tensors.rand_seed``'s seed and each token's recorded offset), equal bit for bit to
+    what stepwise decoding holds. Reads ``tensors``' rows, seed and weights (its per-lane inputs are
+    not read); writes nothing."""
     rows = torch.as_tensor(rows, dtype=torch.int64, device=tensors.state.device).reshape(-1)
     P = tensors.state.shape[0]
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= P):
@@ -275,7 +336,9 @@ def materialize(tensors: StepTensors, ring: Ring, rows, *, compute_dtype: torch.
     length = ring.length[rows].to(torch.int64)
     if bool(((length < 0) | (length > ring.B.shape[1])).any()):
         raise ValueError(f"materialize: ring.length must be in [0, {ring.B.shape[1]}], got {length.tolist()}")
-    state, Bstate, Xstate = tensors.state[rows].clone(), tensors.Bstate[rows].clone(), tensors.Xstate[rows].clone()
+    if ring.offset is not None and tensors.rand_seed is None:
+        raise ValueError("materialize: a ring with offsets (stochastic rounding) needs tensors.rand_seed (its seed)")
+    current = [None if v is None else v.clone() for v in _base(tensors, rows)]
     with torch.no_grad():
         for count in range(1, ring.B.shape[1] + 1):
             pick = (length == count).nonzero().squeeze(1)
@@ -283,14 +346,17 @@ def materialize(tensors: StepTensors, ring: Ring, rows, *, compute_dtype: torch.
                 continue
             rw = rows[pick]
             tokens = _ring_tokens(ring, rw, count)
-            base = (tensors.state[rw], tensors.Bstate[rw], tensors.Xstate[rw])
             C = torch.zeros_like(tokens["B"][:, 0])
-            state[pick], Bstate[pick], Xstate[pick], _ = _replay(tensors, base, tokens, C, None, compute_dtype)
-    return state, Bstate, Xstate
+            flushed = _replay(tensors, _base(tensors, rw), tokens, C, None, compute_dtype)[:4]
+            for held, v in zip(current, flushed):
+                if held is not None:
+                    held[pick] = v
+    return Current(*current)
 
 
 def fork_row(tensors: StepTensors, ring: Ring, src: int, dst: int) -> None:
     """Row ``dst`` becomes a copy of row ``src``: the checkpoint, ``Bstate``/``Xstate`` and the ring
     with its length (no replay: the ring is copied as it is)."""
-    for pool in (tensors.state, tensors.Bstate, tensors.Xstate, *ring):
-        pool[dst] = pool[src]
+    for pool in (tensors.state, tensors.Bstate, tensors.Xstate, tensors.state_scale, *ring):
+        if pool is not None:
+            pool[dst] = pool[src]

@@ -20,6 +20,7 @@ from helpers import assert_accurate
 
 from mamba3_step.reference import mamba3_step_reference
 from mamba3_step.replay import Ring, fork_row, materialize, new_ring, replay_step
+from mamba3_step.rounding import dequantize_rows
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import lane_inputs, layer_weights, row_tensors
 
@@ -29,7 +30,7 @@ NULL = 5
 class Decode:
     """Two copies of one layer's pools, decoded stepwise and with replay."""
 
-    def __init__(self, P, H, D, N, R, K, state_dtype, seed, io_dtype="float32", draft=0):
+    def __init__(self, P, H, D, N, R, K, state_dtype, seed, io_dtype="float32", draft=0, stochastic=False):
         self.g = torch.Generator().manual_seed(seed)
         self.sizes = (H, D, N, R)
         self.io = dict(kv_dtype=io_dtype, x_dtype=io_dtype)
@@ -37,22 +38,36 @@ class Decode:
         self.weights = layer_weights(H, D, R, generator=self.g)
         self.step_pools = {k: v.clone() for k, v in rows.items()}
         self.replay_pools = {k: v.clone() for k, v in rows.items()}
-        self.ring = new_ring(P, K, R, H, N, D, kv_dtype=rows["Bstate"].dtype, x_dtype=rows["Xstate"].dtype, draft=draft)
+        self.ring = new_ring(P, K, R, H, N, D, kv_dtype=rows["Bstate"].dtype, x_dtype=rows["Xstate"].dtype, draft=draft,
+                             stochastic=stochastic)
+        self.rand_seed = torch.tensor([seed * 1009 + 7, 2**33 + seed], dtype=torch.int64) if stochastic else None
         self.P, self.K = P, K
 
     def tensors(self, pools, lane, indices) -> StepTensors:
         return StepTensors(pools["state"], pools["Bstate"], pools["Xstate"], lane["A"], lane["B"], lane["C"],
                            self.weights["D"], lane["x"], lane["dt"], lane["trap"], self.weights["xproj"],
                            outproj=self.weights["outproj"], z=lane["z"], zproj=self.weights["zproj"],
-                           state_batch_indices=indices, null_slot_id=NULL)
+                           state_batch_indices=indices, null_slot_id=NULL, state_scale=pools.get("state_scale"),
+                           rand_seed=self.rand_seed)
+
+    def stepwise(self, lane, indices) -> torch.Tensor:
+        """The stepwise pools' step (the caller advances the offset after it, :meth:`advance`)."""
+        return mamba3_step_reference(self.tensors(self.step_pools, lane, indices), update_kv_state=True,
+                                     stochastic_rounding=self.rand_seed is not None)
+
+    def advance(self, tokens: int = 1) -> None:
+        """The server's offset after a step of ``tokens`` tokens (each draws at offset + t)."""
+        if self.rand_seed is not None:
+            self.rand_seed[1] += tokens
 
     def step(self, indices: torch.Tensor):
         H, D, N, R = self.sizes
         lane = lane_inputs(len(indices), H, D, N, R, generator=self.g, **self.io)
         before = {k: v.clone() for k, v in self.replay_pools.items()}
-        ring_before = Ring(*(v.clone() for v in self.ring))
-        want = mamba3_step_reference(self.tensors(self.step_pools, lane, indices), update_kv_state=True)
+        ring_before = Ring(*(None if v is None else v.clone() for v in self.ring))
+        want = self.stepwise(lane, indices)
         got = replay_step(self.tensors(self.replay_pools, lane, indices), self.ring, self.K)
+        self.advance()
         return lane, want, got, before, ring_before
 
 
@@ -67,6 +82,8 @@ def _reference(d: Decode, base: dict, row: int, tokens: dict, C, z, dtype) -> to
     w = {name: (v.to(dtype) if v is not None else None) for name, v in d.weights.items()}
     tok = {f: v.to(dtype)[None] for f, v in tokens.items()}
     rows = [base[k][row:row + 1].to(dtype, copy=True) for k in ("state", "Bstate", "Xstate")]  # the call writes them
+    if "state_scale" in base:  # an 8-bit checkpoint, read as q * scale
+        rows[0] = dequantize_rows(base["state"][row:row + 1], base["state_scale"][row:row + 1]).to(dtype)
     dense = StepTensors(*rows, tok["A"], tok["B"], Cs, w["D"], tok["x"], tok["dt"], tok["trap"], w["xproj"],
                         outproj=w["outproj"], z=zs, zproj=w["zproj"])
     return mamba3_step_reference(dense, update_kv_state=True, compute_dtype=dtype)[0, -1]
@@ -100,23 +117,32 @@ def _check_step(d: Decode, indices, lane, want, got, before, ring_before):
     touched = {row for _, row in live}
     for row in range(P):
         if row not in touched:
-            for k in ("state", "Bstate", "Xstate"):
+            for k in d.replay_pools:
                 assert torch.equal(d.replay_pools[k][row], before[k][row]), f"row {row} of {k} written"
             for name, pool in zip(Ring._fields, d.ring):
-                assert torch.equal(pool[row], getattr(ring_before, name)[row]), f"row {row} of ring.{name} written"
-    state, Bstate, Xstate = materialize(d.tensors(d.replay_pools, lane, indices), d.ring, range(P))
-    for k, v in (("state", state), ("Bstate", Bstate), ("Xstate", Xstate)):
-        assert torch.equal(v, d.step_pools[k]), f"materialised {k} differs from stepwise decoding"
+                if pool is not None:
+                    assert torch.equal(pool[row], getattr(ring_before, name)[row]), f"row {row} of ring.{name} written"
+    _check_current(d, lane, indices, range(P))
     empty = d.ring.length == 0
-    assert torch.equal(d.replay_pools["state"][empty], d.step_pools["state"][empty])
+    for k in d.replay_pools:
+        assert torch.equal(d.replay_pools[k][empty], d.step_pools[k][empty]), k
 
 
-@pytest.mark.parametrize("state_dtype,K,R,io", [("float32", 4, 2, "float32"), ("bfloat16", 4, 4, "float32"),
-                                                ("float16", 3, 1, "float32"), ("float32", 2, 2, "bfloat16")])
-def test_replay_equals_stepwise_decoding_with_joins_leaves_and_forks(state_dtype, K, R, io):
-    """bf16 B, x and out in the last case (out compared after its rounding to bf16)."""
+def _check_current(d: Decode, lane, indices, rows) -> None:
+    """materialize() of ``rows`` equals the stepwise pools' rows bit for bit."""
+    current = materialize(d.tensors(d.replay_pools, lane, indices), d.ring, list(rows))._asdict()
+    for k, pool in d.step_pools.items():
+        assert torch.equal(current[k], pool[torch.as_tensor(list(rows))]), f"materialised {k} differs from stepwise"
+
+
+@pytest.mark.parametrize("state_dtype,K,R,io,sr", [
+    ("float32", 4, 2, "float32", False), ("bfloat16", 4, 4, "float32", False), ("float16", 3, 1, "float32", False),
+    ("float32", 2, 2, "bfloat16", False), ("bfloat16", 4, 2, "float32", True), ("int8", 3, 2, "float32", True)])
+def test_replay_equals_stepwise_decoding_with_joins_leaves_and_forks(state_dtype, K, R, io, sr):
+    """bf16 B, x and out in the fourth case (out compared after its rounding to bf16); stochastic
+    rounding (the offset advanced every step) in the last two, an 8-bit state with scales in the last."""
     P, B, steps = 8, 4, 18
-    d = Decode(P, 2, 32, 32, R, K, state_dtype, seed=K * 10 + R, io_dtype=io)
+    d = Decode(P, 2, 32, 32, R, K, state_dtype, seed=K * 10 + R, io_dtype=io, stochastic=sr)
     g = torch.Generator().manual_seed(99)
     rows = torch.randperm(P, generator=g)[:B]  # the lanes' requests
     flushes = appends = 0
@@ -124,13 +150,13 @@ def test_replay_equals_stepwise_decoding_with_joins_leaves_and_forks(state_dtype
         if step % 5 == 4:  # a request leaves; a fork of another takes its slot (pools copied in both)
             fork_row(d.tensors(d.replay_pools, lane_inputs(1, 2, 32, 32, R, generator=g, **d.io), rows), d.ring,
                      int(rows[0]), int(rows[1]))
-            for k in ("state", "Bstate", "Xstate"):
+            for k in d.step_pools:
                 d.step_pools[k][rows[1]] = d.step_pools[k][rows[0]]
         if step % 7 == 6:  # a new request joins in a free slot: a fresh state, an empty ring
             free = [r for r in range(P) if r not in rows.tolist() and r != NULL]
             new = free[step % len(free)]
             fresh = row_tensors(1, 2, 32, 32, R, state_dtype=state_dtype, generator=g, **d.io)
-            for k in ("state", "Bstate", "Xstate"):
+            for k in d.step_pools:
                 d.step_pools[k][new] = fresh[k][0]
                 d.replay_pools[k][new] = fresh[k][0]
             d.ring.length[new] = 0
@@ -160,13 +186,13 @@ def test_replay_refuses_what_it_does_not_take_yet_and_bad_ring_lengths():
         replay_step(t, d.ring._replace(coef=d.ring.coef.double()), 4)
     d.ring.length[1] = 4  # K = 4 without drafts: a ring of 3 entries
     before = {k: v.clone() for k, v in d.replay_pools.items()}
-    ring_before = [v.clone() for v in d.ring]
+    ring_before = [None if v is None else v.clone() for v in d.ring]
     with pytest.raises(ValueError, match=r"ring.length \(plus accepted\) must be in \[0, 3\]"):
         replay_step(t, d.ring, 4)
     for k, v in before.items():  # a failed call changes nothing
         assert torch.equal(d.replay_pools[k], v)
     for a, b in zip(d.ring, ring_before):
-        assert torch.equal(a, b)
+        assert (a is None and b is None) or torch.equal(a, b)
     with pytest.raises(ValueError, match="K must be"):
         new_ring(4, 1, 2, 2, 32, 32, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="rows must be"):
@@ -181,36 +207,41 @@ def _advance_stepwise(d: Decode, lane: dict, indices, accepted: list):
         if a == 0:
             continue
         p = d.step_pools
+        scale = p.get("state_scale")
         dense = StepTensors(p["state"][row:row + 1].clone(), p["Bstate"][row:row + 1].clone(),
                             p["Xstate"][row:row + 1].clone(), lane["A"][b:b + 1, :a], lane["B"][b:b + 1, :a],
                             lane["C"][b:b + 1, :a], d.weights["D"], lane["x"][b:b + 1, :a], lane["dt"][b:b + 1, :a],
                             lane["trap"][b:b + 1, :a], d.weights["xproj"], outproj=d.weights["outproj"],
-                            z=lane["z"][b:b + 1, :a], zproj=d.weights["zproj"])
-        mamba3_step_reference(dense, update_kv_state=True)
-        for k in ("state", "Bstate", "Xstate"):
+                            z=lane["z"][b:b + 1, :a], zproj=d.weights["zproj"],
+                            state_scale=None if scale is None else scale[row:row + 1].clone(),
+                            rand_seed=d.rand_seed, rand_rows=None if d.rand_seed is None else torch.tensor([row]).int())
+        mamba3_step_reference(dense, update_kv_state=True, stochastic_rounding=d.rand_seed is not None)
+        for k in p:
             p[k][row] = getattr(dense, k)[0]
 
 
-@pytest.mark.parametrize("state_dtype,K,T", [("float32", 4, 3), ("bfloat16", 3, 2)])
-def test_verify_steps_and_rollback_by_the_cursor_equal_stepwise_speculative_decoding(state_dtype, K, T):
+@pytest.mark.parametrize("state_dtype,K,T,sr", [("float32", 4, 3, False), ("bfloat16", 3, 2, False),
+                                                ("float16", 4, 3, True)])
+def test_verify_steps_and_rollback_by_the_cursor_equal_stepwise_speculative_decoding(state_dtype, K, T, sr):
     """Verify steps (T drafts) and plain steps, the accepted count of each verify passed to the next
     step (0 to T, every lane its own): after every step the materialised state equals stepwise
     decoding of the accepted tokens bit for bit; each draft's out is within twice PyTorch-float32's
     error of float64 from the stored checkpoint over the committed tokens and the drafts up to it."""
     P, H, D, N, R = 6, 2, 32, 32, 2
-    d = Decode(P, H, D, N, R, K, state_dtype, seed=T, draft=T)
+    d = Decode(P, H, D, N, R, K, state_dtype, seed=T, draft=T, stochastic=sr)
     indices = torch.tensor([3, 0, 4], dtype=torch.int32)
     g = torch.Generator().manual_seed(7)
     pending, flushed_before_verify = None, 0
     for kind in "VPVVPVVVPPVV":
         if kind == "P":
             lane = lane_inputs(3, H, D, N, R, generator=d.g, **d.io)
-            mamba3_step_reference(d.tensors(d.step_pools, lane, indices), update_kv_state=True)
+            d.stepwise(lane, indices)
             replay_step(d.tensors(d.replay_pools, lane, indices), d.ring, K, accepted=pending)
+            d.advance()
         else:
             lane = lane_inputs(3, H, D, N, R, tokens=T, generator=d.g, **d.io)
             before = {k: v.clone() for k, v in d.replay_pools.items()}
-            ring_before = Ring(*(v.clone() for v in d.ring))
+            ring_before = Ring(*(None if v is None else v.clone() for v in d.ring))
             got = replay_step(d.tensors(d.replay_pools, lane, indices), d.ring, K, accepted=pending)
             for b, row in enumerate(indices.tolist()):
                 m = int(ring_before.length[row]) + (0 if pending is None else int(pending[b]))
@@ -227,11 +258,10 @@ def test_verify_steps_and_rollback_by_the_cursor_equal_stepwise_speculative_deco
                     assert_accurate(f"lane {b} draft {i}", got[b, i], want64, torch32.to(got.dtype),
                                     want64.abs().max().item())
             accepted = [int(v) for v in torch.randint(0, T + 1, (3,), generator=g)]
-            _advance_stepwise(d, lane, indices, accepted)
+            _advance_stepwise(d, lane, indices, accepted)  # drafts drew at the verify's offset + t
+            d.advance(T)
             pending = torch.tensor(accepted, dtype=torch.int32)
             continue
         pending = None
-        state, Bstate, Xstate = materialize(d.tensors(d.replay_pools, lane, indices), d.ring, indices.tolist())
-        for k, v in (("state", state), ("Bstate", Bstate), ("Xstate", Xstate)):
-            assert torch.equal(v, d.step_pools[k][indices.long()]), f"materialised {k} differs from stepwise"
+        _check_current(d, lane, indices, indices.tolist())
     assert flushed_before_verify >= 1
