@@ -24,7 +24,9 @@ committed tokens:
   the entries after the committed ones, uncommitted (``length = m``): a rejected draft is rolled
   back by not accepting it.
 
-With stochastic rounding (``rand_seed``) the ring keeps each token's offset and the row it drew
+A one-token step whose destination (``dst_state_batch_indices``) is another live row flushes into
+it; a padding destination writes nothing. With stochastic rounding (``rand_seed``) the ring keeps
+each token's offset and the row it drew
 for, so a flush (and :func:`materialize`) draws the stepwise bits again; an 8-bit state's scales
 (``state_scale``) are part of the checkpoint. Padding lanes (docs/contract.md) write zeros to
 ``out`` and touch no row of any pool.
@@ -89,13 +91,15 @@ def new_ring(rows: int, K: int, mimo: int, heads: int, dstate: int, headdim: int
 
 def _check(t: StepTensors, ring: Ring, K: int) -> None:
     """What this CPU path takes: pool mode, the state written back to its source, a ring that fits."""
-    unsupported = {"dst_state_batch_indices": t.dst_state_batch_indices, "num_accepted_tokens": t.num_accepted_tokens,
-                   "angle_state": t.angle_state, "state_out": t.state_out}
+    unsupported = {"num_accepted_tokens": t.num_accepted_tokens, "angle_state": t.angle_state, "state_out": t.state_out}
     for name, v in unsupported.items():
         if v is not None:
             raise ValueError(f"replay_step: {name} is not supported with replay yet (docs/contract.md, 'Replay')")
     if not t.pool:
         raise ValueError("replay_step: replay is a pool-mode step: state_batch_indices is required")
+    if t.dst_state_batch_indices is not None and t.x.dim() == 4:
+        raise ValueError("replay_step: dst_state_batch_indices with a verify step (T tokens): replay keeps the drafts "
+                         "in the ring, not in destination rows")
     if not isinstance(K, int) or not 2 <= K <= 16:
         raise ValueError(f"replay_step: K must be an int in [2, 16], got {K!r}")
     P, H, D, N = t.state.shape
@@ -253,22 +257,25 @@ def _committed(ring: Ring, rows: Tensor, lanes: Tensor, accepted: Optional[Tenso
     return m
 
 
-def _lane_writes(t: StepTensors, ring: Ring, K: int, ln: Tensor, rw: Tensor, m: int, cd) -> tuple:
-    """``(out, writes)`` of the live lanes ``ln`` (rows ``rw``) whose rows hold ``m`` committed tokens."""
+def _lane_writes(t: StepTensors, ring: Ring, K: int, ln: Tensor, rw: Tensor, m: int, cd,
+                 dst: Optional[Tensor] = None) -> tuple:
+    """``(out, writes)`` of the live lanes ``ln`` (rows ``rw``) whose rows hold ``m`` committed tokens;
+    a one-token step with ``dst`` (live rows other than ``rw``) flushes into ``dst``."""
     base = _base(t, rw)
-    now = _step_tokens(t, ln, rw)
+    now = _step_tokens(t, ln, rw if dst is None else dst)
     committed = _ring_tokens(ring, rw, m)
     one = t.x.dim() == 3
     C = t.C[ln][:, None] if one else t.C[ln]  # (n, T, R, H or 1, N)
     z = None if t.z is None else (t.z[ln][:, None] if one else t.z[ln])
     writes = []
     T = now["x"].shape[1]
-    if (one and m >= K - 1) or (not one and m >= K):  # flush: the committed tokens (and a one-token step's)
+    if (one and (m >= K - 1 or dst is not None)) or (not one and m >= K):  # flush the committed (and this) tokens
         tokens = _cat(committed, now) if one else committed
         *flushed, out = _replay(t, base, tokens, C[:, -1], None if z is None else z[:, -1], cd)
-        writes += [(pool, rw, v) for pool, v in zip((t.state, t.Bstate, t.Xstate, t.state_scale), flushed)
+        to = rw if dst is None else dst
+        writes += [(pool, to, v) for pool, v in zip((t.state, t.Bstate, t.Xstate, t.state_scale), flushed)
                    if pool is not None]
-        writes.append((ring.length, rw, torch.zeros_like(rw, dtype=torch.int32)))
+        writes.append((ring.length, to, torch.zeros_like(to, dtype=torch.int32)))
         if one:
             return out, writes
         base, m, committed = tuple(flushed), 0, _ring_tokens(ring, rw, 0)
@@ -303,6 +310,12 @@ def replay_step(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[
     lanes = lane_is_live(src, P, t.null_slot_id).nonzero().squeeze(1)
     rows = src[lanes]
     m = _committed(ring, rows, lanes, accepted)
+    # 0: written back to its row; 1: flushed into another live row; 2: a padding destination, nothing written
+    kind = torch.zeros_like(rows)
+    dst = rows
+    if t.dst_state_batch_indices is not None:
+        dst = t.dst_state_batch_indices.to(device=t.x.device, dtype=torch.int64)[lanes]
+        kind = torch.where(lane_is_live(dst, P, t.null_slot_id), (dst != rows).long(), torch.full_like(rows, 2))
     if t.x.dim() == 4:
         room = torch.where(m >= K, 0, m) + t.tokens > ring.B.shape[1]
         if bool(room.any()):
@@ -312,11 +325,13 @@ def replay_step(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[
     writes = []
     with torch.no_grad():
         for count in range(ring.B.shape[1] + 1):
-            pick = (m == count).nonzero().squeeze(1)
-            if pick.numel():
-                out, lane_writes = _lane_writes(t, ring, K, lanes[pick], rows[pick], count, compute_dtype)
-                result[lanes[pick]] = out.to(result.dtype)
-                writes += lane_writes
+            for k in range(3):
+                pick = ((m == count) & (kind == k)).nonzero().squeeze(1)
+                if pick.numel():
+                    out, lane_writes = _lane_writes(t, ring, K, lanes[pick], rows[pick], count, compute_dtype,
+                                                    dst[pick] if k == 1 else None)
+                    result[lanes[pick]] = out.to(result.dtype)
+                    writes += lane_writes if k < 2 else []
         t.out.copy_(result)
         for target, index, value in writes:
             target[index] = value.to(target.dtype)

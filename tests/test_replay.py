@@ -175,8 +175,10 @@ def test_replay_refuses_what_it_does_not_take_yet_and_bad_ring_lengths():
     lane = lane_inputs(2, 2, 32, 32, 2, generator=d.g, **d.io)
     indices = torch.tensor([0, 1], dtype=torch.int32)
     t = d.tensors(d.replay_pools, lane, indices)
-    with pytest.raises(ValueError, match="dst_state_batch_indices"):
-        replay_step(t._replace(dst_state_batch_indices=indices), d.ring, 4)
+    drafts = lane_inputs(2, 2, 32, 32, 2, tokens=2, generator=d.g, **d.io)
+    with pytest.raises(ValueError, match="dst_state_batch_indices with a verify step"):
+        replay_step(d.tensors(d.replay_pools, drafts, indices)._replace(dst_state_batch_indices=indices),
+                    new_ring(6, 4, 2, 2, 32, 32, kv_dtype=torch.float32, x_dtype=torch.float32, draft=2), 4)
     with pytest.raises(ValueError, match="pool-mode"):
         replay_step(t._replace(state=t.state[:2].clone(), Bstate=t.Bstate[:2].clone(), Xstate=t.Xstate[:2].clone(),
                                state_batch_indices=None, null_slot_id=None), d.ring, 4)
@@ -265,3 +267,30 @@ def test_verify_steps_and_rollback_by_the_cursor_equal_stepwise_speculative_deco
         pending = None
         _check_current(d, lane, indices, indices.tolist())
     assert flushed_before_verify >= 1
+
+
+@pytest.mark.parametrize("state_dtype,sr", [("float32", False), ("bfloat16", True)])
+def test_a_destination_row_gets_the_flushed_state_and_a_padding_destination_nothing(state_dtype, sr):
+    """dst_state_batch_indices: a lane whose destination is another live row flushes into it (the
+    prefix-caching pattern: read a cached row, write the request's own); its source keeps its
+    checkpoint and ring; a padding destination writes nothing. Against stepwise decoding with the
+    same destinations: materialised rows bit for bit, the flushing lane's out bit for bit."""
+    P, H, D, N, R, K = 8, 2, 32, 32, 2, 4
+    d = Decode(P, H, D, N, R, K, state_dtype, seed=11, stochastic=sr)
+    src = torch.tensor([1, 2, 3], dtype=torch.int32)
+    for _ in range(2):  # two tokens in every ring
+        d.step(src)
+    lane = lane_inputs(3, H, D, N, R, generator=d.g, **d.io)
+    dst = torch.tensor([6, 2, NULL], dtype=torch.int32)
+    step_t = d.tensors(d.step_pools, lane, src)._replace(dst_state_batch_indices=dst)
+    want = mamba3_step_reference(step_t, update_kv_state=True, stochastic_rounding=sr)
+    ring_before = Ring(*(None if v is None else v.clone() for v in d.ring))
+    got = replay_step(d.tensors(d.replay_pools, lane, src)._replace(dst_state_batch_indices=dst), d.ring, K)
+    d.advance()
+    assert torch.equal(got[0], want[0])  # flushed into row 6
+    assert int(d.ring.length[6]) == 0 and int(d.ring.length[1]) == int(ring_before.length[1]) == 2
+    assert int(d.ring.length[3]) == 2  # the padding destination's lane wrote nothing
+    for name, pool in zip(Ring._fields, d.ring):
+        if pool is not None:
+            assert torch.equal(pool[3], getattr(ring_before, name)[3]), f"ring.{name} of row 3 written"
+    _check_current(d, lane, src, [1, 2, 3, 6])
