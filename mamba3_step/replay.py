@@ -24,10 +24,12 @@ committed tokens:
   the entries after the committed ones, uncommitted (``length = m``): a rejected draft is rolled
   back by not accepting it.
 
-A one-token step whose destination (``dst_state_batch_indices``) is another live row flushes into
-it; a padding destination writes nothing. With stochastic rounding (``rand_seed``) the ring keeps
-each token's offset and the row it drew
-for, so a flush (and :func:`materialize`) draws the stepwise bits again; an 8-bit state's scales
+With the rotary angle the ring keeps each token's B as received and its angle: the flush and the
+outputs recompute B~ (a token's own update reads its unrounded B~, the next token the rounded
+one, as a stepwise step does). A one-token step whose destination (``dst_state_batch_indices``)
+is another live row flushes into it; a padding destination writes nothing. With stochastic
+rounding (``rand_seed``) the ring keeps each token's offset and the row it drew for, so a flush
+(and :func:`materialize`) draws the stepwise bits again; an 8-bit state's scales
 (``state_scale``) are part of the checkpoint. Padding lanes (docs/contract.md) write zeros to
 ``out`` and touch no row of any pool.
 """
@@ -39,7 +41,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from .contract import lane_is_live
-from .reference import epilogue, mamba3_step_reference
+from .reference import epilogue, mamba3_step_reference, rotated_bc
+from .rotary import advance_angle
 from .rounding import dequantize_rows
 from .tensors import StepTensors
 from .validation.step import check_step_inputs
@@ -59,6 +62,7 @@ class Ring(NamedTuple):
     length: Tensor  # (P,) int32: committed tokens
     offset: Optional[Tensor] = None  # (P, L) int64, with stochastic rounding: the rand_seed offset it drew at
     drawn_for: Optional[Tensor] = None  # (P, L) int32, with stochastic rounding: the row it drew for
+    angle: Optional[Tensor] = None  # (P, L, H, S) int64, with rotary: the angle after the token
 
 
 class Current(NamedTuple):
@@ -68,14 +72,15 @@ class Current(NamedTuple):
     Bstate: Tensor
     Xstate: Tensor
     state_scale: Optional[Tensor] = None  # with an 8-bit state
+    angle_state: Optional[Tensor] = None  # with rotary
 
 
 def new_ring(rows: int, K: int, mimo: int, heads: int, dstate: int, headdim: int, *,
              kv_dtype: torch.dtype, x_dtype: torch.dtype, draft: int = 0, stochastic: bool = False,
-             device=None) -> Ring:
+             rope_angles: int = 0, device=None) -> Ring:
     """An empty ring for ``rows`` pool rows, flush length ``K`` (2 to 16) and room for verify steps of
     up to ``draft`` tokens (0 to 16): ``K - 1 + draft`` entries; ``stochastic``: with the offsets a
-    stochastically rounded state's flush draws at."""
+    stochastically rounded state's flush draws at; ``rope_angles`` S > 0: with each token's angle."""
     if not isinstance(K, int) or not 2 <= K <= 16:
         raise ValueError(f"new_ring: K must be an int in [2, 16], got {K!r}")
     if not isinstance(draft, int) or not 0 <= draft <= 16:
@@ -86,12 +91,13 @@ def new_ring(rows: int, K: int, mimo: int, heads: int, dstate: int, headdim: int
                 torch.zeros(rows, L, heads, 3, dtype=torch.float32, device=device),
                 torch.zeros(rows, dtype=torch.int32, device=device),
                 torch.zeros(rows, L, dtype=torch.int64, device=device) if stochastic else None,
-                torch.zeros(rows, L, dtype=torch.int32, device=device) if stochastic else None)
+                torch.zeros(rows, L, dtype=torch.int32, device=device) if stochastic else None,
+                torch.zeros(rows, L, heads, rope_angles, dtype=torch.int64, device=device) if rope_angles else None)
 
 
 def _check(t: StepTensors, ring: Ring, K: int) -> None:
     """What this CPU path takes: pool mode, the state written back to its source, a ring that fits."""
-    unsupported = {"num_accepted_tokens": t.num_accepted_tokens, "angle_state": t.angle_state, "state_out": t.state_out}
+    unsupported = {"num_accepted_tokens": t.num_accepted_tokens, "state_out": t.state_out}
     for name, v in unsupported.items():
         if v is not None:
             raise ValueError(f"replay_step: {name} is not supported with replay yet (docs/contract.md, 'Replay')")
@@ -108,17 +114,21 @@ def _check(t: StepTensors, ring: Ring, K: int) -> None:
     if L < K - 1 + drafts:
         raise ValueError(f"replay_step: the ring holds {L} entries; K = {K} with {drafts}-token drafts needs "
                          f"{K - 1 + drafts} (new_ring(..., draft={drafts}))")
+    S = 0 if t.angle_state is None else t.angle_state.shape[-1]
     want = {"B": (P, L, R, H, N), "x": (P, L, H, D), "coef": (P, L, H, 3), "length": (P,), "offset": (P, L),
-            "drawn_for": (P, L)}
+            "drawn_for": (P, L), "angle": (P, L, H, S)}
     dtypes = {"B": t.Bstate.dtype, "x": t.Xstate.dtype, "coef": torch.float32, "length": torch.int32,
-              "offset": torch.int64, "drawn_for": torch.int32}
+              "offset": torch.int64, "drawn_for": torch.int32, "angle": torch.int64}
+    optional = {"offset": t.rand_seed, "drawn_for": t.rand_seed, "angle": t.angle_state}
     for name, shape in want.items():
         got = getattr(ring, name)
-        if got is None and name in ("offset", "drawn_for") and t.rand_seed is None:
+        if got is None and name in optional and optional[name] is None:
             continue
         if got is None or tuple(got.shape) != shape or got.dtype != dtypes[name] or got.device != t.state.device:
             got = "None" if got is None else f"{got.dtype} {tuple(got.shape)} on {got.device}"
-            hint = " (stochastic rounding: new_ring(..., stochastic=True))" if name in ("offset", "drawn_for") else ""
+            hint = {"offset": " (stochastic rounding: new_ring(..., stochastic=True))", "drawn_for": " (stochastic "
+                    "rounding: new_ring(..., stochastic=True))", "angle": " (rotary: new_ring(..., rope_angles=S))"}
+            hint = hint.get(name, "")
             raise ValueError(f"replay_step: ring.{name} must be {dtypes[name]} of shape {shape} on {t.state.device}"
                              f"{hint}, got {got}")
 
@@ -130,16 +140,27 @@ def _ring_tokens(ring: Ring, rows: Tensor, count: int) -> dict:
               "x": ring.x[rows, :count]}
     if ring.offset is not None:
         tokens["offset"], tokens["drawn_for"] = ring.offset[rows, :count], ring.drawn_for[rows, :count]
+    if ring.angle is not None:
+        tokens["angle"] = ring.angle[rows, :count]
     return tokens
 
 
-def _step_tokens(t: StepTensors, lanes: Tensor, rows: Tensor) -> dict:
+def _step_tokens(t: StepTensors, lanes: Tensor, rows: Tensor, angle: Optional[Tensor], cd) -> dict:
     """This step's tokens of ``lanes`` (rows ``rows``) in the ring's form, with a token axis (T = 1
-    without one); with stochastic rounding each token's offset and the row it draws for."""
+    without one); with stochastic rounding each token's offset and the row it draws for; with rotary
+    the angle after each token, advanced from ``angle`` (the lanes' current angles)."""
     H = t.state.shape[1]
-    picked = {f: getattr(t, f)[lanes] for f in ("A", "dt", "trap", "B", "x")}
+    fields = ("A", "dt", "trap", "B", "x") + (("angle_proj",) if angle is not None else ())
+    picked = {f: getattr(t, f)[lanes] for f in fields}
     if t.x.dim() == 3:
         picked = {f: v[:, None] for f, v in picked.items()}
+    if angle is not None:
+        angles = []
+        for j in range(picked["x"].shape[1]):
+            angle = advance_angle(angle, picked["angle_proj"][:, j], picked["dt"][:, j], cd)
+            angles.append(angle)
+        picked["angle"] = torch.stack(angles, 1)
+        del picked["angle_proj"]
     picked["B"] = picked["B"].expand(-1, -1, -1, H, -1)
     if t.rand_seed is not None:  # token t draws at offset + t (int64 wrap)
         T = picked["x"].shape[1]
@@ -147,6 +168,25 @@ def _step_tokens(t: StepTensors, lanes: Tensor, rows: Tensor) -> dict:
         picked["offset"] = offset.expand(lanes.numel(), T)
         picked["drawn_for"] = rows.to(torch.int32)[:, None].expand(-1, T)  # the row the state is stored to
     return picked
+
+
+def _rotated(t: StepTensors, tokens: dict, pairwise: bool, cd) -> dict:
+    """Without rotary ``tokens``; with it their B replaced by B~ (B plus its bias, rotated by the
+    token's angle, in ``cd``: what the step updates the state with) and ``B_prev`` the B~ rounded to
+    ``Bstate``'s dtype (what the next token reads)."""
+    if "angle" not in tokens:
+        return tokens
+    B = torch.stack([rotated_bc(t._replace(B=tokens["B"][:, j], C=tokens["B"][:, j]), tokens["angle"][:, j],
+                                pairwise, cd)[0] for j in range(tokens["x"].shape[1])], 1)
+    return {**tokens, "B": B, "B_prev": B.to(t.Bstate.dtype).to(cd)}
+
+
+def _rotated_C(t: StepTensors, C: Tensor, tokens: dict, i: int, pairwise: bool, cd) -> Tensor:
+    """Token ``i``'s C as its output reads it: with rotary C~ (``C`` plus its bias, rotated by the
+    token's angle, in ``cd``)."""
+    if "angle" not in tokens:
+        return C
+    return rotated_bc(t._replace(B=C, C=C), tokens["angle"][:, i], pairwise, cd)[1]
 
 
 def _cat(first: dict, second: dict, upto: Optional[int] = None) -> dict:
@@ -222,22 +262,28 @@ def output_from_checkpoint(t: StepTensors, base: tuple, tokens: dict, C: Tensor,
     suffix = [torch.ones_like(alpha[:, 0])] * (k + 1)  # suffix[j] = alpha_{j+1} ... alpha_k (token j, 0..k)
     for j in range(k - 1, -1, -1):
         suffix[j] = alpha[:, j] * suffix[j + 1]
-    Bs = [base[1].to(cd)] + [tokens["B"][:, j].to(cd) for j in range(k)]  # tokens 0..k: (n, R, H, N)
+    own = [None] + [tokens["B"][:, j].to(cd) for j in range(k)]  # tokens 1..k: (n, R, H, N), B~ with rotary
+    prev = [base[1].to(cd)] + [tokens.get("B_prev", tokens["B"])[:, j].to(cd) for j in range(k)]  # as read next
     xs = [base[2].to(cd)] + [tokens["x"][:, j].to(cd) for j in range(k)]  # (n, H, D)
     xproj = t.xproj.to(cd)
     C = C.to(cd).expand(-1, -1, H, -1)  # (n, R, H, N)
     s0 = (base[0] if base[3] is None else dequantize_rows(base[0], base[3].to(torch.float32))).to(cd)
     ys = [suffix[0][..., None] * (s0 * C[:, r, :, None, :]).sum(-1) for r in range(R)]  # (n, H, D)
     for j in range(k + 1):
-        w = gamma[:, j - 1] * suffix[j] if j >= 1 else torch.zeros_like(suffix[0])
+        terms = []  # (weight, B): token j's own update and, one token later, the trapezoid's previous term
+        if j >= 1:
+            terms.append((gamma[:, j - 1] * suffix[j], own[j]))
         if j + 1 <= k:
-            w = w + beta[:, j] * suffix[j + 1]
-        for r in range(R):
-            acc = None
-            for rp in range(R):
-                term = (xs[j] * xproj[rp]) * (Bs[j][:, rp] * C[:, r]).sum(-1)[..., None]
-                acc = term if acc is None else acc + term
-            ys[r] = ys[r] + w[..., None] * acc
+            terms.append((beta[:, j] * suffix[j + 1], prev[j]))
+        if len(terms) == 2 and "B_prev" not in tokens:  # the same B in both: one contraction
+            terms = [(terms[0][0] + terms[1][0], own[j])]
+        for w, Bj in terms:
+            for r in range(R):
+                acc = None
+                for rp in range(R):
+                    term = (xs[j] * xproj[rp]) * (Bj[:, rp] * C[:, r]).sum(-1)[..., None]
+                    acc = term if acc is None else acc + term
+                ys[r] = ys[r] + w[..., None] * acc
     xr = [xs[k] * xproj[r] for r in range(R)]
     return epilogue(ys, xr, t._replace(z=z), cd)
 
@@ -257,12 +303,15 @@ def _committed(ring: Ring, rows: Tensor, lanes: Tensor, accepted: Optional[Tenso
     return m
 
 
-def _lane_writes(t: StepTensors, ring: Ring, K: int, ln: Tensor, rw: Tensor, m: int, cd,
+def _lane_writes(t: StepTensors, ring: Ring, K: int, ln: Tensor, rw: Tensor, m: int, cd, pairwise: bool,
                  dst: Optional[Tensor] = None) -> tuple:
     """``(out, writes)`` of the live lanes ``ln`` (rows ``rw``) whose rows hold ``m`` committed tokens;
     a one-token step with ``dst`` (live rows other than ``rw``) flushes into ``dst``."""
     base = _base(t, rw)
-    now = _step_tokens(t, ln, rw if dst is None else dst)
+    angle = None
+    if t.angle_state is not None:  # the angle after the committed tokens
+        angle = ring.angle[rw, m - 1] if m > 0 else t.angle_state[rw]
+    now = _step_tokens(t, ln, rw if dst is None else dst, angle, cd)
     committed = _ring_tokens(ring, rw, m)
     one = t.x.dim() == 3
     C = t.C[ln][:, None] if one else t.C[ln]  # (n, T, R, H or 1, N)
@@ -271,27 +320,36 @@ def _lane_writes(t: StepTensors, ring: Ring, K: int, ln: Tensor, rw: Tensor, m: 
     T = now["x"].shape[1]
     if (one and (m >= K - 1 or dst is not None)) or (not one and m >= K):  # flush the committed (and this) tokens
         tokens = _cat(committed, now) if one else committed
-        *flushed, out = _replay(t, base, tokens, C[:, -1], None if z is None else z[:, -1], cd)
+        C_last = _rotated_C(t, C[:, -1], tokens, tokens["x"].shape[1] - 1, pairwise, cd) if one else C[:, -1]
+        *flushed, out = _replay(t, base, _rotated(t, tokens, pairwise, cd), C_last,
+                                None if z is None else z[:, -1], cd)
         to = rw if dst is None else dst
         writes += [(pool, to, v) for pool, v in zip((t.state, t.Bstate, t.Xstate, t.state_scale), flushed)
                    if pool is not None]
         writes.append((ring.length, to, torch.zeros_like(to, dtype=torch.int32)))
+        if angle is not None:
+            writes.append((t.angle_state, to, tokens["angle"][:, -1]))
         if one:
             return out, writes
-        base, m, committed = tuple(flushed), 0, _ring_tokens(ring, rw, 0)
-    outs = [output_from_checkpoint(t, base, _cat(committed, now, i + 1), C[:, i], None if z is None else z[:, i], cd)
-            for i in range(T)]
+        base, m, committed = (*flushed[:3], flushed[3]), 0, _ring_tokens(ring, rw, 0)
+    outs = []
+    for i in range(T):
+        tokens = _cat(committed, now, i + 1)
+        C_i = _rotated_C(t, C[:, i], tokens, tokens["x"].shape[1] - 1, pairwise, cd)
+        outs.append(output_from_checkpoint(t, base, _rotated(t, tokens, pairwise, cd), C_i,
+                                           None if z is None else z[:, i], cd))
     coef = torch.stack([now["A"], now["dt"], now["trap"]], -1)
     at = (rw[:, None], torch.arange(m, m + T, device=rw.device))
     writes += [(ring.B, at, now["B"]), (ring.x, at, now["x"]), (ring.coef, at, coef),
                (ring.length, rw, torch.full_like(rw, m + 1 if one else m, dtype=torch.int32))]
-    if "offset" in now:
-        writes += [(ring.offset, at, now["offset"]), (ring.drawn_for, at, now["drawn_for"])]
+    for field in ("offset", "drawn_for", "angle"):
+        if field in now:
+            writes.append((getattr(ring, field), at, now[field]))
     return (outs[0] if one else torch.stack(outs, 1)), writes
 
 
 def replay_step(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[Tensor] = None,
-                compute_dtype: torch.dtype = torch.float32) -> Tensor:
+                rotate_pairwise: bool = False, compute_dtype: torch.dtype = torch.float32) -> Tensor:
     """One decode step of a pool with replay and flush length ``K`` (module docstring; docs/contract.md,
     "Replay").
 
@@ -302,7 +360,8 @@ def replay_step(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[
     ring in place and returns ``out``. Every value is computed before anything is written; what is
     refused is refused by name before anything is written.
     """
-    check_step_inputs(tensors, update_kv_state=True, stochastic_rounding=tensors.rand_seed is not None)
+    check_step_inputs(tensors, update_kv_state=True, rotate_pairwise=rotate_pairwise,
+                      stochastic_rounding=tensors.rand_seed is not None)
     t = tensors.with_out()
     _check(t, ring, K)
     P = t.state.shape[0]
@@ -329,7 +388,7 @@ def replay_step(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[
                 pick = ((m == count) & (kind == k)).nonzero().squeeze(1)
                 if pick.numel():
                     out, lane_writes = _lane_writes(t, ring, K, lanes[pick], rows[pick], count, compute_dtype,
-                                                    dst[pick] if k == 1 else None)
+                                                    rotate_pairwise, dst[pick] if k == 1 else None)
                     result[lanes[pick]] = out.to(result.dtype)
                     writes += lane_writes if k < 2 else []
         t.out.copy_(result)
@@ -338,7 +397,8 @@ def replay_step(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[
     return t.out
 
 
-def materialize(tensors: StepTensors, ring: Ring, rows, *, compute_dtype: torch.dtype = torch.float32) -> Current:
+def materialize(tensors: StepTensors, ring: Ring, rows, *, rotate_pairwise: bool = False,
+                compute_dtype: torch.dtype = torch.float32) -> Current:
     """The current state of pool ``rows`` (a list or int tensor of real rows), a :class:`Current`: the
     checkpoint advanced by the ring's committed tokens with the flush's math (with stochastic
     rounding, ``tensors.rand_seed``'s seed and each token's recorded offset), equal bit for bit to
@@ -354,6 +414,7 @@ def materialize(tensors: StepTensors, ring: Ring, rows, *, compute_dtype: torch.
     if ring.offset is not None and tensors.rand_seed is None:
         raise ValueError("materialize: a ring with offsets (stochastic rounding) needs tensors.rand_seed (its seed)")
     current = [None if v is None else v.clone() for v in _base(tensors, rows)]
+    current.append(None if tensors.angle_state is None else tensors.angle_state[rows].clone())
     with torch.no_grad():
         for count in range(1, ring.B.shape[1] + 1):
             pick = (length == count).nonzero().squeeze(1)
@@ -361,8 +422,10 @@ def materialize(tensors: StepTensors, ring: Ring, rows, *, compute_dtype: torch.
                 continue
             rw = rows[pick]
             tokens = _ring_tokens(ring, rw, count)
-            C = torch.zeros_like(tokens["B"][:, 0])
-            flushed = _replay(tensors, _base(tensors, rw), tokens, C, None, compute_dtype)[:4]
+            C = torch.zeros(tokens["B"][:, 0].shape, dtype=torch.float32, device=rw.device)
+            flushed = _replay(tensors, _base(tensors, rw), _rotated(tensors, tokens, rotate_pairwise, compute_dtype), C,
+                              None, compute_dtype)[:4]
+            flushed += (tokens["angle"][:, -1] if "angle" in tokens else None,)
             for held, v in zip(current, flushed):
                 if held is not None:
                     held[pick] = v
@@ -372,6 +435,6 @@ def materialize(tensors: StepTensors, ring: Ring, rows, *, compute_dtype: torch.
 def fork_row(tensors: StepTensors, ring: Ring, src: int, dst: int) -> None:
     """Row ``dst`` becomes a copy of row ``src``: the checkpoint, ``Bstate``/``Xstate`` and the ring
     with its length (no replay: the ring is copied as it is)."""
-    for pool in (tensors.state, tensors.Bstate, tensors.Xstate, tensors.state_scale, *ring):
+    for pool in (tensors.state, tensors.Bstate, tensors.Xstate, tensors.state_scale, tensors.angle_state, *ring):
         if pool is not None:
             pool[dst] = pool[src]

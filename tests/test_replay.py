@@ -22,7 +22,7 @@ from mamba3_step.reference import mamba3_step_reference
 from mamba3_step.replay import Ring, fork_row, materialize, new_ring, replay_step
 from mamba3_step.rounding import dequantize_rows
 from mamba3_step.tensors import StepTensors
-from mamba3_step.testing import lane_inputs, layer_weights, row_tensors
+from mamba3_step.testing import lane_inputs, layer_weights, row_tensors, with_rotary
 
 NULL = 5
 
@@ -30,10 +30,11 @@ NULL = 5
 class Decode:
     """Two copies of one layer's pools, decoded stepwise and with replay."""
 
-    def __init__(self, P, H, D, N, R, K, state_dtype, seed, io_dtype="float32", draft=0, stochastic=False):
+    def __init__(self, P, H, D, N, R, K, state_dtype, seed, io_dtype="float32", draft=0, stochastic=False,
+                 kv_dtype=None):
         self.g = torch.Generator().manual_seed(seed)
         self.sizes = (H, D, N, R)
-        self.io = dict(kv_dtype=io_dtype, x_dtype=io_dtype)
+        self.io = dict(kv_dtype=kv_dtype or io_dtype, x_dtype=io_dtype)
         rows = row_tensors(P, H, D, N, R, state_dtype=state_dtype, generator=self.g, **self.io)
         self.weights = layer_weights(H, D, R, generator=self.g)
         self.step_pools = {k: v.clone() for k, v in rows.items()}
@@ -71,6 +72,17 @@ class Decode:
         return lane, want, got, before, ring_before
 
 
+def _checkpoint(base: dict, row: int, dtype) -> list:
+    """Row ``row``'s checkpoint as a reference step reads it (copies: the call writes them): the state
+    in ``dtype`` (an 8-bit one as q * scale), Bstate in its own dtype, so the reference rounds each
+    token's B~ to it for the next token, as the step's math does, Xstate in ``dtype``."""
+    state = base["state"][row:row + 1]
+    if "state_scale" in base:
+        state = dequantize_rows(state, base["state_scale"][row:row + 1])
+    return [state.to(dtype, copy=True), base["Bstate"][row:row + 1].clone(),
+            base["Xstate"][row:row + 1].to(dtype, copy=True)]
+
+
 def _reference(d: Decode, base: dict, row: int, tokens: dict, C, z, dtype) -> torch.Tensor:
     """The out of the last of ``tokens`` (dicts of (k, ...) tensors: A, dt, trap, B per head, x) from
     row ``row`` of the checkpoints ``base``, in ``dtype`` with the state kept in ``dtype`` in between."""
@@ -81,9 +93,7 @@ def _reference(d: Decode, base: dict, row: int, tokens: dict, C, z, dtype) -> to
     zs[0, -1] = z
     w = {name: (v.to(dtype) if v is not None else None) for name, v in d.weights.items()}
     tok = {f: v.to(dtype)[None] for f, v in tokens.items()}
-    rows = [base[k][row:row + 1].to(dtype, copy=True) for k in ("state", "Bstate", "Xstate")]  # the call writes them
-    if "state_scale" in base:  # an 8-bit checkpoint, read as q * scale
-        rows[0] = dequantize_rows(base["state"][row:row + 1], base["state_scale"][row:row + 1]).to(dtype)
+    rows = _checkpoint(base, row, dtype)
     dense = StepTensors(*rows, tok["A"], tok["B"], Cs, w["D"], tok["x"], tok["dt"], tok["trap"], w["xproj"],
                         outproj=w["outproj"], z=zs, zproj=w["zproj"])
     return mamba3_step_reference(dense, update_kv_state=True, compute_dtype=dtype)[0, -1]
@@ -294,3 +304,68 @@ def test_a_destination_row_gets_the_flushed_state_and_a_padding_destination_noth
         if pool is not None:
             assert torch.equal(pool[3], getattr(ring_before, name)[3]), f"ring.{name} of row 3 written"
     _check_current(d, lane, src, [1, 2, 3, 6])
+
+
+@pytest.mark.parametrize("state_dtype,sr,pairwise,shared,kv", [("float32", False, False, True, "float32"),
+                                                               ("bfloat16", True, True, False, "bfloat16")])
+def test_rotary_replay_equals_stepwise_decoding(state_dtype, sr, pairwise, shared, kv):
+    """With the rotary angle (S = N/4, biases; B/C shared by the heads or not; pairs split or
+    adjacent): the ring keeps each token's B as received and its angle; after every step the
+    materialised state, Bstate, Xstate and angle equal stepwise decoding bit for bit; a flush's out
+    too; an append's out is within twice PyTorch-float32's error of float64 from the stored
+    checkpoint over the tokens since (the test keeps their inputs, independently of the ring). A bf16
+    Bstate in the second case: a token's own update reads its unrounded B~, the next token the
+    rounded one."""
+    P, H, D, N, R, K, S = 6, 2, 32, 32, 2, 3, 8
+    d = Decode(P, H, D, N, R, K, state_dtype, seed=5, stochastic=sr, kv_dtype=kv)  # fp32 x and out
+    d.ring = new_ring(P, K, R, H, N, D, kv_dtype=d.ring.B.dtype, x_dtype=d.ring.x.dtype, stochastic=sr, rope_angles=S)
+    rot = with_rotary(dict(d.step_pools, x=torch.zeros(1, H, D), B=torch.zeros(1, R, H, N)), S, seed=9)
+    for pools in (d.step_pools, d.replay_pools):
+        pools["angle_state"] = rot["angle_state"].clone()
+    d.weights.update(B_bias=rot["B_bias"], C_bias=rot["C_bias"])
+    indices = torch.tensor([4, 1], dtype=torch.int32)
+    history = {4: [], 1: []}
+    flushes = 0
+
+    def call(pools, lane):
+        return d.tensors(pools, lane, indices)._replace(angle_state=pools["angle_state"], angle_proj=lane["angle_proj"],
+                                                        B_bias=d.weights["B_bias"], C_bias=d.weights["C_bias"])
+
+    for _ in range(8):
+        lane = with_rotary(lane_inputs(2, H, D, N, R, generator=d.g, **d.io) | {"state": d.step_pools["state"]}, S,
+                           shared_bc=shared, seed=d.g)
+        before = {k: v.clone() for k, v in d.replay_pools.items()}
+        lengths = [int(d.ring.length[r]) for r in indices.tolist()]
+        want = mamba3_step_reference(call(d.step_pools, lane), update_kv_state=True, rotate_pairwise=pairwise,
+                                     stochastic_rounding=sr)
+        got = replay_step(call(d.replay_pools, lane), d.ring, K, rotate_pairwise=pairwise)
+        d.advance()
+        for b, row in enumerate(indices.tolist()):
+            token = {f: lane[f][b] for f in ("A", "dt", "trap", "B", "C", "x", "z", "angle_proj")}
+            if lengths[b] == K - 1:
+                flushes += 1
+                assert torch.equal(got[b], want[b]), f"lane {b}: flush out differs from stepwise"
+                history[row] = []
+                continue
+            seq = history[row] + [token]
+            outs = [_rotary_reference(d, before, row, seq, pairwise, dt) for dt in (torch.float64, torch.float32)]
+            assert_accurate(f"lane {b}", got[b], outs[0], outs[1].to(got.dtype), outs[0].abs().max().item())
+            history[row] = seq
+        current = materialize(call(d.replay_pools, lane), d.ring, indices.tolist(), rotate_pairwise=pairwise)._asdict()
+        for k, pool in d.step_pools.items():
+            assert torch.equal(current[k], pool[indices.long()]), f"materialised {k} differs from stepwise"
+    assert flushes >= 4
+
+
+def _rotary_reference(d: Decode, base: dict, row: int, seq: list, pairwise: bool, dtype) -> torch.Tensor:
+    """The out of the last token of ``seq`` (their inputs as the lanes received them) from row ``row``
+    of the checkpoints ``base`` with the rotary T-token CPU path, in ``dtype`` (state kept in it)."""
+    tok = {f: torch.stack([t[f] for t in seq])[None] for f in seq[0]}
+    tok = {f: (v if f == "angle_proj" else v.to(dtype)) for f, v in tok.items()}
+    tok["C"][:, :-1] = 0  # only the last token's output is read
+    w = {name: (v.to(dtype) if v is not None else None) for name, v in d.weights.items()}
+    rows = _checkpoint(base, row, dtype)
+    dense = StepTensors(*rows, tok["A"], tok["B"], tok["C"], w["D"], tok["x"], tok["dt"], tok["trap"], w["xproj"],
+                        outproj=w["outproj"], z=tok["z"], zproj=w["zproj"], angle_state=base["angle_state"][row:row + 1]
+                        .clone(), angle_proj=tok["angle_proj"], B_bias=w["B_bias"], C_bias=w["C_bias"])
+    return mamba3_step_reference(dense, update_kv_state=True, rotate_pairwise=pairwise, compute_dtype=dtype)[0, -1]
