@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from .demo_speculative import SpecRecord, SpecResult, run_speculative_decode
+from .demo_replay import run_replay_decode
 from .layer import LayerDtypes, LayerPools, Mamba3DecodeLayer, StepInputs
 from .reference import mamba3_step_reference
 from .serving import StatePool, check_buckets, choose_bucket, gather_dense_scatter
@@ -402,7 +403,22 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
           f"untouched rows); "
           f"error vs float64 {'within' if err_ok else 'OUTSIDE'} tolerance  [{time.perf_counter() - t0:.1f} s]")
     spec_ok = args.spec_tokens == 0 or _speculative_round(args, dev, buckets, spec)
-    return 0 if res.parity and err_ok and spec_ok else 1
+    return 0 if res.parity and err_ok and spec_ok and _replay_round(args.seed) else 1
+
+
+def _replay_round(seed: int) -> bool:
+    """Run and report :func:`~mamba3_step.demo_replay.run_replay_decode`; True when it held."""
+    t0, res = time.perf_counter(), run_replay_decode(seed=seed)
+    for f in res.failures[:10]:
+        print("  " + f)
+    ok = not res.failures
+    print(f"replay (CPU path, no kernel yet; K=4): {res.steps} plain and {res.rounds} verify steps of 3 requests, one "
+          f"leaving and one joining; {res.flushes} lane-steps wrote the state, {res.appends} only appended to the "
+          f"ring, {res.accepted} of {res.verified} draft tokens accepted (the rest rolled back by the cursor); "
+          f"materialised state {'byte-identical' if ok else 'NOT byte-identical'} to stepwise decoding after every "
+          f"step; max |out - stepwise out| = {res.max_out_diff:.1e} (appends round differently): "
+          f"{'REPLAY CHECK PASSED' if ok else 'REPLAY CHECK FAILED'}  [{time.perf_counter() - t0:.1f} s]")
+    return ok
 
 
 def _speculative_round(args: argparse.Namespace, dev: torch.device, buckets, spec) -> bool:

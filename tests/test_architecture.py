@@ -37,7 +37,7 @@ LAYERS = [
     ["launch"],
     ["api", "plan"],  # plan: plan once, run many (StepPlan), beside the eager entry point
     ["ops", "serving"],
-    ["inspection", "layer", "demo", "demo_speculative", "ptx_tier", "verify"],  # layer: a Mamba-3 decode layer
+    ["inspection", "layer", "demo", "demo_speculative", "demo_replay", "ptx_tier", "verify"],  # layer: a Mamba-3 decode layer
     ["cli", "__main__"],
 ]
 MAX_MODULE_LINES = 450

@@ -33,6 +33,8 @@ def test_demo_in_process_reports_parity(capsys):
     assert rc == 0, text
     assert "device=cpu" in text and "PyTorch CPU path" in text
     assert "PARITY HELD" in text and "byte-identical" in text
+    assert "REPLAY CHECK PASSED" in text and re.search(r"[1-9]\d* lane-steps wrote the state, [1-9]\d* only appended",
+                                                        text), text
     # one table row per step, every one ok
     rows = [l for l in text.splitlines() if re.match(r"^\s+\d+\s+\d+\s+", l)]
     assert len(rows) == 5 and all(r.split()[7] == "ok" for r in rows), text
@@ -198,3 +200,18 @@ def test_demo_speculative_round_catches_a_stray_write(monkeypatch):
     res = demo.run_speculative_decode(rounds=2, tokens=2, layers=2, shape=SMALL, seed=6)
     assert not res.parity
     assert "round 0: layer 1: Xstate rows outside the groups changed" in res.failures, res.failures
+
+
+def test_demo_replay_round_catches_a_wrong_commit(capsys, monkeypatch):
+    """A replay that commits one draft too many: the materialised state leaves stepwise decoding."""
+    from mamba3_step import demo_replay
+    real = demo_replay.replay_step
+
+    def over_commit(t, ring, K, accepted=None, **kw):
+        return real(t, ring, K, accepted=None if accepted is None else (accepted + 1).clamp(max=3), **kw)
+
+    monkeypatch.setattr(demo_replay, "replay_step", over_commit)
+    rc = cli.main(["demo", "--steps", "1", "--quiet", "--seed", "1"])
+    text = capsys.readouterr().out
+    assert rc == 1, text
+    assert "REPLAY CHECK FAILED" in text and "differs from stepwise decoding" in text
