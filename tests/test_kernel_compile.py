@@ -374,6 +374,32 @@ def test_padding_path_issues_no_pool_traffic(spec, arch):
         assert re.search(r"^STG\.E\.U16\b.*RZ$", ins), f"unexpected memory access on the padding path: {ins}"
 
 
+#: pool + update_kv_state *without* a destination row (the state written back in place) at the
+#: default tiling: these use stack (8-40 bytes) on that architecture (found 2026-11-25, not fixed; the
+#: same shapes with a destination row compile clean, the full matrix above). ptxas settles at 128 or
+#: 168 registers and spills for them: R = 8 at 1-8 warps, or 16 warps (128 registers a thread)
+IN_PLACE_SPILLS = {
+    "sm_90a": {(32, 64, 8, "float32"), (32, 128, 2, "float16"), (64, 32, 8, "float32"), (128, 128, 8, "float16"),
+               (256, 128, 4, "bfloat16"), (256, 128, 4, "float16")},
+    "sm_100a": {(32, 64, 8, "float32"), (32, 128, 2, "float16"), (64, 32, 8, "float32"), (64, 128, 8, "float32"),
+                (128, 128, 8, "float16"), (256, 128, 4, "bfloat16"), (256, 128, 4, "float16")},
+}
+
+
+def _in_place_params() -> list:
+    known = pytest.mark.xfail(strict=True, reason="uses stack at its default tiling (IN_PLACE_SPILLS, not fixed)")
+    return [pytest.param(StepSpec(N, D, R, sd, pool=True, update_kv_state=True), arch,
+                         id=f"N{N}-D{D}-R{R}-{sd}-pool-kv-{arch}",
+                         marks=[known] if (N, D, R, sd) in IN_PLACE_SPILLS[arch] else [])
+            for arch in ARCHS for N, D, R, sd in itertools.product(SUPPORTED_N, SUPPORTED_D, SUPPORTED_R, UNSCALED)]
+
+
+@pytest.mark.full_matrix
+@pytest.mark.parametrize("spec,arch", _in_place_params())
+def test_in_place_matrix_compiles_with_clean_compiler_facts(spec, arch):
+    check_compiler_facts(spec, arch)
+
+
 @pytest.mark.full_matrix
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("spec", list(_full_matrix().values()), ids=list(_full_matrix()))
