@@ -38,6 +38,7 @@ import threading
 import time
 from typing import Callable, Iterable
 
+import pytest
 import torch
 
 from mamba3_step import mamba3_step_fn
@@ -356,3 +357,31 @@ def count_calls(monkeypatch, module, name: str) -> list:
     monkeypatch.setattr(module, name, counting)
     return calls
 
+
+
+def assert_refused_and_unchanged(what: str, fn, call: dict, inputs: dict, exc, message: str, **extra) -> None:
+    """``fn(**call, **extra)`` raises ``exc`` matching ``message``, and every tensor of ``inputs``
+    keeps its bits (a failed call changes nothing)."""
+    before = clone_inputs(inputs)
+    with pytest.raises(exc, match=message):
+        fn(**call, **extra)
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor):
+            assert bits_equal(value, before[key]), f"{what}: {key} changed"
+
+
+#: the row operations :func:`reset_copy_fork` applies to a pool with 7 allocated slots ``s`` = 0..6
+#: and 10 rows: rows 1 and 3 reset, and each other row's source row afterwards
+RESET_ROWS = (1, 3)
+COPIED_FROM = {0: 0, 2: 6, 6: 2, 4: 0, 5: 0, 7: 0, 8: 0}
+
+
+def reset_copy_fork(pool) -> None:
+    """Reset, copy (a broadcast and a permutation, sources read before any write) and fork on ``pool``:
+    afterwards row r holds what row ``COPIED_FROM.get(r, r)`` held, rows ``RESET_ROWS`` are zero."""
+    s = pool.alloc(7)
+    pool.reset(s[list(RESET_ROWS)])
+    pool.copy(s[0], s[4:6])  # broadcast: one parent, two children
+    pool.copy([2, 6], [6, 2])  # a permutation
+    kids = pool.fork(int(s[0]), 2)
+    assert kids.tolist() == [7, 8]

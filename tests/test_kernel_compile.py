@@ -251,34 +251,16 @@ def check_padding_guard(sass_text: str, where: str, loads: int = 2) -> None:
     assert len(before) <= loads, f"{where}: more than the {loads} index loads before the padding branch"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", list(COVERING))
-def test_compiles_with_clean_compiler_facts(name, arch):
-    check_compiler_facts(COVERING[name], arch)
+#: the named sets every run compiles for both architectures, by the prefix of their test ids
+COMPILED_SETS = {"covering": COVERING, "multi-token": MULTI_TOKEN, "rotary": ROTARY, "stochastic": STOCHASTIC,
+                 "eight-bit": EIGHT_BIT}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", list(MULTI_TOKEN))
-def test_multi_token_compiles_with_clean_compiler_facts(name, arch):
-    check_compiler_facts(MULTI_TOKEN[name], arch)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", list(ROTARY))
-def test_rotary_compiles_with_clean_compiler_facts(name, arch):
-    check_compiler_facts(ROTARY[name], arch)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", list(STOCHASTIC))
-def test_stochastic_rounding_compiles_with_clean_compiler_facts(name, arch):
-    check_compiler_facts(STOCHASTIC[name], arch)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", list(EIGHT_BIT))
-def test_eight_bit_states_compile_with_clean_compiler_facts(name, arch):
-    check_compiler_facts(EIGHT_BIT[name], arch)
+@pytest.mark.parametrize("spec", [pytest.param(spec, id=f"{kind}-{name}") for kind, specs in COMPILED_SETS.items()
+                                  for name, spec in specs.items()])
+def test_compiles_with_clean_compiler_facts(spec, arch):
+    check_compiler_facts(spec, arch)
 
 
 # The default run compiles the covering set's T > 1 forms for sm_90a; sm_100a with --full-matrix

@@ -21,7 +21,7 @@ import inspect
 
 import pytest
 import torch
-from helpers import assert_bits_equal, written_rows
+from helpers import COPIED_FROM, RESET_ROWS, assert_bits_equal, reset_copy_fork, written_rows
 
 from mamba3_step import mamba3_step_fn
 from mamba3_step.rounding import dequantize_rows
@@ -127,25 +127,19 @@ def test_reset_zeroes_codes_and_scales_to_exact_zeros(fmt):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_copy_and_fork_carry_the_scale_rows_bit_for_bit(fmt):
     pool = scaled_pool(fmt, L=2, P=10, seed=3)
-    s = pool.alloc(7)
     before = snapshot(pool)
     for l in range(2):  # every row's scales differ: a copy from the wrong row would show
         assert before[l]["state_scale"].reshape(10, -1).unique(dim=0).shape[0] == 10
-    pool.reset(s[[1, 3]])
-    pool.copy(s[0], s[4:6])  # broadcast: one parent, two children
-    pool.copy([2, 6], [6, 2])  # a permutation, sources read before any write
-    kids = pool.fork(int(s[0]), 2)
-    assert kids.tolist() == [7, 8]
-    expect = {0: 0, 2: 6, 6: 2, 4: 0, 5: 0, 7: 0, 8: 0}
+    reset_copy_fork(pool)
     for l in range(2):
         for name, t in pool.layer_rows(l).items():
             if t is None:
                 continue
             for row in range(10):
-                if row in (1, 3):
+                if row in RESET_ROWS:
                     assert not t[row].view(torch.uint8).any(), (l, name, row)
                 else:
-                    assert_bits_equal(t[row], before[l][name][expect.get(row, row)], f"layer {l} {name} row {row}")
+                    assert_bits_equal(t[row], before[l][name][COPIED_FROM.get(row, row)], f"layer {l} {name} row {row}")
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

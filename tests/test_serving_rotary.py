@@ -18,7 +18,7 @@ import inspect
 
 import pytest
 import torch
-from helpers import assert_bits_equal, check_pool_parity, written_rows
+from helpers import COPIED_FROM, RESET_ROWS, assert_bits_equal, check_pool_parity, reset_copy_fork, written_rows
 
 from mamba3_step import mamba3_step_fn
 from mamba3_step.contract import lane_is_live, source_rows
@@ -124,22 +124,16 @@ def test_pool_angle_layout_bytes_and_constructor_checks():
 
 def test_reset_copy_fork_carry_the_angle_rows_like_the_state_rows():
     pool = rotary_pool(L=2, P=10, seed=1)
-    s = pool.alloc(7)
     before = rows_snapshot(pool)
-    pool.reset(s[[1, 3]])
-    pool.copy(s[0], s[4:6])  # broadcast: one parent, two children
-    pool.copy([2, 6], [6, 2])  # a permutation, sources read before any write
-    kids = pool.fork(int(s[0]), 2)
-    assert kids.tolist() == [7, 8]
-    expect = {0: 0, 2: 6, 6: 2, 4: 0, 5: 0, 7: 0, 8: 0}
+    reset_copy_fork(pool)
     for l in range(2):
         for name, t in pool.layer_rows(l).items():
             b = before[l][name]
             for row in range(10):
-                if row in (1, 3):
+                if row in RESET_ROWS:
                     assert not t[row].any(), (l, name, row)
                 else:
-                    assert_bits_equal(t[row], b[expect.get(row, row)], f"layer {l} {name} row {row}")
+                    assert_bits_equal(t[row], b[COPIED_FROM.get(row, row)], f"layer {l} {name} row {row}")
 
 
 def test_alloc_zero_and_alloc_spec_zero_reset_the_angles():

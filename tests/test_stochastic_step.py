@@ -18,7 +18,7 @@ import math
 
 import pytest
 import torch
-from helpers import check_pool_parity, clone_inputs
+from helpers import assert_refused_and_unchanged, check_pool_parity, clone_inputs
 
 from mamba3_step import mamba3_step_fn, mamba3_step_op, plan_step
 from mamba3_step.reference import step_math
@@ -57,13 +57,8 @@ def test_bad_stochastic_rounding_is_refused_by_name_and_changes_nothing(what, ch
     change = dict(change)
     inputs = _inputs(change.pop("state_dtype", "bfloat16"))
     call = {**inputs, "rand_seed": SEED.clone(), "stochastic_rounding": True, **change}
-    before = clone_inputs(inputs)
     fn = mamba3_step_fn if entry == "fn" else mamba3_step_op
-    with pytest.raises(exc, match=message):
-        fn(**call, state_batch_indices=IDX)
-    for key, value in inputs.items():
-        if isinstance(value, torch.Tensor):
-            assert bits_equal(value, before[key]), f"{what}: {key} changed"
+    assert_refused_and_unchanged(what, fn, call, inputs, exc, message, state_batch_indices=IDX)
 
 
 def _step(inputs, seed=SEED, **kw):
