@@ -8,13 +8,15 @@ package: docs/design.md, "Architecture".
 
 from . import ops  # noqa: F401  registers torch.ops.mamba3_step.step (torch.compile-friendly)
 from .api import mamba3_step_fn
+from .api_replay import replay_step_fn
 from .contract import PAD_SLOT_ID
 from .ops import mamba3_step_op
 from .plan import StepPlan, StepPlanMismatch, plan_step
+from .replay import Ring, materialize, new_ring
 from .rotary import angle_from_radians, angle_to_radians
 from .spec import StepSpec, flagship_rotary_spec, flagship_spec
 
-__all__ = ["PAD_SLOT_ID", "StepPlan", "StepPlanMismatch", "StepSpec", "angle_from_radians", "angle_to_radians",
-           "flagship_rotary_spec", "flagship_spec", "mamba3_step_fn",
-           "mamba3_step_op", "plan_step"]
+__all__ = ["PAD_SLOT_ID", "Ring", "StepPlan", "StepPlanMismatch", "StepSpec", "angle_from_radians", "angle_to_radians",
+           "flagship_rotary_spec", "flagship_spec", "mamba3_step_fn", "mamba3_step_op", "materialize", "new_ring",
+           "plan_step", "replay_step_fn"]
 __version__ = "0.1.0"

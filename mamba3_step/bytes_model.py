@@ -356,7 +356,7 @@ def replay_bytes(spec: StepSpec, K: int, batch: int, heads: int, position: int |
     Per live lane and head, on top of the step's inputs, ``out``, weights and indices (as
     :func:`bytes_per_step`): the state and ``Bstate``/``Xstate`` rows read; ``position`` ring entries
     read and T entries written (an entry: B ``R N`` kv bytes, x ``D`` x bytes, A/dt/trap 12); the
-    ring length read and written (4 + 4 a lane). A one-token step at position K - 1 flushes: it
+    ring length, one per head, read and written (4 + 4 a lane and head). A one-token step at position K - 1 flushes: it
     writes the state and ``Bstate``/``Xstate`` rows and no entry. A verify step (T drafts) pays the
     flushes its accepted tokens cause, at most one per K tokens: ``min(1, T / K)`` of a state,
     Bstate and Xstate write. Returns ``{entry: bytes, "total": bytes}``."""
@@ -379,6 +379,6 @@ def replay_bytes(spec: StepSpec, K: int, batch: int, heads: int, position: int |
         step[name] = batch * b * (1 + flush)
     appended = 0 if (T == 1 and position == K - 1) else T
     step["ring"] = batch * entry * (position + appended)
-    step["ring.length"] = batch * 2 * _I32
+    step["ring.length"] = batch * H * 2 * _I32
     step["total"] = sum(step.values())
     return step

@@ -87,7 +87,7 @@ def run_replay_decode(*, steps: int = 10, rounds: int = 3, K: int = 4, T: int = 
         index = torch.tensor(rows, dtype=torch.int32)
         verify = s >= steps and (s - steps) % 2 == 0
         lane = lane_inputs(len(rows), *sizes, tokens=T if verify else None, x_dtype="float32", generator=g)
-        committed = ring.length[index].long() + (0 if pending is None else pending.long())
+        committed = ring.length[index, 0].long() + (0 if pending is None else pending.long())
         got = replay_step(pools.step(pools.replay, lane, index), ring, K, accepted=pending)
         if verify:
             accepted = [int(v) for v in torch.randint(0, T + 1, (len(rows),), generator=g)]

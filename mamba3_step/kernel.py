@@ -193,8 +193,8 @@ class Mamba3StepKernel:
         self.D = spec.headdim
         self.R = spec.mimo
         self.tile_D = spec.tile_D
-        lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo, spec.tokens,
-                            spec.stochastic_rounding)
+        lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo,
+                            spec.carried_tokens, spec.stochastic_rounding)
         self.layout = lay
         self.num_threads = lay.num_threads
         self.state_dtype = CUTLASS_DTYPES[spec.state_dtype]
@@ -215,6 +215,7 @@ class Mamba3StepKernel:
         self.has_bc_bias = spec.has_bc_bias
         self.shared_bc = spec.shared_bc
         self.stochastic = spec.stochastic_rounding
+        self.K = spec.replay_ring  # replay's flush length; 0: no replay
         #: an 8-bit state with a scale per (row, head, d) (docs/contract.md, "8-bit states")
         self.scaled = spec.state_dtype in SCALED_STATE_DTYPES
         #: a 16-bit state's 16-byte vector is one Philox call's 8 elements, an 8-bit one's two calls' 16
@@ -257,6 +258,10 @@ class Mamba3StepKernel:
         b, h, dtile = cute.arch.block_idx()
 
         src, dst, src_live, dst_live = self.select_rows(m, b)
+        count = Int32(0)
+        if const_expr(self.K):  # replay: the row's committed ring tokens; a count out of range is padding
+            count, src_live = self.ring_count(m, src, h, src_live)
+            dst_live = src_live
         if src_live:
             shared = self.allocate_shared()
             # Issue every state load first: they are the bytes that matter.
@@ -266,21 +271,30 @@ class Mamba3StepKernel:
             groups = []  # RowGroup per row group, loaded up front with preload (else by token_step)
             for g in cutlass.range_constexpr(self.layout.row_groups if self.layout.preload else 1):
                 groups.append(self.load_state(m, g, cta))
-            # Unrolled at trace time: every buffer parity and token offset is static, and fewer
-            # values stay live than in a runtime token loop (which spilled at R = 8); code grows with T.
-            for t in cutlass.range_constexpr(self.T):
-                if const_expr(t > 0):
-                    cute.arch.barrier()  # token t - 1 is done with the shared buffers
-                self.token_step(m, t, cta, shared, groups)
-            if const_expr(not self.store_each):  # the final state, and the last token's B/x, to row dst
-                if dst_live:
-                    for g in cutlass.range_constexpr(self.layout.row_groups):
-                        self.store_state(groups[g], m, cta)
-                    if const_expr(self.update_kv_state):
-                        self.store_kv_state(m, shared.sBB[(self.T - 1) % 2, None, None], shared.sX, cta)
+            if const_expr(self.K):
+                self.replay_tokens(m, count, cta, shared, groups)
+            else:
+                self.run_tokens(m, cta, shared, groups)
         else:
             for t in cutlass.range_constexpr(self.T):
                 self.zero_out(m.out, self.lane_index(b, t), h, dtile, tidx)
+
+    @cute.jit
+    def run_tokens(self, m: KernelArgs, cta: Cta, shared: Shared, groups: list):
+        """The step's T tokens on the loaded slab, then the final state when it is stored once.
+
+        Unrolled at trace time: every buffer parity and token offset is static, and fewer values
+        stay live than in a runtime token loop (which spilled at R = 8); code grows with T."""
+        for t in cutlass.range_constexpr(self.T):
+            if const_expr(t > 0):
+                cute.arch.barrier()  # token t - 1 is done with the shared buffers
+            self.token_step(m, t, cta, shared, groups)
+        if const_expr(not self.store_each):  # the final state, and the last token's B/x, to row dst
+            if cta.dst_live:
+                for g in cutlass.range_constexpr(self.layout.row_groups):
+                    self.store_state(groups[g], m, cta)
+                if const_expr(self.update_kv_state):
+                    self.store_kv_state(m, shared.sBB[(self.T - 1) % 2, None, None], shared.sX, cta)
 
     def allocate_shared(self) -> Shared:
         """The CTA's shared buffers (:class:`Shared`), 16-byte aligned."""
@@ -357,6 +371,118 @@ class Mamba3StepKernel:
         dst = m.dst_state_batch_indices[cta.b, t]
         return cta._replace(dst=dst, dst_live=cta.src_live & self.row_is_live(dst, m.state.shape[0], m.null_slot))
 
+    # ------------------------------------------------------------------ replay (docs/design.md, "Replay")
+    @cute.jit
+    def ring_count(self, m: KernelArgs, src: Int32, h: Int32, src_live: Boolean):
+        """``(count, live)``: the committed ring tokens of (row ``src``, head ``h``) and whether the
+        lane is live. A count outside ``[0, K - 1]``, or a ring of fewer than ``K - 1`` entries,
+        makes the lane padding: every ring access stays inside ``ring_B``'s entries."""
+        count = Int32(-1)
+        if src_live:
+            count = m.ring_length[src, h]
+        live = src_live & (count >= 0) & (count < self.K) & (m.ring_B.shape[1] >= self.K - 1)
+        return count, live
+
+    @cute.jit
+    def replay_tokens(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list):
+        """A replay step on the loaded checkpoint: the ``count`` committed ring tokens replayed in
+        registers (:meth:`ring_token`, no output, nothing stored), then this step's token
+        (:meth:`live_token`). Token ``j`` stages its B in ``sBB[j % 2]``; Bstate, the token before
+        the ring, is token -1's (``sBB[1]``)."""
+        self.stage_kv_row(m.Bstate, (cta.src,), cta.h, shared.sBB[1, None, None], cta)
+        for j in cutlass.range_constexpr(self.K - 1):
+            if j < count:
+                cute.arch.barrier()  # token j - 1 is done with the shared buffers
+                self.ring_token(m, j, cta, shared, groups)
+        cute.arch.barrier()
+        self.live_token(m, count, cta, shared, groups)
+
+    @cute.jit
+    def ring_token(self, m: KernelArgs, j: int, cta: Cta, shared: Shared, groups: list):
+        """Ring entry ``j`` of row ``src`` stepped on the state in registers: its B (stored per head),
+        x, A, dt, trap staged as a token's, the previous x from entry ``j - 1`` (Xstate for the
+        first); the state updated and rounded as a stepwise step stores it."""
+        src, h = cta.src, cta.h
+        tok = Token(j, None, shared.sBB[j % 2, None, None], shared.sBB[(j + 1) % 2, None, None],
+                    *self.decay(m.ring_coef[src, j, h, 0], m.ring_coef[src, j, h, 1], m.ring_coef[src, j, h, 2]))
+        self.stage_kv_row(m.ring_B, (src, j), h, tok.sB, cta)
+        mXprev, prev = (m.Xstate, (src,)) if const_expr(j == 0) else (m.ring_x, (src, j - 1))
+        self.stage_coefficients(m, (m.ring_x, (src, j)), lambda dg: mXprev[prev + (h, dg)].to(Float32), tok, shared,
+                                cta)
+        cute.arch.barrier()
+        operands = self.load_operands(tok, shared, cta)
+        for g in cutlass.range_constexpr(self.layout.row_groups):
+            self.update_rows(groups[g], operands, tok, shared, cta)  # its output is not needed: y is dead code
+
+    @cute.jit
+    def live_token(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list):
+        """This step's token after ``count`` ring tokens, stepped like a one-token step's, its ``out``
+        written. A flush (``count = K - 1``) stores the state, B and x to row ``dst`` and empties
+        its ring; otherwise the token becomes ring entry ``count`` (:meth:`append_ring`) and the
+        state row is not written."""
+        src, h = cta.src, cta.h
+        lane_t = (cta.b,)
+        parity = count % 2
+        tok = Token(0, lane_t, shared.sBB[parity, None, None], shared.sBB[1 - parity, None, None],
+                    *self.decay_coefficients(m, lane_t, h))
+        hbc = 0 if const_expr(self.shared_bc) else h
+        self.stage_kv_row(m.B, lane_t, hbc, tok.sB, cta)
+        self.stage_kv_row(m.C, lane_t, hbc, shared.sC, cta)
+
+        def xprev(dg):  # the entry before this token, or Xstate with an empty ring: one load either way
+            v = Float32(0.0)
+            if count > 0:
+                v = m.ring_x[src, count - 1, h, dg].to(Float32)
+            else:
+                v = m.Xstate[src, h, dg].to(Float32)
+            return v
+
+        self.stage_coefficients(m, (m.x, lane_t), xprev, tok, shared, cta)
+        cute.arch.barrier()
+        flush = count == self.K - 1
+        if cta.dst_live:
+            if flush:
+                self.store_kv_state(m, tok.sB, shared.sX, cta)
+            else:
+                self.append_ring(m, count, tok, shared, cta)
+            if cta.tidx == 0:
+                mLength = m.ring_length
+                mLength[cta.dst, h] = cutlass.select_(flush, Int32(0), count + 1)
+        operands = self.load_operands(tok, shared, cta)
+        for g in cutlass.range_constexpr(self.layout.row_groups):
+            tYrY = self.update_rows(groups[g], operands, tok, shared, cta)
+            self.reduce_rows(tYrY, shared.sY, cta, g)
+            if cta.dst_live & flush:
+                self.store_state(groups[g], m, cta)
+        cute.arch.barrier()
+        self.epilogue(m, tok, shared, cta)
+
+    @cute.jit
+    def append_ring(self, m: KernelArgs, count: Int32, tok: Token, shared: Shared, cta: Cta):
+        """This token as ring entry ``count`` of row ``dst``: its B per head and x (from their staged
+        fp32 copies, which convert back exactly), and its A, dt, trap (thread 0)."""
+        dst, h = cta.dst, cta.h
+
+        def store_b(i):  # i = r * N + n
+            mRingB = m.ring_B  # stored under a runtime `if`: a local name (see for_thread_indices)
+            r = i // self.N
+            n = i - r * self.N
+            mRingB[dst, count, r, h, n] = tok.sB[r, n].to(self.kv_dtype)
+
+        self.for_thread_indices(self.R * self.N, cta.tidx, store_b)
+        d0 = cta.dtile * self.tile_D
+
+        def store_x(d):
+            mRingX = m.ring_x
+            mRingX[dst, count, h, d0 + d] = shared.sX[d].to(self.x_dtype)
+
+        self.for_thread_indices(self.tile_D, cta.tidx, store_x)
+        if cta.tidx == 0:
+            mCoef = m.ring_coef
+            mCoef[dst, count, h, 0] = m.A[cta.b, h]
+            mCoef[dst, count, h, 1] = m.dt[cta.b, h]
+            mCoef[dst, count, h, 2] = m.trap[cta.b, h]
+
     def lane_index(self, b: Int32, t) -> tuple:
         """The leading coordinates of lane ``b``, token ``t`` in a per-lane tensor: ``(b,)`` when the
         specialisation has one token (no token axis), else ``(b, t)``."""
@@ -429,9 +555,12 @@ class Mamba3StepKernel:
     def decay_coefficients(self, m: KernelArgs, lane_t: tuple, h: Int32):
         """``alpha = exp(A dt)``, ``beta = (1 - trap) dt alpha``, ``gamma = trap dt`` and ``dt`` (fp32)
         of one (lane, token) (``lane_t``: its leading coordinates, :meth:`lane_index`)."""
-        dt = m.dt[lane_t + (h,)]
-        trap = m.trap[lane_t + (h,)]
-        alpha = cute.math.exp(m.A[lane_t + (h,)] * dt)
+        return self.decay(m.A[lane_t + (h,)], m.dt[lane_t + (h,)], m.trap[lane_t + (h,)])
+
+    @cute.jit
+    def decay(self, A: Float32, dt: Float32, trap: Float32):
+        """``(alpha, beta, gamma, dt)`` of one token's ``A``, ``dt``, ``trap`` (the contract's math)."""
+        alpha = cute.math.exp(A * dt)
         beta = (Float32(1.0) - trap) * dt * alpha
         gamma = trap * dt
         return alpha, beta, gamma, dt
@@ -515,14 +644,11 @@ class Mamba3StepKernel:
 
     @cute.jit
     def stage_operands(self, m: KernelArgs, tok: Token, Xprev: tuple, shared: Shared, cta: Cta):
-        """Thread ``tidx``'s share of one token's per-(lane, head) operands, converted to fp32.
-
-        B and C rows go to shared memory as they are; for each tile row ``d`` and rank ``r`` the
-        coefficients of the state update are computed once per CTA: ``xr = x xproj`` (kept for
-        the epilogue's skip term), ``u = gamma xr`` and ``v = beta (xprev xproj)``, stored
-        row-major ``(d, [u_0..u_R-1, v_0..v_R-1])`` so a thread reads a row's 2R coefficients
-        with vector loads. ``Xprev``: the previous x as (tensor, leading coordinates): Xstate
-        (P, H, D) and ``(src,)``, or ``x`` itself and the previous token's coordinates.
+        """Thread ``tidx``'s share of one token's per-(lane, head) operands, converted to fp32:
+        B and C rows to shared memory as they are (rotated with rotary), then the coefficients of
+        the state update (:meth:`stage_coefficients`). ``Xprev``: the previous x as (tensor,
+        leading coordinates): Xstate (P, H, D) and ``(src,)``, or ``x`` itself and the previous
+        token's coordinates.
         """
         hbc = 0 if const_expr(self.shared_bc) else cta.h  # B/C's head: one shared by the heads, or h
         if const_expr(self.S > 0):
@@ -532,6 +658,18 @@ class Mamba3StepKernel:
             self.stage_kv_row(m.B, tok.lane_t, hbc, tok.sB, cta)
             self.stage_kv_row(m.C, tok.lane_t, hbc, shared.sC, cta)
         mXprev, prev = Xprev
+        self.stage_coefficients(m, (m.x, tok.lane_t), lambda dg: mXprev[prev + (cta.h, dg)].to(Float32), tok, shared,
+                                cta)
+
+    @cute.jit
+    def stage_coefficients(self, m: KernelArgs, X: tuple, xprev: Callable, tok: Token, shared: Shared, cta: Cta):
+        """The per-row coefficients of one token: for each tile row ``d`` and rank ``r``
+        ``xr = x xproj`` (kept for the epilogue's skip term) and x itself to ``sXr``/``sX``,
+        ``u = gamma xr`` and ``v = beta (xprev xproj)`` to ``sUV``, row-major
+        ``(d, [u_0..u_R-1, v_0..v_R-1])`` so a thread reads a row's 2R coefficients with vector
+        loads. ``X``: the token's x as (tensor, leading coordinates); ``xprev(dg)``: the previous
+        token's x at head dim ``dg``, fp32."""
+        mX, lead = X
         h = cta.h
         d0 = cta.dtile * self.tile_D
 
@@ -540,11 +678,11 @@ class Mamba3StepKernel:
             d = i // self.R
             r = i - d * self.R
             xp = m.xproj[r, h, d0 + d].to(Float32)
-            xd = m.x[tok.lane_t + (h, d0 + d)].to(Float32)
+            xd = mX[lead + (h, d0 + d)].to(Float32)
             xr = xd * xp
             shared.sXr[r, d] = xr
             shared.sUV[d, r] = tok.gamma * xr
-            shared.sUV[d, self.R + r] = tok.beta * (mXprev[prev + (h, d0 + d)].to(Float32) * xp)
+            shared.sUV[d, self.R + r] = tok.beta * (xprev(d0 + d) * xp)
             if r == 0:
                 sX[d] = xd
 
@@ -1150,6 +1288,7 @@ def fake_arguments(spec: StepSpec) -> KernelArgs:
     T = spec.tokens
     S = spec.rope_angles
     bc_heads = 1 if spec.shared_bc else heads
+    K, ring = spec.replay_ring, sym()
 
     def lane(dtype, rest):  # a per-lane tensor: (B, *rest), or (B, T, *rest) with tokens > 1
         return strided(dtype, (batch,) + ((T,) if T > 1 else ()) + rest)
@@ -1185,6 +1324,11 @@ def fake_arguments(spec: StepSpec) -> KernelArgs:
         rand_seed=strided(Int64, (2,)) if spec.stochastic_rounding else None,
         rand_rows=strided(Int32, (batch,)) if spec.has_rand_rows else None,
         state_scale=strided(Float32, (rows, heads, D)) if spec.state_dtype in SCALED_STATE_DTYPES else None,
+        # replay: (P, L, ...) ring entries, L symbolic; the length per (row, head)
+        ring_B=strided(kv, (pool, ring, R, heads, N)) if K else None,
+        ring_x=strided(xt, (pool, ring, heads, D)) if K else None,
+        ring_coef=strided(Float32, (pool, ring, heads, 3)) if K else None,
+        ring_length=strided(Int32, (pool, heads)) if K else None,
         null_slot=Int32(-1),
     )
 

@@ -37,7 +37,7 @@ from .api import prepare_step
 from .build import argument_masks, compile_kernel
 from .signature import STEP_SIGNATURE, make_binder, split_call
 from .spec import StepSpec
-from .tensors import StepTensors, kernel_arguments
+from .tensors import RING_FIELDS, StepTensors, kernel_arguments
 from .tiling import launch_grid, thread_layout
 from .validation.table import RULES, is_written
 
@@ -90,7 +90,7 @@ def ptx_kernel(spec: StepSpec, arch: str = "sm_90a") -> PTXKernel:
             raise RuntimeError(f"{name}: struct {t} is {t.size_align()[0]} bytes, the PTX .param {p.size}")
     launch = ptx.launch_config(ir_text)
     block = launch["block"][0] if launch["block"] else (thread_layout(
-        spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo, spec.tokens).num_threads, 1, 1)
+        spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo, spec.carried_tokens).num_threads, 1, 1)
     kernel = PTXKernel(spec, arch, text, module, tuple(n for n, _ in kept), tuple(m for _, m in kept), types,
                        tuple(block), max(launch["smem"], default=0), compiled)
     with _LOCK:
@@ -99,8 +99,10 @@ def ptx_kernel(spec: StepSpec, arch: str = "sm_90a") -> PTXKernel:
 
 
 def writable_arguments(spec: StepSpec) -> frozenset:
-    """The tensors a step may write (everything else is registered read-only)."""
-    return frozenset(rule.name for rule in RULES if is_written(rule, spec.has_state_out, spec.update_kv_state))
+    """The tensors a step may write (everything else is registered read-only); a replay step writes
+    its ring's entries and lengths too."""
+    written = {rule.name for rule in RULES if is_written(rule, spec.has_state_out, spec.update_kv_state)}
+    return frozenset(written | (set(RING_FIELDS) if spec.replay_ring else set()))
 
 
 def _leaves(mask, value) -> list:
@@ -113,14 +115,15 @@ def _leaves(mask, value) -> list:
 
 
 def run_step_ptx(spec: StepSpec, tensors: StepTensors, *, arch: str = "sm_90a", record: bool = True,
-                 record_shared: bool = False, extra_regions: dict | None = None) -> ptx.RunResult:
+                 record_shared: bool = False, extra_regions: dict | None = None, ring=None) -> ptx.RunResult:
     """Execute one step's kernel on CPU tensors (validated, ``out`` allocated, ``B > 0``).
 
     ``extra_regions`` (name -> tensor) registers more readable memory, e.g. a whole allocation
-    around a pool view, to *observe* accesses to it rather than forbid them.
+    around a pool view, to *observe* accesses to it rather than forbid them. ``ring``: a replay
+    step's :class:`~mamba3_step.replay.Ring` (``spec.replay_ring``).
     """
     k = ptx_kernel(spec, arch)
-    values = kernel_arguments(tensors)._asdict()
+    values = kernel_arguments(tensors, ring)._asdict()
     memory = ptx.GlobalMemory()
     writable = writable_arguments(spec)
     params = []

@@ -1,11 +1,11 @@
 """Replay: a pool row as a checkpoint of the state and a ring of the inputs since (the CPU path).
 
 docs/design.md, "Replay", has the design and the model that picks K; docs/contract.md, "Replay",
-the rules. The kernel is not built yet: this module is the reference it will be held to.
+the rules. The kernel's replay specialisation (``StepSpec.replay_ring``: one-token plain steps,
+outputs from the replayed state) is held to this module with ``exact_outputs=True``.
 
 Letters (docs/contract.md): P pool rows, B lanes, T draft tokens, H heads, D head dim, N state
-size, R MIMO rank; K the flush length (a row's state is written every K tokens), L = K - 1 +
-draft the ring's entries.
+size, R MIMO rank; K the flush length, L = K - 1 + draft the ring's entries.
 
 A row's current state is the checkpoint (``state``, with ``Bstate``/``Xstate`` the token before
 the ring) advanced by the ``ring.length`` committed tokens in the ring. With ``accepted``, a step
@@ -13,25 +13,17 @@ first commits that many of the row's pending drafts. Then, for a live lane whose
 committed tokens:
 
 * one token, ``m < K - 1`` (append): ``out`` from the checkpoint and the ring without the new
-  state (:func:`output_from_checkpoint`); the token's B, x, A, dt, trap go to entry ``m``;
-  ``length = m + 1``. The state row is read, never written.
+  state (:func:`output_from_checkpoint`; with ``exact_outputs`` the replayed state's); the token's
+  B, x, A, dt, trap go to entry ``m``; ``length = m + 1``. The state row is not written.
 * one token, ``m >= K - 1`` (flush): the committed tokens and this one replayed on the checkpoint
-  with the step's math and storage rounding (the T-token CPU path, which equals T one-token steps
-  bit for bit); the new checkpoint, this token's B/x as ``Bstate``/``Xstate``, ``length = 0``.
-  ``out`` is the stepwise one.
+  with the step's math and storage rounding (the T-token CPU path: T one-token steps bit for bit);
+  the new checkpoint, this token's B/x as ``Bstate``/``Xstate``, ``length = 0``; the stepwise ``out``.
 * T draft tokens (verify): if ``m >= K`` the committed tokens are flushed first; each draft's
-  ``out`` from the checkpoint, the committed tokens and the drafts before it; the drafts go to
-  the entries after the committed ones, uncommitted (``length = m``): a rejected draft is rolled
-  back by not accepting it.
+  ``out`` from the checkpoint, the committed tokens and the drafts before it; the drafts go to the
+  entries after the committed ones, uncommitted (``length = m``): rollback is not accepting them.
 
-With the rotary angle the ring keeps each token's B as received and its angle: the flush and the
-outputs recompute B~ (a token's own update reads its unrounded B~, the next token the rounded
-one, as a stepwise step does). A one-token step whose destination (``dst_state_batch_indices``)
-is another live row flushes into it; a padding destination writes nothing. With stochastic
-rounding (``rand_seed``) the ring keeps each token's offset and the row it drew for, so a flush
-(and :func:`materialize`) draws the stepwise bits again; an 8-bit state's scales
-(``state_scale``) are part of the checkpoint. Padding lanes (docs/contract.md) write zeros to
-``out`` and touch no row of any pool.
+The rotary angle, destination rows, stochastic rounding and 8-bit states follow docs/contract.md,
+"Replay". Padding lanes write zeros to ``out`` and touch no row of any pool.
 """
 
 from __future__ import annotations
@@ -47,7 +39,8 @@ from .rounding import dequantize_rows
 from .tensors import StepTensors
 from .validation.step import check_step_inputs
 
-__all__ = ["Current", "Ring", "fork_row", "materialize", "new_ring", "output_from_checkpoint", "replay_step"]
+__all__ = ["Current", "Ring", "check_ring", "fork_row", "materialize", "new_ring", "output_from_checkpoint",
+           "replay_step"]
 
 Tensor = torch.Tensor
 
@@ -59,7 +52,7 @@ class Ring(NamedTuple):
     B: Tensor  # (P, L, R, H, N), B's dtype: the token's B (per head, a shared B expanded)
     x: Tensor  # (P, L, H, D), x's dtype
     coef: Tensor  # (P, L, H, 3) float32: the token's A, dt, trap
-    length: Tensor  # (P,) int32: committed tokens
+    length: Tensor  # (P, H) int32: committed tokens, one value per row (each head holds it: a kernel CTA owns one)
     offset: Optional[Tensor] = None  # (P, L) int64, with stochastic rounding: the rand_seed offset it drew at
     drawn_for: Optional[Tensor] = None  # (P, L) int32, with stochastic rounding: the row it drew for
     angle: Optional[Tensor] = None  # (P, L, H, S) int64, with rotary: the angle after the token
@@ -89,14 +82,19 @@ def new_ring(rows: int, K: int, mimo: int, heads: int, dstate: int, headdim: int
     return Ring(torch.zeros(rows, L, mimo, heads, dstate, dtype=kv_dtype, device=device),
                 torch.zeros(rows, L, heads, headdim, dtype=x_dtype, device=device),
                 torch.zeros(rows, L, heads, 3, dtype=torch.float32, device=device),
-                torch.zeros(rows, dtype=torch.int32, device=device),
+                torch.zeros(rows, heads, dtype=torch.int32, device=device),
                 torch.zeros(rows, L, dtype=torch.int64, device=device) if stochastic else None,
                 torch.zeros(rows, L, dtype=torch.int32, device=device) if stochastic else None,
                 torch.zeros(rows, L, heads, rope_angles, dtype=torch.int64, device=device) if rope_angles else None)
 
 
-def _check(t: StepTensors, ring: Ring, K: int) -> None:
-    """What this CPU path takes: pool mode, the state written back to its source, a ring that fits."""
+_RING_HINTS = dict(offset=" (stochastic rounding: new_ring(..., stochastic=True))", angle=" (rotary: new_ring(..., "
+                   "rope_angles=S))", drawn_for=" (stochastic rounding: new_ring(..., stochastic=True))")
+
+
+def check_ring(t: StepTensors, ring: Ring, K: int) -> None:
+    """What replay takes: pool mode, the state written back to its source, a ring that fits ``t`` and ``K``
+    (refused by name, ``ValueError``)."""
     unsupported = {"num_accepted_tokens": t.num_accepted_tokens, "state_out": t.state_out}
     for name, v in unsupported.items():
         if v is not None:
@@ -115,7 +113,7 @@ def _check(t: StepTensors, ring: Ring, K: int) -> None:
         raise ValueError(f"replay_step: the ring holds {L} entries; K = {K} with {drafts}-token drafts needs "
                          f"{K - 1 + drafts} (new_ring(..., draft={drafts}))")
     S = 0 if t.angle_state is None else t.angle_state.shape[-1]
-    want = {"B": (P, L, R, H, N), "x": (P, L, H, D), "coef": (P, L, H, 3), "length": (P,), "offset": (P, L),
+    want = {"B": (P, L, R, H, N), "x": (P, L, H, D), "coef": (P, L, H, 3), "length": (P, H), "offset": (P, L),
             "drawn_for": (P, L), "angle": (P, L, H, S)}
     dtypes = {"B": t.Bstate.dtype, "x": t.Xstate.dtype, "coef": torch.float32, "length": torch.int32,
               "offset": torch.int64, "drawn_for": torch.int32, "angle": torch.int64}
@@ -126,11 +124,8 @@ def _check(t: StepTensors, ring: Ring, K: int) -> None:
             continue
         if got is None or tuple(got.shape) != shape or got.dtype != dtypes[name] or got.device != t.state.device:
             got = "None" if got is None else f"{got.dtype} {tuple(got.shape)} on {got.device}"
-            hint = {"offset": " (stochastic rounding: new_ring(..., stochastic=True))", "drawn_for": " (stochastic "
-                    "rounding: new_ring(..., stochastic=True))", "angle": " (rotary: new_ring(..., rope_angles=S))"}
-            hint = hint.get(name, "")
             raise ValueError(f"replay_step: ring.{name} must be {dtypes[name]} of shape {shape} on {t.state.device}"
-                             f"{hint}, got {got}")
+                             f"{_RING_HINTS.get(name, '')}, got {got}")
 
 
 def _ring_tokens(ring: Ring, rows: Tensor, count: int) -> dict:
@@ -288,10 +283,20 @@ def output_from_checkpoint(t: StepTensors, base: tuple, tokens: dict, C: Tensor,
     return epilogue(ys, xr, t._replace(z=z), cd)
 
 
+def _row_lengths(ring: Ring, rows: Tensor, who: str) -> Tensor:
+    """The ring lengths of ``rows`` (int64, one per row), refused by name when a row's heads disagree."""
+    lengths = ring.length[rows].to(torch.int64)  # (n, H)
+    split = (lengths != lengths[:, :1]).any(1)
+    if bool(split.any()):
+        raise ValueError(f"{who}: ring.length must hold one value per row (the same at every head), got "
+                         f"{lengths[split].tolist()} at rows {rows[split].tolist()}")
+    return lengths[:, 0]
+
+
 def _committed(ring: Ring, rows: Tensor, lanes: Tensor, accepted: Optional[Tensor]) -> Tensor:
     """Each live lane's committed ring length after ``accepted`` (B,) of its row's drafts are taken;
-    refused by name when it leaves ``[0, capacity]``."""
-    m = ring.length[rows].to(torch.int64)
+    refused by name when it leaves ``[0, capacity]`` or the heads of a row disagree."""
+    m = _row_lengths(ring, rows, "replay_step")
     if accepted is not None:
         if not isinstance(accepted, torch.Tensor) or accepted.dtype != torch.int32 or accepted.dim() != 1:
             raise TypeError("replay_step: accepted must be an int32 tensor of shape (B,)")
@@ -304,9 +309,10 @@ def _committed(ring: Ring, rows: Tensor, lanes: Tensor, accepted: Optional[Tenso
 
 
 def _lane_writes(t: StepTensors, ring: Ring, K: int, ln: Tensor, rw: Tensor, m: int, cd, pairwise: bool,
-                 dst: Optional[Tensor] = None) -> tuple:
+                 dst: Optional[Tensor] = None, exact: bool = False) -> tuple:
     """``(out, writes)`` of the live lanes ``ln`` (rows ``rw``) whose rows hold ``m`` committed tokens;
-    a one-token step with ``dst`` (live rows other than ``rw``) flushes into ``dst``."""
+    a one-token step with ``dst`` (live rows other than ``rw``) flushes into ``dst``; ``exact``: every
+    ``out`` from the replayed state (stepwise decoding's), else from the checkpoint algebra."""
     base = _base(t, rw)
     angle = None
     if t.angle_state is not None:  # the angle after the committed tokens
@@ -326,7 +332,7 @@ def _lane_writes(t: StepTensors, ring: Ring, K: int, ln: Tensor, rw: Tensor, m: 
         to = rw if dst is None else dst
         writes += [(pool, to, v) for pool, v in zip((t.state, t.Bstate, t.Xstate, t.state_scale), flushed)
                    if pool is not None]
-        writes.append((ring.length, to, torch.zeros_like(to, dtype=torch.int32)))
+        writes.append((ring.length, to, torch.zeros_like(to, dtype=torch.int32)[:, None]))
         if angle is not None:
             writes.append((t.angle_state, to, tokens["angle"][:, -1]))
         if one:
@@ -336,12 +342,14 @@ def _lane_writes(t: StepTensors, ring: Ring, K: int, ln: Tensor, rw: Tensor, m: 
     for i in range(T):
         tokens = _cat(committed, now, i + 1)
         C_i = _rotated_C(t, C[:, i], tokens, tokens["x"].shape[1] - 1, pairwise, cd)
-        outs.append(output_from_checkpoint(t, base, _rotated(t, tokens, pairwise, cd), C_i,
-                                           None if z is None else z[:, i], cd))
+        z_i = None if z is None else z[:, i]
+        rotated = _rotated(t, tokens, pairwise, cd)
+        outs.append(_replay(t, base, rotated, C_i, z_i, cd)[-1] if exact
+                    else output_from_checkpoint(t, base, rotated, C_i, z_i, cd))
     coef = torch.stack([now["A"], now["dt"], now["trap"]], -1)
     at = (rw[:, None], torch.arange(m, m + T, device=rw.device))
     writes += [(ring.B, at, now["B"]), (ring.x, at, now["x"]), (ring.coef, at, coef),
-               (ring.length, rw, torch.full_like(rw, m + 1 if one else m, dtype=torch.int32))]
+               (ring.length, rw, torch.full_like(rw, m + 1 if one else m, dtype=torch.int32)[:, None])]
     for field in ("offset", "drawn_for", "angle"):
         if field in now:
             writes.append((getattr(ring, field), at, now[field]))
@@ -349,21 +357,23 @@ def _lane_writes(t: StepTensors, ring: Ring, K: int, ln: Tensor, rw: Tensor, m: 
 
 
 def replay_step(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[Tensor] = None,
-                rotate_pairwise: bool = False, compute_dtype: torch.dtype = torch.float32) -> Tensor:
+                rotate_pairwise: bool = False, exact_outputs: bool = False,
+                compute_dtype: torch.dtype = torch.float32) -> Tensor:
     """One decode step of a pool with replay and flush length ``K`` (module docstring; docs/contract.md,
     "Replay").
 
     ``tensors`` is a pool-mode step (``state`` the checkpoints, ``Bstate``/``Xstate`` the tokens before
     the rings), one token per lane, or T draft tokens (a verify step: their outputs, the drafts
     stored after the committed entries, uncommitted). ``accepted`` (B,) int32 first commits that many
-    of each lane's pending drafts. Updates ``state``, ``Bstate``, ``Xstate`` (flushing lanes) and the
-    ring in place and returns ``out``. Every value is computed before anything is written; what is
-    refused is refused by name before anything is written.
+    of each lane's pending drafts. ``exact_outputs``: every ``out`` is stepwise decoding's, bit for bit
+    (the state replayed, as the kernel does), else an append's is the checkpoint algebra's. Updates
+    ``state``, ``Bstate``, ``Xstate`` (flushing lanes) and the ring in place and returns ``out``; every
+    value is computed, and whatever is refused is refused by name, before anything is written.
     """
     check_step_inputs(tensors, update_kv_state=True, rotate_pairwise=rotate_pairwise,
                       stochastic_rounding=tensors.rand_seed is not None)
     t = tensors.with_out()
-    _check(t, ring, K)
+    check_ring(t, ring, K)
     P = t.state.shape[0]
     src = t.state_batch_indices.to(device=t.x.device, dtype=torch.int64)
     lanes = lane_is_live(src, P, t.null_slot_id).nonzero().squeeze(1)
@@ -388,7 +398,7 @@ def replay_step(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[
                 pick = ((m == count) & (kind == k)).nonzero().squeeze(1)
                 if pick.numel():
                     out, lane_writes = _lane_writes(t, ring, K, lanes[pick], rows[pick], count, compute_dtype,
-                                                    rotate_pairwise, dst[pick] if k == 1 else None)
+                                                    rotate_pairwise, dst[pick] if k == 1 else None, exact_outputs)
                     result[lanes[pick]] = out.to(result.dtype)
                     writes += lane_writes if k < 2 else []
         t.out.copy_(result)
@@ -408,7 +418,7 @@ def materialize(tensors: StepTensors, ring: Ring, rows, *, rotate_pairwise: bool
     P = tensors.state.shape[0]
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= P):
         raise ValueError(f"materialize: rows must be in [0, {P}), got {rows.tolist()}")
-    length = ring.length[rows].to(torch.int64)
+    length = _row_lengths(ring, rows, "materialize")
     if bool(((length < 0) | (length > ring.B.shape[1])).any()):
         raise ValueError(f"materialize: ring.length must be in [0, {ring.B.shape[1]}], got {length.tolist()}")
     if ring.offset is not None and tensors.rand_seed is None:

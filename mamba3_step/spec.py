@@ -19,7 +19,7 @@ from .contract import KV_DTYPES, PROJ_DTYPES, ROUNDED_STATE_DTYPES, SCALED_STATE
 from .tiling import default_tiling, shape_problem, tiling_problem
 
 __all__ = ["FLAGSHIP_HEADS", "MAX_TOKENS", "StepSpec", "complete_spec", "flagship_rotary_spec", "flagship_spec",
-           "mode_problem", "rotary_problem"]
+           "mode_problem", "replay_problem", "rotary_problem"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,10 @@ class StepSpec:
             8-bit state (``int8``/``float8_e4m3fn``, whose ``state_scale`` the kernel then reads
             and writes: docs/contract.md, "8-bit states").
         has_rand_rows: dense mode draws lane b's bits for row ``rand_rows[b]`` (else for b).
+        replay_ring: K, the flush length of a replay step (docs/contract.md, "Replay"): the
+            state row is a checkpoint and the ring pools hold the tokens since; the kernel
+            replays a row's committed ring tokens in registers, then this token, and writes
+            the state every K-th token (appending to the ring otherwise). 0: no replay.
     """
 
     dstate: int
@@ -85,6 +89,12 @@ class StepSpec:
     shared_bc: bool = False
     stochastic_rounding: bool = False
     has_rand_rows: bool = False
+    replay_ring: int = 0
+
+    @property
+    def carried_tokens(self) -> int:
+        """Tokens the state is carried through in registers: T, or K with replay (its flush)."""
+        return self.replay_ring or self.tokens
 
     def replace(self, **changes) -> "StepSpec":
         return dataclasses.replace(self, **changes)
@@ -110,7 +120,7 @@ class StepSpec:
 
     def with_default_tiling(self) -> "StepSpec":
         """Fill ``tile_D`` / ``num_warps`` left at 0 with the per-configuration default."""
-        tile_D, num_warps = default_tiling(self.dstate, self.headdim, self.mimo, self.state_dtype, self.tokens,
+        tile_D, num_warps = default_tiling(self.dstate, self.headdim, self.mimo, self.state_dtype, self.carried_tokens,
                                            whole_head=self.update_kv_state or self.rope_angles > 0,
                                            lean=_rounding_lean(self))
         return self.replace(
@@ -151,7 +161,7 @@ def flagship_spec(**changes) -> StepSpec:
 
 #: fields a key names only when they are not at their default (added after keys were on disk)
 _KEY_OMITTED_AT_DEFAULT = frozenset({"rope_angles", "rotate_pairwise", "has_bc_bias", "shared_bc",
-                                     "stochastic_rounding", "has_rand_rows"})
+                                     "stochastic_rounding", "has_rand_rows", "replay_ring"})
 
 
 def flagship_rotary_spec(**changes) -> StepSpec:
@@ -209,7 +219,30 @@ def mode_problem(spec: StepSpec) -> str | None:
         return "has_dst needs pool mode"
     if spec.has_state_out and spec.pool:
         return "has_state_out is dense mode only"
-    return rotary_problem(spec)
+    return rotary_problem(spec) or replay_problem(spec)
+
+
+#: what a replay specialisation takes so far (docs/contract.md, "Replay"): the field and its required value
+_REPLAY_NEEDS = (("pool", True, "pool mode"), ("update_kv_state", True, "update_kv_state (Bstate/Xstate are the "
+                 "token before the ring)"), ("tokens", 1, "one token per lane (verify steps: the CPU path only)"),
+                 ("has_dst", False, "no dst_state_batch_indices (the CPU path only)"),
+                 ("num_accepted", False, "no num_accepted_tokens"), ("rope_angles", 0, "no rotary angle (the CPU "
+                 "path only)"), ("stochastic_rounding", False, "no stochastic rounding (the CPU path only)"))
+
+
+def replay_problem(spec: StepSpec) -> str | None:
+    """Why ``spec``'s replay field cannot go with the rest, or None."""
+    K = spec.replay_ring
+    if K == 0:
+        return None
+    if isinstance(K, bool) or not isinstance(K, int) or not 2 <= K <= MAX_TOKENS:
+        return f"replay_ring (K) must be 0 or an int in [2, {MAX_TOKENS}], got {K!r}"
+    for field, value, what in _REPLAY_NEEDS:
+        if getattr(spec, field) != value:
+            return f"replay_ring needs {what}, got {field}={getattr(spec, field)!r}"
+    if spec.tile_D and spec.tile_D < spec.headdim:
+        return "replay_ring needs tile_D >= headdim (one CTA per (lane, head) owns its ring entry and length)"
+    return None
 
 
 def rotary_problem(spec: StepSpec) -> str | None:

@@ -19,7 +19,7 @@ import torch
 
 from .contract import new_out, out_shape
 
-__all__ = ["KERNEL_ARGUMENT_NAMES", "KernelArgs", "LANE_FIELDS", "ROW_FIELDS", "StepTensors", "TOKEN_FIELDS", "WEIGHT_FIELDS",
+__all__ = ["KERNEL_ARGUMENT_NAMES", "KernelArgs", "LANE_FIELDS", "RING_FIELDS", "ROW_FIELDS", "StepTensors", "TOKEN_FIELDS", "WEIGHT_FIELDS",
            "kernel_arguments"]
 
 Tensor = torch.Tensor
@@ -165,16 +165,23 @@ class KernelArgs(NamedTuple):
     rand_seed: Any  # (2,) int64 [seed, offset] with stochastic rounding, or None
     rand_rows: Any  # (B,) int32 in dense mode: each lane's row for the draw, or None (the lane)
     state_scale: Any  # (P|B, H, D) fp32, an 8-bit state's scales, updated in place, or None
+    ring_B: Any  # (P, L, R, H, N) kv dtype with replay: the ring's B per entry, or None
+    ring_x: Any  # (P, L, H, D) x dtype with replay: the ring's x per entry, or None
+    ring_coef: Any  # (P, L, H, 3) fp32 with replay: the ring's A, dt, trap per entry, or None
+    ring_length: Any  # (P, H) int32 with replay: committed entries per (row, head), or None
     null_slot: Any  # int32: pool rows equal to it are padding (-1: none)
 
 
 #: the kernel's runtime argument names, in launch order (the last, ``null_slot``, is a scalar)
 KERNEL_ARGUMENT_NAMES = KernelArgs._fields
+#: the kernel arguments a replay step adds: the fields of its ring (mamba3_step.replay.Ring)
+RING_FIELDS = ("ring_B", "ring_x", "ring_coef", "ring_length")
 #: the kernel's tensors, picked from a call laid out like StepTensors
-_KERNEL_TENSORS = itemgetter(*(StepTensors._fields.index(name) for name in KERNEL_ARGUMENT_NAMES[:-1]))
+_KERNEL_TENSORS = itemgetter(*(StepTensors._fields.index(name) for name in KERNEL_ARGUMENT_NAMES[:-1]
+                               if name not in RING_FIELDS))
 
 
-def kernel_arguments(tensors) -> KernelArgs:
+def kernel_arguments(tensors, ring=None) -> KernelArgs:
     """The compiled kernel's runtime arguments for a validated call, as a :class:`KernelArgs`
     (launch with ``compiled(*kernel_arguments(tensors))``; no stream: tvm-ffi launches on the
     current one).
@@ -183,10 +190,12 @@ def kernel_arguments(tensors) -> KernelArgs:
     names exactly the optional tensors its specialisation has (validation ties each flag of
     :class:`~mamba3_step.spec.StepSpec` to whether its tensor is given), so the absent ones are
     None here as they are in the compiled signature. Free of cutlass: launching a cached kernel
-    never imports the DSL.
+    never imports the DSL. ``ring`` (a replay step): its ``B``, ``x``, ``coef``, ``length`` fill the
+    ring fields (:data:`RING_FIELDS`), else None.
     """
     null = tensors[_NULL]
-    return tuple.__new__(KernelArgs, _KERNEL_TENSORS(tensors) + (-1 if null is None else int(null),))
+    rings = (None,) * len(RING_FIELDS) if ring is None else (ring.B, ring.x, ring.coef, ring.length)
+    return tuple.__new__(KernelArgs, _KERNEL_TENSORS(tensors) + rings + (-1 if null is None else int(null),))
 
 
 _NULL = StepTensors._fields.index("null_slot_id")

@@ -199,7 +199,8 @@ def tiling_problem(spec) -> str | None:
         return (
             f"tile_D must be a power of two dividing headdim={spec.headdim}, got {spec.tile_D}"
         )
-    lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo, spec.tokens,
+    T = spec.carried_tokens
+    lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo, T,
                         spec.stochastic_rounding)
     if lay.rows_per_pass > spec.tile_D:
         return (
@@ -213,9 +214,10 @@ def tiling_problem(spec) -> str | None:
             f"{lay.state_words_per_thread} state registers per thread (at most 64): "
             "use more warps or a smaller tile_D"
         )
-    if spec.tokens > 1 and not lay.preload:
+    if T > 1 and not lay.preload:
+        what = f"replay_ring={T}" if spec.replay_ring else f"tokens={T}"
         return (
-            f"tokens={spec.tokens} keeps each thread's whole share of the state in registers from "
+            f"{what} keeps each thread's whole share of the state in registers from "
             f"token to token, which tile_D={spec.tile_D}, num_warps={spec.num_warps} cannot "
             f"(N={spec.dstate}, R={spec.mimo}, {spec.state_dtype} state, {lay.state_words_per_thread} "
             f"state registers per thread): use a smaller tile_D (without update_kv_state) or a 16-bit state"

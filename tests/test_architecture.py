@@ -35,7 +35,7 @@ LAYERS = [
     ["build"],  # the kernel's cutlass-free face: imports it lazily, on the first compile
     ["compile_cache"],
     ["launch"],
-    ["api", "plan"],  # plan: plan once, run many (StepPlan), beside the eager entry point
+    ["api", "plan", "api_replay"],  # plan: plan once, run many (StepPlan); api_replay: replay's entry point
     ["ops", "serving"],
     ["inspection", "layer", "demo", "demo_speculative", "demo_replay", "ptx_tier", "verify"],  # layer: a Mamba-3 decode layer
     ["cli", "__main__"],

@@ -379,7 +379,7 @@ def test_replay_bytes_by_hand():
     """Replay's bytes (docs/design.md, "Replay") against a hand count, flagship, B = 3, H = 2, K = 4:
     an append step at ring position m reads the state, Bstate and Xstate rows and m entries, writes
     one entry; a flush reads K - 1 entries and writes the three rows; each reads and writes its
-    ring length; the step's inputs, out, weights and indices are the stepwise step's."""
+    ring length (one per head); the step's inputs, out, weights and indices are the stepwise step's."""
     spec, B, H, K = flagship_spec(), 3, 2, 4
     N, D, R = spec.dstate, spec.headdim, spec.mimo
     rows = B * (H * D * N * 4 + R * H * N * 2 + H * D * 2)  # state fp32, Bstate, Xstate bf16
@@ -388,8 +388,8 @@ def test_replay_bytes_by_hand():
     with_kv = 2 * rows  # the stepwise step reads and writes the three rows
     rest = stepwise - with_kv
     for m in range(K - 1):
-        assert replay_bytes(spec, K, B, H, m)["total"] == rest + rows + (m + 1) * entry + 8 * B
-    assert replay_bytes(spec, K, B, H, K - 1)["total"] == rest + 2 * rows + (K - 1) * entry + 8 * B
+        assert replay_bytes(spec, K, B, H, m)["total"] == rest + rows + (m + 1) * entry + 8 * B * H
+    assert replay_bytes(spec, K, B, H, K - 1)["total"] == rest + 2 * rows + (K - 1) * entry + 8 * B * H
     average = replay_bytes(spec, K, B, H)["total"]
     assert average == pytest.approx(sum(replay_bytes(spec, K, B, H, m)["total"] for m in range(K)) / K)
     assert replay_bytes(spec, K, 256, FLAGSHIP_HEADS)["total"] / bytes_per_step(spec, 256, FLAGSHIP_HEADS)["total"] < 0.7

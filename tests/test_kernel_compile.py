@@ -9,7 +9,8 @@ budget per state slab and keeps at least 32 KiB of state loads in flight per SM.
 
 The default run compiles a covering set (every N, D, R, dtype and mode flag at least once) for
 both architectures, the multi-token specialisations (the flagship with T in {2, 3, 4, 6, 8},
-every T-specific path) for both, and the covering set with T in {2, 4, 8} for sm_90a;
+every T-specific path) for both, the rotary, stochastic, 8-bit and replay sets for both, and the
+covering set with T in {2, 4, 8} for sm_90a;
 ``--full-matrix`` adds the latter for sm_100a and compiles the cross product.
 """
 
@@ -135,6 +136,19 @@ EIGHT_BIT = {
                                                 **_speculative()),
 }
 
+# Replay (issue 23): the flagship at K = 4 (the plain-decode default), K = 2 with a bf16 state, K = 8
+# with an fp16 state and B/C shared by the heads, R = 8 without outproj, fp32 x and out.
+REPLAY = {
+    "flagship-replay-K4": flagship_spec(replay_ring=4),
+    "flagship-replay-K2-bf16state": flagship_spec(replay_ring=2, state_dtype="bfloat16"),
+    "N64-D32-R2-fp16state-replay-K8-sharedbc-noz": StepSpec(
+        64, 32, 2, "float16", "float16", "float16", "bfloat16", pool=True, update_kv_state=True, has_z=False,
+        shared_bc=True, replay_ring=8),
+    "N32-D64-R8-replay-K3-fp32io-noout": StepSpec(
+        32, 64, 8, "float32", "float32", "float32", "float32", pool=True, update_kv_state=True, has_outproj=False,
+        replay_ring=3),
+}
+
 #: the covering set with T in {2, 4, 8} (T = 1 is COVERING itself)
 COVERING_TOKENS = {f"{name}-T{T}": with_tokens(spec, T) for name, spec in COVERING.items() for T in (2, 4, 8)}
 
@@ -142,7 +156,7 @@ COVERING_TOKENS = {f"{name}-T{T}": with_tokens(spec, T) for name, spec in COVERI
 #: compiler facts come from that compile, the others' from a plain compile (no PTX to parse)
 EXECUTED_ARCH = "sm_90a"
 EXECUTED = frozenset(s.with_default_tiling() for s in (*COVERING.values(), *MULTI_TOKEN.values(), *ROTARY.values(),
-                                                       *STOCHASTIC.values(), *EIGHT_BIT.values()))
+                                                       *STOCHASTIC.values(), *EIGHT_BIT.values(), *REPLAY.values()))
 
 
 def _full_matrix():
@@ -190,7 +204,7 @@ def facts_for(spec: StepSpec, arch: str):
 def check_compiler_facts(spec: StepSpec, arch: str) -> None:
     spec = spec.with_default_tiling()
     f = facts_for(spec, arch)
-    lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo, spec.tokens)
+    lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo, spec.carried_tokens)
     where = f"{spec.key()} @ {arch}"
     assert f.stack_bytes == 0, f"{where}: {f.stack_bytes} stack bytes"
     assert f.spill_bytes == 0, f"{where}: {f.spill_bytes} spill bytes"
@@ -208,7 +222,8 @@ def check_compiler_facts(spec: StepSpec, arch: str) -> None:
     seeds = 2 if spec.stochastic_rounding else 0
     assert f.count("LDG", 64) == angles + seeds and f.count("STG", 64) == angles * writes, where
     if spec.pool:
-        check_padding_guard(f.sass_text, where, loads=2 + spec.num_accepted)
+        # replay: the row's ring length is read before the branch (a count out of range is padding too)
+        check_padding_guard(f.sass_text, where, loads=2 + spec.num_accepted + bool(spec.replay_ring))
 
 
 # One SASS instruction: optional guard predicate, opcode with modifiers, operands.
@@ -253,7 +268,7 @@ def check_padding_guard(sass_text: str, where: str, loads: int = 2) -> None:
 
 #: the named sets every run compiles for both architectures, by the prefix of their test ids
 COMPILED_SETS = {"covering": COVERING, "multi-token": MULTI_TOKEN, "rotary": ROTARY, "stochastic": STOCHASTIC,
-                 "eight-bit": EIGHT_BIT}
+                 "eight-bit": EIGHT_BIT, "replay": REPLAY}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -112,14 +112,14 @@ def _check_step(d: Decode, indices, lane, want, got, before, ring_before):
         if b not in dict(live):
             assert torch.equal(got[b], torch.zeros_like(got[b])), f"padding lane {b} wrote out"
     for b, row in live:
-        if int(ring_before.length[row]) == d.K - 1:  # flushed
+        if int(ring_before.length[row, 0]) == d.K - 1:  # flushed
             assert torch.equal(got[b], want[b]), f"lane {b}: flush out differs from stepwise"
-            assert int(d.ring.length[row]) == 0
+            assert int(d.ring.length[row, 0]) == 0
         else:  # appended
-            assert int(d.ring.length[row]) == int(ring_before.length[row]) + 1
+            assert int(d.ring.length[row, 0]) == int(ring_before.length[row, 0]) + 1
             now = {f: lane[f][b][None] for f in ("A", "dt", "trap", "x")}
             now["B"] = lane["B"][b][None].expand(-1, -1, d.sizes[0], -1)
-            part = _ring_part(ring_before, row, int(ring_before.length[row]))
+            part = _ring_part(ring_before, row, int(ring_before.length[row, 0]))
             tokens = {f: torch.cat([part[f].to(v.dtype), v]) for f, v in now.items()}
             args = (d, before, row, tokens, lane["C"][b], lane["z"][b])
             want64, torch32 = _reference(*args, torch.float64), _reference(*args, torch.float32).to(got.dtype)
@@ -133,7 +133,7 @@ def _check_step(d: Decode, indices, lane, want, got, before, ring_before):
                 if pool is not None:
                     assert torch.equal(pool[row], getattr(ring_before, name)[row]), f"row {row} of ring.{name} written"
     _check_current(d, lane, indices, range(P))
-    empty = d.ring.length == 0
+    empty = d.ring.length[:, 0] == 0
     for k in d.replay_pools:
         assert torch.equal(d.replay_pools[k][empty], d.step_pools[k][empty]), k
 
@@ -174,8 +174,8 @@ def test_replay_equals_stepwise_decoding_with_joins_leaves_and_forks(state_dtype
         indices = rows.clone().to(torch.int32)
         if step % 3 == 1:
             indices[3] = [-1, NULL, P + 2][step % 3 - 1]  # padding kinds
-        flushes += sum(int(d.ring.length[r]) == K - 1 for r in indices.tolist() if 0 <= r < P and r != NULL)
-        appends += sum(int(d.ring.length[r]) < K - 1 for r in indices.tolist() if 0 <= r < P and r != NULL)
+        flushes += sum(int(d.ring.length[r, 0]) == K - 1 for r in indices.tolist() if 0 <= r < P and r != NULL)
+        appends += sum(int(d.ring.length[r, 0]) < K - 1 for r in indices.tolist() if 0 <= r < P and r != NULL)
         _check_step(d, indices, *d.step(indices))
     assert flushes >= 4 and appends >= 4
 
@@ -196,6 +196,9 @@ def test_replay_refuses_what_it_does_not_take_yet_and_bad_ring_lengths():
         replay_step(t, d.ring._replace(x=d.ring.x[:, :2]), 4)
     with pytest.raises(ValueError, match="ring.coef"):
         replay_step(t, d.ring._replace(coef=d.ring.coef.double()), 4)
+    d.ring.length[1] = torch.tensor([1, 2], dtype=torch.int32)  # one count per row: every head holds it
+    with pytest.raises(ValueError, match=r"ring.length must hold one value per row .* got \[\[1, 2\]\] at rows \[1\]"):
+        replay_step(t, d.ring, 4)
     d.ring.length[1] = 4  # K = 4 without drafts: a ring of 3 entries
     before = {k: v.clone() for k, v in d.replay_pools.items()}
     ring_before = [None if v is None else v.clone() for v in d.ring]
@@ -256,10 +259,10 @@ def test_verify_steps_and_rollback_by_the_cursor_equal_stepwise_speculative_deco
             ring_before = Ring(*(None if v is None else v.clone() for v in d.ring))
             got = replay_step(d.tensors(d.replay_pools, lane, indices), d.ring, K, accepted=pending)
             for b, row in enumerate(indices.tolist()):
-                m = int(ring_before.length[row]) + (0 if pending is None else int(pending[b]))
+                m = int(ring_before.length[row, 0]) + (0 if pending is None else int(pending[b]))
                 flushed_before_verify += m >= K
                 base, committed = (d.replay_pools, 0) if m >= K else (before, m)
-                assert int(d.ring.length[row]) == committed  # the drafts wait uncommitted
+                assert int(d.ring.length[row, 0]) == committed  # the drafts wait uncommitted
                 for i in range(T):
                     draft = {f: lane[f][b, :i + 1] for f in ("A", "dt", "trap", "x")}
                     draft["B"] = lane["B"][b, :i + 1].expand(-1, -1, H, -1)
@@ -298,8 +301,8 @@ def test_a_destination_row_gets_the_flushed_state_and_a_padding_destination_noth
     got = replay_step(d.tensors(d.replay_pools, lane, src)._replace(dst_state_batch_indices=dst), d.ring, K)
     d.advance()
     assert torch.equal(got[0], want[0])  # flushed into row 6
-    assert int(d.ring.length[6]) == 0 and int(d.ring.length[1]) == int(ring_before.length[1]) == 2
-    assert int(d.ring.length[3]) == 2  # the padding destination's lane wrote nothing
+    assert int(d.ring.length[6, 0]) == 0 and int(d.ring.length[1, 0]) == int(ring_before.length[1, 0]) == 2
+    assert int(d.ring.length[3, 0]) == 2  # the padding destination's lane wrote nothing
     for name, pool in zip(Ring._fields, d.ring):
         if pool is not None:
             assert torch.equal(pool[3], getattr(ring_before, name)[3]), f"ring.{name} of row 3 written"
@@ -335,7 +338,7 @@ def test_rotary_replay_equals_stepwise_decoding(state_dtype, sr, pairwise, share
         lane = with_rotary(lane_inputs(2, H, D, N, R, generator=d.g, **d.io) | {"state": d.step_pools["state"]}, S,
                            shared_bc=shared, seed=d.g)
         before = {k: v.clone() for k, v in d.replay_pools.items()}
-        lengths = [int(d.ring.length[r]) for r in indices.tolist()]
+        lengths = [int(d.ring.length[r, 0]) for r in indices.tolist()]
         want = mamba3_step_reference(call(d.step_pools, lane), update_kv_state=True, rotate_pairwise=pairwise,
                                      stochastic_rounding=sr)
         got = replay_step(call(d.replay_pools, lane), d.ring, K, rotate_pairwise=pairwise)

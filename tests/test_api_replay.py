@@ -1,0 +1,95 @@
+"""Replay's entry point (mamba3_step.api_replay): the CPU route and the replay kernel's validation.
+
+* On CPU tensors ``replay_step_fn`` is the CPU path with ``exact_outputs=True``: every ``out`` equals
+  the stepwise step's bit for bit, flushes included, over a decode crossing several flushes.
+* ``replay_kernel_spec`` (what a CUDA call runs, checked on any device) returns the replay
+  specialisation at its default tiling and refuses by name, before anything is written, what the
+  kernel does not take and a ring that does not fit or shares memory.
+
+Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank, K flush length.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mamba3_step import new_ring, replay_step_fn
+from mamba3_step.api_replay import replay_kernel_spec
+from mamba3_step.reference import mamba3_step_reference
+from mamba3_step.spec import flagship_spec
+from mamba3_step.tensors import StepTensors
+from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, row_tensors, with_rotary
+
+P, H, D, N, R, K = 6, 2, 64, 128, 4, 4
+
+
+def _call(pools: dict, lane: dict, weights: dict, index: torch.Tensor) -> StepTensors:
+    return StepTensors(pools["state"], pools["Bstate"], pools["Xstate"], lane["A"], lane["B"], lane["C"], weights["D"],
+                       lane["x"], lane["dt"], lane["trap"], weights["xproj"], outproj=weights["outproj"], z=lane["z"],
+                       zproj=weights["zproj"], state_batch_indices=index, null_slot_id=5)
+
+
+def _layer(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    rows = row_tensors(P, H, D, N, R, generator=g)
+    return g, rows, layer_weights(H, D, R, generator=g)
+
+
+def test_cpu_route_outputs_are_stepwise_bit_for_bit():
+    g, rows, weights = _layer(1)
+    replay, stepwise = {k: v.clone() for k, v in rows.items()}, {k: v.clone() for k, v in rows.items()}
+    ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16)
+    index = torch.tensor([3, -1, 0], dtype=torch.int32)
+    for s in range(2 * K + 1):
+        lane = lane_inputs(3, H, D, N, R, generator=g)
+        got = replay_step_fn(_call(replay, lane, weights, index), ring, K)
+        want = mamba3_step_reference(_call(stepwise, lane, weights, index), update_kv_state=True)
+        assert bits_equal(got, want), f"step {s}"
+        if int(ring.length[3, 0]) == 0:
+            assert all(bits_equal(replay[k][3], stepwise[k][3]) for k in rows), f"step {s}: the flush"
+
+
+def test_kernel_spec_is_the_replay_specialisation_at_its_default_tiling():
+    g, rows, weights = _layer(2)
+    ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16)
+    call = _call(rows, lane_inputs(3, H, D, N, R, generator=g), weights, torch.tensor([0, 1, 2], dtype=torch.int32))
+    assert replay_kernel_spec(call, ring, K) == flagship_spec(replay_ring=K)
+
+
+def _refused(call, ring, message, **kw):
+    before = [t.clone() for t in (*call, *ring) if isinstance(t, torch.Tensor)]
+    with pytest.raises(ValueError, match=message):
+        replay_kernel_spec(call, ring, kw.pop("K", K), **kw)
+    after = [t for t in (*call, *ring) if isinstance(t, torch.Tensor)]
+    assert all(bits_equal(a, b) for a, b in zip(after, before)), "a refused call wrote"
+
+
+def test_kernel_spec_refuses_what_the_kernel_does_not_take_by_name():
+    g, rows, weights = _layer(3)
+    ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16, draft=2)
+    index = torch.tensor([0, 1], dtype=torch.int32)
+    call = _call(rows, lane_inputs(2, H, D, N, R, generator=g), weights, index)
+    _refused(call, ring, "accepted", accepted=torch.zeros(2, dtype=torch.int32))
+    drafts = _call(rows, lane_inputs(2, H, D, N, R, tokens=2, generator=g), weights, index)
+    _refused(drafts, ring, "replay kernel: replay_ring needs one token per lane")
+    _refused(call._replace(dst_state_batch_indices=index), ring, "replay_ring needs no dst_state_batch_indices")
+    rotary = with_rotary({**call._asdict(), "state": rows["state"]}, 16, seed=4)
+    _refused(StepTensors(**rotary), new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16,
+                                             rope_angles=16), "replay_ring needs no rotary angle")
+    _refused(call, ring, "K must be an int in", K=1)
+    _refused(call, ring, "tile_D >= headdim", tile_D=32)
+
+
+def test_kernel_spec_refuses_a_ring_that_does_not_fit_or_shares_memory():
+    g, rows, weights = _layer(4)
+    ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16)
+    call = _call(rows, lane_inputs(2, H, D, N, R, generator=g), weights, torch.tensor([0, 1], dtype=torch.int32))
+    _refused(call, ring._replace(length=ring.length[:, :1].clone()), r"ring.length must be torch.int32 of shape \(6, 2\)")
+    _refused(call, ring._replace(x=ring.x.float()), "ring.x must be torch.bfloat16")
+    short = new_ring(P, 2, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16)
+    _refused(call, short, "the ring holds 1 entries; K = 4")
+    shared = ring._replace(x=ring.B.view(-1)[: ring.x.numel()].view(ring.x.shape))
+    _refused(call, shared, "ring_B: expected memory disjoint from ring_x")
+    broadcast = ring._replace(coef=ring.coef[:, :, :1].expand(-1, -1, H, -1))
+    _refused(call, broadcast, "ring_coef: expected a tensor whose elements do not overlap")

@@ -1,0 +1,247 @@
+"""The replay kernel, executed: its PTX run on the CPU for the replay specialisations
+(``StepSpec.replay_ring``; docs/contract.md, "Replay"; ``REPLAY`` in test_kernel_compile.py).
+
+1. Over a decode that crosses several flushes, with requests joining (a reset row: a new
+   checkpoint, an empty ring, stale entries poisoned) and leaving, lanes reshuffled every step and
+   every padding kind in the batch, the replay kernel is bit-identical to the executed stepwise
+   kernel (the same specialisation without replay, which users run by default): every step's
+   ``out``, and after each flush the row's state, Bstate and Xstate. Its ring (entries and lengths)
+   equals the CPU path's (``replay_step(..., exact_outputs=True)``) bit for bit; rows no lane reads
+   keep their bits in every pool and ring.
+2. Padding lanes, and lanes whose ring length is out of range, write +0.0 to ``out`` and no byte
+   of any pool or ring (an out-of-range lane reads only its lengths); a live lane at ring position
+   ``c`` reads exactly its state, Bstate and Xstate rows, ring entries ``[0, c)`` and its lengths,
+   and writes exactly its three rows (a flush) or entry ``c`` (an append), and its lengths. No
+   race between CTAs or threads.
+3. The bytes the executed kernel touches equal ``bytes_model.replay_bytes`` at every ring position.
+
+Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank, K flush length.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import PAD_KINDS
+from test_kernel_compile import REPLAY
+
+from mamba3_step.bytes_model import replay_bytes
+from mamba3_step.ptx import analysis
+from mamba3_step.ptx_tier import run_step_ptx
+from mamba3_step.replay import new_ring, replay_step
+from mamba3_step.spec import StepSpec
+from mamba3_step.tensors import StepTensors
+from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_, row_tensors
+
+P, NULL = 8, 7
+#: padding values of every kind (negative, out of range, the null slot)
+PADDING = (-1, P, -(2**31), 2**31 - 1, NULL)
+RING_TENSORS = {"ring_B": "B", "ring_x": "x", "ring_coef": "coef", "ring_length": "length"}
+
+
+def _spec(name: str) -> StepSpec:
+    return REPLAY[name].with_default_tiling()
+
+
+def _stepwise(spec: StepSpec) -> StepSpec:
+    """The stepwise specialisation a server runs without replay: the same flags, its default tiling."""
+    return spec.replace(replay_ring=0, tile_D=0, num_warps=0).with_default_tiling()
+
+
+def _heads(spec: StepSpec) -> int:
+    return 1 if spec.dstate * spec.headdim * spec.mimo >= 128 * 64 * 4 else 2
+
+
+class Layer:
+    """Three copies of one layer's pools: the replay kernel's (with its ring), the stepwise kernel's,
+    and the CPU path's (with its ring)."""
+
+    def __init__(self, spec: StepSpec, seed: int):
+        self.spec, self.H = spec, _heads(spec)
+        self.g = torch.Generator().manual_seed(seed)
+        self.io = dict(kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype)
+        rows = row_tensors(P, self.H, spec.headdim, spec.dstate, spec.mimo, state_dtype=spec.state_dtype,
+                           generator=self.g, **self.io)
+        self.weights = layer_weights(self.H, spec.headdim, spec.mimo, proj_dtype=spec.proj_dtype, has_z=spec.has_z,
+                                     has_outproj=spec.has_outproj, generator=self.g)
+        self.pools = {kind: {k: v.clone() for k, v in rows.items()} for kind in ("replay", "stepwise", "cpu")}
+        kv, xt = rows["Bstate"].dtype, rows["Xstate"].dtype
+        shape = (P, spec.replay_ring, spec.mimo, self.H, spec.dstate, spec.headdim)
+        self.rings = {kind: new_ring(*shape, kv_dtype=kv, x_dtype=xt) for kind in ("replay", "cpu")}
+        for ring in self.rings.values():  # entries past a row's length are never read
+            for t in (ring.B, ring.x, ring.coef):
+                poison_(t, seed=3)
+
+    def lane(self, B: int) -> dict:
+        s = self.spec
+        lane = lane_inputs(B, self.H, s.headdim, s.dstate, s.mimo, has_z=s.has_z, generator=self.g, **self.io)
+        if s.shared_bc:
+            lane["B"], lane["C"] = lane["B"][:, :, :1].contiguous(), lane["C"][:, :, :1].contiguous()
+        return lane
+
+    def call(self, kind: str, lane: dict, index: torch.Tensor, out=None) -> StepTensors:
+        p, w = self.pools[kind], self.weights
+        return StepTensors(p["state"], p["Bstate"], p["Xstate"], lane["A"], lane["B"], lane["C"], w["D"], lane["x"],
+                           lane["dt"], lane["trap"], w["xproj"], outproj=w["outproj"], out=out, z=lane["z"],
+                           zproj=w["zproj"], state_batch_indices=index, null_slot_id=NULL)
+
+    def out(self, B: int) -> torch.Tensor:
+        s, x_dtype = self.spec, self.pools["replay"]["Xstate"].dtype
+        shape = (B, self.H, s.headdim) if s.has_outproj else (B, s.mimo, self.H, s.headdim)
+        return poison_(torch.empty(shape, dtype=x_dtype), seed=B)
+
+    def join(self, row: int) -> None:
+        """A new request in ``row``: a fresh checkpoint in every copy, an empty ring."""
+        s = self.spec
+        fresh = row_tensors(1, self.H, s.headdim, s.dstate, s.mimo, state_dtype=s.state_dtype, generator=self.g,
+                            **self.io)
+        for pools in self.pools.values():
+            for k, v in fresh.items():
+                pools[k][row] = v[0]
+        for ring in self.rings.values():
+            ring.length[row] = 0
+
+    def step(self, lane: dict, index: torch.Tensor) -> tuple:
+        """One step in each copy: ``(replay out, stepwise out)``, both executed from PTX."""
+        B = index.numel()
+        got, want = self.out(B), self.out(B)
+        run_step_ptx(self.spec, self.call("replay", lane, index, got), ring=self.rings["replay"])
+        run_step_ptx(_stepwise(self.spec), self.call("stepwise", lane, index, want))
+        replay_step(self.call("cpu", lane, index), self.rings["cpu"], self.spec.replay_ring, exact_outputs=True)
+        return got, want
+
+    def snapshot(self) -> dict:
+        held = {f"{k}": v.clone() for k, v in self.pools["replay"].items()}
+        held.update({f"ring.{f}": getattr(self.rings["replay"], f).clone() for f in ("B", "x", "coef", "length")})
+        return held
+
+
+@pytest.mark.parametrize("name", list(REPLAY))
+def test_replay_decode_is_bit_identical_to_the_executed_stepwise_kernel(name):
+    spec = _spec(name)
+    K = spec.replay_ring
+    layer = Layer(spec, seed=11)
+    rng = np.random.default_rng(5)
+    active = [0, 1, 2]
+    schedule = {2: (1, 4), K + 1: (0, 5), 2 * K: (2, 6)}  # step -> (row that leaves, row that joins)
+    flushes = {}
+    for s in range(3 * K + 1):
+        if s in schedule:
+            leave, join = schedule[s]
+            active[active.index(leave)] = join
+            layer.join(join)
+        lanes = list(active) + list(rng.choice(PADDING, size=2, replace=False))
+        rng.shuffle(lanes)
+        index = torch.tensor(lanes, dtype=torch.int32)
+        before = layer.snapshot()
+        got, want = layer.step(layer.lane(len(lanes)), index)
+        assert bits_equal(got, want), f"{name} step {s}: out differs from the stepwise kernel's"
+        for b, row in enumerate(lanes):
+            if row not in active:
+                assert torch.equal(got[b], torch.zeros_like(got[b])) and not got[b].float().signbit().any(), \
+                    f"{name} step {s}: padding lane {b} out"
+        replay, stepwise = layer.pools["replay"], layer.pools["stepwise"]
+        for row in active:
+            if int(layer.rings["replay"].length[row, 0]) == 0:  # flushed: the checkpoint is the current state
+                flushes[row] = flushes.get(row, 0) + 1
+                for k in ("state", "Bstate", "Xstate"):
+                    assert bits_equal(replay[k][row], stepwise[k][row]), f"{name} step {s}: row {row} {k} at a flush"
+        for f in ("B", "x", "coef", "length"):
+            assert bits_equal(getattr(layer.rings["replay"], f), getattr(layer.rings["cpu"], f)), \
+                f"{name} step {s}: ring.{f} differs from the CPU path's"
+        after = layer.snapshot()
+        for row in set(range(P)) - set(active):
+            for k, v in before.items():
+                assert bits_equal(after[k][row], v[row]), f"{name} step {s}: row {row} of {k} written"
+    assert max(flushes.values()) >= 2, f"{name}: the decode crossed fewer than two flushes of one row"
+
+
+def _touched(res, lane: int) -> dict:
+    """The bytes lane ``lane``'s CTAs read and wrote: ``{False: set, True: set}``."""
+    log = res.log.arrays()
+    mine = analysis.cta_of(res, log["thread"]) % res.grid[0] == lane
+    touched = {}
+    for write in (False, True):
+        sel = mine & (log["write"] == write)
+        touched[write] = {a + k for a, w in zip(log["addr"][sel].astype(np.int64).tolist(), log["width"][sel].tolist())
+                          for k in range(w)}
+    return touched
+
+
+def _span(t: torch.Tensor) -> set:
+    base = t.data_ptr()
+    return set(range(base, base + t.numel() * t.element_size()))
+
+
+def _within(addrs: set, t: torch.Tensor) -> set:
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    return {a for a in addrs if start <= a < end}
+
+
+@pytest.mark.parametrize("name", list(REPLAY))
+def test_lanes_touch_exactly_their_rows_and_ring_entries(name):
+    spec = _spec(name)
+    K = spec.replay_ring
+    layer = Layer(spec, seed=3)
+    ring = layer.rings["replay"]
+    counts = {0: 0, 1: K - 1, 2: K // 2, 3: K, 4: -1}  # row -> ring length (3 and 4 out of range)
+    for row, c in counts.items():
+        ring.length[row] = c
+    lanes = [2, -1, 0, 3, P, 1, NULL, 4, -(2**31)]
+    index = torch.tensor(lanes, dtype=torch.int32)
+    out = layer.out(len(lanes))
+    tensors = layer.call("replay", layer.lane(len(lanes)), index, out)
+    res = run_step_ptx(spec, tensors, ring=ring, record_shared=True)
+    rows = {k: tensors._asdict()[k] for k in ("state", "Bstate", "Xstate")}
+    rings = {k: getattr(ring, f) for k, f in RING_TENSORS.items()}
+    for b, row in enumerate(lanes):
+        touched = _touched(res, b)
+        c = counts.get(row)
+        live = c is not None and 0 <= c < K
+        if not live:  # padding, or a ring length out of range: out is +0.0, no byte written
+            assert torch.equal(out[b], torch.zeros_like(out[b])) and not out[b].float().signbit().any(), (name, b)
+            for t in (*rows.values(), *rings.values()):
+                assert not _within(touched[True], t), f"{name}: lane {b} (row {row}) wrote"
+                if t is not ring.length or c is None:
+                    assert not _within(touched[False], t), f"{name}: lane {b} (row {row}) read"
+            if c is not None:
+                assert _within(touched[False], ring.length) == _span(ring.length[row]), (name, b)
+            continue
+        flush = c == K - 1
+        for k, t in rows.items():
+            assert _within(touched[False], t) == _span(t[row]), f"{name}: lane {b} reads row {row} of {k}"
+            assert _within(touched[True], t) == (_span(t[row]) if flush else set()), f"{name}: lane {b} writes {k}"
+        for k, t in rings.items():
+            if k == "ring_length":
+                want_read = want_written = _span(t[row])
+            else:
+                want_read = _span(t[row, :c]) if c else set()
+                want_written = set() if flush else _span(t[row, c])
+            assert _within(touched[False], t) == want_read, f"{name}: lane {b} (position {c}) reads of {k}"
+            assert _within(touched[True], t) == want_written, f"{name}: lane {b} (position {c}) writes of {k}"
+    assert analysis.cta_races(res) == [], f"{name}: bytes shared between CTAs with a write"
+    assert analysis.intra_cta_races(res) == [], f"{name}: a global race inside a CTA"
+    assert analysis.intra_cta_races(res, shared=True) == [], f"{name}: a shared-memory race inside a CTA"
+
+
+@pytest.mark.parametrize("name", ["flagship-replay-K4", "N32-D64-R8-replay-K3-fp32io-noout"])
+def test_executed_bytes_equal_the_bytes_model_at_every_ring_position(name):
+    spec = _spec(name)
+    K, B = spec.replay_ring, 3
+    layer = Layer(spec, seed=8)
+    ring = layer.rings["replay"]
+    index = torch.tensor([4, 0, 6], dtype=torch.int32)
+    for position in range(K):
+        ring.length[index.long()] = position
+        tensors = layer.call("replay", layer.lane(B), index, layer.out(B))
+        res = run_step_ptx(spec, tensors, ring=ring)
+        touched = analysis.bytes_touched(res, res.extra["memory"])
+        executed = {k: n["read"] + n["written"] for k, n in touched.items()}
+        model = replay_bytes(spec.replace(replay_ring=0), K, B, layer.H, position)
+        executed["ring"] = sum(executed.pop(k) for k in ("ring_B", "ring_x", "ring_coef"))
+        executed["ring.length"] = executed.pop("ring_length")
+        for key, n in executed.items():
+            assert n == model[key], f"{name} position {position}: {key} executed {n}, model {model[key]}"
+        assert sum(executed.values()) == model["total"], f"{name} position {position}: total"
