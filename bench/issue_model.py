@@ -1,6 +1,6 @@
 """Instructions per state byte, side by side with upstream, and the static issue model (no GPU).
 
-    python bench/issue_model.py [--out DIR] [--no-execute] [--tokens 2,4,8]
+    python bench/issue_model.py [--out DIR] [--no-execute] [--tokens 2,4,8] [--replay 2,4,8]
 
 Compiles the flagship as servers run it (pool mode with update_kv_state; N=128, D=64, R=4, fp32
 state, bf16 B/x/proj, z and outproj) for sm_90a and sm_100a, counts its SASS, executes its PTX
@@ -15,6 +15,10 @@ on the CPU (``--no-execute`` skips that), and prints
 3. the same model for the speculative verify step (``--tokens``: T tokens, (B, K) sources, a row
    per token): per slab the state is read once and written T times, and T tokens' instructions
    are issued.
+4. the replay kernel (``--replay``, K values; docs/design.md, "Replay"): executed PTX
+   warp-instructions per slab at each ring position, with outputs replayed (exact) and from the
+   checkpoint, and the issue model averaged over positions (the counts
+   ``mamba3_step.issue_model.REPLAY_EXECUTED`` holds for bench/model_bench.py, checked equal).
 
 Writes ``issue_model.json`` and, with matplotlib, ``issue_model.png`` to ``bench/results/``.
 These are compiler facts and a model, not GPU measurements.
@@ -32,9 +36,16 @@ import _util  # noqa: E402  (also puts the repository on sys.path)
 
 from mamba3_step.build import compile_kernel  # noqa: E402
 from mamba3_step.inspection import kernel_facts  # noqa: E402
-from mamba3_step.issue_model import GPUS, UPSTREAM, issue_model, slab_bytes  # noqa: E402
+from mamba3_step.issue_model import (  # noqa: E402
+    GPUS,
+    REPLAY_EXECUTED,
+    UPSTREAM,
+    issue_model,
+    replay_issue_model,
+    slab_bytes,
+)
 from mamba3_step.spec import flagship_spec  # noqa: E402
-from mamba3_step.verify import executed_facts  # noqa: E402
+from mamba3_step.verify import executed_facts, replay_instructions  # noqa: E402
 
 ARCHS = ("sm_90a", "sm_100a")
 
@@ -106,6 +117,33 @@ MODEL = [("gpu", "GPU", "<"), ("count", "instructions", "<"), ("warp_instruction
          ("memory_us", "memory us", ">.3f"), ("ratio", "issue/memory", ">.2f")]
 
 
+def replay_rows(Ks) -> list[dict]:
+    """Executed counts per ring position of the flagship replay kernel, both output modes, and the
+    issue model per GPU averaged over the positions (``mamba3_step.issue_model.replay_issue_model``)."""
+    rows = []
+    stepwise = replay_instructions(flagship_spec())[0]
+    for from_checkpoint in (False, True):
+        for K in Ks:
+            spec = flagship_spec(replay_ring=K, replay_from_checkpoint=from_checkpoint)
+            counts = replay_instructions(spec)
+            row = {"K": K, "outputs": "from checkpoint" if from_checkpoint else "replayed (exact)",
+                   "num_warps": spec.num_warps, "per_position": list(counts), "stepwise": stepwise,
+                   "instructions": sum(counts) / K / stepwise,
+                   "matches_REPLAY_EXECUTED": REPLAY_EXECUTED.get((K, from_checkpoint)) == (spec.num_warps, counts)
+                   and REPLAY_EXECUTED["stepwise"] == stepwise}
+            if (K, from_checkpoint) in REPLAY_EXECUTED:
+                for name, gpu in GPUS.items():
+                    m = replay_issue_model(K, from_checkpoint, gpu)
+                    row[f"ratio_{name}"], row[f"time_{name}"] = m["ratio"], m["time"]
+            rows.append(row)
+    return rows
+
+
+REPLAY_TABLE = [("K", "K", ">d"), ("outputs", "append outputs", "<"), ("num_warps", "warps", ">d"),
+                ("per_position", "executed per ring position", "<"), ("instructions", "x stepwise", ">.2f")] + [
+    col for g in GPUS for col in ((f"ratio_{g}", f"{g} issue/mem", ">.2f"), (f"time_{g}", f"{g} time x", ">.3f"))]
+
+
 def plot(rows: list[dict], path) -> str | None:
     plt = _util.pyplot()
     if plt is None:
@@ -132,11 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="output folder (default bench/results)")
     p.add_argument("--no-execute", action="store_true", help="static counts only (skip the PTX tier)")
     p.add_argument("--tokens", default="2,4,8", help="T values of the speculative step to model ('' for none)")
+    p.add_argument("--replay", default="2,4,8", help="K values of the replay kernel to execute ('' for none)")
     args = p.parse_args(argv)
     try:
         tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+        replay_ks = [int(k) for k in args.replay.split(",") if k.strip()]
     except ValueError:
-        p.error(f"--tokens: expected comma-separated ints, got {args.tokens!r}")
+        p.error(f"--tokens/--replay: expected comma-separated ints, got {args.tokens!r} / {args.replay!r}")
+    if args.no_execute:
+        replay_ks = []
     t0 = time.perf_counter()
     spec = flagship_spec()
     compiled = compiled_rows(spec)
@@ -153,9 +195,20 @@ def main(argv: list[str] | None = None) -> int:
               "static SASS; a ratio uses the GPU's own target (H100/H200: sm_90a, B200: sm_100a)")
         print(_util.format_table(spec_rows, [c for c in TOKENS_TABLE
                                              if any(c[0] in r for r in spec_rows)]))
+    replay = replay_rows(replay_ks)
+    if replay:
+        print("\nreplay kernel, flagship, plain decode: executed PTX warp-instructions per slab at each ring "
+              "position, and the issue model averaged over the positions (B = 256, H = 48; time relative to "
+              "the stepwise step's)")
+        print(_util.format_table(replay, [c for c in REPLAY_TABLE if any(c[0] in r for r in replay)]))
+        stale = [f"K={r['K']} {r['outputs']}" for r in replay if not r["matches_REPLAY_EXECUTED"]]
+        if stale:
+            print(f"  ! mamba3_step.issue_model.REPLAY_EXECUTED differs from this execution for {', '.join(stale)}: "
+                  "update it")
     out = _util.results_dir(args.out)
     payload = {"what": "static SASS counts, executed PTX counts and a model; no GPU measurement",
                "environment": _util.environment(), "compiled": compiled, "model": rows, "tokens": spec_rows,
+               "replay": replay,
                "gpus": {k: vars(v) | {"clock_hz": v.clock_hz} for k, v in GPUS.items()}}
     print(f"\nwrote {_util.write_json(out / 'issue_model.json', payload)}")
     png = plot(rows, out / "issue_model.png")

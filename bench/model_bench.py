@@ -30,6 +30,8 @@ from mamba3_step.bytes_model import (  # noqa: E402
     upstream_pipeline_bytes,
 )
 from mamba3_step.spec import FLAGSHIP_HEADS, flagship_rotary_spec, flagship_spec  # noqa: E402
+from mamba3_step.issue_model import GPUS as ISSUE_GPUS  # noqa: E402
+from mamba3_step.issue_model import REPLAY_EXECUTED, replay_issue_model  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 GPUS = tuple(HBM_BANDWIDTH)  # H100, H200, GH200
@@ -265,11 +267,37 @@ def plot(rows: list[dict], path) -> bool:
 
 REPLAY_BATCHES = (1, 64, 256)
 REPLAY_K = (2, 4, 8)
-REPLAY_NOTE = ("replay (docs/design.md, 'Replay'; CPU path only, no kernel yet): bytes averaged over ring "
-               "positions; a verify step pays the flushes its accepted tokens cause (all T accepted: "
-               "min(1, T/K) of a state write). Bytes only: the time ratio is the bytes ratio while the "
-               "step stays memory-bound; the design's issue estimate for K = 4 is an H100 issue/memory "
-               "ratio of 0.52 (plain decode)")
+REPLAY_NOTE = ("replay (docs/design.md, 'Replay'): bytes averaged over ring positions; a verify step (the "
+               "CPU path so far) pays the flushes its accepted tokens cause (all T accepted: min(1, T/K) of a "
+               "state write). The time ratio is the bytes ratio while the step stays memory-bound: the issue "
+               "table below says where it does")
+REPLAY_ISSUE_NOTE = ("issue model of the replay kernel (plain decode, B = 256): executed PTX warp-instructions per "
+                     "slab at each ring position (mamba3_step.issue_model.REPLAY_EXECUTED, from the PTX tier) "
+                     "averaged over positions, against the bytes above; time = the larger of issue and memory "
+                     "time, relative to the stepwise step's. A model, not a GPU measurement")
+
+
+def replay_issue_rows(batch: int = 256, heads: int = FLAGSHIP_HEADS) -> list[dict]:
+    """Per K and output mode: executed instructions relative to the stepwise step, and per GPU the
+    issue/memory ratio and the modelled time relative to the stepwise step
+    (``mamba3_step.issue_model.replay_issue_model``)."""
+    rows = []
+    for from_checkpoint in (False, True):
+        for K in REPLAY_K:
+            _, counts = REPLAY_EXECUTED[(K, from_checkpoint)]
+            row = {"K": K, "outputs": "from checkpoint" if from_checkpoint else "replayed (exact)",
+                   "per_position": list(counts)}
+            for name, gpu in ISSUE_GPUS.items():
+                m = replay_issue_model(K, from_checkpoint, gpu, batch, heads)
+                row.update({"instructions": m["instructions"], f"ratio_{name}": m["ratio"], f"time_{name}": m["time"],
+                            f"stepwise_ratio_{name}": m["stepwise_ratio"]})
+            rows.append(row)
+    return rows
+
+
+REPLAY_ISSUE_COLUMNS = [("K", "K", ">d"), ("outputs", "append outputs", "<"), ("instructions", "instr. x", ">.2f")] + [
+    col for g in ("H100", "H200", "B200") for col in ((f"ratio_{g}", f"{g} issue/mem", ">.2f"),
+                                                      (f"time_{g}", f"{g} time x", ">.3f"))]
 
 
 def replay_rows(batches=REPLAY_BATCHES, heads: int = FLAGSHIP_HEADS) -> list[dict]:
@@ -319,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
           "(bytes / peak HBM bandwidth)")
     print(_util.format_table(replay, REPLAY_COLUMNS))
     print(f"  - {REPLAY_NOTE}")
+    replay_issue = replay_issue_rows(heads=args.heads)
+    print(f"\nreplay kernel, flagship, H={args.heads}, B=256: instructions and time against the stepwise step")
+    print(_util.format_table(replay_issue, REPLAY_ISSUE_COLUMNS))
+    print(f"  - {REPLAY_ISSUE_NOTE}")
     out = _util.results_dir(args.out)
     payload = {
         "what": "modelled, not measured: compulsory HBM bytes per decode step (mamba3_step.bytes_model) "
@@ -329,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "tokens": tokens,
         "rotary": {"spec": flagship_rotary_spec().as_dict(), "rows": rotary, "notes": list(ROTARY_NOTES)},
-        "replay": {"rows": replay, "note": REPLAY_NOTE},
+        "replay": {"rows": replay, "note": REPLAY_NOTE, "issue": replay_issue, "issue_note": REPLAY_ISSUE_NOTE},
     }
     print(f"wrote {_util.write_json(out / 'model_bench.json', payload)}")
     if not args.no_plot:

@@ -26,7 +26,7 @@ __all__ = ["replay_kernel_spec", "replay_step_fn"]
 
 
 def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[torch.Tensor] = None,
-                   rotate_pairwise: bool = False, tile_D: Optional[int] = None,
+                   rotate_pairwise: bool = False, from_checkpoint: bool = False, tile_D: Optional[int] = None,
                    num_warps: Optional[int] = None) -> torch.Tensor:
     """One decode step with replay and flush length ``K``; returns ``out`` (allocated when None).
 
@@ -36,16 +36,19 @@ def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Option
     :func:`replay_kernel_spec`), on the current stream, no allocation but ``out``, no
     synchronisation, so a CUDA graph can capture it (the ring lengths move on the device). On CPU:
     the CPU path, which also takes verify steps, ``accepted``, destinations, rotary and stochastic
-    rounding. Every ``out`` is stepwise decoding's, bit for bit, on both.
+    rounding. Every ``out`` is stepwise decoding's, bit for bit, on both; with ``from_checkpoint`` an
+    append's ``out`` comes from the checkpoint and the ring instead (docs/design.md, "Replay": no state
+    update; the step's accuracy rule), a flush's is still stepwise decoding's.
 
     Raises:
         TypeError, ValueError: invalid inputs, naming the argument; on CUDA also what the replay
             kernel does not take yet.
     """
     if not tensors.x.is_cuda:
-        return replay_step(tensors, ring, K, accepted=accepted, rotate_pairwise=rotate_pairwise, exact_outputs=True)
-    spec = replay_kernel_spec(tensors, ring, K, accepted=accepted, rotate_pairwise=rotate_pairwise, tile_D=tile_D,
-                              num_warps=num_warps)
+        return replay_step(tensors, ring, K, accepted=accepted, rotate_pairwise=rotate_pairwise,
+                           exact_outputs=not from_checkpoint)
+    spec = replay_kernel_spec(tensors, ring, K, accepted=accepted, rotate_pairwise=rotate_pairwise,
+                              from_checkpoint=from_checkpoint, tile_D=tile_D, num_warps=num_warps)
     t = tensors.with_out()
     out = t.out
     t = t.one_token_squeezed()
@@ -55,7 +58,7 @@ def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Option
 
 
 def replay_kernel_spec(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[torch.Tensor] = None,
-                       rotate_pairwise: bool = False, tile_D: Optional[int] = None,
+                       rotate_pairwise: bool = False, from_checkpoint: bool = False, tile_D: Optional[int] = None,
                        num_warps: Optional[int] = None) -> StepSpec:
     """The replay kernel's specialisation for a call, after every check: the step's (with
     ``update_kv_state``), the ring's (:func:`mamba3_step.replay.check_ring`; its tensors written in
@@ -72,7 +75,10 @@ def replay_kernel_spec(tensors: StepTensors, ring: Ring, K: int, *, accepted: Op
                              stochastic_rounding=tensors.rand_seed is not None)
     check_ring(tensors, ring, K)
     _check_ring_memory(tensors, ring)
-    spec = spec.replace(replay_ring=K, tile_D=tile_D or 0, num_warps=num_warps or 0)
+    if type(from_checkpoint) is not bool:
+        raise TypeError(f"replay_step_fn: from_checkpoint must be a bool, got {type(from_checkpoint).__name__}")
+    spec = spec.replace(replay_ring=K, replay_from_checkpoint=from_checkpoint, tile_D=tile_D or 0,
+                        num_warps=num_warps or 0)
     problem = replay_problem(spec)
     if problem is None:
         spec = spec.with_default_tiling()

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .bytes_model import bytes_per_step
-from .spec import StepSpec
+from .bytes_model import bytes_per_step, replay_bytes
+from .spec import StepSpec, flagship_spec
 
-__all__ = ["GPUS", "GPU", "ISSUE_PER_CLOCK", "UPSTREAM", "issue_model", "slab_bytes"]
+__all__ = ["GPUS", "GPU", "ISSUE_PER_CLOCK", "REPLAY_EXECUTED", "UPSTREAM", "issue_model", "replay_issue_model",
+           "slab_bytes"]
 
 #: warp-instructions an SM can issue per clock (four schedulers, one each)
 ISSUE_PER_CLOCK = 4
@@ -80,3 +81,33 @@ def issue_model(warp_instructions_per_slab: float, bytes_per_slab: float, gpu: G
     issue = warp_instructions_per_slab / (ISSUE_PER_CLOCK * gpu.clock_hz)
     memory = bytes_per_slab / (gpu.hbm_bytes_per_s / gpu.sms)
     return {"issue_us": issue * 1e6, "memory_us": memory * 1e6, "ratio": issue / memory}
+
+
+#: executed PTX warp-instructions per state slab of the flagship (pool mode, update_kv_state; one live
+#: (lane, head)), stepwise and with replay: ``(K, from_checkpoint) -> (num_warps, counts at ring positions
+#: 0..K-1)`` at the default tiling. Measured by the PTX execution tier (``python bench/issue_model.py``
+#: prints them; tests/test_issue_model.py re-executes K = 2 and 4 and holds these equal).
+REPLAY_EXECUTED = {
+    "stepwise": 6084,
+    (2, False): (4, (6668, 9814)),
+    (4, False): (4, (6401, 9377, 12393, 15413)),
+    (8, False): (4, (6393, 9353, 12321, 15297, 18273, 21249, 24225, 27209)),
+    (2, True): (8, (6449, 12034)),
+    (4, True): (8, (6650, 7470, 8271, 18762)),
+    (8, True): (8, (6794, 7615, 8462, 9309, 10156, 11002, 11802, 32506)),
+}
+
+
+def replay_issue_model(K: int, from_checkpoint: bool, gpu: GPU, batch: int = 256, heads: int = 48) -> dict:
+    """The flagship's replay step against its stepwise step on ``gpu``, averaged over the K ring
+    positions (requests at every position share the SMs): ``ratio`` (issue / memory time) and
+    ``time`` (the larger of the two, relative to the stepwise step's), from
+    :data:`REPLAY_EXECUTED` and :func:`mamba3_step.bytes_model.replay_bytes`."""
+    spec = flagship_spec()
+    stepwise = issue_model(REPLAY_EXECUTED["stepwise"], slab_bytes(spec, batch, heads), gpu)
+    counts = REPLAY_EXECUTED[(K, from_checkpoint)][1]
+    replay = issue_model(sum(counts) / K, replay_bytes(spec, K, batch, heads)["total"] / (batch * heads), gpu)
+    base = max(stepwise["issue_us"], stepwise["memory_us"])
+    return {"ratio": replay["ratio"], "time": max(replay["issue_us"], replay["memory_us"]) / base,
+            "instructions": sum(counts) / K / REPLAY_EXECUTED["stepwise"],
+            "stepwise_ratio": stepwise["ratio"]}

@@ -111,6 +111,8 @@ class Shared(NamedTuple):
     sY: Any  # (R, tile_D): sum_n new * C
     sAng: Any = None  # (S,) Int64: the lane's angles after this token (rotary only)
     sCS: Any = None  # (2, S): cos and sin of sAng (rotary only)
+    sG: Any = None  # (K, R, R): B_j . C per token j since the checkpoint (replay's checkpoint outputs only)
+    sW: Any = None  # (K + 1,): the tokens' weights w_j and the decay product P (replay's checkpoint outputs only)
 
 
 class Token(NamedTuple):
@@ -216,6 +218,8 @@ class Mamba3StepKernel:
         self.shared_bc = spec.shared_bc
         self.stochastic = spec.stochastic_rounding
         self.K = spec.replay_ring  # replay's flush length; 0: no replay
+        #: replay's appends compute out from the checkpoint and the ring (else by replaying the state)
+        self.algebra = self.K > 0 and spec.replay_from_checkpoint
         #: an 8-bit state with a scale per (row, head, d) (docs/contract.md, "8-bit states")
         self.scaled = spec.state_dtype in SCALED_STATE_DTYPES
         #: a 16-bit state's 16-byte vector is one Philox call's 8 elements, an 8-bit one's two calls' 16
@@ -313,6 +317,12 @@ class Mamba3StepKernel:
             sAng=smem.allocate_tensor(Int64, cute.make_layout(self.S), 16) if const_expr(self.S) else None,
             sCS=smem.allocate_tensor(Float32, cute.make_layout((2, self.S), stride=(self.S, 1)), 16)
             if const_expr(self.S) else None,
+            sG=smem.allocate_tensor(Float32, cute.make_layout((self.K, self.R, self.R), stride=(self.R * self.R,
+                                                                                               self.R, 1)), 16)
+            if const_expr(self.algebra) else None,
+            # K + 1 words, padded to whole 16-byte vectors: the compiler reads them four at a time
+            sW=smem.allocate_tensor(Float32, cute.make_layout(-(-(self.K + 1) // 4) * 4), 16)
+            if const_expr(self.algebra) else None,
         )
 
     def state_target(self, m: KernelArgs):
@@ -385,17 +395,37 @@ class Mamba3StepKernel:
 
     @cute.jit
     def replay_tokens(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list):
-        """A replay step on the loaded checkpoint: the ``count`` committed ring tokens replayed in
-        registers (:meth:`ring_token`, no output, nothing stored), then this step's token
-        (:meth:`live_token`). Token ``j`` stages its B in ``sBB[j % 2]``; Bstate, the token before
-        the ring, is token -1's (``sBB[1]``)."""
+        """A replay step on the loaded checkpoint: every step replays the state (:meth:`replay_state`),
+        or with ``replay_from_checkpoint`` only a flush (``count = K - 1``) does and an append's
+        ``out`` comes from the checkpoint and the ring (:meth:`append_from_checkpoint`)."""
+        if const_expr(self.algebra):
+            if count == self.K - 1:
+                # the count passed on opaque: the tokens stay conditional, as in every other flush
+                # (unconditional, the compiler interleaves them and spills at 4 warps)
+                self.replay_state(m, inline_ptx(Int32, "mov.b32 $0, $1;", "=r,r", count), cta, shared, groups)
+            else:
+                self.append_from_checkpoint(m, count, cta, shared, groups)
+        else:
+            self.replay_state(m, count, cta, shared, groups)
+
+    @cute.jit
+    def replay_state(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list,
+                     flush_only: bool = False):
+        """The ``count`` committed ring tokens replayed in registers (:meth:`ring_token`, no output,
+        nothing stored), then this step's token (:meth:`live_token`). Token ``j`` stages its B in
+        ``sBB[j % 2]``; Bstate, the token before the ring, is token -1's (``sBB[1]``).
+        ``flush_only`` (static): the caller knows ``count = K - 1``, so no token is conditional."""
         self.stage_kv_row(m.Bstate, (cta.src,), cta.h, shared.sBB[1, None, None], cta)
         for j in cutlass.range_constexpr(self.K - 1):
-            if j < count:
+            if const_expr(flush_only):
                 cute.arch.barrier()  # token j - 1 is done with the shared buffers
                 self.ring_token(m, j, cta, shared, groups)
+            else:
+                if j < count:
+                    cute.arch.barrier()
+                    self.ring_token(m, j, cta, shared, groups)
         cute.arch.barrier()
-        self.live_token(m, count, cta, shared, groups)
+        self.live_token(m, count, cta, shared, groups, flush_only)
 
     @cute.jit
     def ring_token(self, m: KernelArgs, j: int, cta: Cta, shared: Shared, groups: list):
@@ -415,7 +445,8 @@ class Mamba3StepKernel:
             self.update_rows(groups[g], operands, tok, shared, cta)  # its output is not needed: y is dead code
 
     @cute.jit
-    def live_token(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list):
+    def live_token(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list,
+                   flush_only: bool = False):
         """This step's token after ``count`` ring tokens, stepped like a one-token step's, its ``out``
         written. A flush (``count = K - 1``) stores the state, B and x to row ``dst`` and empties
         its ring; otherwise the token becomes ring entry ``count`` (:meth:`append_ring`) and the
@@ -439,9 +470,11 @@ class Mamba3StepKernel:
 
         self.stage_coefficients(m, (m.x, lane_t), xprev, tok, shared, cta)
         cute.arch.barrier()
-        flush = count == self.K - 1
+        flush = Boolean(True) if const_expr(flush_only) else count == self.K - 1
         if cta.dst_live:
-            if flush:
+            if const_expr(flush_only):
+                self.store_kv_state(m, tok.sB, shared.sX, cta)
+            elif flush:
                 self.store_kv_state(m, tok.sB, shared.sX, cta)
             else:
                 self.append_ring(m, count, tok, shared, cta)
@@ -456,6 +489,151 @@ class Mamba3StepKernel:
                 self.store_state(groups[g], m, cta)
         cute.arch.barrier()
         self.epilogue(m, tok, shared, cta)
+
+    @cute.jit
+    def append_from_checkpoint(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list):
+        """An append (``count < K - 1``): ``out`` of token ``k = count + 1`` after the checkpoint
+        (token 0 is Bstate/Xstate's, tokens 1..count the ring's, token k this step's) without the
+        new state (docs/design.md, "Replay", the algebra)::
+
+            y[r, d] = P sum_n s_0[d, n] C[r, n] + sum_j w_j sum_r' x_j[d] xproj[r', d] G_j[r', r] + D xr[r, d]
+
+        with ``G_j[r', r] = B_j[r'] . C[r]`` (:meth:`gram`), ``w_j`` and ``P`` from the tokens' decays
+        (:meth:`token_weights`); then this token is appended to the ring. The state row is read only."""
+        src, h = cta.src, cta.h
+        lane_t = (cta.b,)
+        k = count + 1
+        parity = k % 2
+        tok = Token(0, lane_t, shared.sBB[parity, None, None], shared.sBB[1 - parity, None, None],
+                    *self.decay_coefficients(m, lane_t, h))
+        hbc = 0 if const_expr(self.shared_bc) else h
+        self.stage_kv_row(m.C, lane_t, hbc, shared.sC, cta)
+        self.stage_coefficients(m, (m.x, lane_t), lambda dg: Float32(0.0), tok, shared, cta)
+        if cta.tidx == 0:
+            self.token_weights(m, count, tok, shared, cta)
+        cute.arch.barrier()
+        operands = self.load_operands(tok, shared, cta)  # C only: the B operands are never read
+        for g in cutlass.range_constexpr(self.layout.row_groups):  # first, so the state dies early
+            self.reduce_rows(self.contract_rows(groups[g], operands, shared, cta), shared.sY, cta, g)
+        for j in cutlass.range_constexpr(self.K):  # token j's B to sBB[j % 2], then its row of G
+            if j <= k:
+                sBj = shared.sBB[j % 2, None, None]
+                if const_expr(j == 0):
+                    self.stage_kv_row(m.Bstate, (src,), h, sBj, cta)
+                else:
+                    if j <= count:
+                        self.stage_kv_row(m.ring_B, (src, j - 1), h, sBj, cta)
+                    else:
+                        self.stage_kv_row(m.B, lane_t, hbc, sBj, cta)
+                cute.arch.barrier()
+                self.gram(sBj, shared.sC, shared.sG[j, None, None], cta)
+        if cta.dst_live:
+            self.append_ring(m, count, tok, shared, cta)
+            if cta.tidx == 0:
+                mLength = m.ring_length
+                mLength[cta.dst, h] = count + 1
+        cute.arch.barrier()
+        self.ring_terms(m, count, shared, cta)
+        cute.arch.barrier()
+        self.epilogue(m, tok, shared, cta)
+
+    @cute.jit
+    def token_weights(self, m: KernelArgs, count: Int32, tok: Token, shared: Shared, cta: Cta):
+        """One thread: ``sW[j] = w_j = gamma_j a_{j+1}..a_k + beta_{j+1} a_{j+2}..a_k`` for the tokens
+        ``j = 0..k`` since the checkpoint (no gamma term for token 0, no beta term past k) and
+        ``sW[K] = P = a_1..a_k`` (``a`` the decays alpha); tokens 1..count from the ring, token k
+        this step's (``tok``). The suffix products are built from token k down, as the CPU path."""
+        src, h = cta.src, cta.h
+        sW = shared.sW
+        suffix = Float32(1.0)  # a_{j+1} .. a_k
+        suffix_next = Float32(1.0)  # a_{j+2} .. a_k
+        beta_next = Float32(0.0)  # beta_{j+1}; none past k
+        for i in cutlass.range_constexpr(self.K - 1):
+            j = self.K - 1 - i  # tokens K - 1 .. 1, those up to k taken
+            if j <= count + 1:
+                alpha = tok.alpha
+                beta = tok.beta
+                gamma = tok.gamma
+                if j <= count:  # a ring token
+                    alpha, beta, gamma = self.decay(m.ring_coef[src, j - 1, h, 0], m.ring_coef[src, j - 1, h, 1],
+                                                    m.ring_coef[src, j - 1, h, 2])[:3]
+                sW[j] = gamma * suffix + beta_next * suffix_next
+                suffix_next = suffix
+                suffix = suffix * alpha
+                beta_next = beta
+        sW[0] = beta_next * suffix_next
+        sW[self.K] = suffix
+
+    @cute.jit
+    def gram(self, sB: cute.Tensor, sC: cute.Tensor, sG: cute.Tensor, cta: Cta):
+        """``sG[r', r] = sum_n sB[r', n] sC[r, n]`` (R x R dot products of length N): warp ``w`` takes
+        pairs ``w, w + warps, ...``, its lanes stride over n, a butterfly sums them."""
+        warps = self.num_threads // 32
+        warp = cta.tidx // 32
+        lane = cta.tidx % 32
+        for q in cutlass.range_constexpr(-(-self.R * self.R // warps)):
+            pair = warp + q * warps
+            if pair < self.R * self.R:
+                rp = pair // self.R
+                r = pair - rp * self.R
+                acc = Float32(0.0)
+                for c in cutlass.range_constexpr(self.N // 32):  # every supported N is a multiple of 32
+                    n = lane + c * 32
+                    acc = acc + sB[rp, n] * sC[r, n]
+                for k in cutlass.range_constexpr(5):
+                    acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=16 >> k)
+                if lane == 0:
+                    sG[rp, r] = acc
+
+    @cute.jit
+    def contract_rows(self, group: RowGroup, operands: Optional[Operands], shared: Shared, cta: Cta) -> cute.Tensor:
+        """The thread's partials of ``y[r, d] = sum_n s[d, n] C[r, n]`` over its own columns for one row
+        group of the loaded state, not updated (the checkpoint's term of an append); slots as
+        :meth:`update_rows`' ``tYrY``."""
+        lay = self.layout
+        sigma = cta.phi & (self.R - 1)
+        tYrY = cute.make_rmem_tensor(cute.make_layout(lay.partials_per_group), Float32)
+        for i in cutlass.range_constexpr(lay.rows_per_group):
+            for r in cutlass.range_constexpr(self.R):
+                y = Float32(0.0)
+                for c in cutlass.range_constexpr(lay.CPT):
+                    for e in cutlass.range_constexpr(lay.VN):
+                        s_ = group.tSrS[e, i, c].to(Float32)
+                        if const_expr(lay.cache_operands):
+                            y = y + s_ * operands.tOrC[r, e, c]
+                        else:
+                            y = y + s_ * shared.sC[r ^ sigma, self.column(c, e, cta.lane)]
+                tYrY[i * self.R + r] = y
+        return tYrY
+
+    @cute.jit
+    def ring_terms(self, m: KernelArgs, count: Int32, shared: Shared, cta: Cta):
+        """``sY[r, d] = P sY[r, d] + sum_j w_j sum_r' x_j[d] xproj[r', d] G_j[r', r]``: the checkpoint's
+        contraction decayed, plus each token's term since, in token order; ``x_j`` is Xstate's for
+        token 0, the ring's for tokens 1..count, this step's (``sX``) for token k."""
+        src, h = cta.src, cta.h
+        d0 = cta.dtile * self.tile_D
+
+        def combine(i):  # i = r * tile_D + d
+            sY = shared.sY  # stored under a runtime `if`: a local name (see for_thread_indices)
+            r = i // self.tile_D
+            d = i - r * self.tile_D
+            acc = shared.sW[self.K] * sY[r, d]
+            for j in cutlass.range_constexpr(self.K):
+                if j <= count + 1:
+                    xj = shared.sX[d]
+                    if const_expr(j == 0):
+                        xj = m.Xstate[src, h, d0 + d].to(Float32)
+                    else:
+                        if j <= count:
+                            xj = m.ring_x[src, j - 1, h, d0 + d].to(Float32)
+                    t = Float32(0.0)
+                    for rp in cutlass.range_constexpr(self.R):
+                        t = t + (xj * m.xproj[rp, h, d0 + d].to(Float32)) * shared.sG[j, rp, r]
+                    acc = acc + shared.sW[j] * t
+            sY[r, d] = acc
+
+        self.for_thread_indices(self.R * self.tile_D, cta.tidx, combine)
 
     @cute.jit
     def append_ring(self, m: KernelArgs, count: Int32, tok: Token, shared: Shared, cta: Cta):

@@ -63,6 +63,9 @@ class StepSpec:
             state row is a checkpoint and the ring pools hold the tokens since; the kernel
             replays a row's committed ring tokens in registers, then this token, and writes
             the state every K-th token (appending to the ring otherwise). 0: no replay.
+        replay_from_checkpoint: a replay step's appends compute ``out`` from the checkpoint and the
+            ring (the design's algebra: no state update, the step's accuracy rule); else (the
+            default) by replaying the state, bit for bit stepwise decoding's ``out``.
     """
 
     dstate: int
@@ -90,6 +93,7 @@ class StepSpec:
     stochastic_rounding: bool = False
     has_rand_rows: bool = False
     replay_ring: int = 0
+    replay_from_checkpoint: bool = False
 
     @property
     def carried_tokens(self) -> int:
@@ -122,7 +126,8 @@ class StepSpec:
         """Fill ``tile_D`` / ``num_warps`` left at 0 with the per-configuration default."""
         tile_D, num_warps = default_tiling(self.dstate, self.headdim, self.mimo, self.state_dtype, self.carried_tokens,
                                            whole_head=self.update_kv_state or self.rope_angles > 0,
-                                           lean=_rounding_lean(self))
+                                           lean=_rounding_lean(self),
+                                           replay=self.replay_ring > 0 and not self.replay_from_checkpoint)
         return self.replace(
             tile_D=self.tile_D or tile_D,
             num_warps=self.num_warps or num_warps,
@@ -161,7 +166,8 @@ def flagship_spec(**changes) -> StepSpec:
 
 #: fields a key names only when they are not at their default (added after keys were on disk)
 _KEY_OMITTED_AT_DEFAULT = frozenset({"rope_angles", "rotate_pairwise", "has_bc_bias", "shared_bc",
-                                     "stochastic_rounding", "has_rand_rows", "replay_ring"})
+                                     "stochastic_rounding", "has_rand_rows", "replay_ring",
+                                     "replay_from_checkpoint"})
 
 
 def flagship_rotary_spec(**changes) -> StepSpec:
@@ -234,7 +240,7 @@ def replay_problem(spec: StepSpec) -> str | None:
     """Why ``spec``'s replay field cannot go with the rest, or None."""
     K = spec.replay_ring
     if K == 0:
-        return None
+        return "replay_from_checkpoint needs replay_ring > 0" if spec.replay_from_checkpoint else None
     if isinstance(K, bool) or not isinstance(K, int) or not 2 <= K <= MAX_TOKENS:
         return f"replay_ring (K) must be 0 or an int in [2, {MAX_TOKENS}], got {K!r}"
     for field, value, what in _REPLAY_NEEDS:

@@ -42,6 +42,7 @@ from .contract import source_rows
 from .ptx import analysis
 from .ptx_tier import ptx_kernel, ptx_step_fn, run_step_ptx
 from .reference import mamba3_step_reference
+from .replay import new_ring
 from .rounding import dequantize_rows
 from .serving import gather_dense_scatter
 from .spec import StepSpec
@@ -49,7 +50,7 @@ from .specsets import add_spec_arguments, parse_spec_args, spec_label
 from .tensors import ROW_FIELDS, StepTensors
 from .testing import bits_equal, inputs_for, poison_, pool_rows, step_indices
 
-__all__ = ["HELP", "add_arguments", "executed_facts", "run", "tolerance", "verify_spec"]
+__all__ = ["HELP", "add_arguments", "executed_facts", "replay_instructions", "run", "tolerance", "verify_spec"]
 
 HELP = "compile, execute the kernel's PTX on the CPU and check it against float64 (no GPU needed)"
 NULL_SLOT = 2
@@ -216,6 +217,26 @@ def executed_facts(spec: StepSpec, arch: str = "sm_90a", batch: int = 4, heads: 
         "bytes": {k: {"executed": executed_bytes[k], "model": model.get(k)} for k in executed_bytes},
         "bytes_agree": all(executed_bytes[k] == model.get(k) for k in executed_bytes),
     }
+
+
+def replay_instructions(spec: StepSpec, arch: str = "sm_90a", seed: int = 0) -> tuple[int, ...]:
+    """Executed warp-instructions of one live (lane, head) slab of the replay specialisation ``spec``
+    (``spec.replay_ring`` = K) at each ring position 0..K-1 (the row's committed tokens before the
+    step); with ``spec.replay_ring = 0`` the stepwise step's, as a 1-tuple. Inputs from the one input
+    factory, one lane, one head, ``tile_D = D``."""
+    K = spec.replay_ring
+    tensors, _ = _inputs(spec.replace(replay_ring=0, replay_from_checkpoint=False), 1, 1, seed, live_only=True)
+    counts = []
+    for position in range(max(K, 1)):
+        ring = None
+        if K:
+            P, H, D, N = tensors.state.shape
+            ring = new_ring(P, K, spec.mimo, H, N, D, kv_dtype=tensors.Bstate.dtype, x_dtype=tensors.Xstate.dtype)
+            ring.length.fill_(position)
+        t = tensors._replace(state=tensors.state.clone(), Bstate=tensors.Bstate.clone(),
+                             Xstate=tensors.Xstate.clone()).with_out()
+        counts.append(int(run_step_ptx(spec, t, arch=arch, record=False, ring=ring).issued.sum()))
+    return tuple(counts)
 
 
 _COLUMNS = (("label", "specialisation", "<"), ("err_out", "err out", ">.2e"), ("budget_out", "torch32", ">.2e"),

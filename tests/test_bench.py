@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from mamba3_step.bytes_model import bytes_per_step
+from mamba3_step.bytes_model import bytes_per_step, replay_bytes
 from mamba3_step.spec import flagship_spec
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
@@ -33,6 +33,7 @@ model_bench = _load("model_bench")
 angle_bench = _load("angle_bench")
 static_bench = _load("static_bench")
 gpu_bench = _load("gpu_bench")
+gpu_replay_bench = _load("gpu_replay_bench")
 drift_bench = _load("drift_bench")
 
 
@@ -230,6 +231,32 @@ def test_gpu_bench_without_cuda_says_so(tmp_path, capsys):
     assert gpu_bench.main(["--out", str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip() == "no CUDA device: GPU benchmark not run"
     assert not (tmp_path / "gpu_bench.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists")
+def test_gpu_replay_bench_without_cuda_says_so(tmp_path, capsys):
+    assert gpu_replay_bench.main(["--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == "no CUDA device: GPU replay benchmark not run"
+    assert not (tmp_path / "gpu_replay_bench.json").exists()
+
+
+def test_gpu_replay_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
+    """The replay benchmark on CPU tensors: its correctness check passes (and fails on a corrupted
+    replay step, with no timing), every step kind is timed, the bytes ratio is the model's."""
+    args = ["--device", "cpu", "--heads", "1", "--batches", "2", "--ks", "2", "--no-graph", "--out", str(tmp_path)]
+    assert gpu_replay_bench.main(args) == 0
+    assert "replay K=2" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "gpu_replay_bench.json").read_text())["rows"]
+    assert [(r["step"], r["outputs"]) for r in rows] == [("stepwise", None), ("replay K=2", "replayed"),
+                                                         ("replay K=2", "from checkpoint")]
+    assert rows[1]["bytes_ratio"] == pytest.approx(replay_bytes(flagship_spec(), 2, 2, 1)["total"]
+                                                   / bytes_per_step(flagship_spec(), 2, 1)["total"])
+    assert all(r["us_eager"] > 0 for r in rows)
+    original = gpu_replay_bench.Layer.replay
+    monkeypatch.setattr(gpu_replay_bench.Layer, "replay", lambda self, fc=False: original(self, fc).add_(1.0))
+    assert gpu_replay_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
+    assert "CORRECTNESS FAILURE" in capsys.readouterr().out
+    assert not (tmp_path / "bad" / "gpu_replay_bench.json").exists()
 
 
 CPU_ARGS = ["--device", "cpu", "--heads", "1", "--batches", "1,2", "--target-ms", "1", "--no-plot"]

@@ -1,12 +1,14 @@
-"""The static issue model's arithmetic (mamba3_step.issue_model), on figures checked by hand."""
+"""The static issue model's arithmetic (mamba3_step.issue_model), on figures checked by hand, and the
+replay kernel's executed counts it reads (re-executed on the PTX tier)."""
 
 from __future__ import annotations
 
 import pytest
 
-from mamba3_step.bytes_model import bytes_per_step
-from mamba3_step.issue_model import GPUS, UPSTREAM, issue_model, slab_bytes
+from mamba3_step.bytes_model import bytes_per_step, replay_bytes
+from mamba3_step.issue_model import GPUS, REPLAY_EXECUTED, UPSTREAM, issue_model, replay_issue_model, slab_bytes
 from mamba3_step.spec import flagship_spec
+from mamba3_step.verify import replay_instructions
 
 
 def test_clock_is_derived_from_the_fp32_peak():
@@ -32,3 +34,29 @@ def test_slab_bytes_is_the_step_per_lane_and_head():
 def test_upstream_constants_are_the_issue_figures():
     assert UPSTREAM["sm_90a"]["warp_instructions_per_slab"] == 1947 * 128 // 32 == 7788
     assert UPSTREAM["sm_100a"]["warp_instructions_per_slab"] == 7268
+
+
+@pytest.mark.parametrize("K", [2, 4])
+@pytest.mark.parametrize("from_checkpoint", [False, True])
+def test_replay_counts_are_what_the_ptx_tier_executes(K, from_checkpoint):
+    """REPLAY_EXECUTED (what bench/model_bench.py's replay issue table reads) holds the executed counts of
+    today's kernel: re-executed here for K = 2 and 4 (K = 8: bench/issue_model.py prints it)."""
+    spec = flagship_spec(replay_ring=K, replay_from_checkpoint=from_checkpoint)
+    warps, counts = REPLAY_EXECUTED[(K, from_checkpoint)]
+    assert spec.num_warps == warps
+    assert replay_instructions(spec) == counts
+    assert replay_instructions(flagship_spec()) == (REPLAY_EXECUTED["stepwise"],)
+
+
+def test_replay_issue_model_by_hand():
+    """H100, K = 4, replayed outputs: average executed instructions over the ring positions against the
+    bytes averaged over them; time is the larger of issue and memory time over the stepwise step's."""
+    gpu = GPUS["H100"]
+    counts = REPLAY_EXECUTED[(4, False)][1]
+    spec = flagship_spec()
+    replay = issue_model(sum(counts) / 4, replay_bytes(spec, 4, 256, 48)["total"] / (256 * 48), gpu)
+    stepwise = issue_model(REPLAY_EXECUTED["stepwise"], slab_bytes(spec), gpu)
+    m = replay_issue_model(4, False, gpu)
+    assert m["ratio"] == pytest.approx(replay["ratio"])
+    assert m["time"] == pytest.approx(max(replay["issue_us"], replay["memory_us"]) / stepwise["memory_us"])
+    assert m["time"] == pytest.approx(replay_bytes(spec, 4, 256, 48)["total"] / bytes_per_step(spec, 256, 48)["total"])

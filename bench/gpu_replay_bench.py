@@ -1,0 +1,158 @@
+"""GPU benchmark of replay: the replay kernel against the stepwise kernel, measured.
+
+    python bench/gpu_replay_bench.py [--batches 1,64,256] [--heads 48] [--ks 2,4,8] [--out DIR] [--no-graph]
+
+Without a CUDA device it prints "no CUDA device: GPU replay benchmark not run" and exits 0
+(``--device cpu`` runs the plumbing on the CPU path: a smoke test, not a benchmark).
+
+At the flagship configuration (N=128, D=64, R=4, fp32 state, bf16 B/C/x/z and projections, pool
+mode with update_kv_state), for every batch size:
+
+1. Correctness first: a decode of 2K + 1 steps from empty rings through
+   ``mamba3_step.replay_step_fn`` (the replay kernel, outputs replayed) and ``mamba3_step_fn`` (the
+   stepwise kernel) on twin pools: every ``out`` and every row at its flush must be bit-identical.
+   If not, it prints what failed and no timing, and exits 1.
+2. Timing with CUDA events, eager and CUDA-graph replay: the stepwise step, and the replay step
+   for each K with outputs replayed and from the checkpoint, the rows' ring positions staggered
+   (row r at position r % K) so that a step costs the average over positions; each timed call
+   advances the rings as a server's would.
+
+Reports microseconds per step, the speed-up over the stepwise step, and the bytes model's ratio
+(``mamba3_step.bytes_model.replay_bytes``) beside it; ``gpu_replay_bench.json`` in
+``bench/results/`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _util  # noqa: E402  (also puts the repository on sys.path)
+
+import torch  # noqa: E402
+
+from gpu_bench import Timer, time_round  # noqa: E402
+from gpu_checks import capture  # noqa: E402
+
+from mamba3_step import mamba3_step_fn, new_ring, replay_step_fn  # noqa: E402
+from mamba3_step.bytes_model import bytes_per_step, replay_bytes  # noqa: E402
+from mamba3_step.spec import FLAGSHIP_HEADS, flagship_spec  # noqa: E402
+from mamba3_step.tensors import StepTensors  # noqa: E402
+from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, row_tensors  # noqa: E402
+
+NO_CUDA_MESSAGE = "no CUDA device: GPU replay benchmark not run"
+D, N, R = 64, 128, 4
+
+
+class Layer:
+    """One layer's pools (rows = lanes), weights, a ring, and one lane-input set, on ``device``."""
+
+    def __init__(self, batch: int, heads: int, K: int, device, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.pools = row_tensors(batch, heads, D, N, R, generator=g, device=device)
+        self.w = layer_weights(heads, D, R, generator=g, device=device)
+        self.lane = lane_inputs(batch, heads, D, N, R, generator=g, device=device)
+        self.ring = new_ring(batch, K, R, heads, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16, device=device)
+        self.index = torch.arange(batch, dtype=torch.int32, device=device)
+        self.out = torch.empty(batch, heads, D, dtype=torch.bfloat16, device=device)
+        self.K = K
+
+    def call(self) -> StepTensors:
+        p, w, x = self.pools, self.w, self.lane
+        return StepTensors(p["state"], p["Bstate"], p["Xstate"], x["A"], x["B"], x["C"], w["D"], x["x"], x["dt"],
+                           x["trap"], w["xproj"], outproj=w["outproj"], out=self.out, z=x["z"], zproj=w["zproj"],
+                           state_batch_indices=self.index)
+
+    def stepwise(self):
+        return mamba3_step_fn(**self.call()._asdict(), update_kv_state=True)
+
+    def replay(self, from_checkpoint: bool = False):
+        return replay_step_fn(self.call(), self.ring, self.K, from_checkpoint=from_checkpoint)
+
+
+def check(batch: int, heads: int, K: int, device) -> str | None:
+    """What differs between a replayed and a stepwise decode of 2K + 1 steps, or None."""
+    a, b = Layer(batch, heads, K, device, seed=batch), Layer(batch, heads, K, device, seed=batch)
+    g = torch.Generator().manual_seed(K)
+    for step in range(2 * K + 1):
+        fresh = lane_inputs(batch, heads, D, N, R, generator=g, device=device)
+        for layer in (a, b):
+            for k, v in fresh.items():
+                layer.lane[k].copy_(v)
+        got, want = a.replay().clone(), b.stepwise()
+        if not bits_equal(got, want):
+            return f"B={batch} K={K} step {step}: out differs from the stepwise kernel's"
+        if int(a.ring.length[0, 0]) == 0 and not all(bits_equal(a.pools[k], b.pools[k]) for k in a.pools):
+            return f"B={batch} K={K} step {step}: the flushed rows differ from stepwise decoding"
+    return None
+
+
+def bench(batch: int, heads: int, Ks, device, graphs: bool, target_s: float) -> list[dict]:
+    timer = Timer(device)
+    spec = flagship_spec()
+    base_bytes = bytes_per_step(spec, batch, heads)["total"]
+    runs = [("stepwise", 1, False)] + [(f"replay K={K}", K, fc) for K in Ks for fc in (False, True)]
+    rows = []
+    for name, K, fc in runs:
+        layer = Layer(batch, heads, max(K, 2), device, seed=1)
+        layer.ring.length.copy_((torch.arange(batch, device=device) % max(K, 2))[:, None].to(torch.int32)
+                                .expand(-1, heads))  # staggered positions
+        fn = layer.stepwise if name == "stepwise" else (lambda layer=layer, fc=fc: layer.replay(fc))
+        row = {"batch": batch, "heads": heads, "step": name, "K": K if name != "stepwise" else None,
+               "outputs": None if name == "stepwise" else ("from checkpoint" if fc else "replayed"),
+               "bytes_ratio": 1.0 if name == "stepwise" else replay_bytes(spec, K, batch, heads)["total"] / base_bytes,
+               "us_eager": time_round(timer, fn, 1, target_s) * 1e6}
+        if graphs and timer.cuda:
+            graph = capture(fn)
+            row["us_graph"] = time_round(timer, graph.replay, 1, target_s) * 1e6
+        rows.append(row)
+    for row in rows:
+        for kind in ("eager", "graph"):
+            if f"us_{kind}" in row:
+                row[f"speedup_{kind}"] = rows[0][f"us_{kind}"] / row[f"us_{kind}"]
+    return rows
+
+
+COLUMNS = [("batch", "B", ">d"), ("step", "step", "<"), ("outputs", "append outputs", "<"),
+           ("bytes_ratio", "bytes x", ">.3f"), ("us_eager", "eager us", ">.1f"), ("speedup_eager", "eager speed-up", ">.2f"),
+           ("us_graph", "graph us", ">.1f"), ("speedup_graph", "graph speed-up", ">.2f")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="1,64,256", help="batch sizes (default 1,64,256)")
+    p.add_argument("--heads", type=int, default=FLAGSHIP_HEADS, help="H (default 48)")
+    p.add_argument("--ks", default="2,4,8", help="flush lengths K (default 2,4,8)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of the plumbing")
+    p.add_argument("--no-graph", action="store_true", help="eager timing only")
+    p.add_argument("--out", default=None, help="output folder (default bench/results)")
+    args = p.parse_args(argv)
+    try:
+        batches = [int(v) for v in args.batches.split(",")]
+        Ks = [int(v) for v in args.ks.split(",")]
+    except ValueError:
+        p.error(f"--batches/--ks: expected comma-separated ints, got {args.batches!r} / {args.ks!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(NO_CUDA_MESSAGE)
+        return 0
+    target_s = 0.05 if args.device == "cpu" else 0.2
+    for batch in batches:
+        for K in Ks:
+            problem = check(batch, args.heads, K, args.device)
+            if problem:
+                print(f"CORRECTNESS FAILURE, no timing: {problem}")
+                return 1
+    rows = [r for batch in batches for r in bench(batch, args.heads, Ks, args.device, not args.no_graph, target_s)]
+    print(f"replay vs stepwise, flagship, H={args.heads}, {args.device} (measured; bytes x: the model's ratio)")
+    print(_util.format_table(rows, [c for c in COLUMNS if any(c[0] in r for r in rows)]))
+    out = _util.results_dir(args.out)
+    payload = {"what": "measured step times (CUDA events), replay kernel vs stepwise kernel" if args.device == "cuda"
+               else "CPU smoke run of the plumbing: not a benchmark", "environment": _util.environment(), "rows": rows}
+    print(f"wrote {_util.write_json(out / 'gpu_replay_bench.json', payload)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""GPU suite for the replay kernel (skipped without CUDA; docs/contract.md, "Replay").
+
+Not yet run on a GPU. The checks the PTX tier makes on the CPU (tests/test_ptx_replay.py), on the
+real kernel and at batch sizes the tier cannot afford:
+
+* a decode crossing several flushes, rows at staggered ring positions, every padding kind:
+  ``replay_step_fn`` bit-identical to the stepwise kernel (``mamba3_step_fn``, pool mode with
+  update_kv_state): every ``out`` (with ``from_checkpoint`` a flush's; an append's within the
+  step's accuracy rule of the float64 recurrence) and every row at its flush; rows no lane reads
+  keep their bits;
+* a replay step captured in a CUDA graph and replayed with new inputs equals eager, ring included
+  (the ring lengths move on the device).
+
+Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank, K flush length.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_accurate
+
+from mamba3_step import mamba3_step_fn, new_ring, replay_step_fn
+from mamba3_step.replay import output_from_checkpoint
+from mamba3_step.tensors import StepTensors
+from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, row_tensors
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEV = "cuda"
+H, D, N, R = 4, 64, 128, 4
+PADDING = (-1, -(2**31), 2**31 - 1)
+
+
+class Layer:
+    def __init__(self, P: int, K: int, seed: int, state_dtype: str = "float32"):
+        self.g = torch.Generator().manual_seed(seed)
+        rows = row_tensors(P, H, D, N, R, state_dtype=state_dtype, generator=self.g, device=DEV)
+        self.w = layer_weights(H, D, R, generator=self.g, device=DEV)
+        self.replay = {k: v.clone() for k, v in rows.items()}
+        self.stepwise = {k: v.clone() for k, v in rows.items()}
+        self.ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16, device=DEV)
+        self.P, self.K = P, K
+
+    def call(self, pools: dict, lane: dict, index: torch.Tensor, out=None) -> StepTensors:
+        w = self.w
+        return StepTensors(pools["state"], pools["Bstate"], pools["Xstate"], lane["A"], lane["B"], lane["C"], w["D"],
+                           lane["x"], lane["dt"], lane["trap"], w["xproj"], outproj=w["outproj"], out=out, z=lane["z"],
+                           zproj=w["zproj"], state_batch_indices=index)
+
+    def lane(self, B: int) -> dict:
+        return lane_inputs(B, H, D, N, R, generator=self.g, device=DEV)
+
+
+def _index(B: int, P: int, step: int) -> torch.Tensor:
+    """Lane b reads row b, but a few lanes (moving with the step) are padding of every kind."""
+    rows = list(range(B))
+    for b in range(step % 3, B, 7):  # a few padding lanes, moving
+        rows[b] = PADDING[b % len(PADDING)]
+    return torch.tensor(rows, dtype=torch.int32, device=DEV)
+
+
+def _expected_append(layer: Layer, before: dict, ring: dict, row: int, lane: dict, b: int, cd) -> torch.Tensor:
+    c = int(ring["length"][row, 0])
+    now = {f: lane[f][b][None] for f in ("A", "dt", "trap", "x")}
+    now["B"] = lane["B"][b][None]
+    coef = ring["coef"][row, :c]
+    part = {"A": coef[..., 0], "dt": coef[..., 1], "trap": coef[..., 2], "x": ring["x"][row, :c], "B": ring["B"][row, :c]}
+    tokens = {f: torch.cat([part[f].to(v.dtype), v])[None] for f, v in now.items()}
+    base = (before["state"][row:row + 1], before["Bstate"][row:row + 1], before["Xstate"][row:row + 1], None)
+    t = StepTensors(*base[:3], None, None, None, layer.w["D"], lane["x"][b:b + 1], None, None, layer.w["xproj"],
+                    outproj=layer.w["outproj"], zproj=layer.w["zproj"])
+    return output_from_checkpoint(t, base, tokens, lane["C"][b:b + 1], lane["z"][b:b + 1], cd)[0]
+
+
+@pytest.mark.parametrize("from_checkpoint", [False, True])
+@pytest.mark.parametrize("K", [2, 4, 8])
+@pytest.mark.parametrize("B", [1, 64, 256])
+def test_replay_decode_matches_the_stepwise_kernel(B, K, from_checkpoint):
+    P = B + 3
+    layer = Layer(P, K, seed=B * 10 + K)
+    # every ring starts empty; the moving padding lanes skip rows' steps, so their positions stagger
+    for step in range(2 * K + 1):
+        index = _index(B, P, step)
+        lane = layer.lane(B)
+        before = {k: v.clone() for k, v in layer.replay.items()}
+        ring = {f: getattr(layer.ring, f).clone() for f in ("B", "x", "coef", "length")}
+        got = replay_step_fn(layer.call(layer.replay, lane, index), layer.ring, K, from_checkpoint=from_checkpoint)
+        want = mamba3_step_fn(**layer.call(layer.stepwise, lane, index)._asdict(), update_kv_state=True)
+        for b, row in enumerate(index.tolist()):
+            if not 0 <= row < P:
+                assert torch.equal(got[b], torch.zeros_like(got[b])), f"padding lane {b}"
+                continue
+            if not from_checkpoint or int(ring["length"][row, 0]) == K - 1:
+                assert bits_equal(got[b], want[b]), f"step {step} lane {b}"
+            else:
+                want64, torch32 = (_expected_append(layer, before, ring, row, lane, b, cd)
+                                   for cd in (torch.float64, torch.float32))
+                assert_accurate(f"step {step} lane {b}", got[b], want64, torch32.to(got.dtype),
+                                want64.abs().max().item())
+            if int(layer.ring.length[row, 0]) == 0:
+                for k in layer.replay:
+                    assert bits_equal(layer.replay[k][row], layer.stepwise[k][row]), f"step {step} row {row} {k}"
+        for row in range(B, P):  # rows no lane reads
+            for k in layer.replay:
+                assert bits_equal(layer.replay[k][row], before[k][row]), f"row {row} of {k} written"
+
+
+@pytest.mark.parametrize("from_checkpoint", [False, True])
+def test_replay_graph_equals_eager(from_checkpoint):
+    B, P, K = 16, 20, 4
+    eager, graphed = Layer(P, K, seed=7), Layer(P, K, seed=7)
+    index = _index(B, P, 1)
+    static = graphed.lane(B)
+    out = torch.empty(B, H, D, dtype=torch.bfloat16, device=DEV)
+    scratch = Layer(P, K, seed=8)  # compiles and warms up outside the capture, on other pools
+    replay_step_fn(scratch.call(scratch.replay, static, index, out), scratch.ring, K, from_checkpoint=from_checkpoint)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replay_step_fn(graphed.call(graphed.replay, static, index, out), graphed.ring, K,
+                       from_checkpoint=from_checkpoint)
+    for step in range(2 * K + 1):
+        lane = eager.lane(B)
+        for k, v in lane.items():
+            static[k].copy_(v)
+        graph.replay()
+        want = replay_step_fn(eager.call(eager.replay, lane, index), eager.ring, K, from_checkpoint=from_checkpoint)
+        torch.cuda.synchronize()
+        assert bits_equal(out, want), f"step {step}: out"
+        for k in eager.replay:
+            assert bits_equal(graphed.replay[k], eager.replay[k]), f"step {step}: {k}"
+        for a, b in zip(graphed.ring[:4], eager.ring[:4]):
+            assert bits_equal(a, b), f"step {step}: ring"
