@@ -409,23 +409,17 @@ class Mamba3StepKernel:
             self.replay_state(m, count, cta, shared, groups)
 
     @cute.jit
-    def replay_state(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list,
-                     flush_only: bool = False):
+    def replay_state(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list):
         """The ``count`` committed ring tokens replayed in registers (:meth:`ring_token`, no output,
         nothing stored), then this step's token (:meth:`live_token`). Token ``j`` stages its B in
-        ``sBB[j % 2]``; Bstate, the token before the ring, is token -1's (``sBB[1]``).
-        ``flush_only`` (static): the caller knows ``count = K - 1``, so no token is conditional."""
+        ``sBB[j % 2]``; Bstate, the token before the ring, is token -1's (``sBB[1]``)."""
         self.stage_kv_row(m.Bstate, (cta.src,), cta.h, shared.sBB[1, None, None], cta)
         for j in cutlass.range_constexpr(self.K - 1):
-            if const_expr(flush_only):
+            if j < count:
                 cute.arch.barrier()  # token j - 1 is done with the shared buffers
                 self.ring_token(m, j, cta, shared, groups)
-            else:
-                if j < count:
-                    cute.arch.barrier()
-                    self.ring_token(m, j, cta, shared, groups)
         cute.arch.barrier()
-        self.live_token(m, count, cta, shared, groups, flush_only)
+        self.live_token(m, count, cta, shared, groups)
 
     @cute.jit
     def ring_token(self, m: KernelArgs, j: int, cta: Cta, shared: Shared, groups: list):
@@ -445,8 +439,7 @@ class Mamba3StepKernel:
             self.update_rows(groups[g], operands, tok, shared, cta)  # its output is not needed: y is dead code
 
     @cute.jit
-    def live_token(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list,
-                   flush_only: bool = False):
+    def live_token(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list):
         """This step's token after ``count`` ring tokens, stepped like a one-token step's, its ``out``
         written. A flush (``count = K - 1``) stores the state, B and x to row ``dst`` and empties
         its ring; otherwise the token becomes ring entry ``count`` (:meth:`append_ring`) and the
@@ -470,11 +463,9 @@ class Mamba3StepKernel:
 
         self.stage_coefficients(m, (m.x, lane_t), xprev, tok, shared, cta)
         cute.arch.barrier()
-        flush = Boolean(True) if const_expr(flush_only) else count == self.K - 1
+        flush = count == self.K - 1
         if cta.dst_live:
-            if const_expr(flush_only):
-                self.store_kv_state(m, tok.sB, shared.sX, cta)
-            elif flush:
+            if flush:
                 self.store_kv_state(m, tok.sB, shared.sX, cta)
             else:
                 self.append_ring(m, count, tok, shared, cta)

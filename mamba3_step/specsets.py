@@ -94,7 +94,9 @@ def spec_label(spec: StepSpec) -> str:
                              ("state_out", spec.has_state_out),
                              (f"rope{spec.rope_angles}", spec.rope_angles > 0), ("pairwise", spec.rotate_pairwise),
                              ("bcbias", spec.has_bc_bias), ("sharedBC", spec.shared_bc),
-                             ("sr", spec.stochastic_rounding), ("rand_rows", spec.has_rand_rows)) if on]
+                             ("sr", spec.stochastic_rounding), ("rand_rows", spec.has_rand_rows),
+                             (f"replay{spec.replay_ring}", spec.replay_ring > 0),
+                             ("fromCheckpoint", spec.replay_from_checkpoint)) if on]
     tokens = f"T{spec.tokens} " if spec.tokens > 1 else ""
     return (f"N{spec.dstate} D{spec.headdim} R{spec.mimo} {spec.state_dtype}/{spec.kv_dtype}/"
             f"{spec.x_dtype}/{spec.proj_dtype} tD{spec.tile_D} w{spec.num_warps} {tokens}"
@@ -137,6 +139,10 @@ def add_spec_arguments(parser: argparse.ArgumentParser, *, modes: bool = True, a
         g.add_argument("--shared-bc", action="store_true", help="B/C with a head axis of 1 (shared by the heads)")
         g.add_argument("--stochastic-rounding", action="store_true",
                        help="store a 16-bit state with stochastic rounding (rand_seed [seed, offset])")
+        g.add_argument("--replay-ring", type=int, default=0, metavar="K",
+                       help="replay: a checkpoint and a ring, the state written every K tokens (0: stepwise)")
+        g.add_argument("--replay-from-checkpoint", action="store_true",
+                       help="replay: an append's out from the checkpoint and the ring (needs --replay-ring)")
     if arch:
         g.add_argument("--arch", default=None, help=f"target architecture, e.g. sm_90a, sm_100a "
                                                     f"(default: this machine's GPU, else {DEFAULT_ARCH})")
@@ -163,13 +169,16 @@ def specs_from_args(args: argparse.Namespace) -> list[StepSpec]:
             raise ValueError("--rotate-pairwise and --bc-bias need --rope-angles S > 0")
         if args.rope_angles < 0:
             raise ValueError(f"--rope-angles: expected S >= 0, got {args.rope_angles}")
+        if args.replay_from_checkpoint and args.replay_ring <= 0:
+            raise ValueError("--replay-from-checkpoint needs --replay-ring K > 0")
         changes.update(pool=args.mode == "pool", has_dst=args.dst or args.dst_per_token,
                        update_kv_state=not args.no_update_kv_state, has_z=not args.no_z,
                        has_outproj=not args.no_outproj, has_state_out=args.state_out, tokens=args.tokens,
                        dst_per_token=args.dst_per_token, num_accepted=args.num_accepted,
                        rope_angles=args.rope_angles, rotate_pairwise=args.rotate_pairwise,
                        has_bc_bias=args.bc_bias, shared_bc=args.shared_bc,
-                       stochastic_rounding=args.stochastic_rounding)
+                       stochastic_rounding=args.stochastic_rounding, replay_ring=args.replay_ring,
+                       replay_from_checkpoint=args.replay_from_checkpoint)
     specs = []
     for config in args.config or ["flagship"]:
         for spec in specs_for_config(config, **changes):

@@ -20,6 +20,10 @@ PTX executed by :mod:`mamba3_step.ptx` (docs/ptx-tier.md). Per specialisation, o
 * ``races``: bytes shared between CTAs with a write, or touched by two threads of a CTA
   between the same barriers with one of them writing (global and shared memory).
 
+A replay specialisation (``--replay-ring K``) is checked over 2K + 1 executed steps against the
+executed stepwise kernel instead: ``parity`` covers every ``out`` the contract makes bit-identical
+and every row at its flush, ``err_out`` appends from the checkpoint against float64.
+
 The exit status is 1 when any row fails. :func:`executed_facts` gives the executed
 instruction mix, sectors per request, bank conflicts and bytes of one specialisation (also
 ``inspect --executed``).
@@ -42,15 +46,16 @@ from .contract import source_rows
 from .ptx import analysis
 from .ptx_tier import ptx_kernel, ptx_step_fn, run_step_ptx
 from .reference import mamba3_step_reference
-from .replay import new_ring
+from .replay import new_ring, output_from_checkpoint
 from .rounding import dequantize_rows
 from .serving import gather_dense_scatter
 from .spec import StepSpec
 from .specsets import add_spec_arguments, parse_spec_args, spec_label
-from .tensors import ROW_FIELDS, StepTensors
+from .tensors import LANE_FIELDS, ROW_FIELDS, StepTensors
 from .testing import bits_equal, inputs_for, poison_, pool_rows, step_indices
 
-__all__ = ["HELP", "add_arguments", "executed_facts", "replay_instructions", "run", "tolerance", "verify_spec"]
+__all__ = ["HELP", "add_arguments", "append_reference", "executed_facts", "replay_instructions", "run", "tolerance",
+           "verify_spec"]
 
 HELP = "compile, execute the kernel's PTX on the CPU and check it against float64 (no GPU needed)"
 NULL_SLOT = 2
@@ -162,6 +167,75 @@ def _races(result) -> int:
             + len(analysis.intra_cta_races(result, shared=True)))
 
 
+def append_reference(t: StepTensors, base: tuple, ring: dict, row: int, b: int, cd) -> torch.Tensor:
+    """Lane ``b``'s ``out`` of an append from the checkpoint, in ``cd``: from row ``row``'s checkpoint
+    ``base`` (state, Bstate, Xstate as they were) and ``ring`` (the ring's ``B``, ``x``, ``coef``,
+    ``length`` as they were), then ``t``'s token (``mamba3_step.replay.output_from_checkpoint``)."""
+    c, H = int(ring["length"][row, 0]), t.state.shape[1]
+    coef = ring["coef"][row, :c]
+    now = {f: getattr(t, f)[b][None] for f in ("A", "dt", "trap", "x")}
+    now["B"] = t.B[b][None].expand(-1, -1, H, -1)
+    past = {"A": coef[..., 0], "dt": coef[..., 1], "trap": coef[..., 2], "x": ring["x"][row, :c], "B": ring["B"][row, :c]}
+    tokens = {f: torch.cat([past[f].to(v.dtype), v])[None] for f, v in now.items()}
+    rows = tuple(v[row:row + 1] for v in base) + (None,)
+    z = None if t.z is None else t.z[b:b + 1]
+    return output_from_checkpoint(t._replace(x=t.x[b:b + 1]), rows, tokens, t.C[b:b + 1], z, cd)[0]
+
+
+def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) -> dict:
+    """A replay specialisation over 2K + 1 executed steps (fresh inputs and padding each step) against
+    the executed stepwise kernel on pools that start equal: ``parity``, the outs the contract makes
+    bit-identical (all, or with ``replay_from_checkpoint`` a flush's) and every row at its flush;
+    ``err_out``/``budget_out``, appends from the checkpoint against float64; padding bytes and races
+    of the last step."""
+    K = spec.replay_ring
+    stepwise = spec.replace(replay_ring=0, replay_from_checkpoint=False, tile_D=0, num_warps=0).with_default_tiling()
+    start, _ = _inputs(stepwise, batch, heads, seed)
+    pools = {kind: {k: getattr(start, k).clone() for k in ("state", "Bstate", "Xstate")} for kind in ("r", "s")}
+    P, H, D, N = start.state.shape
+    ring = new_ring(P, K, spec.mimo, H, N, D, kv_dtype=start.Bstate.dtype, x_dtype=start.Xstate.dtype)
+    row = dict(err_out=0.0, budget_out=0.0, err_state=None, budget_state=None, parity=True, accurate=True)
+    for step in range(2 * K + 1):
+        fresh, kinds = _inputs(stepwise, batch, heads, seed + 1 + step)  # this step's tokens and lanes
+        call = start._replace(**{f: getattr(fresh, f) for f in (*LANE_FIELDS, "state_batch_indices")})
+        mine = call._replace(**pools["r"], out=poison_(torch.empty_like(call.x), seed=step))
+        theirs = call._replace(**pools["s"], out=torch.empty_like(call.x))
+        before = {f: getattr(ring, f).clone() for f in ("B", "x", "coef", "length")}
+        base = tuple(v.clone() for v in pools["r"].values())
+        result = run_step_ptx(spec, mine, arch=arch, ring=ring, record_shared=step == 2 * K, record=step == 2 * K)
+        run_step_ptx(stepwise, theirs, arch=arch, record=False)
+        for b, r in enumerate(call.state_batch_indices.tolist()):
+            if kinds[b] != "live":
+                row["parity"] &= bits_equal(mine.out[b], torch.zeros_like(mine.out[b]))
+            elif not spec.replay_from_checkpoint or int(before["length"][r, 0]) == K - 1:
+                row["parity"] &= bits_equal(mine.out[b], theirs.out[b])
+            else:
+                want64 = append_reference(call, base, before, r, b, torch.float64)
+                budget = (append_reference(call, base, before, r, b, torch.float32).to(mine.out.dtype).double()
+                          - want64).abs().max().item()
+                err = (mine.out[b].double() - want64).abs().max().item()
+                row["err_out"], row["budget_out"] = max(row["err_out"], err), max(row["budget_out"], budget)
+                row["accurate"] &= err <= tolerance(budget, want64.abs().max().item())
+            if kinds[b] == "live" and int(ring.length[r, 0]) == 0:
+                row["parity"] &= all(bits_equal(pools["r"][k][r], pools["s"][k][r]) for k in pools["r"])
+    row["padding_bytes"] = _padding_bytes(result, mine, kinds)
+    row["races"] = _races(result)
+    return row
+
+
+def _step_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) -> dict:
+    """One executed step against float64, its padding bytes and races, and pool parity (module docstring)."""
+    t1 = time.perf_counter()
+    tensors, kinds = _inputs(spec, batch, heads, seed)
+    s, executed, _ = prepare_step(_clone(tensors), update_kv_state=spec.update_kv_state, **_tiling(spec))
+    result = run_step_ptx(s, executed, arch=arch, record_shared=True)
+    row = dict(execute_seconds=round(time.perf_counter() - t1, 3), **_accuracy(spec, tensors, executed))
+    row["padding_bytes"] = _padding_bytes(result, executed, kinds) if spec.pool else 0
+    row["races"] = _races(result)
+    row["parity"] = _parity(spec, batch, heads, seed)
+    return row
+
+
 def verify_spec(spec: StepSpec, arch: str = "sm_90a", batch: int = 8, heads: int = 3, seed: int = 0) -> dict:
     """Compile, execute and check one specialisation (module docstring); returns its row."""
     row = dict(label=spec_label(spec), spec=spec.as_dict(), arch=arch, batch=batch, heads=heads, fault=None)
@@ -169,15 +243,8 @@ def verify_spec(spec: StepSpec, arch: str = "sm_90a", batch: int = 8, heads: int
     try:
         ptx_kernel(spec, arch)
         row["compile_seconds"] = round(time.perf_counter() - t0, 3)
-        t1 = time.perf_counter()
-        tensors, kinds = _inputs(spec, batch, heads, seed)
-        s, executed, _ = prepare_step(_clone(tensors), update_kv_state=spec.update_kv_state, **_tiling(spec))
-        result = run_step_ptx(s, executed, arch=arch, record_shared=True)
-        row["execute_seconds"] = round(time.perf_counter() - t1, 3)
-        row.update(_accuracy(spec, tensors, executed))
-        row["padding_bytes"] = _padding_bytes(result, executed, kinds) if spec.pool else 0
-        row["races"] = _races(result)
-        row["parity"] = _parity(spec, batch, heads, seed)
+        check = _replay_check if spec.replay_ring else _step_check
+        row.update(check(spec, arch, batch, heads, seed))
     except ptx.PTXError as e:
         row["fault"] = f"{type(e).__name__}: {e}"
     row["seconds"] = round(time.perf_counter() - t0, 3)

@@ -404,3 +404,17 @@ def test_text_report_pool_mode_and_ptxas_cross_check(tmp_path):
 def test_cli_rejects_bad_flags(argv, message, capsys):
     assert cli.main(["inspect", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@needs_kernel
+def test_report_of_a_replay_specialisation_names_it_and_models_its_bytes():
+    """`inspect --replay-ring 4`: the header names the ring, the bytes are replay's averaged over ring positions."""
+    from mamba3_step.bytes_model import replay_bytes
+    from mamba3_step.spec import flagship_spec
+
+    spec = flagship_spec(replay_ring=4)
+    report, facts = I.inspect_spec(spec, "sm_90a", batch=8, heads=2)
+    assert report["bytes_per_step"] == replay_bytes(flagship_spec(), 4, 8, 2)
+    text = I.format_report(report)
+    assert "replay_ring=4" in text and "averaged over ring positions" in text and "ring.length" in text
+    assert facts.spill_bytes == 0

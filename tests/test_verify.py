@@ -77,3 +77,35 @@ def test_executed_facts_of_a_speculative_step_agree_with_the_bytes_model():
     facts = verify.executed_facts(spec, "sm_90a", batch=2, heads=1)
     assert facts["bytes_agree"], facts["bytes"]
     assert facts["bytes"]["state"]["executed"] == 2 * 32 * 32 * 4 * (1 + 3)  # read once, written per token
+
+
+@pytest.mark.parametrize("from_checkpoint", [False, True])
+def test_verify_rows_of_replay_specialisations_pass(from_checkpoint):
+    spec = flagship_spec(dstate=32, headdim=32, mimo=2, replay_ring=3, replay_from_checkpoint=from_checkpoint)
+    row = verify.verify_spec(spec, "sm_90a", batch=6, heads=1)
+    assert row["ok"] and row["parity"] and row["accurate"] and row["padding_bytes"] == 0 and row["races"] == 0, row
+    assert "replay3" in row["label"] and (row["err_out"] > 0) == from_checkpoint
+
+
+def test_verify_reports_a_wrong_replay_kernel(monkeypatch):
+    """A replay kernel whose out is off by one unit fails parity (its outs are the stepwise kernel's)."""
+    real = verify.run_step_ptx
+
+    def corrupted(spec, tensors, ring=None, **kw):
+        result = real(spec, tensors, ring=ring, **kw)
+        if ring is not None:
+            tensors.out.add_(1.0)
+        return result
+
+    monkeypatch.setattr(verify, "run_step_ptx", corrupted)
+    row = verify.verify_spec(flagship_spec(dstate=32, headdim=32, mimo=1, replay_ring=2), "sm_90a", batch=4, heads=1)
+    assert not row["parity"] and not row["ok"]
+
+
+def test_verify_cli_replay_flags(capsys):
+    assert cli.main(["verify", "--config", "32,32,1", "--batch", "4", "--heads", "1", "--replay-ring", "2"]) == 0
+    assert "replay2" in capsys.readouterr().out
+    assert cli.main(["verify", "--config", "32,32,1", "--replay-from-checkpoint"]) == 2
+    assert "--replay-from-checkpoint needs --replay-ring" in capsys.readouterr().err
+    assert cli.main(["verify", "--config", "32,32,1", "--replay-ring", "2", "--dst"]) == 2
+    assert "replay_ring needs no dst_state_batch_indices" in capsys.readouterr().err

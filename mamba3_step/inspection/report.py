@@ -16,7 +16,7 @@ import time
 
 from ..arch import check_arch
 from ..build import compile_kernel
-from ..bytes_model import bytes_per_step
+from ..bytes_model import bytes_per_step, replay_bytes
 from ..contract import MAX_GRID_X, MAX_GRID_Y
 from ..spec import FLAGSHIP_HEADS
 from ..specsets import add_spec_arguments, parse_spec_args
@@ -42,7 +42,8 @@ def inspect_spec(spec, arch: str = "sm_90a", batch: int = 256, heads: int = 48,
     The report holds ``spec``, ``arch``, ``kernel``, ``registers``, ``stack_bytes``,
     ``spill_bytes`` (+ store/load split), ``smem_bytes`` (+ static/dynamic split),
     ``threads``, ``occupancy``, ``sass``, ``compile_seconds``, ``bytes_per_step`` (per
-    tensor and ``total`` at ``batch`` lanes and ``heads`` heads, all lanes live) and
+    tensor and ``total`` at ``batch`` lanes and ``heads`` heads, all lanes live; with replay the
+    average over its ring positions) and
     ``batch``/``heads``.
     """
     check_arch(arch)
@@ -74,7 +75,9 @@ def inspect_spec(spec, arch: str = "sm_90a", batch: int = 256, heads: int = 48,
         "compile_seconds": compile_seconds,
         "batch": batch,
         "heads": heads,
-        "bytes_per_step": bytes_per_step(spec, batch, heads),
+        # a replay step's: averaged over its ring positions (bytes_model.replay_bytes)
+        "bytes_per_step": (replay_bytes(spec.replace(replay_ring=0, replay_from_checkpoint=False), spec.replay_ring,
+                                        batch, heads) if spec.replay_ring else bytes_per_step(spec, batch, heads)),
     }
     return report, facts
 
@@ -90,9 +93,10 @@ def format_report(report: dict) -> str:
     s = report["spec"]
     mode = "pool" if s["pool"] else "dense"
     flags = [k for k in ("has_dst", "dst_per_token", "num_accepted", "update_kv_state", "has_z", "has_outproj",
-                         "has_state_out") if s.get(k)]
-    if s.get("tokens", 1) > 1:
-        flags.insert(0, f"tokens={s['tokens']}")
+                         "has_state_out", "shared_bc", "stochastic_rounding", "replay_from_checkpoint") if s.get(k)]
+    for key in ("tokens", "rope_angles", "replay_ring"):  # the counts, where they are not the default
+        if s.get(key, 0) > (key == "tokens"):
+            flags.insert(0, f"{key}={s[key]}")
     lines = [
         f"mamba3_step kernel for {report['arch']}: N={s['dstate']} D={s['headdim']} R={s['mimo']} "
         f"state={s['state_dtype']} kv={s['kv_dtype']} x={s['x_dtype']} proj={s['proj_dtype']} "
@@ -129,11 +133,12 @@ def format_report(report: dict) -> str:
         for i in range(0, len(row), 6):
             lines.append(f"    {title + ':' if i == 0 else '':<8}" + "  ".join(row[i : i + 6]))
     bps = report["bytes_per_step"]
-    lines.append(f"  bytes per step    B={report['batch']} H={report['heads']} (all lanes live, modelled):")
+    average = " averaged over ring positions" if s.get("replay_ring") else ""
+    lines.append(f"  bytes per step    B={report['batch']} H={report['heads']} (all lanes live, modelled{average}):")
     for k, v in bps.items():
         if k != "total" and v:
-            lines.append(f"    {k:<26}{v:>14,d}  {_fmt_bytes(v)}")
-    lines.append(f"    {'total':<26}{bps['total']:>14,d}  {_fmt_bytes(bps['total'])}")
+            lines.append(f"    {k:<26}{v:>14,.0f}  {_fmt_bytes(v)}")
+    lines.append(f"    {'total':<26}{bps['total']:>14,.0f}  {_fmt_bytes(bps['total'])}")
     return "\n".join(lines)
 
 
