@@ -724,7 +724,9 @@ class Mamba3StepKernel:
     def decay_coefficients(self, m: KernelArgs, lane_t: tuple, h: Int32):
         """``alpha = exp(A dt)``, ``beta = (1 - trap) dt alpha``, ``gamma = trap dt`` and ``dt`` (fp32)
         of one (lane, token) (``lane_t``: its leading coordinates, :meth:`lane_index`)."""
-        return self.decay(m.A[lane_t + (h,)], m.dt[lane_t + (h,)], m.trap[lane_t + (h,)])
+        dt = m.dt[lane_t + (h,)]  # read in this order: the stepwise kernels' code (and registers) depend on it
+        trap = m.trap[lane_t + (h,)]
+        return self.decay(m.A[lane_t + (h,)], dt, trap)
 
     @cute.jit
     def decay(self, A: Float32, dt: Float32, trap: Float32):
