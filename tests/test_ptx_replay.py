@@ -30,10 +30,11 @@ from test_kernel_compile import REPLAY
 from mamba3_step.bytes_model import replay_bytes
 from mamba3_step.ptx import analysis
 from mamba3_step.ptx_tier import run_step_ptx
-from mamba3_step.replay import new_ring, output_from_checkpoint, replay_step
+from mamba3_step.replay import new_ring, replay_step
 from mamba3_step.spec import StepSpec
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_, row_tensors
+from mamba3_step.verify import append_reference
 
 P, NULL = 8, 7
 #: padding values of every kind (negative, out of range, the null slot)
@@ -146,8 +147,11 @@ def test_replay_decode_is_bit_identical_to_the_executed_stepwise_kernel(name):
             elif not spec.replay_from_checkpoint or int(before["ring.length"][row, 0]) == K - 1:
                 assert bits_equal(got[b], want[b]), f"{name} step {s}: lane {b} out differs from the stepwise kernel's"
             else:
-                want64, torch32 = (_from_checkpoint(layer, before, row, lane, b, cd) for cd in (torch.float64,
-                                                                                               torch.float32))
+                base = tuple(before[k] for k in ("state", "Bstate", "Xstate"))
+                ring = {f: before[f"ring.{f}"] for f in ("B", "x", "coef", "length")}
+                call = layer.call("replay", lane, index)
+                want64, torch32 = (append_reference(call, base, ring, row, b, cd) for cd in (torch.float64,
+                                                                                            torch.float32))
                 assert_accurate(f"{name} step {s} lane {b}", got[b], want64, torch32.to(got.dtype),
                                 want64.abs().max().item())
         replay, stepwise = layer.pools["replay"], layer.pools["stepwise"]
@@ -164,24 +168,6 @@ def test_replay_decode_is_bit_identical_to_the_executed_stepwise_kernel(name):
             for k, v in before.items():
                 assert bits_equal(after[k][row], v[row]), f"{name} step {s}: row {row} of {k} written"
     assert max(flushes.values()) >= 2, f"{name}: the decode crossed fewer than two flushes of one row"
-
-
-def _from_checkpoint(layer: Layer, before: dict, row: int, lane: dict, b: int, cd) -> torch.Tensor:
-    """Lane ``b``'s ``out`` from row ``row``'s checkpoint and ring as they were before the step, and this
-    step's inputs (``mamba3_step.replay.output_from_checkpoint``, in ``cd``)."""
-    c, H = int(before["ring.length"][row, 0]), layer.H
-    coef = before["ring.coef"][row, :c]
-    now = {"A": lane["A"][b][None], "dt": lane["dt"][b][None], "trap": lane["trap"][b][None], "x": lane["x"][b][None],
-           "B": lane["B"][b][None].expand(-1, -1, H, -1)}
-    ring = {"A": coef[..., 0], "dt": coef[..., 1], "trap": coef[..., 2], "x": before["ring.x"][row, :c],
-            "B": before["ring.B"][row, :c]}
-    tokens = {f: torch.cat([ring[f].to(v.dtype), v])[None] for f, v in now.items()}
-    base = (before["state"][row:row + 1], before["Bstate"][row:row + 1], before["Xstate"][row:row + 1], None)
-    w = layer.weights
-    t = StepTensors(*base[:3], None, None, None, w["D"], lane["x"][b:b + 1], None, None, w["xproj"],
-                    outproj=w["outproj"], zproj=w["zproj"])
-    z = None if lane["z"] is None else lane["z"][b:b + 1]
-    return output_from_checkpoint(t, base, tokens, lane["C"][b:b + 1], z, cd)[0]
 
 
 def _touched(res, lane: int) -> dict:

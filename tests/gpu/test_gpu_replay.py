@@ -21,9 +21,9 @@ import torch
 from helpers import assert_accurate
 
 from mamba3_step import mamba3_step_fn, new_ring, replay_step_fn
-from mamba3_step.replay import output_from_checkpoint
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, row_tensors
+from mamba3_step.verify import append_reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -63,19 +63,6 @@ def _index(B: int, P: int, step: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int32, device=DEV)
 
 
-def _expected_append(layer: Layer, before: dict, ring: dict, row: int, lane: dict, b: int, cd) -> torch.Tensor:
-    c = int(ring["length"][row, 0])
-    now = {f: lane[f][b][None] for f in ("A", "dt", "trap", "x")}
-    now["B"] = lane["B"][b][None]
-    coef = ring["coef"][row, :c]
-    part = {"A": coef[..., 0], "dt": coef[..., 1], "trap": coef[..., 2], "x": ring["x"][row, :c], "B": ring["B"][row, :c]}
-    tokens = {f: torch.cat([part[f].to(v.dtype), v])[None] for f, v in now.items()}
-    base = (before["state"][row:row + 1], before["Bstate"][row:row + 1], before["Xstate"][row:row + 1], None)
-    t = StepTensors(*base[:3], None, None, None, layer.w["D"], lane["x"][b:b + 1], None, None, layer.w["xproj"],
-                    outproj=layer.w["outproj"], zproj=layer.w["zproj"])
-    return output_from_checkpoint(t, base, tokens, lane["C"][b:b + 1], lane["z"][b:b + 1], cd)[0]
-
-
 @pytest.mark.parametrize("from_checkpoint", [False, True])
 @pytest.mark.parametrize("K", [2, 4, 8])
 @pytest.mark.parametrize("B", [1, 64, 256])
@@ -97,8 +84,10 @@ def test_replay_decode_matches_the_stepwise_kernel(B, K, from_checkpoint):
             if not from_checkpoint or int(ring["length"][row, 0]) == K - 1:
                 assert bits_equal(got[b], want[b]), f"step {step} lane {b}"
             else:
-                want64, torch32 = (_expected_append(layer, before, ring, row, lane, b, cd)
-                                   for cd in (torch.float64, torch.float32))
+                call = layer.call(layer.replay, lane, index)
+                base = tuple(before[k] for k in ("state", "Bstate", "Xstate"))
+                want64, torch32 = (append_reference(call, base, ring, row, b, cd) for cd in (torch.float64,
+                                                                                            torch.float32))
                 assert_accurate(f"step {step} lane {b}", got[b], want64, torch32.to(got.dtype),
                                 want64.abs().max().item())
             if int(layer.ring.length[row, 0]) == 0:
