@@ -11,16 +11,19 @@ K the flush length, L the ring's entries.
 
 from __future__ import annotations
 
-from typing import Optional
+import threading
+from typing import NamedTuple, Optional
 
 import torch
 
+from .api import runs_kernel
 from .launch import kernel_for
 from .replay import Ring, check_ring, replay_step
 from .spec import StepSpec, replay_problem
 from .tensors import RING_FIELDS, StepTensors, kernel_arguments
 from .tiling import tiling_problem
-from .validation import check_step_inputs, checks
+from .validation import check_step_inputs_cached, checks
+from .validation.cache import tensor_signature
 
 __all__ = ["replay_kernel_spec", "replay_step_fn"]
 
@@ -44,7 +47,7 @@ def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Option
         TypeError, ValueError: invalid inputs, naming the argument; on CUDA also what the replay
             kernel does not take yet.
     """
-    if not tensors.x.is_cuda:
+    if not runs_kernel(tensors.x):
         return replay_step(tensors, ring, K, accepted=accepted, rotate_pairwise=rotate_pairwise,
                            exact_outputs=not from_checkpoint)
     spec = replay_kernel_spec(tensors, ring, K, accepted=accepted, rotate_pairwise=rotate_pairwise,
@@ -71,14 +74,27 @@ def replay_kernel_spec(tensors: StepTensors, ring: Ring, K: int, *, accepted: Op
     if accepted is not None:
         raise ValueError("replay_step_fn: accepted (committing a verify step's drafts) is taken by the CPU path "
                          "only so far; the replay kernel runs one-token plain steps")
-    spec = check_step_inputs(tensors, update_kv_state=True, rotate_pairwise=rotate_pairwise,
-                             stochastic_rounding=tensors.rand_seed is not None)
+    step_spec = check_step_inputs_cached(tensors, update_kv_state=True, rotate_pairwise=rotate_pairwise,
+                                         stochastic_rounding=tensors.rand_seed is not None)
+    key = _ring_key(step_spec, tensors, ring, K, from_checkpoint, tile_D, num_warps)
+    checked = _RING_CHECKS.get(key) if key is not None else None
+    if checked is not None and _disjoint_from_step(checked.spans, tensors):
+        return checked.spec
+    spec = _check_replay(step_spec, tensors, ring, K, from_checkpoint, tile_D, num_warps)
+    if key is not None:
+        _remember(key, _CheckedRing(spec, _ring_spans(ring)))
+    return spec
+
+
+def _check_replay(step_spec: StepSpec, tensors: StepTensors, ring: Ring, K, from_checkpoint, tile_D,
+                  num_warps) -> StepSpec:
+    """The ring's checks and the replay kernel's, after the step's: the specialisation, or the named error."""
     check_ring(tensors, ring, K)
     _check_ring_memory(tensors, ring)
     if type(from_checkpoint) is not bool:
         raise TypeError(f"replay_step_fn: from_checkpoint must be a bool, got {type(from_checkpoint).__name__}")
-    spec = spec.replace(replay_ring=K, replay_from_checkpoint=from_checkpoint, tile_D=tile_D or 0,
-                        num_warps=num_warps or 0)
+    spec = step_spec.replace(replay_ring=K, replay_from_checkpoint=from_checkpoint, tile_D=tile_D or 0,
+                             num_warps=num_warps or 0)
     problem = replay_problem(spec)
     if problem is None:
         spec = spec.with_default_tiling()
@@ -86,6 +102,84 @@ def replay_kernel_spec(tensors: StepTensors, ring: Ring, K: int, *, accepted: Op
     if problem is not None:
         raise ValueError(f"replay_step_fn: the replay kernel: {problem}")
     return spec
+
+
+# --------------------------------------------------------------------------- checked rings
+# A server calls replay_kernel_spec with the same ring (same tensors, same addresses) every step;
+# only the lane inputs move. What _check_replay reads of the ring, beyond the step's own (cached)
+# validation, is the ring tensors' metadata and addresses, K and the options, the step's
+# specialisation and the state's and angle's shapes, which tensors the step names, and whether
+# inference mode is on: all of it is the key below. The one check that also reads the lane inputs'
+# addresses, that no ring byte is another argument's, runs on every call (_disjoint_from_step);
+# when it fails the full check runs and raises its named error. Failures are never kept.
+
+
+class _CheckedRing(NamedTuple):
+    spec: StepSpec  # the replay specialisation _check_replay returned
+    spans: tuple  # the written ring tensors' byte spans [first, end), the empty ones left out
+
+
+#: at most this many checked (ring, call signature) pairs are kept; the table is cleared when full
+_RING_CHECKS_MAX = 64
+_RING_CHECKS: dict = {}
+_RING_CHECKS_LOCK = threading.Lock()
+
+
+def _ring_key(step_spec: StepSpec, t: StepTensors, ring, K, from_checkpoint, tile_D, num_warps):
+    """What :func:`_check_replay` reads besides the lane inputs' addresses, or None when the call is
+    not one to cache (not a :class:`Ring` of plain tensors, or a step on meta or fake tensors)."""
+    if type(ring) is not Ring or type(t.x) is not torch.Tensor or t.x.is_meta:
+        return None
+    fields = []
+    for value in ring:
+        if value is None:
+            fields.append(None)
+        elif type(value) is not torch.Tensor:
+            return None
+        else:
+            fields.append((tensor_signature(value), value.data_ptr()))
+    angle = None if t.angle_state is None else tuple(t.angle_state.shape)
+    named = tuple(v is None for v in (t.num_accepted_tokens, t.state_out, t.dst_state_batch_indices))
+    return (step_spec, tuple(t.state.shape), t.state.device, t.x.dim(), angle, named, tuple(fields),
+            K, type(K), from_checkpoint, type(from_checkpoint), tile_D, type(tile_D), num_warps, type(num_warps),
+            torch.is_inference_mode_enabled())
+
+
+def _remember(key, checked: _CheckedRing) -> None:
+    with _RING_CHECKS_LOCK:
+        if len(_RING_CHECKS) >= _RING_CHECKS_MAX:
+            _RING_CHECKS.clear()
+        _RING_CHECKS[key] = checked
+
+
+def _ring_spans(ring: Ring) -> tuple:
+    spans = (checks.byte_span(v) for v in (ring.B, ring.x, ring.coef, ring.length))
+    return tuple(span for span in spans if span is not None)
+
+
+def _disjoint_from_step(spans: tuple, t: StepTensors) -> bool:
+    """True when no byte of ``spans`` (the written ring tensors) is a byte of a tensor argument of ``t``;
+    False also for an argument it cannot place (then the full check decides)."""
+    for value in t:
+        if type(value) is not torch.Tensor:
+            if isinstance(value, torch.Tensor):
+                return False  # a subclass: the full check's byte_span knows how to read it
+            continue
+        if value.is_contiguous():
+            n = value.numel()
+            if n == 0:
+                continue
+            first = value.data_ptr()
+            end = first + n * value.element_size()
+        else:
+            span = checks.byte_span(value)
+            if span is None:
+                continue
+            first, end = span
+        for lo, hi in spans:
+            if first < hi and lo < end:
+                return False
+    return True
 
 
 def _check_ring_memory(t: StepTensors, ring: Ring) -> None:

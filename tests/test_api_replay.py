@@ -4,7 +4,8 @@
   the stepwise step's bit for bit, flushes included, over a decode crossing several flushes.
 * ``replay_kernel_spec`` (what a CUDA call runs, checked on any device) returns the replay
   specialisation at its default tiling and refuses by name, before anything is written, what the
-  kernel does not take and a ring that does not fit or shares memory.
+  kernel does not take and a ring that does not fit or shares memory; a repeated ring is checked
+  in full once, and refused again by name wherever a later call changes what it must fit.
 
 Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank, K flush length.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mamba3_step import new_ring, replay_step_fn
+from mamba3_step import api_replay, new_ring, replay_step_fn
 from mamba3_step.api_replay import replay_kernel_spec
 from mamba3_step.reference import mamba3_step_reference
 from mamba3_step.spec import flagship_spec
@@ -93,3 +94,42 @@ def test_kernel_spec_refuses_a_ring_that_does_not_fit_or_shares_memory():
     _refused(call, shared, "ring_B: expected memory disjoint from ring_x")
     broadcast = ring._replace(coef=ring.coef[:, :, :1].expand(-1, -1, H, -1))
     _refused(call, broadcast, "ring_coef: expected a tensor whose elements do not overlap")
+
+
+def test_a_repeated_ring_is_checked_once_and_its_addresses_every_call(monkeypatch):
+    """A server's ring (same tensors every step, new lane inputs) costs the full ring check once; the
+    ring-vs-argument disjointness is still decided on every call."""
+    g, rows, weights = _layer(5)
+    ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16)
+    index = torch.tensor([0, 1], dtype=torch.int32)
+    full, check = [], api_replay._check_replay
+    monkeypatch.setattr(api_replay, "_RING_CHECKS", {})  # no entry of an earlier test at a reused address
+    monkeypatch.setattr(api_replay, "_check_replay", lambda *a: full.append(1) or check(*a))
+    specs = [replay_kernel_spec(_call(rows, lane_inputs(2, H, D, N, R, generator=g), weights, index), ring, K)
+             for _ in range(3)]
+    assert specs == [flagship_spec(replay_ring=K)] * 3 and len(full) == 1
+    lane = lane_inputs(2, H, D, N, R, generator=g)
+    aliased = ring.x.view(-1)[: lane["x"].numel()].view(lane["x"].shape)  # x read from the ring's own bytes
+    _refused(_call(rows, {**lane, "x": aliased}, weights, index), ring, "ring_x: expected memory disjoint from x")
+    assert len(full) == 2
+
+
+def test_a_checked_ring_is_refused_again_where_the_call_changes_what_it_must_fit():
+    """After a ring passed with one call, a call it does not fit (another pool size, an inference
+    ring outside inference mode, another K, rotary) is refused by name as on a first call."""
+    g, rows, weights = _layer(6)
+    index = torch.tensor([0, 1], dtype=torch.int32)
+    with torch.inference_mode():
+        ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16)
+        lane = lane_inputs(2, H, D, N, R, generator=g)
+        assert replay_kernel_spec(_call(rows, lane, weights, index), ring, K) == flagship_spec(replay_ring=K)
+    lane = lane_inputs(2, H, D, N, R, generator=g)
+    _refused(_call(rows, lane, weights, index), ring, "ring_B: expected a tensor that can be written here")
+    ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16)
+    assert replay_kernel_spec(_call(rows, lane, weights, index), ring, K) == flagship_spec(replay_ring=K)
+    bigger = row_tensors(P + 1, H, D, N, R, generator=g)
+    _refused(_call(bigger, lane, weights, index), ring, r"ring.B must be torch.bfloat16 of shape \(7,")
+    _refused(_call(rows, lane, weights, index), ring, "the ring holds 3 entries; K = 5", K=5)
+    rotary = with_rotary({**_call(rows, lane, weights, index)._asdict()}, 16, seed=7)
+    _refused(StepTensors(**rotary), ring, "ring.angle must be")
+

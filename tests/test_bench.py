@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -34,6 +35,7 @@ angle_bench = _load("angle_bench")
 static_bench = _load("static_bench")
 gpu_bench = _load("gpu_bench")
 gpu_replay_bench = _load("gpu_replay_bench")
+gpu_replay_probe = _load("gpu_replay_probe")
 drift_bench = _load("drift_bench")
 
 
@@ -257,6 +259,26 @@ def test_gpu_replay_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
     assert gpu_replay_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
     assert "CORRECTNESS FAILURE" in capsys.readouterr().out
     assert not (tmp_path / "bad" / "gpu_replay_bench.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists")
+def test_gpu_replay_probe_without_cuda_says_so(capsys):
+    assert gpu_replay_probe.main(["--batch", "2"]) == 0
+    assert capsys.readouterr().out.strip() == "no CUDA device: nothing to profile"
+
+
+def test_gpu_replay_probe_profiles_the_variants_in_its_stated_order():
+    """The order ncu's report is read in: stepwise, replayed for each K, then from the checkpoint;
+    every variant runs (here on the CPU path) and returns the step's out."""
+    runs = gpu_replay_probe.variants(2, 1, [2, 3], device="cpu")
+    assert [name for name, _ in runs] == ["stepwise", "replay K=2 replayed", "replay K=3 replayed",
+                                          "replay K=2 from checkpoint", "replay K=3 from checkpoint"]
+    assert all(tuple(fn().shape) == (2, 1, 64) for _, fn in runs)
+
+
+def test_gpu_diagnose_script_parses():
+    script = os.path.join(BENCH, "gpu_diagnose.sh")
+    assert subprocess.run(["bash", "-n", script], capture_output=True).returncode == 0
 
 
 CPU_ARGS = ["--device", "cpu", "--heads", "1", "--batches", "1,2", "--target-ms", "1", "--no-plot"]

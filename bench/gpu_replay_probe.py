@@ -1,0 +1,62 @@
+"""Launch the flagship's stepwise and replay kernels once each inside a profiler range, for ncu.
+
+    ncu --profile-from-start off --section SpeedOfLight ... python bench/gpu_replay_probe.py [--batch 256]
+
+Every kernel is compiled and launched twice before ``cudaProfilerStart``, so the profiled range holds
+exactly one launch per variant, in this order: stepwise, then replay K=2, 4, 8 with outputs
+replayed, then from the checkpoint (rings staggered as in ``gpu_replay_bench.py``). Prints the
+order so that a report's kernels can be named. Exits 0 without a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _util  # noqa: E402,F401  (puts the repository on sys.path)
+
+import torch  # noqa: E402
+
+from gpu_replay_bench import Layer  # noqa: E402
+from mamba3_step.spec import FLAGSHIP_HEADS  # noqa: E402
+
+
+def variants(batch: int, heads: int, Ks, device="cuda") -> list[tuple[str, object]]:
+    """(name, step) in profiling order: the stepwise step, then replay for each K with outputs
+    replayed, then from the checkpoint; each replay layer's rows staggered over the ring positions."""
+    out = [("stepwise", Layer(batch, heads, 2, device, seed=1).stepwise)]
+    for fc in (False, True):
+        for K in Ks:
+            layer = Layer(batch, heads, K, device, seed=1)
+            layer.ring.length.copy_((torch.arange(batch, device=device) % K)[:, None].to(torch.int32).expand(-1, heads))
+            out.append((f"replay K={K} {'from checkpoint' if fc else 'replayed'}",
+                        lambda layer=layer, fc=fc: layer.replay(fc)))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--heads", type=int, default=FLAGSHIP_HEADS)
+    p.add_argument("--ks", default="2,4,8")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to profile")
+        return 0
+    runs = variants(args.batch, args.heads, [int(k) for k in args.ks.split(",")])
+    for _, fn in runs:
+        fn(), fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for i, (name, fn) in enumerate(runs):
+        fn()
+        print(f"profiled launch {i}: {name}")
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
