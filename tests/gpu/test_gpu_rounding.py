@@ -1,5 +1,6 @@
 """GPU suite for stochastic rounding of 16-bit states and for 8-bit states with scales (skipped
-without CUDA; docs/contract.md, "Stochastic rounding", "8-bit states"). Not yet run on a GPU.
+without CUDA; docs/contract.md, "Stochastic rounding", "8-bit states"). Passed on an H200
+(2026-11-27).
 
 * pool mode bit-identical to gather -> dense kernel -> scatter, the dense steps drawing for the
   pool rows (``rand_rows``), bf16, fp16, int8 and e4m3 (codes and scales), every padding kind,
