@@ -15,8 +15,10 @@ compulsory bytes / peak HBM bandwidth), not measured; ``bench/gpu_bench.py`` mea
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _util  # noqa: E402  (also puts the repository on sys.path)
@@ -274,7 +276,24 @@ REPLAY_NOTE = ("replay (docs/design.md, 'Replay'): bytes averaged over ring posi
 REPLAY_ISSUE_NOTE = ("issue model of the replay kernel (plain decode, B = 256): executed PTX warp-instructions per "
                      "slab at each ring position (mamba3_step.issue_model.REPLAY_EXECUTED, from the PTX tier) "
                      "averaged over positions, against the bytes above; time = the larger of issue and memory "
-                     "time, relative to the stepwise step's. A model, not a GPU measurement")
+                     "time, relative to the stepwise step's. A model; 'H200 measured x' is not: the replay "
+                     "kernel's graph-replay time over the stepwise step's on one H200 (2026-11-27, "
+                     "docs/measured/2026-11-27-h200/gpu_replay_bench.json), where the model's full-bandwidth "
+                     "assumption failed: 8 resident warps per SM against the stepwise step's 12 "
+                     "(docs/performance.md 3d)")
+#: the GPU replay benchmark's JSON that the replay issue table sets beside the model
+MEASURED_REPLAY = _util.REPO / "docs" / "measured" / "2026-11-27-h200" / "gpu_replay_bench.json"
+
+
+def measured_replay_times(path=MEASURED_REPLAY, batch: int = 256) -> dict:
+    """``{(K, from_checkpoint): replay graph time / stepwise graph time}`` at ``batch`` from a
+    ``gpu_replay_bench.py`` JSON; empty when the file is absent."""
+    try:
+        rows = [r for r in json.loads(Path(path).read_text())["rows"] if r["batch"] == batch and "us_graph" in r]
+    except FileNotFoundError:
+        return {}
+    base = next(r["us_graph"] for r in rows if r["step"] == "stepwise")
+    return {(r["K"], r["outputs"] == "from checkpoint"): r["us_graph"] / base for r in rows if r["K"] is not None}
 
 
 def replay_issue_rows(batch: int = 256, heads: int = FLAGSHIP_HEADS) -> list[dict]:
@@ -282,6 +301,7 @@ def replay_issue_rows(batch: int = 256, heads: int = FLAGSHIP_HEADS) -> list[dic
     issue/memory ratio and the modelled time relative to the stepwise step
     (``mamba3_step.issue_model.replay_issue_model``)."""
     rows = []
+    measured = measured_replay_times(batch=batch)
     for from_checkpoint in (False, True):
         for K in REPLAY_K:
             _, counts = REPLAY_EXECUTED[(K, from_checkpoint)]
@@ -291,13 +311,16 @@ def replay_issue_rows(batch: int = 256, heads: int = FLAGSHIP_HEADS) -> list[dic
                 m = replay_issue_model(K, from_checkpoint, gpu, batch, heads)
                 row.update({"instructions": m["instructions"], f"ratio_{name}": m["ratio"], f"time_{name}": m["time"],
                             f"stepwise_ratio_{name}": m["stepwise_ratio"]})
+            if (K, from_checkpoint) in measured:
+                row["measured_time_H200"] = measured[(K, from_checkpoint)]
             rows.append(row)
     return rows
 
 
 REPLAY_ISSUE_COLUMNS = [("K", "K", ">d"), ("outputs", "append outputs", "<"), ("instructions", "instr. x", ">.2f")] + [
     col for g in ("H100", "H200", "B200") for col in ((f"ratio_{g}", f"{g} issue/mem", ">.2f"),
-                                                      (f"time_{g}", f"{g} time x", ">.3f"))]
+                                                      (f"time_{g}", f"{g} time x", ">.3f"))] + [
+    ("measured_time_H200", "H200 measured x", ">.3f")]
 
 
 def replay_rows(batches=REPLAY_BATCHES, heads: int = FLAGSHIP_HEADS) -> list[dict]:

@@ -492,3 +492,18 @@ def test_model_bench_replay_table(tmp_path, capsys):
         for K in (2, 4, 8):
             assert r[f"bytes_K{K}"] == pytest.approx(replay_bytes(spec, K, r["batch"], 48)["total"])
     assert rows[-2]["ratio_K4"] < 0.7  # plain decode at B = 256
+
+
+def test_model_bench_sets_the_measured_replay_times_beside_the_model(tmp_path):
+    """'H200 measured x' is the replay benchmark's graph time over the stepwise step's, read from
+    the kept JSON of the H200 run (B = 256); without the file the column is absent."""
+    rows = json.loads(model_bench.MEASURED_REPLAY.read_text())["rows"]
+    us = {(r["K"], r["outputs"]): r["us_graph"] for r in rows if r["batch"] == 256}
+    measured = model_bench.measured_replay_times()
+    assert set(measured) == {(K, fc) for K in (2, 4, 8) for fc in (False, True)}
+    assert measured[(4, False)] == pytest.approx(us[(4, "replayed")] / us[(None, None)])
+    assert measured[(8, True)] == pytest.approx(us[(8, "from checkpoint")] / us[(None, None)])
+    assert all(v > 1 for v in measured.values())  # what the run found: slower than stepwise everywhere
+    assert [r["measured_time_H200"] for r in model_bench.replay_issue_rows()] == [
+        measured[(K, fc)] for fc in (False, True) for K in (2, 4, 8)]
+    assert model_bench.measured_replay_times(tmp_path / "absent.json") == {}
