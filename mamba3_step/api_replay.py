@@ -159,7 +159,9 @@ def _ring_spans(ring: Ring) -> tuple:
 
 def _disjoint_from_step(spans: tuple, t: StepTensors) -> bool:
     """True when no byte of ``spans`` (the written ring tensors) is a byte of a tensor argument of ``t``;
-    False also for an argument it cannot place (then the full check decides)."""
+    False also for an argument it cannot place (then the full check decides). The spans are
+    :func:`checks.byte_span`'s, computed inline for plain tensors: this runs on every call, and the
+    general helper's checks for meta and fake tensors doubled the call's cost (20 -> 35 us)."""
     for value in t:
         if type(value) is not torch.Tensor:
             if isinstance(value, torch.Tensor):
