@@ -24,6 +24,7 @@ from .tensors import RING_FIELDS, StepTensors, kernel_arguments
 from .tiling import tiling_problem
 from .validation import check_step_inputs_cached, checks
 from .validation.cache import tensor_signature
+from .validation.step import check_tiling_options
 
 __all__ = ["replay_kernel_spec", "replay_step_fn"]
 
@@ -91,6 +92,7 @@ def _check_replay(step_spec: StepSpec, tensors: StepTensors, ring: Ring, K, from
     """The ring's checks and the replay kernel's, after the step's: the specialisation, or the named error."""
     check_ring(tensors, ring, K)
     _check_ring_memory(tensors, ring)
+    tile_D, num_warps = check_tiling_options(tile_D, num_warps)
     if type(from_checkpoint) is not bool:
         raise TypeError(f"replay_step_fn: from_checkpoint must be a bool, got {type(from_checkpoint).__name__}")
     spec = step_spec.replace(replay_ring=K, replay_from_checkpoint=from_checkpoint, tile_D=tile_D or 0,
@@ -123,6 +125,8 @@ class _CheckedRing(NamedTuple):
 _RING_CHECKS_MAX = 64
 _RING_CHECKS: dict = {}
 _RING_CHECKS_LOCK = threading.Lock()
+#: the option types a key may hold (anything else goes to the full check, uncached)
+_KEY_OPTION_TYPES = (int, bool, type(None))
 
 
 def _ring_key(step_spec: StepSpec, t: StepTensors, ring, K, from_checkpoint, tile_D, num_warps):
@@ -130,6 +134,8 @@ def _ring_key(step_spec: StepSpec, t: StepTensors, ring, K, from_checkpoint, til
     not one to cache (not a :class:`Ring` of plain tensors, or a step on meta or fake tensors)."""
     if type(ring) is not Ring or type(t.x) is not torch.Tensor or t.x.is_meta:
         return None
+    if any(type(v) not in _KEY_OPTION_TYPES for v in (K, from_checkpoint, tile_D, num_warps)):
+        return None  # e.g. a list: unhashable; the full check names what is wrong with it
     fields = []
     for value in ring:
         if value is None:

@@ -80,6 +80,13 @@ def test_kernel_spec_refuses_what_the_kernel_does_not_take_by_name():
                                              rope_angles=16), "replay_ring needs no rotary angle")
     _refused(call, ring, "K must be an int in", K=1)
     _refused(call, ring, "tile_D >= headdim", tile_D=32)
+    assert replay_kernel_spec(call, ring, K) == flagship_spec(replay_ring=K)  # this ring checked and kept
+    with pytest.raises(TypeError, match="tile_D: expected an int or None, got list"):
+        replay_kernel_spec(call, ring, K, tile_D=[64])
+    with pytest.raises(TypeError, match="num_warps: expected an int or None, got dict"):
+        replay_kernel_spec(call, ring, K, num_warps={})
+    _refused(call, ring, "num_warps: expected a positive int or None", num_warps=0)
+    _refused(call, ring, r"K must be an int in \[2, 16\], got \[4\]", K=[4])
 
 
 def test_kernel_spec_refuses_a_ring_that_does_not_fit_or_shares_memory():

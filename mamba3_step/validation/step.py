@@ -23,7 +23,7 @@ from ..tiling import shape_problem, tiling_problem
 from . import checks
 from .table import LETTER_SOURCES, RULE_BY_NAME, RULES, Layout, is_written, shape_letters
 
-__all__ = ["check_options", "check_step_inputs"]
+__all__ = ["check_options", "check_step_inputs", "check_tiling_options"]
 
 
 def check_options(*, null_slot_id=None, update_kv_state=False, tile_D=None, num_warps=None,
@@ -306,10 +306,18 @@ def _check_grid(t: StepTensors) -> None:
         )
 
 
+def check_tiling_options(tile_D, num_warps) -> tuple:
+    """``(tile_D, num_warps)`` as ints or None (the default), each refused by name unless it is one
+    (TypeError) or positive (ValueError)."""
+    options = check_options(tile_D=tile_D, num_warps=num_warps)
+    for name in ("tile_D", "num_warps"):
+        if options[name] is not None and options[name] <= 0:
+            raise ValueError(f"{name}: expected a positive int or None (the default), got {options[name]}")
+    return options["tile_D"], options["num_warps"]
+
+
 def _check_tiling(spec: StepSpec, tile_D, num_warps) -> StepSpec:
-    for name, value in (("tile_D", tile_D), ("num_warps", num_warps)):
-        if value is not None and value <= 0:
-            raise ValueError(f"{name}: expected a positive int or None (the default), got {value}")
+    check_tiling_options(tile_D, num_warps)
     spec = spec.with_default_tiling()
     if spec.update_kv_state and spec.tile_D < spec.headdim:
         raise ValueError(
