@@ -74,7 +74,7 @@ state-spaces/mamba): a separate rotary launch, the dense step, three state copie
 pools, the gather and scatter of the four state tensors.
 
 :func:`replay_bytes` models replay (docs/design.md, "Replay"; its CPU path is
-``mamba3_step.replay``, no kernel yet): per step the state row is read, written only by a flush;
+``mamba3_step.replay``, its kernel ``StepSpec.replay_ring``): per step the state row is read, written only by a flush;
 the ring's committed entries are read and this step's tokens appended.
 """
 

@@ -412,7 +412,7 @@ def _replay_round(seed: int) -> bool:
     for f in res.failures[:10]:
         print("  " + f)
     ok = not res.failures
-    print(f"replay (CPU path, no kernel yet; K=4): {res.steps} plain and {res.rounds} verify steps of 3 requests, one "
+    print(f"replay (CPU path; K=4): {res.steps} plain and {res.rounds} verify steps of 3 requests, one "
           f"leaving and one joining; {res.flushes} lane-steps wrote the state, {res.appends} only appended to the "
           f"ring, {res.accepted} of {res.verified} draft tokens accepted (the rest rolled back by the cursor); "
           f"materialised state {'byte-identical' if ok else 'NOT byte-identical'} to stepwise decoding after every "

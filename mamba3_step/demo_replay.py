@@ -1,4 +1,5 @@
-"""The demo's replay round (docs/design.md, "Replay"; the CPU path, no kernel yet).
+"""The demo's replay round (docs/design.md, "Replay"), on the CPU path: it takes verify steps,
+which the replay kernel does not yet.
 
 One layer's pool is decoded twice from the same rows: stepwise (the pool-mode CPU path with
 ``update_kv_state``) and with replay (:mod:`mamba3_step.replay`: a checkpoint and a ring of K - 1
