@@ -71,6 +71,12 @@ class Layer:
     def replay(self, from_checkpoint: bool = False):
         return replay_step_fn(self.call(), self.ring, self.K, from_checkpoint=from_checkpoint)
 
+    def stagger(self) -> "Layer":
+        """Row r's ring at position r % K, so that a step costs the average over positions."""
+        positions = torch.arange(self.ring.length.shape[0], device=self.ring.length.device) % self.K
+        self.ring.length.copy_(positions[:, None].to(torch.int32).expand_as(self.ring.length))
+        return self
+
 
 def check(batch: int, heads: int, K: int, device) -> str | None:
     """What differs between a replayed and a stepwise decode of 2K + 1 steps, or None."""
@@ -96,9 +102,7 @@ def bench(batch: int, heads: int, Ks, device, graphs: bool, target_s: float) -> 
     runs = [("stepwise", 1, False)] + [(f"replay K={K}", K, fc) for K in Ks for fc in (False, True)]
     rows = []
     for name, K, fc in runs:
-        layer = Layer(batch, heads, max(K, 2), device, seed=1)
-        layer.ring.length.copy_((torch.arange(batch, device=device) % max(K, 2))[:, None].to(torch.int32)
-                                .expand(-1, heads))  # staggered positions
+        layer = Layer(batch, heads, max(K, 2), device, seed=1).stagger()
         fn = layer.stepwise if name == "stepwise" else (lambda layer=layer, fc=fc: layer.replay(fc))
         row = {"batch": batch, "heads": heads, "step": name, "K": K if name != "stepwise" else None,
                "outputs": None if name == "stepwise" else ("from checkpoint" if fc else "replayed"),

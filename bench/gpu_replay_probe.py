@@ -29,8 +29,7 @@ def variants(batch: int, heads: int, Ks, device="cuda") -> list[tuple[str, objec
     out = [("stepwise", Layer(batch, heads, 2, device, seed=1).stepwise)]
     for fc in (False, True):
         for K in Ks:
-            layer = Layer(batch, heads, K, device, seed=1)
-            layer.ring.length.copy_((torch.arange(batch, device=device) % K)[:, None].to(torch.int32).expand(-1, heads))
+            layer = Layer(batch, heads, K, device, seed=1).stagger()
             out.append((f"replay K={K} {'from checkpoint' if fc else 'replayed'}",
                         lambda layer=layer, fc=fc: layer.replay(fc)))
     return out
