@@ -110,8 +110,8 @@ def _check_replay(step_spec: StepSpec, tensors: StepTensors, ring: Ring, K, from
 # A server calls replay_kernel_spec with the same ring (same tensors, same addresses) every step;
 # only the lane inputs move. What _check_replay reads of the ring, beyond the step's own (cached)
 # validation, is the ring tensors' metadata and addresses, K and the options, the step's
-# specialisation and the state's and angle's shapes, which tensors the step names, and whether
-# inference mode is on: all of it is the key below. The one check that also reads the lane inputs'
+# specialisation (which tensors the step names, T, S), the state's shape, whether x has a token
+# axis, and whether inference mode is on: all of it is the key below. The one check that also reads the lane inputs'
 # addresses, that no ring byte is another argument's, runs on every call (_disjoint_from_step);
 # when it fails the full check runs and raises its named error. Failures are never kept.
 
@@ -144,9 +144,9 @@ def _ring_key(step_spec: StepSpec, t: StepTensors, ring, K, from_checkpoint, til
             return None
         else:
             fields.append((tensor_signature(value), value.data_ptr()))
-    angle = None if t.angle_state is None else tuple(t.angle_state.shape)
-    named = tuple(v is None for v in (t.num_accepted_tokens, t.state_out, t.dst_state_batch_indices))
-    return (step_spec, tuple(t.state.shape), t.state.device, t.x.dim(), angle, named, tuple(fields),
+    # which tensors the step names, T, S and the angle pool's shape are the step's specialisation's
+    # (validated against the state's); the pool size P and a one-token step's token axis are not
+    return (step_spec, tuple(t.state.shape), t.state.device, t.x.dim(), tuple(fields),
             K, type(K), from_checkpoint, type(from_checkpoint), tile_D, type(tile_D), num_warps, type(num_warps),
             torch.is_inference_mode_enabled())
 
