@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # A GPU machine's second look, after bench/gpu_all.sh: the kernels under compute-sanitizer, the
-# flagship's stepwise and replay kernels under Nsight Compute, and the GPU parity cross product.
+# flagship's stepwise and replay kernels under Nsight Compute (K = 2 first: since the state's D
+# stride is static it compiles to the stepwise step's 168 registers on sm_90a; does it reach the
+# stepwise step's DRAM throughput?), and the GPU parity cross product.
 # Usage (repo root, package importable): bash bench/gpu_diagnose.sh
 # Logs go to $OUT when set (the device tool), else bench/results/. Each part has its own time limit
 # (MEMCHECK_S, NCU_S, MATRIX_S seconds) so that a slow part leaves the others their time.
@@ -29,7 +31,7 @@ echo "memcheck exit ${PIPESTATUS[0]}" | tee -a "$out/memcheck.log"
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 timeout "${NCU_S:-120}" "$ncu" --profile-from-start off --target-processes all \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-  python bench/gpu_replay_probe.py --batch 256 --ks "${NCU_KS:-4}" 2>&1 | tee "$out/ncu_replay.log"
+  python bench/gpu_replay_probe.py --batch 256 --ks "${NCU_KS:-2,4}" 2>&1 | tee "$out/ncu_replay.log"
 echo "ncu exit ${PIPESTATUS[0]}" | tee -a "$out/ncu_replay.log"
 timeout "${MATRIX_S:-150}" python -m pytest -q tests/gpu/test_gpu_kernel.py --full-matrix -k full_cross_product \
   2>&1 | tee "$out/gpu_full_matrix.log"

@@ -88,13 +88,13 @@ def issue_model(warp_instructions_per_slab: float, bytes_per_slab: float, gpu: G
 #: 0..K-1)`` at the default tiling. Measured by the PTX execution tier (``python bench/issue_model.py``
 #: prints them; tests/test_issue_model.py re-executes K = 2 and 4 and holds these equal).
 REPLAY_EXECUTED = {
-    "stepwise": 6084,
-    (2, False): (4, (6668, 9814)),
-    (4, False): (4, (6401, 9377, 12393, 15413)),
-    (8, False): (4, (6393, 9353, 12321, 15297, 18273, 21249, 24225, 27209)),
-    (2, True): (8, (6449, 12034)),
-    (4, True): (8, (6650, 7470, 8271, 18762)),
-    (8, True): (8, (6794, 7615, 8462, 9309, 10156, 11002, 11802, 32506)),
+    "stepwise": 6152,
+    (2, False): (4, (6284, 9422)),
+    (4, False): (4, (6306, 9378, 12482, 15634)),
+    (8, False): (4, (6358, 9410, 12514, 15626, 18738, 21850, 24962, 28110)),
+    (2, True): (8, (6297, 11258)),
+    (4, True): (8, (6490, 7310, 8111, 18034)),
+    (8, True): (8, (6642, 7463, 8310, 9157, 10004, 10850, 11650, 32322)),
 }
 
 

@@ -1428,7 +1428,8 @@ class Mamba3StepKernel:
 # ---------------------------------------------------------------------- compile
 def fake_arguments(spec: StepSpec) -> KernelArgs:
     """Fake tensors for ``cute.compile``, one per :class:`KernelArgs` field (None where the spec
-    has no such tensor): B, P, H, K and every stride symbolic; T static.
+    has no such tensor): B, P, H, K and every stride symbolic but the state's D stride (N unless
+    ``padded_state_rows``); T static.
 
     A tensor's first stride is 64-bit (pool offsets exceed 2**31 elements), the others 32-bit
     (the wrapper checks a row spans less than 2**31 elements). State strides are declared
@@ -1446,9 +1447,12 @@ def fake_arguments(spec: StepSpec) -> KernelArgs:
 
     def state_like(rows):  # (rows, H, D, N)
         # the row stride is 64-bit (a pool exceeds 2**31 elements); inside a row 32 bits suffice
-        # (validation.check_state_strides), which keeps per-vector address math 32-bit
-        return make(st, (rows, heads, D, N), stride=(sym64(divisibility=VN), sym(divisibility=VN),
-                                                      sym(divisibility=VN), 1), assumed_align=16)
+        # (validation.check_state_strides), which keeps per-vector address math 32-bit. The D
+        # stride is N unless the rows are padded: then a thread's rows are immediate offsets
+        # from one address (StepSpec.padded_state_rows)
+        d_stride = sym(divisibility=VN) if spec.padded_state_rows else N
+        return make(st, (rows, heads, D, N), stride=(sym64(divisibility=VN), sym(divisibility=VN), d_stride, 1),
+                    assumed_align=16)
 
     def strided(dtype, shape):  # outermost stride 64-bit, the others 32-bit, innermost 1
         inner = tuple(sym() for _ in shape[1:-1])

@@ -66,6 +66,12 @@ class StepSpec:
         replay_from_checkpoint: a replay step's appends compute ``out`` from the checkpoint and the
             ring (the design's algebra: no state update, the step's accuracy rule); else (the
             default) by replaying the state, bit for bit stepwise decoding's ``out``.
+        padded_state_rows: the D stride of ``state`` (or ``state_out``) is not N, so the kernel
+            takes it at run time. Else (the default: a pool row whose (D, N) block is packed,
+            as ``torch.empty`` and every slice along P or H make it) the stride is the
+            compile-time N: a thread's state rows are then one address plus immediate offsets,
+            not one 64-bit address per row kept from the loads to the stores (docs/design.md,
+            "Packed state rows"). Derived from the tensors by validation, never passed.
     """
 
     dstate: int
@@ -94,6 +100,7 @@ class StepSpec:
     has_rand_rows: bool = False
     replay_ring: int = 0
     replay_from_checkpoint: bool = False
+    padded_state_rows: bool = False
 
     @property
     def carried_tokens(self) -> int:
@@ -167,7 +174,7 @@ def flagship_spec(**changes) -> StepSpec:
 #: fields a key names only when they are not at their default (added after keys were on disk)
 _KEY_OMITTED_AT_DEFAULT = frozenset({"rope_angles", "rotate_pairwise", "has_bc_bias", "shared_bc",
                                      "stochastic_rounding", "has_rand_rows", "replay_ring",
-                                     "replay_from_checkpoint"})
+                                     "replay_from_checkpoint", "padded_state_rows"})
 
 
 def flagship_rotary_spec(**changes) -> StepSpec:

@@ -156,8 +156,9 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
     bf16 or fp16, N=32 D=64 at 1 warp used 208 bytes of stack on sm_90a, at 4 warps none). A
     replay step (``replay``, ``tokens`` = K) keeps the one-token default where that layout still
     holds the state across K tokens: its average step runs few tokens, and fewer threads issue fewer
-    per-token instructions (staging, coefficients, reductions): the flagship at K = 4 averages 1.79x
-    a stepwise slab's executed instructions at 4 warps, 2.14x at the K-token default's 8.
+    per-token instructions (staging, coefficients, reductions): the flagship at K = 4 averages 1.78x
+    a stepwise slab's executed instructions at 4 warps (2.14x at the K-token default's 8, counted
+    before the state's D stride was static).
     """
     tile_D = headdim
     if replay:  # a replay step: the one-token default where it still keeps the state across the tokens

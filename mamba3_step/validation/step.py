@@ -100,8 +100,15 @@ def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=Non
         rope_angles=0 if tensors.angle_state is None else int(tensors.angle_state.shape[-1]),
         rotate_pairwise=rotate_pairwise, has_bc_bias=tensors.B_bias is not None, shared_bc=layout.shared_bc,
         stochastic_rounding=stochastic_rounding, has_rand_rows=tensors.rand_rows is not None,
+        padded_state_rows=padded_state_rows(tensors, N),
     )
     return _check_tiling(spec, tile_D, num_warps)
+
+
+def padded_state_rows(t: StepTensors, N: int) -> bool:
+    """Whether ``state`` or ``state_out`` steps along D by other than N elements (StepSpec's
+    ``padded_state_rows``). A D of one element is never stepped along: its stride does not count."""
+    return any(s is not None and s.shape[-2] > 1 and s.stride(-2) != N for s in (t.state, t.state_out))
 
 
 def _check_modes(t: StepTensors, null_slot_id) -> None:
