@@ -29,10 +29,11 @@ timeout "${MEMCHECK_S:-200}" compute-sanitizer --tool memcheck --report-api-erro
   python -m pytest -q -n0 -p no:cacheprovider tests/gpu -k "$sel" 2>&1 | tee "$out/memcheck.log"
 echo "memcheck exit ${PIPESTATUS[0]}" | tee -a "$out/memcheck.log"
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-timeout "${NCU_S:-120}" "$ncu" --profile-from-start off --target-processes all \
+timeout "${NCU_S:-200}" "$ncu" --profile-from-start off --target-processes all \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-  python bench/gpu_replay_probe.py --batch 256 --ks "${NCU_KS:-2,4}" 2>&1 | tee "$out/ncu_replay.log"
+  python bench/gpu_replay_probe.py --batch 256 --ks "${NCU_KS:-2,4}" --replay-warps "${NCU_WARPS:-8}" 2>&1 \
+  | tee "$out/ncu_replay.log"
 echo "ncu exit ${PIPESTATUS[0]}" | tee -a "$out/ncu_replay.log"
-timeout "${MATRIX_S:-150}" python -m pytest -q tests/gpu/test_gpu_kernel.py --full-matrix -k full_cross_product \
+timeout "${MATRIX_S:-120}" python -m pytest -q tests/gpu/test_gpu_kernel.py --full-matrix -k full_cross_product \
   2>&1 | tee "$out/gpu_full_matrix.log"
 echo "full matrix exit ${PIPESTATUS[0]}" | tee -a "$out/gpu_full_matrix.log"

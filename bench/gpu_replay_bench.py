@@ -1,6 +1,7 @@
 """GPU benchmark of replay: the replay kernel against the stepwise kernel, measured.
 
-    python bench/gpu_replay_bench.py [--batches 1,64,256] [--heads 48] [--ks 2,4,8] [--out DIR] [--no-graph]
+    python bench/gpu_replay_bench.py [--batches 1,64,256] [--heads 48] [--ks 2,4,8] [--replay-warps 8]
+                                     [--out DIR] [--no-graph]
 
 Without a CUDA device it prints "no CUDA device: GPU replay benchmark not run" and exits 0
 (``--device cpu`` runs the plumbing on the CPU path: a smoke test, not a benchmark).
@@ -15,7 +16,10 @@ mode with update_kv_state), for every batch size:
 2. Timing with CUDA events, eager and CUDA-graph replay: the stepwise step, and the replay step
    for each K with outputs replayed and from the checkpoint, the rows' ring positions staggered
    (row r at position r % K) so that a step costs the average over positions; each timed call
-   advances the rings as a server's would.
+   advances the rings as a server's would. ``--replay-warps 8`` adds, per K, the replayed step at
+   8 warps a CTA (column ``warps``; else each step runs its default tiling): at K = 4 it compiles to
+   128 registers, 2 CTAs = 16 warps per SM, against the 4-warp default's 194 registers and 8 warps
+   per SM, for 2.07x the stepwise step's instructions against 1.78x (docs/performance.md, 3d).
 
 Reports microseconds per step, the speed-up over the stepwise step, and the bytes model's ratio
 (``mamba3_step.bytes_model.replay_bytes``) beside it; ``gpu_replay_bench.json`` in
@@ -68,8 +72,8 @@ class Layer:
     def stepwise(self):
         return mamba3_step_fn(**self.call()._asdict(), update_kv_state=True)
 
-    def replay(self, from_checkpoint: bool = False):
-        return replay_step_fn(self.call(), self.ring, self.K, from_checkpoint=from_checkpoint)
+    def replay(self, from_checkpoint: bool = False, num_warps: int | None = None):
+        return replay_step_fn(self.call(), self.ring, self.K, from_checkpoint=from_checkpoint, num_warps=num_warps)
 
     def stagger(self) -> "Layer":
         """Row r's ring at position r % K, so that a step costs the average over positions."""
@@ -78,8 +82,9 @@ class Layer:
         return self
 
 
-def check(batch: int, heads: int, K: int, device) -> str | None:
-    """What differs between a replayed and a stepwise decode of 2K + 1 steps, or None."""
+def check(batch: int, heads: int, K: int, device, num_warps: int | None = None) -> str | None:
+    """What differs between a replayed (at ``num_warps`` warps a CTA, else the default) and a stepwise
+    decode of 2K + 1 steps, or None."""
     a, b = Layer(batch, heads, K, device, seed=batch), Layer(batch, heads, K, device, seed=batch)
     g = torch.Generator().manual_seed(K)
     for step in range(2 * K + 1):
@@ -87,25 +92,30 @@ def check(batch: int, heads: int, K: int, device) -> str | None:
         for layer in (a, b):
             for k, v in fresh.items():
                 layer.lane[k].copy_(v)
-        got, want = a.replay().clone(), b.stepwise()
+        got, want = a.replay(False, num_warps).clone(), b.stepwise()
         if not bits_equal(got, want):
-            return f"B={batch} K={K} step {step}: out differs from the stepwise kernel's"
+            return f"B={batch} K={K} warps={num_warps or 'default'} step {step}: out differs from the stepwise kernel's"
         if int(a.ring.length[0, 0]) == 0 and not all(bits_equal(a.pools[k], b.pools[k]) for k in a.pools):
-            return f"B={batch} K={K} step {step}: the flushed rows differ from stepwise decoding"
+            return (f"B={batch} K={K} warps={num_warps or 'default'} step {step}: the flushed rows differ from "
+                    f"stepwise decoding")
     return None
 
 
-def bench(batch: int, heads: int, Ks, device, graphs: bool, target_s: float) -> list[dict]:
+def bench(batch: int, heads: int, Ks, device, graphs: bool, target_s: float, replay_warps=()) -> list[dict]:
+    """Timed rows: the stepwise step, then per K replayed and from the checkpoint at the default tiling,
+    and replayed at each of ``replay_warps`` warps a CTA (``num_warps`` set in those rows only)."""
     timer = Timer(device)
     spec = flagship_spec()
     base_bytes = bytes_per_step(spec, batch, heads)["total"]
-    runs = [("stepwise", 1, False)] + [(f"replay K={K}", K, fc) for K in Ks for fc in (False, True)]
+    runs = [("stepwise", 1, False, None)] + [(f"replay K={K}", K, fc, None) for K in Ks for fc in (False, True)]
+    runs += [(f"replay K={K}", K, False, w) for K in Ks for w in replay_warps]
     rows = []
-    for name, K, fc in runs:
+    for name, K, fc, warps in runs:
         layer = Layer(batch, heads, max(K, 2), device, seed=1).stagger()
-        fn = layer.stepwise if name == "stepwise" else (lambda layer=layer, fc=fc: layer.replay(fc))
+        fn = layer.stepwise if name == "stepwise" else (lambda layer=layer, fc=fc, w=warps: layer.replay(fc, w))
         row = {"batch": batch, "heads": heads, "step": name, "K": K if name != "stepwise" else None,
                "outputs": None if name == "stepwise" else ("from checkpoint" if fc else "replayed"),
+               "num_warps": warps,
                "bytes_ratio": 1.0 if name == "stepwise" else replay_bytes(spec, K, batch, heads)["total"] / base_bytes,
                "us_eager": time_round(timer, fn, 1, target_s) * 1e6}
         if graphs and timer.cuda:
@@ -119,7 +129,7 @@ def bench(batch: int, heads: int, Ks, device, graphs: bool, target_s: float) -> 
     return rows
 
 
-COLUMNS = [("batch", "B", ">d"), ("step", "step", "<"), ("outputs", "append outputs", "<"),
+COLUMNS = [("batch", "B", ">d"), ("step", "step", "<"), ("outputs", "append outputs", "<"), ("num_warps", "warps", ">d"),
            ("bytes_ratio", "bytes x", ">.3f"), ("us_eager", "eager us", ">.1f"), ("speedup_eager", "eager speed-up", ">.2f"),
            ("us_graph", "graph us", ">.1f"), ("speedup_graph", "graph speed-up", ">.2f")]
 
@@ -130,25 +140,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=FLAGSHIP_HEADS, help="H (default 48)")
     p.add_argument("--ks", default="2,4,8", help="flush lengths K (default 2,4,8)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of the plumbing")
+    p.add_argument("--replay-warps", default="", help="also time the replayed step at these warps a CTA (e.g. 8)")
     p.add_argument("--no-graph", action="store_true", help="eager timing only")
     p.add_argument("--out", default=None, help="output folder (default bench/results)")
     args = p.parse_args(argv)
     try:
         batches = [int(v) for v in args.batches.split(",")]
         Ks = [int(v) for v in args.ks.split(",")]
+        replay_warps = [int(v) for v in args.replay_warps.split(",") if v]
     except ValueError:
-        p.error(f"--batches/--ks: expected comma-separated ints, got {args.batches!r} / {args.ks!r}")
+        p.error(f"--batches/--ks/--replay-warps: expected comma-separated ints, got {args.batches!r} / {args.ks!r} / "
+                f"{args.replay_warps!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print(NO_CUDA_MESSAGE)
         return 0
     target_s = 0.05 if args.device == "cpu" else 0.2
     for batch in batches:
-        for K in Ks:
-            problem = check(batch, args.heads, K, args.device)
+        for K, warps in [(K, w) for K in Ks for w in [None, *replay_warps]]:
+            problem = check(batch, args.heads, K, args.device, warps)
             if problem:
                 print(f"CORRECTNESS FAILURE, no timing: {problem}")
                 return 1
-    rows = [r for batch in batches for r in bench(batch, args.heads, Ks, args.device, not args.no_graph, target_s)]
+    rows = [r for batch in batches
+            for r in bench(batch, args.heads, Ks, args.device, not args.no_graph, target_s, replay_warps)]
     print(f"replay vs stepwise, flagship, H={args.heads}, {args.device} (measured; bytes x: the model's ratio)")
     print(_util.format_table(rows, [c for c in COLUMNS if any(c[0] in r for r in rows)]))
     out = _util.results_dir(args.out)

@@ -4,8 +4,9 @@
 
 Every kernel is compiled and launched twice before ``cudaProfilerStart``, so the profiled range holds
 exactly one launch per variant, in this order: stepwise, then replay K=2, 4, 8 with outputs
-replayed, then from the checkpoint (rings staggered as in ``gpu_replay_bench.py``). Prints the
-order so that a report's kernels can be named. Exits 0 without a CUDA device.
+replayed, then replayed at each ``--replay-warps`` warps a CTA, then from the checkpoint (rings
+staggered as in ``gpu_replay_bench.py``; a profiler's time limit cuts the last first). Prints the order so that a report's kernels can be
+named. Exits 0 without a CUDA device.
 """
 
 from __future__ import annotations
@@ -23,15 +24,17 @@ from gpu_replay_bench import Layer  # noqa: E402
 from mamba3_step.spec import FLAGSHIP_HEADS  # noqa: E402
 
 
-def variants(batch: int, heads: int, Ks, device="cuda") -> list[tuple[str, object]]:
+def variants(batch: int, heads: int, Ks, device="cuda", replay_warps=()) -> list[tuple[str, object]]:
     """(name, step) in profiling order: the stepwise step, then replay for each K with outputs
-    replayed, then from the checkpoint; each replay layer's rows staggered over the ring positions."""
+    replayed, then replayed at each of ``replay_warps`` warps a CTA, then from the checkpoint; each
+    replay layer's rows staggered over the ring positions."""
     out = [("stepwise", Layer(batch, heads, 2, device, seed=1).stepwise)]
-    for fc in (False, True):
+    forms = [(False, None)] + [(False, w) for w in replay_warps] + [(True, None)]
+    for fc, warps in forms:
         for K in Ks:
             layer = Layer(batch, heads, K, device, seed=1).stagger()
-            out.append((f"replay K={K} {'from checkpoint' if fc else 'replayed'}",
-                        lambda layer=layer, fc=fc: layer.replay(fc)))
+            name = f"replay K={K} {'from checkpoint' if fc else 'replayed'}" + (f" {warps} warps" if warps else "")
+            out.append((name, lambda layer=layer, fc=fc, w=warps: layer.replay(fc, w)))
     return out
 
 
@@ -40,11 +43,13 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--heads", type=int, default=FLAGSHIP_HEADS)
     p.add_argument("--ks", default="2,4,8")
+    p.add_argument("--replay-warps", default="", help="also the replayed step at these warps a CTA (e.g. 8)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to profile")
         return 0
-    runs = variants(args.batch, args.heads, [int(k) for k in args.ks.split(",")])
+    runs = variants(args.batch, args.heads, [int(k) for k in args.ks.split(",")],
+                    replay_warps=[int(w) for w in args.replay_warps.split(",") if w])
     for _, fn in runs:
         fn(), fn()
     torch.cuda.synchronize()

@@ -287,13 +287,15 @@ MEASURED_REPLAY = _util.REPO / "docs" / "measured" / "2026-11-27-h200" / "gpu_re
 
 def measured_replay_times(path=MEASURED_REPLAY, batch: int = 256) -> dict:
     """``{(K, from_checkpoint): replay graph time / stepwise graph time}`` at ``batch`` from a
-    ``gpu_replay_bench.py`` JSON; empty when the file is absent."""
+    ``gpu_replay_bench.py`` JSON, default tilings only (no ``--replay-warps`` row); empty when the
+    file is absent."""
     try:
         rows = [r for r in json.loads(Path(path).read_text())["rows"] if r["batch"] == batch and "us_graph" in r]
     except FileNotFoundError:
         return {}
     base = next(r["us_graph"] for r in rows if r["step"] == "stepwise")
-    return {(r["K"], r["outputs"] == "from checkpoint"): r["us_graph"] / base for r in rows if r["K"] is not None}
+    return {(r["K"], r["outputs"] == "from checkpoint"): r["us_graph"] / base for r in rows
+            if r["K"] is not None and r.get("num_warps") is None}
 
 
 def replay_issue_rows(batch: int = 256, heads: int = FLAGSHIP_HEADS) -> list[dict]:

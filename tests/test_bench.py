@@ -245,17 +245,19 @@ def test_gpu_replay_bench_without_cuda_says_so(tmp_path, capsys):
 def test_gpu_replay_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
     """The replay benchmark on CPU tensors: its correctness check passes (and fails on a corrupted
     replay step, with no timing), every step kind is timed, the bytes ratio is the model's."""
-    args = ["--device", "cpu", "--heads", "1", "--batches", "2", "--ks", "2", "--no-graph", "--out", str(tmp_path)]
+    args = ["--device", "cpu", "--heads", "1", "--batches", "2", "--ks", "2", "--replay-warps", "8", "--no-graph",
+            "--out", str(tmp_path)]
     assert gpu_replay_bench.main(args) == 0
     assert "replay K=2" in capsys.readouterr().out
     rows = json.loads((tmp_path / "gpu_replay_bench.json").read_text())["rows"]
-    assert [(r["step"], r["outputs"]) for r in rows] == [("stepwise", None), ("replay K=2", "replayed"),
-                                                         ("replay K=2", "from checkpoint")]
+    assert [(r["step"], r["outputs"], r["num_warps"]) for r in rows] == [
+        ("stepwise", None, None), ("replay K=2", "replayed", None), ("replay K=2", "from checkpoint", None),
+        ("replay K=2", "replayed", 8)]
     assert rows[1]["bytes_ratio"] == pytest.approx(replay_bytes(flagship_spec(), 2, 2, 1)["total"]
                                                    / bytes_per_step(flagship_spec(), 2, 1)["total"])
     assert all(r["us_eager"] > 0 for r in rows)
     original = gpu_replay_bench.Layer.replay
-    monkeypatch.setattr(gpu_replay_bench.Layer, "replay", lambda self, fc=False: original(self, fc).add_(1.0))
+    monkeypatch.setattr(gpu_replay_bench.Layer, "replay", lambda self, fc=False, w=None: original(self, fc, w).add_(1.0))
     assert gpu_replay_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
     assert "CORRECTNESS FAILURE" in capsys.readouterr().out
     assert not (tmp_path / "bad" / "gpu_replay_bench.json").exists()
@@ -270,8 +272,9 @@ def test_gpu_replay_probe_without_cuda_says_so(capsys):
 def test_gpu_replay_probe_profiles_the_variants_in_its_stated_order():
     """The order ncu's report is read in: stepwise, replayed for each K, then from the checkpoint;
     every variant runs (here on the CPU path) and returns the step's out."""
-    runs = gpu_replay_probe.variants(2, 1, [2, 3], device="cpu")
+    runs = gpu_replay_probe.variants(2, 1, [2, 3], device="cpu", replay_warps=[8])
     assert [name for name, _ in runs] == ["stepwise", "replay K=2 replayed", "replay K=3 replayed",
+                                          "replay K=2 replayed 8 warps", "replay K=3 replayed 8 warps",
                                           "replay K=2 from checkpoint", "replay K=3 from checkpoint"]
     assert all(tuple(fn().shape) == (2, 1, 64) for _, fn in runs)
 

@@ -138,9 +138,12 @@ EIGHT_BIT = {
 
 # Replay (issue 23): the flagship at K = 4 (the plain-decode default), K = 2 with a bf16 state, K = 8
 # with an fp16 state and B/C shared by the heads, R = 8 without outproj, fp32 x and out; outputs from
-# the checkpoint (replay_from_checkpoint) for the flagship at K = 4 and 8 and R = 8 at K = 3.
+# the checkpoint (replay_from_checkpoint) for the flagship at K = 4 and 8 and R = 8 at K = 3; the
+# flagship at K = 4 replayed at 8 warps (128 registers, 16 warps per SM: what gpu_replay_bench.py
+# --replay-warps 8 times against the 4-warp default).
 REPLAY = {
     "flagship-replay-K4": flagship_spec(replay_ring=4),
+    "flagship-replay-K4-8warps": flagship_spec(replay_ring=4, num_warps=8),
     "flagship-replay-K4-from-checkpoint": flagship_spec(replay_ring=4, replay_from_checkpoint=True),
     "flagship-replay-K8-from-checkpoint": flagship_spec(replay_ring=8, replay_from_checkpoint=True),
     "N32-D64-R8-replay-K3-bf16state-from-checkpoint-noout": StepSpec(

@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 
 from mamba3_step.api import prepare_step
-from mamba3_step.ptx_tier import ptx_step_fn
+from mamba3_step.ptx_tier import ptx_step_fn, run_step_ptx
+from mamba3_step.replay import new_ring
 from mamba3_step.spec import flagship_spec
 from mamba3_step.tensors import StepTensors
-from mamba3_step.testing import make_inputs, poison_
+from mamba3_step.testing import lane_inputs, layer_weights, make_inputs, poison_, row_tensors
 
 N, D, R = 128, 64, 4
 
@@ -80,3 +81,39 @@ def test_padded_rows_execute_bit_identical_to_packed():
         assert torch.equal(a[key].view(torch.int8), b[key].contiguous().view(torch.int8)), key
     assert not torch.equal(a["state"], inp["state"])  # the step wrote its rows
     assert torch.equal(pad.view(torch.int32), pad_before.view(torch.int32))
+
+
+def test_padded_rows_replay_executes_bit_identical_to_packed():
+    """The replay kernel (K = 2, outputs replayed) from its PTX over three steps, so that every live row
+    appends and flushes: padded rows give the packed kernel's outs, states and rings bit for bit."""
+    K, P, H = 2, 4, 2
+    g = torch.Generator().manual_seed(11)
+    rows = row_tensors(P, H, D, N, R, generator=g)
+    weights = layer_weights(H, D, R, generator=g)
+    index = torch.tensor([2, -1, 0], dtype=torch.int32)
+    copies = {}
+    for layout in ("packed", "padded"):
+        pools = {k: v.clone() for k, v in rows.items()}
+        if layout == "padded":
+            pools["state"] = _padded(pools["state"])
+        ring = new_ring(P, K, R, H, N, D, kv_dtype=rows["Bstate"].dtype, x_dtype=rows["Xstate"].dtype)
+        copies[layout] = (pools, ring, flagship_spec(replay_ring=K, padded_state_rows=layout == "padded"), [])
+    for _ in range(3):
+        lane = lane_inputs(3, H, D, N, R, generator=g)
+        for pools, ring, spec, outs in copies.values():
+            out = poison_(torch.empty(3, H, D, dtype=rows["Xstate"].dtype))
+            call = StepTensors(pools["state"], pools["Bstate"], pools["Xstate"], lane["A"], lane["B"], lane["C"],
+                               weights["D"], lane["x"], lane["dt"], lane["trap"], weights["xproj"],
+                               outproj=weights["outproj"], out=out, z=lane["z"], zproj=weights["zproj"],
+                               state_batch_indices=index)
+            run_step_ptx(spec, call, ring=ring)
+            outs.append(out)
+    (a, ring_a, _, outs_a), (b, ring_b, _, outs_b) = copies["packed"], copies["padded"]
+    for x, y in zip(outs_a, outs_b):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    assert outs_a[0][1].eq(0).all() and not outs_a[0][0].eq(0).all()
+    for key in ("state", "Bstate", "Xstate"):
+        assert torch.equal(a[key].view(torch.int8), b[key].contiguous().view(torch.int8)), key
+    assert not torch.equal(a["state"][2], rows["state"][2])  # flushed
+    for field in ("B", "x", "coef", "length"):
+        assert torch.equal(getattr(ring_a, field), getattr(ring_b, field)), field

@@ -6,6 +6,7 @@ speculative verify step).
 
 ===============  ========================================================================
 ``pool``         :class:`StatePool`: per-layer state pools and the slot allocator
+``replay_pool``  :class:`ReplayStatePool`: a pool of checkpoints with a replay ring per layer
 ``hook``         :func:`decode_step`: one layer's step over the pool (the decode hook)
 ``graphs``       :class:`CudaGraphStepRunner`: batch-size buckets, padding, graph replay
 ``baseline``     :func:`gather_dense_scatter`: what pool mode must equal, byte for byte
@@ -45,11 +46,12 @@ from .graphs import (DEFAULT_BUCKETS, CudaGraphStepRunner, StepForm, check_bucke
                      pad_slots)
 from .hook import decode_step, kv_update_in_kernel
 from .pool import StatePool
+from .replay_pool import ReplayStatePool
 from .slots import PoolExhaustedError, SlotError
 from .speculative import SpecIndices
 
 __all__ = [
-    "DEFAULT_BUCKETS", "PAD_SLOT_ID", "CudaGraphStepRunner", "PoolExhaustedError", "SlotError", "SpecIndices",
-    "StatePool", "StepForm", "check_buckets", "choose_bucket", "decode_step", "gather_dense_scatter", "gather_scatter_step",
+    "DEFAULT_BUCKETS", "PAD_SLOT_ID", "CudaGraphStepRunner", "PoolExhaustedError", "ReplayStatePool", "SlotError",
+    "SpecIndices", "StatePool", "StepForm", "check_buckets", "choose_bucket", "decode_step", "gather_dense_scatter", "gather_scatter_step",
     "kv_update_in_kernel", "lane_is_live", "pad_lanes", "pad_slots",
 ]

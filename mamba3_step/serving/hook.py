@@ -10,12 +10,13 @@ from inspect import Parameter
 
 import torch
 
-from ..api import run_step
+from ..api import check_index_values, run_step
+from ..api_replay import replay_step_fn
 from ..contract import dtype_name, lane_is_live, source_rows
 from ..signature import StepOptions, View, make_binder, view_fields, view_signature
 from ..tensors import StepTensors
 from ..tiling import default_tiling, thread_layout
-from ..validation import check_options
+from ..validation import check_options, check_step_inputs_cached
 from .pool import StatePool
 
 __all__ = ["decode_step", "kv_update_in_kernel"]
@@ -105,6 +106,8 @@ def decode_step(*args, **kwargs) -> torch.Tensor:
     in_kernel = kv_update_in_kernel(pool.headdim, pool.dstate, pool.mimo, pool.state_dtype, call["tile_D"], tokens)
     tensors = StepTensors(**{name: call.get(name) for name in StepTensors._fields if name not in POOL_SUPPLIED},
                           **rows, null_slot_id=pool.null_slot_id)
+    if pool.replay_ring:
+        return _replay_step(pool, layer, tensors, call)
     options = StepOptions(**{name: call.get(name) for name in StepOptions._fields if name not in POOL_SUPPLIED},
                           update_kv_state=in_kernel)
     out = run_step(tensors, options)
@@ -116,6 +119,44 @@ def decode_step(*args, **kwargs) -> torch.Tensor:
 
 
 decode_step.__signature__ = view_signature(_VIEW).replace(return_annotation="torch.Tensor")
+
+
+#: what a replay pool's decode_step refuses, the reason after the name
+_NOT_WITH_REPLAY = {
+    ("dst_slots", "dst_state_batch_indices"): "a replay step writes its row's checkpoint and ring",
+    ("num_accepted_tokens", "num_accepted_tokens"): "speculative groups are stepwise decoding's (replay keeps "
+                                                    "drafts in the ring)",
+}
+
+
+def _replay_step(pool: StatePool, layer: int, tensors: StepTensors, call: dict) -> torch.Tensor:
+    """A one-token step of a replay pool (:class:`~mamba3_step.serving.ReplayStatePool`): :func:`mamba3_step.replay_step_fn`
+    on the layer's rows and ring, with every ``out`` stepwise decoding's, bit for bit. Refused by name: a
+    token axis, ``dst_slots``, ``num_accepted_tokens`` (checked before anything is written)."""
+    for (name, field), why in _NOT_WITH_REPLAY.items():
+        if call[field] is not None:
+            raise ValueError(f"{name}: expected None with a replay pool (replay_ring={pool.replay_ring}): {why}")
+    if tensors.x is not None and isinstance(tensors.x, torch.Tensor) and tensors.x.dim() == 4:
+        raise ValueError(f"x: expected (B, H, D) with a replay pool (replay_ring={pool.replay_ring}): it takes "
+                         f"one-token steps, got {tuple(tensors.x.shape)}")
+    stochastic = call["stochastic_rounding"]
+    if stochastic is not None and type(stochastic) is not bool:
+        stochastic = check_options(stochastic_rounding=stochastic)["stochastic_rounding"]  # raises
+    if bool(stochastic) != (tensors.rand_seed is not None):
+        raise ValueError(f"stochastic_rounding: expected {tensors.rand_seed is not None} with "
+                         f"{'a' if tensors.rand_seed is not None else 'no'} rand_seed on a replay pool, got {stochastic}")
+    if stochastic and pool.ring(layer).offset is None:
+        raise ValueError(f"stochastic_rounding: a replay pool with a {dtype_name(pool.state_dtype)} state takes no "
+                         f"stochastic rounding (its rings keep no draw offsets; an 8-bit pool's do)")
+    if call["validate_indices"]:
+        check_step_inputs_cached(tensors, update_kv_state=True, rotate_pairwise=call["rotate_pairwise"],
+                                 stochastic_rounding=bool(stochastic))
+        check_index_values(tensors.with_out().one_token_squeezed())
+    out = replay_step_fn(tensors, pool.ring(layer), pool.replay_ring, rotate_pairwise=call["rotate_pairwise"],
+                         tile_D=call["tile_D"], num_warps=call["num_warps"])
+    if stochastic:
+        tensors.rand_seed[1:].add_(1)
+    return out
 
 
 def _masked_kv_scatter(pool: StatePool, layer: int, tensors: StepTensors) -> None:

@@ -33,6 +33,7 @@ class StatePool:
     * ``Xstate(l)`` ``(P, H, D)``     ``x_dtype``     (previous step's x; defaults to ``kv_dtype``)
     * ``angle_state(l)`` ``(P, H, S)`` int64 (the rotary angle, fixed-point turns), with ``rope_angles=S``
       (rotary angles per head, in ``[1, N/2]``; default 0: no angle pool, ``angle_state(l)`` is None)
+    * with replay (:class:`~mamba3_step.serving.replay_pool.ReplayStatePool`) a ring per layer
 
     These are contiguous views into one allocation per tensor kind, ``(L, P, ...)``, so
     ``reset`` and ``copy`` touch every layer with one indexing op, and every kind alike (a reset
@@ -64,6 +65,8 @@ class StatePool:
     lane addressing row 0 as padding (reads and writes nothing). Otherwise ``null_slot_id``
     is None and ``pad_id`` is ``-1``.
     """
+
+    replay_ring = 0  #: K, the flush length of a replay pool (ReplayStatePool); 0: the state rows are current
 
     def __init__(
         self,
@@ -118,6 +121,7 @@ class StatePool:
         self._angle_state = torch.zeros((L, P, H, S), dtype=torch.int64, device=self.device) if S else None
         scaled = dtype_name(self.state_dtype) in SCALED_STATE_DTYPES  # 8-bit: a scale per (row, head, d)
         self._state_scale = torch.zeros((L, P, H, D), dtype=torch.float32, device=self.device) if scaled else None
+        self._ring = None  # with replay (ReplayStatePool): the (L, P, ...) allocation of each Ring field
 
         first = 1 if self.reserve_null_slot else 0
         self._lock = threading.RLock()  # guards the free list and the allocated flags
@@ -175,7 +179,7 @@ class StatePool:
     def _pools(self) -> tuple[torch.Tensor, ...]:
         """The ``(L, P[+1], ...)`` allocations whose rows belong to the slots (every kind a row op touches);
         a float8 one as its bytes (PyTorch's index ops take no float8; bytes copy and zero alike)."""
-        kinds = (self._state, self._Bstate, self._Xstate, self._angle_state, self._state_scale)
+        kinds = (self._state, self._Bstate, self._Xstate, self._angle_state, self._state_scale, *(self._ring or ()))
         return tuple(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in kinds if t is not None)
 
     def _layer(self, layer: int) -> int:
@@ -185,14 +189,17 @@ class StatePool:
 
     @property
     def bytes_per_slot_per_layer(self) -> int:
-        """Bytes one slot occupies in one layer (state + Bstate + Xstate rows, the angle and scale rows)."""
+        """Bytes one slot occupies in one layer (state + Bstate + Xstate rows, the angle and scale rows, the
+        ring's entries and length)."""
         H, D, N, R = self.nheads, self.headdim, self.dstate, self.mimo
+        ring = 0 if self._ring is None else sum(t[0, 0].numel() * t.element_size() for t in self._ring if t is not None)
         return (
             H * D * N * self.state_dtype.itemsize
             + R * H * N * self.kv_dtype.itemsize
             + H * D * self.x_dtype.itemsize
             + H * self.rope_angles * 8
             + (0 if self._state_scale is None else H * D * 4)
+            + ring
         )
 
     @property
@@ -302,7 +309,8 @@ class StatePool:
 
     # ---- row operations -------------------------------------------------------------
     def reset(self, slots) -> None:
-        """Zero the rows of ``slots`` (allocated slots) in every layer: state, Bstate, Xstate, angle, scale."""
+        """Zero the rows of ``slots`` (allocated slots) in every layer: state, Bstate, Xstate, angle, scale,
+        and with replay the ring rows (an empty ring: the zero checkpoint is the current state)."""
         with self._lock:  # the slots stay allocated (to their owner) until the rows are zeroed
             lst = self._checked_allocated(slots, "slots", what="reset")
             if not lst:
@@ -312,7 +320,8 @@ class StatePool:
                 t.index_fill_(1, idx, 0)
 
     def copy(self, src, dst) -> None:
-        """Fork rows: every layer's ``state``/``Bstate``/``Xstate`` (angle, scale) row ``dst[i]`` := row ``src[i]``.
+        """Fork rows: every layer's ``state``/``Bstate``/``Xstate`` (angle, scale, ring with its length) row
+        ``dst[i]`` := row ``src[i]`` (with replay the checkpoint and the ring as they are: nothing replayed).
 
         ``src`` has one slot (broadcast to every ``dst``: parallel sampling) or ``len(dst)``
         slots (beam search reordering). All slots must be allocated; ``dst`` must not repeat.

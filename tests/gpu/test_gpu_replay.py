@@ -9,7 +9,9 @@ Passed on an H200 (2026-11-27). The checks the PTX tier makes on the CPU
   step's accuracy rule of the float64 recurrence) and every row at its flush; rows no lane reads
   keep their bits;
 * a replay step captured in a CUDA graph and replayed with new inputs equals eager, ring included
-  (the ring lengths move on the device).
+  (the ring lengths move on the device);
+* a replay ``StatePool`` (``replay_ring=K``, not yet run on a GPU): ``decode_step`` and the CUDA-graph
+  runner give the stepwise pool's outs bit for bit, ``materialize`` its rows.
 
 Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank, K flush length.
 """
@@ -67,6 +69,16 @@ def _index(B: int, P: int, step: int) -> torch.Tensor:
 @pytest.mark.parametrize("K", [2, 4, 8])
 @pytest.mark.parametrize("B", [1, 64, 256])
 def test_replay_decode_matches_the_stepwise_kernel(B, K, from_checkpoint):
+    _decode(B, K, from_checkpoint)
+
+
+@pytest.mark.parametrize("B", [1, 256])
+def test_replay_decode_at_8_warps_matches_the_stepwise_kernel(B):
+    """K = 4 replayed at 8 warps a CTA (what gpu_replay_bench.py --replay-warps 8 times)."""
+    _decode(B, 4, False, num_warps=8)
+
+
+def _decode(B: int, K: int, from_checkpoint: bool, num_warps=None):
     P = B + 3
     layer = Layer(P, K, seed=B * 10 + K)
     # every ring starts empty; the moving padding lanes skip rows' steps, so their positions stagger
@@ -75,7 +87,8 @@ def test_replay_decode_matches_the_stepwise_kernel(B, K, from_checkpoint):
         lane = layer.lane(B)
         before = {k: v.clone() for k, v in layer.replay.items()}
         ring = {f: getattr(layer.ring, f).clone() for f in ("B", "x", "coef", "length")}
-        got = replay_step_fn(layer.call(layer.replay, lane, index), layer.ring, K, from_checkpoint=from_checkpoint)
+        got = replay_step_fn(layer.call(layer.replay, lane, index), layer.ring, K, from_checkpoint=from_checkpoint,
+                             num_warps=num_warps)
         want = mamba3_step_fn(**layer.call(layer.stepwise, lane, index)._asdict(), update_kv_state=True)
         for b, row in enumerate(index.tolist()):
             if not 0 <= row < P:
@@ -124,3 +137,32 @@ def test_replay_graph_equals_eager(from_checkpoint):
             assert bits_equal(graphed.replay[k], eager.replay[k]), f"step {step}: {k}"
         for a, b in zip(graphed.ring[:4], eager.ring[:4]):
             assert bits_equal(a, b), f"step {step}: ring"
+
+
+@pytest.mark.parametrize("K", [2, 4])
+def test_replay_pool_decode_and_graph_runner_match_the_stepwise_pool(K):
+    """A replay StatePool on the GPU: decode_step (eager) and the CUDA-graph runner give the stepwise
+    pool's outs bit for bit over 2K + 1 steps with a padding lane; materialize gives its rows."""
+    from mamba3_step.serving import CudaGraphStepRunner, ReplayStatePool, StatePool, decode_step
+
+    g = torch.Generator().manual_seed(K)
+    pools = [ReplayStatePool(1, 12, H, D, N, R, replay_ring=K, device=DEV) for _ in range(2)]
+    stepwise = StatePool(1, 12, H, D, N, R, device=DEV)
+    w = layer_weights(H, D, R, generator=g, device=DEV)
+    slots = stepwise.alloc(5)
+    assert all(torch.equal(pool.alloc(5), slots) for pool in pools)
+    fresh = torch.randn(5, H, D, N, generator=g).to(DEV)
+    for pool in (*pools, stepwise):
+        pool.state(0)[slots.long().to(DEV)] = fresh
+    runner = CudaGraphStepRunner(pools[1], 0, buckets=(8,), **w)
+    padded = torch.cat([slots, torch.tensor([-1], dtype=torch.int32)]).to(DEV)
+    for step in range(2 * K + 1):
+        lane = lane_inputs(6, H, D, N, R, generator=g, device=DEV)
+        want = decode_step(stepwise, 0, padded, **lane, **w)
+        eager = decode_step(pools[0], 0, padded, **lane, **w)
+        graphed = runner.step(padded, **lane)
+        torch.cuda.synchronize()
+        assert bits_equal(eager, want) and bits_equal(graphed, want), f"step {step}"
+        cur = pools[0].materialize(0, slots, xproj=w["xproj"], D=w["D"], zproj=w["zproj"], outproj=w["outproj"])
+        rows = slots.long().to(DEV)
+        assert bits_equal(cur.state, stepwise.state(0)[rows]), f"step {step}: materialized state"

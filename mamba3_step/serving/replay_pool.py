@@ -1,0 +1,79 @@
+"""``ReplayStatePool``: a :class:`~mamba3_step.serving.pool.StatePool` whose rows are checkpoints, with a
+replay ring per layer (docs/contract.md, "Replay"; docs/integration.md, section 11).
+
+Letters (docs/contract.md): ``P`` pool rows (slots), ``H`` heads, ``D`` head dim, ``N`` state size,
+``R`` MIMO rank, ``L`` layers, ``K`` the flush length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..contract import SCALED_STATE_DTYPES, dtype_name, shown
+from ..replay import Current, Ring, materialize, new_ring
+from ..tensors import StepTensors
+from .pool import StatePool
+from .slots import is_int
+
+__all__ = ["ReplayStatePool"]
+
+
+class ReplayStatePool(StatePool):
+    """A :class:`StatePool` (same arguments) plus ``replay_ring=K`` (an int in ``[2, 16]``): per layer
+    ``l`` a :class:`~mamba3_step.replay.Ring`, ``ring(l)``, of ``K - 1`` entries a row, with draw offsets
+    for an 8-bit state and angles with ``rope_angles``. The ``state`` rows are checkpoints;
+    :meth:`materialize` gives a row's current state, and ``decode_step`` (and the graph runner) step
+    the pool through ``replay_step_fn``: one-token steps, every ``out`` stepwise decoding's.
+
+    The rings are one ``(L, P, ...)`` allocation per field, among the pool's row allocations: ``reset``
+    empties a row's ring with its checkpoint, ``copy``/``fork`` copy it with the row (nothing is
+    replayed), ``bytes_per_slot`` counts it. A 16-bit pool's rings keep no draw offsets: its steps take
+    no stochastic rounding (refused by name).
+    """
+
+    def __init__(self, *args, replay_ring: int, **kwargs):
+        if not is_int(replay_ring) or not 2 <= replay_ring <= 16:
+            raise ValueError(f"replay_ring: expected an int K in [2, 16] (the state written every K tokens, a ring "
+                             f"of the K - 1 tokens since), got {shown(replay_ring)}")
+        super().__init__(*args, **kwargs)
+        self.replay_ring = int(replay_ring)
+        L, P = self.num_layers, self.num_slots
+        flat = new_ring(L * P, self.replay_ring, self.mimo, self.nheads, self.dstate, self.headdim,
+                        kv_dtype=self.kv_dtype, x_dtype=self.x_dtype,
+                        stochastic=dtype_name(self.state_dtype) in SCALED_STATE_DTYPES, rope_angles=self.rope_angles,
+                        device=self.device)
+        self._ring = Ring(*(None if t is None else t.view((L, P) + tuple(t.shape[1:])) for t in flat))
+
+    def ring(self, layer: int) -> Ring:
+        """Layer ``layer``'s ring: views of the pool's ring allocations."""
+        layer = self._layer(layer)
+        return Ring(*(None if t is None else t[layer] for t in self._ring))
+
+    def materialize(self, layer: int, slots, *, xproj: torch.Tensor, D: torch.Tensor, zproj=None, outproj=None,
+                    B_bias=None, C_bias=None, rand_seed=None, rotate_pairwise: bool = False) -> Current:
+        """The current state of ``slots`` (allocated) in layer ``layer``: each row's checkpoint advanced by
+        its ring's committed tokens with the step's math and rounding, bit for bit what stepwise decoding
+        holds (:func:`mamba3_step.replay.materialize`; prefix caching, export). The layer's weights
+        (``xproj``, ``D``, ``zproj``/``outproj`` as the steps took them; ``B_bias``/``C_bias`` with rotary)
+        and, with an 8-bit state, ``rand_seed`` (its seed) are what the steps used. Writes nothing.
+
+        Raises ValueError naming the argument: a weight of another shape or device, and what
+        :func:`~mamba3_step.replay.materialize` refuses; :class:`SlotError` for slots not allocated.
+        """
+        with self._lock:
+            rows = self._checked_allocated(slots, "slots", what="materialize")
+        H, Dh, R = self.nheads, self.headdim, self.mimo
+        for name, w, shape in (("xproj", xproj, (R, H, Dh)), ("D", D, (H,)), ("zproj", zproj, (R, H, Dh)),
+                               ("outproj", outproj, (R, H, Dh))):
+            if w is None and name in ("zproj", "outproj"):
+                continue
+            if not isinstance(w, torch.Tensor) or tuple(w.shape) != shape or w.device != self.device:
+                got = f"{tuple(w.shape)} on {w.device}" if isinstance(w, torch.Tensor) else type(w).__name__
+                raise ValueError(f"{name}: expected a tensor of shape {shape} on {self.device} (the layer's weights "
+                                 f"as the steps took them), got {got}")
+        t = StepTensors(**self.layer_rows(layer), A=None, B=None, C=None, D=D, x=None, dt=None, trap=None,
+                        xproj=xproj, zproj=zproj, outproj=outproj, B_bias=B_bias, C_bias=C_bias, rand_seed=rand_seed)
+        return materialize(t, self.ring(layer), rows, rotate_pairwise=rotate_pairwise)
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", replay_ring={self.replay_ring})"
