@@ -384,12 +384,11 @@ def test_padding_path_issues_no_pool_traffic(spec, arch):
 #: default tiling: these use stack (8-40 bytes) on that architecture (found 2026-11-25, not fixed; the
 #: same shapes with a destination row compile clean, the full matrix above). ptxas settles at 128 or
 #: 168 registers and spills for them: R = 8 at 1-8 warps, or 16 warps (128 registers a thread). With
-#: packed state rows (docs/design.md, 2026-11-27) five of the six on sm_90a compile clean (all 144
-#: run); on sm_100a (the first 35 run) N=32 D=64 R=8 fp32 does too and N=32 D=128 R=8 bf16 uses 8 bytes
+#: packed state rows (docs/design.md, 2026-11-27; all 288 run) five of the six on sm_90a and six of the
+#: seven on sm_100a compile clean, and N=32 D=128 R=8 bf16 uses 8 bytes on sm_100a
 IN_PLACE_SPILLS = {
     "sm_90a": {(32, 128, 2, "float16")},
-    "sm_100a": {(32, 128, 8, "bfloat16"), (32, 128, 2, "float16"), (64, 32, 8, "float32"), (64, 128, 8, "float32"),
-                (128, 128, 8, "float16"), (256, 128, 4, "bfloat16"), (256, 128, 4, "float16")},
+    "sm_100a": {(32, 128, 8, "bfloat16"), (32, 128, 2, "float16")},
 }
 
 
@@ -414,12 +413,14 @@ def test_in_place_matrix_compiles_with_clean_compiler_facts(spec, arch):
 #: registers: the append path's tables and partials beside a flush's whole slab), and N=64 D=32
 #: R=2 fp32 on sm_90a (8 bytes); replayed outputs only at 16-bit N=256 D=128 R = 4, 8 (in place,
 #: in IN_PLACE_SPILLS too at R = 4). fp32 N=256 D=128 has no tiling that keeps a whole head's
-#: slab in registers across tokens: refused (test_replay_matrix_refusals).
+#: slab in registers across tokens: refused (test_replay_matrix_refusals). With packed state rows
+#: (2026-11-27, sm_90a's 280 run, sm_100a's not yet) four of sm_90a's compile clean and N=64 D=32
+#: R=4 fp32 replayed (1 warp) uses 16 bytes.
 REPLAY_SPILLS = {
-    "sm_90a": {*((256, 128, R, sd, False) for R in (4, 8) for sd in ("bfloat16", "float16")),
-               (64, 32, 2, "float32", True),
-               *((N, D, 8, sd, True) for N, D in ((128, 128), (256, 64)) for sd in UNSCALED),
-               *((256, 128, R, sd, True) for R in (2, 4, 8) for sd in ("bfloat16", "float16"))},
+    "sm_90a": {(256, 128, 4, "float16", False), *((256, 128, 8, sd, False) for sd in ("bfloat16", "float16")),
+               (64, 32, 4, "float32", False),
+               *((128, 128, 8, sd, True) for sd in UNSCALED), *((256, 64, 8, sd, True) for sd in ("bfloat16", "float16")),
+               (256, 128, 2, "float16", True), *((256, 128, R, sd, True) for R in (4, 8) for sd in ("bfloat16", "float16"))},
     "sm_100a": {*((256, 128, R, sd, False) for R in (4, 8) for sd in ("bfloat16", "float16")),
                 *((128, 128, 8, sd, True) for sd in UNSCALED),
                 *((256, 64, 8, sd, True) for sd in ("bfloat16", "float16")),
