@@ -414,14 +414,16 @@ def test_in_place_matrix_compiles_with_clean_compiler_facts(spec, arch):
 #: R=2 fp32 on sm_90a (8 bytes); replayed outputs only at 16-bit N=256 D=128 R = 4, 8 (in place,
 #: in IN_PLACE_SPILLS too at R = 4). fp32 N=256 D=128 has no tiling that keeps a whole head's
 #: slab in registers across tokens: refused (test_replay_matrix_refusals). With packed state rows
-#: (2026-11-27, sm_90a's 280 run, sm_100a's not yet) four of sm_90a's compile clean and N=64 D=32
-#: R=4 fp32 replayed (1 warp) uses 16 bytes.
+#: (2026-11-27, all 560 run) four of sm_90a's and one of sm_100a's compile clean; N=64 D=32 R=4 fp32
+#: replayed (1 warp) uses 16 bytes on sm_90a, N=32 D=32 R=1 bf16 and N=256 D=32 R=8 fp16 from the
+#: checkpoint 8 bytes each on sm_100a.
 REPLAY_SPILLS = {
     "sm_90a": {(256, 128, 4, "float16", False), *((256, 128, 8, sd, False) for sd in ("bfloat16", "float16")),
                (64, 32, 4, "float32", False),
                *((128, 128, 8, sd, True) for sd in UNSCALED), *((256, 64, 8, sd, True) for sd in ("bfloat16", "float16")),
                (256, 128, 2, "float16", True), *((256, 128, R, sd, True) for R in (4, 8) for sd in ("bfloat16", "float16"))},
-    "sm_100a": {*((256, 128, R, sd, False) for R in (4, 8) for sd in ("bfloat16", "float16")),
+    "sm_100a": {(256, 128, 4, "float16", False), *((256, 128, 8, sd, False) for sd in ("bfloat16", "float16")),
+                (32, 32, 1, "bfloat16", True), (256, 32, 8, "float16", True),
                 *((128, 128, 8, sd, True) for sd in UNSCALED),
                 *((256, 64, 8, sd, True) for sd in ("bfloat16", "float16")),
                 *((256, 128, R, sd, True) for R in (2, 4, 8) for sd in ("bfloat16", "float16"))},
