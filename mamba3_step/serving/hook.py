@@ -101,13 +101,13 @@ def decode_step(*args, **kwargs) -> torch.Tensor:
     rows = pool.layer_rows(layer)
     # the options first: the hook reads tile_D itself before the step's validation sees it
     check_options(tile_D=call["tile_D"], num_warps=call["num_warps"], validate_indices=call["validate_indices"])
-    x = call["x"]
-    tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
-    in_kernel = kv_update_in_kernel(pool.headdim, pool.dstate, pool.mimo, pool.state_dtype, call["tile_D"], tokens)
     tensors = StepTensors(**{name: call.get(name) for name in StepTensors._fields if name not in POOL_SUPPLIED},
                           **rows, null_slot_id=pool.null_slot_id)
     if pool.replay_ring:
         return _replay_step(pool, layer, tensors, call)
+    x = call["x"]
+    tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
+    in_kernel = kv_update_in_kernel(pool.headdim, pool.dstate, pool.mimo, pool.state_dtype, call["tile_D"], tokens)
     options = StepOptions(**{name: call.get(name) for name in StepOptions._fields if name not in POOL_SUPPLIED},
                           update_kv_state=in_kernel)
     out = run_step(tensors, options)
@@ -136,13 +136,11 @@ def _replay_step(pool: StatePool, layer: int, tensors: StepTensors, call: dict) 
     for (name, field), why in _NOT_WITH_REPLAY.items():
         if call[field] is not None:
             raise ValueError(f"{name}: expected None with a replay pool (replay_ring={pool.replay_ring}): {why}")
-    if tensors.x is not None and isinstance(tensors.x, torch.Tensor) and tensors.x.dim() == 4:
+    if isinstance(tensors.x, torch.Tensor) and tensors.x.dim() == 4:
         raise ValueError(f"x: expected (B, H, D) with a replay pool (replay_ring={pool.replay_ring}): it takes "
                          f"one-token steps, got {tuple(tensors.x.shape)}")
-    stochastic = call["stochastic_rounding"]
-    if stochastic is not None and type(stochastic) is not bool:
-        stochastic = check_options(stochastic_rounding=stochastic)["stochastic_rounding"]  # raises
-    if bool(stochastic) != (tensors.rand_seed is not None):
+    stochastic = check_options(stochastic_rounding=call["stochastic_rounding"])["stochastic_rounding"]  # named errors
+    if stochastic != (tensors.rand_seed is not None):
         raise ValueError(f"stochastic_rounding: expected {tensors.rand_seed is not None} with "
                          f"{'a' if tensors.rand_seed is not None else 'no'} rand_seed on a replay pool, got {stochastic}")
     if stochastic and pool.ring(layer).offset is None:
@@ -150,7 +148,7 @@ def _replay_step(pool: StatePool, layer: int, tensors: StepTensors, call: dict) 
                          f"stochastic rounding (its rings keep no draw offsets; an 8-bit pool's do)")
     if call["validate_indices"]:
         check_step_inputs_cached(tensors, update_kv_state=True, rotate_pairwise=call["rotate_pairwise"],
-                                 stochastic_rounding=bool(stochastic))
+                                 stochastic_rounding=stochastic)
         check_index_values(tensors.with_out().one_token_squeezed())
     out = replay_step_fn(tensors, pool.ring(layer), pool.replay_ring, rotate_pairwise=call["rotate_pairwise"],
                          tile_D=call["tile_D"], num_warps=call["num_warps"])
