@@ -19,6 +19,8 @@ python bench/gpu_bench.py 2>&1 | tee bench/results/gpu_bench.log
 bench_rc=${PIPESTATUS[0]}
 python bench/gpu_replay_bench.py --replay-warps 8 2>&1 | tee bench/results/gpu_replay_bench.log
 replay_rc=${PIPESTATUS[0]}
-bench_rc=$(( bench_rc != 0 || replay_rc != 0 ))
+python bench/gpu_replay_verify_bench.py 2>&1 | tee bench/results/gpu_replay_verify_bench.log
+verify_rc=${PIPESTATUS[0]}
+bench_rc=$(( bench_rc != 0 || replay_rc != 0 || verify_rc != 0 ))
 echo "GPU tests exit ${tests_rc}, benchmark exit ${bench_rc}, total $(( $(date +%s) - start )) s"
 exit $(( tests_rc != 0 || bench_rc != 0 ))

@@ -26,7 +26,7 @@ from .validation import check_step_inputs_cached, checks
 from .validation.cache import tensor_signature
 from .validation.step import check_tiling_options
 
-__all__ = ["replay_kernel_spec", "replay_step_fn"]
+__all__ = ["check_accepted", "replay_kernel_spec", "replay_step_fn"]
 
 
 def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[torch.Tensor] = None,
@@ -48,6 +48,8 @@ def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Option
         TypeError, ValueError: invalid inputs, naming the argument; on CUDA also what the replay
             kernel does not take yet.
     """
+    if accepted is not None:
+        check_accepted(tensors, accepted)
     if not runs_kernel(tensors.x):
         return replay_step(tensors, ring, K, accepted=accepted, rotate_pairwise=rotate_pairwise,
                            exact_outputs=not from_checkpoint)
@@ -55,7 +57,7 @@ def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Option
                               from_checkpoint=from_checkpoint, tile_D=tile_D, num_warps=num_warps)
     t = tensors.with_out()
     out = t.out
-    t = t.one_token_squeezed()
+    t = t.one_token_squeezed()._replace(num_accepted_tokens=accepted)  # replay's kernel reads it there
     if t.batch:
         kernel_for(spec, t.x)(*kernel_arguments(t, ring))
     return out
@@ -72,26 +74,40 @@ def replay_kernel_spec(tensors: StepTensors, ring: Ring, K: int, *, accepted: Op
     Raises:
         TypeError, ValueError: as :func:`replay_step_fn`.
     """
-    if accepted is not None:
-        raise ValueError("replay_step_fn: accepted (committing a verify step's drafts) is taken by the CPU path "
-                         "only so far; the replay kernel runs one-token plain steps")
     step_spec = check_step_inputs_cached(tensors, update_kv_state=True, rotate_pairwise=rotate_pairwise,
                                          stochastic_rounding=tensors.rand_seed is not None)
+    if accepted is not None:
+        check_accepted(tensors, accepted)
+        step_spec = step_spec.replace(num_accepted=True)
+    # the kernel reads accepted as num_accepted_tokens: checked there against the ring like any argument
+    read = tensors._replace(num_accepted_tokens=accepted)
     key = _ring_key(step_spec, tensors, ring, K, from_checkpoint, tile_D, num_warps)
     checked = _RING_CHECKS.get(key) if key is not None else None
-    if checked is not None and _disjoint_from_step(checked.spans, tensors):
+    if checked is not None and _disjoint_from_step(checked.spans, read):
         return checked.spec
-    spec = _check_replay(step_spec, tensors, ring, K, from_checkpoint, tile_D, num_warps)
+    spec = _check_replay(step_spec, tensors, read, ring, K, from_checkpoint, tile_D, num_warps)
     if key is not None:
         _remember(key, _CheckedRing(spec, _ring_spans(ring)))
     return spec
 
 
-def _check_replay(step_spec: StepSpec, tensors: StepTensors, ring: Ring, K, from_checkpoint, tile_D,
-                  num_warps) -> StepSpec:
-    """The ring's checks and the replay kernel's, after the step's: the specialisation, or the named error."""
+def check_accepted(t: StepTensors, accepted, name: str = "accepted") -> None:
+    """``accepted`` (called ``name``): a (B,) int32 tensor with unit stride on the step's device (its
+    values are the kernel's to judge: a count that leaves the ring makes the lane padding,
+    docs/contract.md, "Replay"). ``t`` is validated already."""
+    checks.check_is_tensor(name, accepted)
+    checks.check_shape(name, accepted, "B", (t.batch,))
+    checks.check_dtype(name, accepted, ("int32",))
+    checks.check_device(name, accepted, t.x.device)
+    checks.check_unit_inner_stride(name, accepted)
+
+
+def _check_replay(step_spec: StepSpec, tensors: StepTensors, read: StepTensors, ring: Ring, K, from_checkpoint,
+                  tile_D, num_warps) -> StepSpec:
+    """The ring's checks and the replay kernel's, after the step's: the specialisation, or the named error.
+    ``read``: ``tensors`` as the kernel reads them (with ``accepted``), which no ring byte may be."""
     check_ring(tensors, ring, K)
-    _check_ring_memory(tensors, ring)
+    _check_ring_memory(read, ring)
     tile_D, num_warps = check_tiling_options(tile_D, num_warps)
     if type(from_checkpoint) is not bool:
         raise TypeError(f"replay_step_fn: from_checkpoint must be a bool, got {type(from_checkpoint).__name__}")
@@ -200,7 +216,9 @@ def _check_ring_memory(t: StepTensors, ring: Ring) -> None:
         checks.check_unit_inner_stride(name, value)
         checks.check_inner_offsets_int32(name, value)
         checks.check_no_internal_overlap(name, value)
-    others = {name: value for name, value in t._asdict().items() if isinstance(value, torch.Tensor)}
+    # check_ring refused a step's own num_accepted_tokens: here it is replay_step_fn's accepted
+    others = {("accepted" if name == "num_accepted_tokens" else name): value for name, value in t._asdict().items()
+              if isinstance(value, torch.Tensor)}
     for name, value in written.items():
         span = checks.byte_span(value)
         for other, other_value in {**others, **written}.items():

@@ -264,7 +264,7 @@ class Mamba3StepKernel:
         src, dst, src_live, dst_live = self.select_rows(m, b)
         count = Int32(0)
         if const_expr(self.K):  # replay: the row's committed ring tokens; a count out of range is padding
-            count, src_live = self.ring_count(m, src, h, src_live)
+            count, src_live = self.ring_count(m, b, src, h, src_live)
             dst_live = src_live
         if src_live:
             shared = self.allocate_shared()
@@ -383,22 +383,32 @@ class Mamba3StepKernel:
 
     # ------------------------------------------------------------------ replay (docs/design.md, "Replay")
     @cute.jit
-    def ring_count(self, m: KernelArgs, src: Int32, h: Int32, src_live: Boolean):
-        """``(count, live)``: the committed ring tokens of (row ``src``, head ``h``) and whether the
-        lane is live. A count outside ``[0, K - 1]``, or a ring of fewer than ``K - 1`` entries,
-        makes the lane padding: every ring access stays inside ``ring_B``'s entries."""
+    def ring_count(self, m: KernelArgs, b: Int32, src: Int32, h: Int32, src_live: Boolean):
+        """``(count, live)``: the committed ring tokens of (row ``src``, head ``h``), plus with
+        ``num_accepted`` the drafts lane ``b`` commits now, and whether the lane is live. A length or
+        an accepted count out of range (a one-token step replays at most ``K - 1`` tokens, a verify
+        step ``K - 1 + T``), or a ring too short for them and the drafts, makes the lane padding:
+        every ring access stays inside ``ring_B``'s entries."""
+        most = self.K - 1 if const_expr(self.T == 1) else self.K - 1 + self.T
         count = Int32(-1)
+        accepted = Int32(0)
         if src_live:
             count = m.ring_length[src, h]
-        live = src_live & (count >= 0) & (count < self.K) & (m.ring_B.shape[1] >= self.K - 1)
-        return count, live
+            if const_expr(self.num_accepted):
+                accepted = m.num_accepted_tokens[b]
+        total = count + accepted
+        live = src_live & (count >= 0) & (accepted >= 0) & (total >= 0) & (total <= most)
+        return total, live & (m.ring_B.shape[1] >= most)
 
     @cute.jit
     def replay_tokens(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list):
-        """A replay step on the loaded checkpoint: every step replays the state (:meth:`replay_state`),
-        or with ``replay_from_checkpoint`` only a flush (``count = K - 1``) does and an append's
-        ``out`` comes from the checkpoint and the ring (:meth:`append_from_checkpoint`)."""
-        if const_expr(self.algebra):
+        """A replay step on the loaded checkpoint: a verify step (T > 1, :meth:`verify_state`);
+        otherwise every step replays the state (:meth:`replay_state`), or with
+        ``replay_from_checkpoint`` only a flush (``count = K - 1``) does and an append's ``out``
+        comes from the checkpoint and the ring (:meth:`append_from_checkpoint`)."""
+        if const_expr(self.T > 1):
+            self.verify_state(m, count, cta, shared, groups)
+        elif const_expr(self.algebra):
             if count == self.K - 1:
                 # the count passed on opaque: the tokens stay conditional, as in every other flush
                 # (unconditional, the compiler interleaves them and spills at 4 warps)
@@ -407,6 +417,75 @@ class Mamba3StepKernel:
                 self.append_from_checkpoint(m, count, cta, shared, groups)
         else:
             self.replay_state(m, count, cta, shared, groups)
+
+    @cute.jit
+    def verify_state(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list):
+        """A verify step: the ``count`` committed ring tokens replayed in registers
+        (:meth:`ring_token`); with ``count >= K`` a flush: the state, and the last committed token's
+        B and x as Bstate/Xstate, stored to the row as its new checkpoint, the ring emptied. Then the
+        T drafts (:meth:`draft_token`), each writing its ``out`` and its uncommitted ring entry after
+        the committed ones. The ring's length becomes the committed count (0 after a flush): a draft
+        the next step does not accept is never replayed."""
+        self.stage_kv_row(m.Bstate, (cta.src,), cta.h, shared.sBB[1, None, None], cta)
+        for j in cutlass.range_constexpr(self.K - 1 + self.T):
+            if j < count:
+                cute.arch.barrier()  # token j - 1 is done with the shared buffers
+                self.ring_token(m, j, cta, shared, groups)
+        cute.arch.barrier()
+        flush = count >= self.K
+        if cta.dst_live & flush:
+            for g in cutlass.range_constexpr(self.layout.row_groups):
+                self.store_state(groups[g], m, cta)
+            self.store_kv_state(m, shared.sBB[(count + 1) % 2, None, None], shared.sX, cta)
+        first = cutlass.select_(flush, Int32(0), count)  # the drafts' first ring entry
+        for i in cutlass.range_constexpr(self.T):
+            cute.arch.barrier()  # the flush's stores, or draft i - 1, are done with the shared buffers
+            self.draft_token(m, i, count, first, cta, shared, groups)
+        if cta.dst_live:
+            if cta.tidx == 0:
+                mLength = m.ring_length
+                mLength[cta.dst, cta.h] = first
+
+    @cute.jit
+    def draft_token(self, m: KernelArgs, i: int, count: Int32, first: Int32, cta: Cta, shared: Shared,
+                    groups: list):
+        """Draft ``i`` of a verify step, stepped on the state in registers after the ``count``
+        committed tokens and drafts ``0 .. i - 1``; its ``out`` written, its B, x and coefficients
+        stored as ring entry ``first + i`` (uncommitted), the state row not written."""
+        h = cta.h
+        lane_t = (cta.b, i)
+        parity = (count + i) % 2
+        tok = Token(i, lane_t, shared.sBB[parity, None, None], shared.sBB[1 - parity, None, None],
+                    *self.decay_coefficients(m, lane_t, h))
+        hbc = 0 if const_expr(self.shared_bc) else h
+        self.stage_kv_row(m.B, lane_t, hbc, tok.sB, cta)
+        self.stage_kv_row(m.C, lane_t, hbc, shared.sC, cta)
+        if const_expr(i == 0):
+            self.stage_coefficients(m, (m.x, lane_t), lambda dg: self.x_before_drafts(m, count, cta, dg), tok,
+                                    shared, cta)
+        else:
+            self.stage_coefficients(m, (m.x, lane_t), lambda dg: m.x[cta.b, i - 1, h, dg].to(Float32), tok, shared,
+                                    cta)
+        cute.arch.barrier()
+        if cta.dst_live:
+            self.append_ring(m, first + i, tok, shared, cta)
+        operands = self.load_operands(tok, shared, cta)
+        for g in cutlass.range_constexpr(self.layout.row_groups):
+            tYrY = self.update_rows(groups[g], operands, tok, shared, cta)
+            self.reduce_rows(tYrY, shared.sY, cta, g)
+        cute.arch.barrier()
+        self.epilogue(m, tok, shared, cta)
+
+    @cute.jit
+    def x_before_drafts(self, m: KernelArgs, count: Int32, cta: Cta, dg: Int32) -> Float32:
+        """The x of the token before this step's first: the last committed ring entry's, or Xstate's
+        with none (one load either way)."""
+        v = Float32(0.0)
+        if count > 0:
+            v = m.ring_x[cta.src, count - 1, cta.h, dg].to(Float32)
+        else:
+            v = m.Xstate[cta.src, cta.h, dg].to(Float32)
+        return v
 
     @cute.jit
     def replay_state(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list):
@@ -627,8 +706,8 @@ class Mamba3StepKernel:
         self.for_thread_indices(self.R * self.tile_D, cta.tidx, combine)
 
     @cute.jit
-    def append_ring(self, m: KernelArgs, count: Int32, tok: Token, shared: Shared, cta: Cta):
-        """This token as ring entry ``count`` of row ``dst``: its B per head and x (from their staged
+    def append_ring(self, m: KernelArgs, entry: Int32, tok: Token, shared: Shared, cta: Cta):
+        """Token ``tok`` as ring entry ``entry`` of row ``dst``: its B per head and x (from their staged
         fp32 copies, which convert back exactly), and its A, dt, trap (thread 0)."""
         dst, h = cta.dst, cta.h
 
@@ -636,21 +715,21 @@ class Mamba3StepKernel:
             mRingB = m.ring_B  # stored under a runtime `if`: a local name (see for_thread_indices)
             r = i // self.N
             n = i - r * self.N
-            mRingB[dst, count, r, h, n] = tok.sB[r, n].to(self.kv_dtype)
+            mRingB[dst, entry, r, h, n] = tok.sB[r, n].to(self.kv_dtype)
 
         self.for_thread_indices(self.R * self.N, cta.tidx, store_b)
         d0 = cta.dtile * self.tile_D
 
         def store_x(d):
             mRingX = m.ring_x
-            mRingX[dst, count, h, d0 + d] = shared.sX[d].to(self.x_dtype)
+            mRingX[dst, entry, h, d0 + d] = shared.sX[d].to(self.x_dtype)
 
         self.for_thread_indices(self.tile_D, cta.tidx, store_x)
         if cta.tidx == 0:
             mCoef = m.ring_coef
-            mCoef[dst, count, h, 0] = m.A[cta.b, h]
-            mCoef[dst, count, h, 1] = m.dt[cta.b, h]
-            mCoef[dst, count, h, 2] = m.trap[cta.b, h]
+            mCoef[dst, entry, h, 0] = m.A[tok.lane_t + (h,)]
+            mCoef[dst, entry, h, 1] = m.dt[tok.lane_t + (h,)]
+            mCoef[dst, entry, h, 2] = m.trap[tok.lane_t + (h,)]
 
     def lane_index(self, b: Int32, t) -> tuple:
         """The leading coordinates of lane ``b``, token ``t`` in a per-lane tensor: ``(b,)`` when the
@@ -701,7 +780,7 @@ class Mamba3StepKernel:
         src_live = Boolean(True)
         dst_live = Boolean(True)
         if const_expr(self.pool):
-            if const_expr(self.num_accepted):
+            if const_expr(self.num_accepted and not self.K):  # with replay it commits ring entries instead
                 k = m.num_accepted_tokens[b] - 1
                 src = Int32(-1)
                 if (k >= 0) & (k < m.state_batch_indices.shape[1]):
@@ -1485,8 +1564,9 @@ def fake_arguments(spec: StepSpec) -> KernelArgs:
         z=lane(xt, (heads, D)) if spec.has_z else None,
         out=lane(xt, (heads, D) if spec.has_outproj else (R, heads, D)),
         state_out=state_like(batch) if spec.has_state_out else None,
-        # (B,), or (B, K) with num_accepted_tokens
-        state_batch_indices=(strided(Int32, (batch, sym())) if spec.num_accepted else strided(Int32, (batch,)))
+        # (B,), or (B, K) with num_accepted_tokens (but for replay, whose accepted drafts are ring entries)
+        state_batch_indices=(strided(Int32, (batch, sym())) if spec.num_accepted and not K
+                             else strided(Int32, (batch,)))
         if spec.pool else None,
         # (B,), or (B, T) per token
         dst_state_batch_indices=(strided(Int32, (batch, T)) if spec.dst_per_token else strided(Int32, (batch,)))

@@ -47,7 +47,9 @@ class StepSpec:
         dst_per_token: ``dst_state_batch_indices`` is (B, T): the state after token t goes to
             row ``dst[b, t]`` (else (B,): only the final state is written).
         num_accepted: ``state_batch_indices`` is (B, K) and the source row of lane b is
-            ``state_batch_indices[b, num_accepted_tokens[b] - 1]``.
+            ``state_batch_indices[b, num_accepted_tokens[b] - 1]``; with ``replay_ring``,
+            ``state_batch_indices`` stays (B,) and lane b first commits ``num_accepted_tokens[b]``
+            drafts of its ring.
         rope_angles: S, the rotary angles per head (``angle_state`` (rows, H, S)); 0 without
             rotary. With S > 0 the step advances the angle and rotates B and C
             (docs/contract.md, "Rotary angle").
@@ -237,10 +239,9 @@ def mode_problem(spec: StepSpec) -> str | None:
 
 #: what a replay specialisation takes so far (docs/contract.md, "Replay"): the field and its required value
 _REPLAY_NEEDS = (("pool", True, "pool mode"), ("update_kv_state", True, "update_kv_state (Bstate/Xstate are the "
-                 "token before the ring)"), ("tokens", 1, "one token per lane (verify steps: the CPU path only)"),
-                 ("has_dst", False, "no dst_state_batch_indices (the CPU path only)"),
-                 ("num_accepted", False, "no num_accepted_tokens"), ("rope_angles", 0, "no rotary angle (the CPU "
-                 "path only)"), ("stochastic_rounding", False, "no stochastic rounding (the CPU path only)"))
+                 "token before the ring)"), ("has_dst", False, "no dst_state_batch_indices (the CPU path only)"),
+                 ("rope_angles", 0, "no rotary angle (the CPU path only)"),
+                 ("stochastic_rounding", False, "no stochastic rounding (the CPU path only)"))
 
 
 def replay_problem(spec: StepSpec) -> str | None:
@@ -253,6 +254,11 @@ def replay_problem(spec: StepSpec) -> str | None:
     for field, value, what in _REPLAY_NEEDS:
         if getattr(spec, field) != value:
             return f"replay_ring needs {what}, got {field}={getattr(spec, field)!r}"
+    if spec.tokens > 1 and spec.replay_from_checkpoint:
+        return "replay_from_checkpoint takes one-token steps (a verify step's outputs come from the replayed state)"
+    if spec.num_accepted and spec.tokens == 1:
+        return ("num_accepted with replay_ring needs a verify step, tokens > 1 (a one-token step committing "
+                "drafts: the CPU path only)")
     if spec.tile_D and spec.tile_D < spec.headdim:
         return "replay_ring needs tile_D >= headdim (one CTA per (lane, head) owns its ring entry and length)"
     return None

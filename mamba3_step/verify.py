@@ -22,7 +22,8 @@ PTX executed by :mod:`mamba3_step.ptx` (docs/ptx-tier.md). Per specialisation, o
 
 A replay specialisation (``--replay-ring K``) is checked over 2K + 1 executed steps against the
 executed stepwise kernel instead: ``parity`` covers every ``out`` the contract makes bit-identical
-and every row at its flush, ``err_out`` appends from the checkpoint against float64.
+and every row at its flush, ``err_out`` appends from the checkpoint against float64. With
+``--tokens T --num-accepted`` (verify steps) each step accepts every draft of the row's last one.
 
 The exit status is 1 when any row fails. :func:`executed_facts` gives the executed
 instruction mix, sectors per request, bank conflicts and bytes of one specialisation (also
@@ -66,6 +67,10 @@ def tolerance(budget: float, scale: float) -> float:
     same inputs plus 1e-6 of the output's scale (approximate instructions, other summation
     order: docs/ptx-tier.md, "Numerics")."""
     return 2 * budget + 1e-6 * max(scale, 1.0)
+
+
+#: the lane kinds of :func:`mamba3_step.testing.step_indices` whose source row is live
+_LIVE_KINDS = ("live", "live_nodst", "live_gaps")
 
 
 def _inputs(spec: StepSpec, batch: int, heads: int, seed: int, live_only: bool = False) -> tuple[StepTensors, list]:
@@ -125,7 +130,7 @@ def _padding_bytes(result, tensors: StepTensors, kinds: list) -> int:
     """Bytes of the pools that padding lanes' CTAs touched, from the recorded addresses."""
     log = result.log.arrays()
     lanes = analysis.cta_of(result, log["thread"]) % result.grid[0]
-    pad = torch.tensor([k not in ("live", "live_nodst", "live_gaps") for k in kinds])
+    pad = torch.tensor([k not in _LIVE_KINDS for k in kinds])
     mine = pad.numpy()[lanes]
     touched = 0
     for name in ROW_FIELDS:
@@ -187,27 +192,39 @@ def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) 
     the executed stepwise kernel on pools that start equal: ``parity``, the outs the contract makes
     bit-identical (all, or with ``replay_from_checkpoint`` a flush's) and every row at its flush;
     ``err_out``/``budget_out``, appends from the checkpoint against float64; padding bytes and races
-    of the last step."""
-    K = spec.replay_ring
-    stepwise = spec.replace(replay_ring=0, replay_from_checkpoint=False, tile_D=0, num_warps=0).with_default_tiling()
+    of the last step. A verify specialisation (T drafts) accepts every draft of a row's last step,
+    and the stepwise T-token kernel steps them all: the same drafts, the same states."""
+    K, T = spec.replay_ring, spec.tokens
+    stepwise = spec.replace(replay_ring=0, replay_from_checkpoint=False, num_accepted=False, tile_D=0,
+                            num_warps=0).with_default_tiling()
     start, _ = _inputs(stepwise, batch, heads, seed)
     pools = {kind: {k: getattr(start, k).clone() for k in ("state", "Bstate", "Xstate")} for kind in ("r", "s")}
     P, H, D, N = start.state.shape
-    ring = new_ring(P, K, spec.mimo, H, N, D, kv_dtype=start.Bstate.dtype, x_dtype=start.Xstate.dtype)
+    ring = new_ring(P, K, spec.mimo, H, N, D, kv_dtype=start.Bstate.dtype, x_dtype=start.Xstate.dtype,
+                    draft=T if T > 1 else 0)
     row = dict(err_out=0.0, budget_out=0.0, err_state=None, budget_state=None, parity=True, accurate=True)
+    pending = set()  # rows whose last verify step's drafts the stepwise kernel has stepped
     for step in range(2 * K + 1):
         fresh, kinds = _inputs(stepwise, batch, heads, seed + 1 + step)  # this step's tokens and lanes
         call = start._replace(**{f: getattr(fresh, f) for f in (*LANE_FIELDS, "state_batch_indices")})
+        rows = call.state_batch_indices.tolist()
+        live = [kind in _LIVE_KINDS for kind in kinds]
+        accepted = [T if lv and r in pending else 0 for lv, r in zip(live, rows)]
         mine = call._replace(**pools["r"], out=poison_(torch.empty_like(call.x), seed=step))
+        if spec.num_accepted:
+            mine = mine._replace(num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32))
         theirs = call._replace(**pools["s"], out=torch.empty_like(call.x))
         before = {f: getattr(ring, f).clone() for f in ("B", "x", "coef", "length")}
         base = tuple(v.clone() for v in pools["r"].values())
+        held = {k: v.clone() for k, v in pools["s"].items()}  # the state after the committed tokens
         result = run_step_ptx(spec, mine, arch=arch, ring=ring, record_shared=step == 2 * K, record=step == 2 * K)
         run_step_ptx(stepwise, theirs, arch=arch, record=False)
-        for b, r in enumerate(call.state_batch_indices.tolist()):
-            if kinds[b] != "live":
+        for b, r in enumerate(rows):
+            if not live[b]:
                 row["parity"] &= bits_equal(mine.out[b], torch.zeros_like(mine.out[b]))
-            elif not spec.replay_from_checkpoint or int(before["length"][r, 0]) == K - 1:
+                continue
+            count = int(before["length"][r, 0]) + accepted[b]
+            if T > 1 or not spec.replay_from_checkpoint or count == K - 1:
                 row["parity"] &= bits_equal(mine.out[b], theirs.out[b])
             else:
                 want64 = append_reference(call, base, before, r, b, torch.float64)
@@ -216,8 +233,11 @@ def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) 
                 err = (mine.out[b].double() - want64).abs().max().item()
                 row["err_out"], row["budget_out"] = max(row["err_out"], err), max(row["budget_out"], budget)
                 row["accurate"] &= err <= tolerance(budget, want64.abs().max().item())
-            if kinds[b] == "live" and int(ring.length[r, 0]) == 0:
+            if T > 1 and count >= K:  # a verify step's flush: the state after the committed tokens
+                row["parity"] &= all(bits_equal(pools["r"][k][r], held[k][r]) for k in pools["r"])
+            elif T == 1 and int(ring.length[r, 0]) == 0:
                 row["parity"] &= all(bits_equal(pools["r"][k][r], pools["s"][k][r]) for k in pools["r"])
+            pending.add(r)
     row["padding_bytes"] = _padding_bytes(result, mine, kinds)
     row["races"] = _races(result)
     return row

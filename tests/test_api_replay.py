@@ -60,7 +60,7 @@ def test_kernel_spec_is_the_replay_specialisation_at_its_default_tiling():
 
 def _refused(call, ring, message, **kw):
     before = [t.clone() for t in (*call, *ring) if isinstance(t, torch.Tensor)]
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         replay_kernel_spec(call, ring, kw.pop("K", K), **kw)
     after = [t for t in (*call, *ring) if isinstance(t, torch.Tensor)]
     assert all(bits_equal(a, b) for a, b in zip(after, before)), "a refused call wrote"
@@ -71,9 +71,17 @@ def test_kernel_spec_refuses_what_the_kernel_does_not_take_by_name():
     ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16, draft=2)
     index = torch.tensor([0, 1], dtype=torch.int32)
     call = _call(rows, lane_inputs(2, H, D, N, R, generator=g), weights, index)
-    _refused(call, ring, "accepted", accepted=torch.zeros(2, dtype=torch.int32))
+    accepted = torch.zeros(2, dtype=torch.int32)
+    _refused(call, ring, "num_accepted with replay_ring needs a verify step, tokens > 1", accepted=accepted)
     drafts = _call(rows, lane_inputs(2, H, D, N, R, tokens=2, generator=g), weights, index)
-    _refused(drafts, ring, "replay kernel: replay_ring needs one token per lane")
+    _refused(drafts, ring, "replay_from_checkpoint takes one-token steps", from_checkpoint=True)
+    _refused(drafts, ring, r"^accepted: expected dtype int32, got int64", accepted=accepted.long())
+    _refused(drafts, ring, r"^accepted: expected shape \(B\) = \(2,\), got \(3,\)", accepted=torch.zeros(3, dtype=torch.int32))
+    _refused(drafts, ring, r"^accepted: expected innermost stride 1", accepted=torch.zeros(4, dtype=torch.int32)[::2])
+    _refused(drafts, ring, "accepted", accepted=ring.length.view(-1)[:2])  # a ring byte: written by the step
+    assert replay_kernel_spec(drafts, ring, K, accepted=accepted) == flagship_spec(replay_ring=K, tokens=2,
+                                                                                  num_accepted=True)
+    assert replay_kernel_spec(drafts, ring, K) == flagship_spec(replay_ring=K, tokens=2)
     _refused(call._replace(dst_state_batch_indices=index), ring, "replay_ring needs no dst_state_batch_indices")
     rotary = with_rotary({**call._asdict(), "state": rows["state"]}, 16, seed=4)
     _refused(StepTensors(**rotary), new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16,

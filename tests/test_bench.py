@@ -35,6 +35,7 @@ angle_bench = _load("angle_bench")
 static_bench = _load("static_bench")
 gpu_bench = _load("gpu_bench")
 gpu_replay_bench = _load("gpu_replay_bench")
+gpu_replay_verify_bench = _load("gpu_replay_verify_bench")
 gpu_replay_probe = _load("gpu_replay_probe")
 drift_bench = _load("drift_bench")
 
@@ -261,6 +262,34 @@ def test_gpu_replay_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
     assert gpu_replay_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
     assert "CORRECTNESS FAILURE" in capsys.readouterr().out
     assert not (tmp_path / "bad" / "gpu_replay_bench.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists")
+def test_gpu_replay_verify_bench_without_cuda_says_so(tmp_path, capsys):
+    assert gpu_replay_verify_bench.main(["--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == "no CUDA device: GPU replay verify benchmark not run"
+    assert not (tmp_path / "gpu_replay_verify_bench.json").exists()
+
+
+def test_gpu_replay_verify_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
+    """The verify benchmark on CPU tensors: its check passes (and fails on a corrupted replay step, with
+    no timing), every step kind is timed, the bytes ratio is the model's against today's verify step."""
+    args = ["--device", "cpu", "--heads", "1", "--batches", "2", "--ks", "2,4", "--tokens", "2", "--no-graph",
+            "--out", str(tmp_path)]
+    assert gpu_replay_verify_bench.main(args) == 0
+    assert "replay K=4" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "gpu_replay_verify_bench.json").read_text())["rows"]
+    assert [(r["step"], r["K"], r["tokens"]) for r in rows] == [("stepwise", None, 2), ("replay K=2", 2, 2),
+                                                                ("replay K=4", 4, 2)]
+    today = flagship_spec(tokens=2, has_dst=True, dst_per_token=True, num_accepted=True)
+    assert rows[2]["bytes_ratio"] == pytest.approx(replay_bytes(today, 4, 2, 1)["total"]
+                                                   / bytes_per_step(today, 2, 1)["total"])
+    assert all(r["us_eager"] > 0 for r in rows)
+    original = gpu_replay_verify_bench.Layer.replay
+    monkeypatch.setattr(gpu_replay_verify_bench.Layer, "replay", lambda self: original(self).add_(1.0))
+    assert gpu_replay_verify_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
+    assert "CORRECTNESS FAILURE" in capsys.readouterr().out
+    assert not (tmp_path / "bad" / "gpu_replay_verify_bench.json").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists")

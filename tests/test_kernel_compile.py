@@ -158,6 +158,15 @@ REPLAY = {
         replay_ring=3),
 }
 
+#: replay's verify steps (T draft tokens; the next step commits num_accepted_tokens of them)
+REPLAY_VERIFY = {
+    "flagship-replay-K4-verify-T4": flagship_spec(replay_ring=4, tokens=4, num_accepted=True),
+    "flagship-replay-K8-verify-T4": flagship_spec(replay_ring=8, tokens=4, num_accepted=True),
+    "N32-D64-R2-bf16state-replay-K2-verify-T2-noz": StepSpec(
+        32, 64, 2, "bfloat16", pool=True, update_kv_state=True, has_z=False, replay_ring=2, tokens=2,
+        num_accepted=True),
+}
+
 #: the covering set with T in {2, 4, 8} (T = 1 is COVERING itself)
 COVERING_TOKENS = {f"{name}-T{T}": with_tokens(spec, T) for name, spec in COVERING.items() for T in (2, 4, 8)}
 
@@ -165,7 +174,8 @@ COVERING_TOKENS = {f"{name}-T{T}": with_tokens(spec, T) for name, spec in COVERI
 #: compiler facts come from that compile, the others' from a plain compile (no PTX to parse)
 EXECUTED_ARCH = "sm_90a"
 EXECUTED = frozenset(s.with_default_tiling() for s in (*COVERING.values(), *MULTI_TOKEN.values(), *ROTARY.values(),
-                                                       *STOCHASTIC.values(), *EIGHT_BIT.values(), *REPLAY.values()))
+                                                       *STOCHASTIC.values(), *EIGHT_BIT.values(), *REPLAY.values(),
+                                                       *REPLAY_VERIFY.values()))
 
 
 def _full_matrix():
@@ -277,7 +287,7 @@ def check_padding_guard(sass_text: str, where: str, loads: int = 2) -> None:
 
 #: the named sets every run compiles for both architectures, by the prefix of their test ids
 COMPILED_SETS = {"covering": COVERING, "multi-token": MULTI_TOKEN, "rotary": ROTARY, "stochastic": STOCHASTIC,
-                 "eight-bit": EIGHT_BIT, "replay": REPLAY}
+                 "eight-bit": EIGHT_BIT, "replay": REPLAY, "replay-verify": REPLAY_VERIFY}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

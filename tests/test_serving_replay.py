@@ -106,16 +106,21 @@ def test_replay_pool_refusals_change_nothing():
     g = torch.Generator().manual_seed(5)
     replay, _ = _pools(4)
     bf16, _ = _pools(2, state_dtype=torch.bfloat16)
+    drafts = ReplayStatePool(2, P, H, D, N, R, replay_ring=2, replay_draft=2)
     w = layer_weights(H, D, R, generator=g)
     slots = replay.alloc(2)
     bf16.alloc(2)
+    drafts.alloc(2)
     lane = lane_inputs(2, H, D, N, R, generator=g)
     cases = [
         (replay, dict(dst_slots=slots), r"^dst_slots: expected None with a replay pool \(replay_ring=4\)"),
-        (replay, dict(slots=slots[:, None], num_accepted_tokens=torch.ones(2, dtype=torch.int32)),
-         r"^num_accepted_tokens: expected None with a replay pool"),
         (replay, dict(lane_inputs(2, H, D, N, R, tokens=2, generator=g)),
-         r"^x: expected \(B, H, D\) with a replay pool"),
+         r"^x: a verify step of 2 tokens needs a ring with room for them \(ReplayStatePool\(\.\.\., replay_draft >= 2\)\)"),
+        (drafts, dict(lane_inputs(2, H, D, N, R, tokens=2, generator=g), validate_indices=True,
+                      num_accepted_tokens=torch.tensor([1, 3], dtype=torch.int32)),
+         r"^num_accepted_tokens: expected counts in \[0, replay_draft=2\] with a replay pool, got \[3\] at lanes \[1\]"),
+        (drafts, dict(lane_inputs(2, H, D, N, R, tokens=2, generator=g), num_accepted_tokens=torch.ones(2)),
+         r"^num_accepted_tokens: expected dtype int32, got float32"),
         (replay, dict(stochastic_rounding=True), r"^stochastic_rounding: expected False with no rand_seed"),
         (bf16, dict(stochastic_rounding=True, rand_seed=torch.tensor([1, 0])),
          r"^stochastic_rounding: a replay pool with a bfloat16 state takes no stochastic rounding"),
@@ -132,6 +137,43 @@ def test_replay_pool_refusals_change_nothing():
         replay.materialize(0, slots, xproj=w["xproj"][:1], D=w["D"])
     with pytest.raises(Exception, match="materialize"):
         replay.materialize(0, [P - 1], xproj=w["xproj"], D=w["D"])  # not allocated
+
+
+@pytest.mark.parametrize("K, T", [(2, 2), (4, 3)])
+def test_verify_rounds_on_a_replay_pool_equal_stepwise_decoding(K, T):
+    """Speculative rounds on a replay pool (``replay_draft=T``): each round's drafts through one decode_step,
+    the next round's ``num_accepted_tokens`` committing some (0: a rollback). Against a stepwise pool that
+    steps the accepted tokens one by one: every draft's out bit for bit (the stepwise T-token step on a
+    copy of the stepwise pool), every live row's materialized state equal, and flushes crossed."""
+    g = torch.Generator().manual_seed(10 * K + T)
+    replay = ReplayStatePool(2, P, H, D, N, R, replay_ring=K, replay_draft=T)
+    stepwise, scratch = StatePool(2, P, H, D, N, R), StatePool(2, P, H, D, N, R)
+    w = layer_weights(H, D, R, generator=g)
+    live = replay.alloc(3)
+    stepwise.alloc(3)
+    _seed_rows((replay, stepwise), live, g)
+    slots = torch.cat([live, torch.tensor([replay.pad_id], dtype=torch.int32)])  # a padding lane last
+    pending, flushed = [None, None], 0
+    for step in range(6):
+        accepted = torch.tensor([int(v) for v in torch.randint(0, T + 1, (len(slots),), generator=g)],
+                                dtype=torch.int32) if step else None
+        for layer in range(2):
+            if accepted is not None:  # the stepwise pool steps the accepted drafts of the last round
+                for j in range(T):
+                    go = torch.where(accepted > j, slots, torch.full_like(slots, replay.pad_id))
+                    decode_step(stepwise, layer, go, **{k: v[:, j] for k, v in pending[layer].items()}, **w)
+            lengths = replay.ring(layer).length[live.long(), 0] + (0 if accepted is None else accepted[:-1])
+            flushed += int((lengths >= K).sum())
+            lane = lane_inputs(len(slots), H, D, N, R, tokens=T, generator=g)
+            got = decode_step(replay, layer, slots, **lane, **w, num_accepted_tokens=accepted)
+            for mine, theirs in zip(scratch._pools(), stepwise._pools()):
+                mine.copy_(theirs)
+            want = decode_step(scratch, layer, slots, **lane, **w)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (step, layer)
+            assert got[-1].eq(0).all()
+            _check_current(replay, stepwise, layer, live, w)
+            pending[layer] = lane
+    assert flushed >= 4, flushed
 
 
 def test_graph_runner_steps_a_replay_pool_as_decode_step():
@@ -152,3 +194,28 @@ def test_graph_runner_steps_a_replay_pool_as_decode_step():
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), step
     for kind_a, kind_b in zip(a._pools(), b._pools()):
         assert torch.equal(kind_a, kind_b)
+
+
+def test_graph_runner_steps_verify_rounds_of_a_replay_pool_as_decode_step():
+    """Verify steps through the runner: ``num_accepted_tokens`` (n,) beside (n,) slots is its own form
+    (a buffer for it; never dropped), and every out and pool byte equals decode_step's on a twin pool."""
+    from mamba3_step.serving import StepForm
+
+    g = torch.Generator().manual_seed(12)
+    a, b = (ReplayStatePool(2, P, H, D, N, R, replay_ring=2, replay_draft=2) for _ in range(2))
+    w = layer_weights(H, D, R, generator=g)
+    slots = a.alloc(3)
+    b.alloc(3)
+    _seed_rows((a, b), slots, g)
+    runner = CudaGraphStepRunner(a, 0, buckets=(4,), **w)
+    accepted = None
+    for step in range(5):
+        lane = lane_inputs(3, H, D, N, R, tokens=2, generator=g)
+        got = runner.step(slots, **lane, num_accepted_tokens=accepted)
+        want = decode_step(b, 0, slots, **lane, **w, num_accepted_tokens=accepted)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), step
+        accepted = torch.randint(0, 3, (3,), generator=g, dtype=torch.int32)
+    for kind_a, kind_b in zip(a._pools(), b._pools()):
+        assert torch.equal(kind_a, kind_b)
+    assert {form for _, form in runner.captured} == {StepForm(2), StepForm(2, accepted=True)}
+    assert runner.buffers(4, StepForm(2, accepted=True))["nat"].shape == (4,)

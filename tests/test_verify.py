@@ -87,6 +87,14 @@ def test_verify_rows_of_replay_specialisations_pass(from_checkpoint):
     assert "replay3" in row["label"] and (row["err_out"] > 0) == from_checkpoint
 
 
+def test_verify_row_of_a_replay_verify_specialisation_passes():
+    """Verify steps (T = 2 drafts, each accepted by the row's next step) against the stepwise T-token kernel."""
+    spec = flagship_spec(dstate=32, headdim=32, mimo=2, replay_ring=2, tokens=2, num_accepted=True)
+    row = verify.verify_spec(spec, "sm_90a", batch=6, heads=1)
+    assert row["ok"] and row["parity"] and row["padding_bytes"] == 0 and row["races"] == 0, row
+    assert "T2" in row["label"] and "accepted" in row["label"] and "replay2" in row["label"]
+
+
 def test_verify_reports_a_wrong_replay_kernel(monkeypatch):
     """A replay kernel whose out is off by one unit fails parity (its outs are the stepwise kernel's)."""
     real = verify.run_step_ptx
@@ -99,6 +107,9 @@ def test_verify_reports_a_wrong_replay_kernel(monkeypatch):
 
     monkeypatch.setattr(verify, "run_step_ptx", corrupted)
     row = verify.verify_spec(flagship_spec(dstate=32, headdim=32, mimo=1, replay_ring=2), "sm_90a", batch=4, heads=1)
+    assert not row["parity"] and not row["ok"]
+    spec = flagship_spec(dstate=32, headdim=32, mimo=1, replay_ring=2, tokens=2, num_accepted=True)
+    row = verify.verify_spec(spec, "sm_90a", batch=4, heads=1)
     assert not row["parity"] and not row["ok"]
 
 

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..api_replay import check_accepted
 from ..contract import shown, source_rows
 from ..signature import STEP_SIGNATURE, StepOptions, View, make_binder, view_fields, view_signature
 from ..spec import MAX_TOKENS
@@ -35,11 +36,14 @@ class StepForm(NamedTuple):
     axis (the plain step; a token axis of ``T = 1`` is another form). ``candidates``: ``K``,
     ``slots`` ``(n, K)`` with ``num_accepted_tokens`` ``(n,)``; None: ``slots`` ``(n,)``.
     ``dst_per_token``: ``dst_slots`` ``(n, T)`` (a runner built ``with_dst``; else ``(n,)`` or none).
+    ``accepted``: ``num_accepted_tokens`` ``(n,)`` beside ``slots`` ``(n,)`` (a replay pool's verify step
+    committing its last drafts; docs/contract.md, "Replay").
     """
 
     tokens: int | None = None
     candidates: int | None = None
     dst_per_token: bool = False
+    accepted: bool = False
 
     @classmethod
     def speculative(cls, T: int) -> "StepForm":
@@ -59,16 +63,19 @@ class StepForm(NamedTuple):
             return f"dst_per_token must be a bool, got {shown(self.dst_per_token)}"
         if self.dst_per_token and (self.tokens is None or not with_dst):
             return "dst_per_token needs tokens (a token axis) and a runner built with with_dst=True"
+        if not isinstance(self.accepted, bool) or (self.accepted and self.candidates is not None):
+            return f"accepted must be a bool, and False with candidates (groups), got {shown(self.accepted)}"
         return ""
 
 
 PLAIN = StepForm()
 
 
-def _form_of(x: torch.Tensor, slots: torch.Tensor, dst_slots) -> StepForm:
+def _form_of(x: torch.Tensor, slots: torch.Tensor, dst_slots, num_accepted_tokens) -> StepForm:
     """The form of a step's tensors (read before they are validated: a bad form finds no buffers)."""
     return StepForm(x.shape[1] if x.dim() == 4 else None, slots.shape[1] if slots.dim() == 2 else None,
-                    isinstance(dst_slots, torch.Tensor) and dst_slots.dim() == 2)
+                    isinstance(dst_slots, torch.Tensor) and dst_slots.dim() == 2,
+                    num_accepted_tokens is not None and slots.dim() == 1)
 
 
 #: the tensors a runner fixes at construction (its graphs read their storage): the layer's weights and,
@@ -207,12 +214,14 @@ class CudaGraphStepRunner:
         tensors = StepTensors(
             **p.layer_rows(self.layer), **{f: inputs.get(f) for f in LANE_FIELDS},
             **self._weights, out=None if s is None else s["out"][:n], state_batch_indices=stand_in("slots", slots),
-            dst_state_batch_indices=dst, null_slot_id=p.null_slot_id, num_accepted_tokens=nat,
-        )
+            dst_state_batch_indices=dst, null_slot_id=p.null_slot_id, num_accepted_tokens=None if p.replay_ring else nat,
+        )  # a replay pool's num_accepted_tokens commits drafts of its ring: checked below, not as a group's
         x = inputs["x"]
         tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
         in_kernel = kv_update_in_kernel(p.headdim, p.dstate, p.mimo, p.state_dtype, self.tile_D, tokens)
         check_step_inputs_cached(tensors, update_kv_state=in_kernel, **self._options)
+        if p.replay_ring and nat is not None:  # a replay pool's accepted drafts: (n,) beside (n,) slots
+            check_accepted(tensors, nat, "num_accepted_tokens")
 
     # static buffers -------------------------------------------------------------------
     def _make_static(self, bucket: int, form: StepForm) -> dict[str, torch.Tensor]:
@@ -225,7 +234,7 @@ class CudaGraphStepRunner:
             if self._optional_lanes.get(name, name not in StepTensors._field_defaults):
                 shape, dtype = lane_buffer(p, name, self.shared_bc)
                 s[name] = torch.zeros(lanes + shape, dtype=dtype, device=dev)
-        if form.candidates:
+        if form.candidates or form.accepted:
             s["nat"] = torch.ones((bucket,), dtype=torch.int32, device=dev)
         if self.with_dst:
             dst_shape = (bucket, form.tokens) if form.dst_per_token else (bucket,)
@@ -314,7 +323,7 @@ class CudaGraphStepRunner:
         bucket = choose_bucket(n, self.buckets)
         if bucket is None:  # too big for any bucket: run eagerly, unpadded
             return self._eager(slots, inputs, dst_slots, num_accepted_tokens)
-        key = (bucket, _form_of(x, slots, dst_slots))
+        key = (bucket, _form_of(x, slots, dst_slots, num_accepted_tokens))
         self._check_step(key, n, inputs, slots, dst_slots, num_accepted_tokens)
         if key not in self._static:
             self.capture([bucket], key[1])

@@ -11,7 +11,7 @@ from inspect import Parameter
 import torch
 
 from ..api import check_index_values, run_step
-from ..api_replay import replay_step_fn
+from ..api_replay import check_accepted, replay_step_fn
 from ..contract import dtype_name, lane_is_live, source_rows
 from ..signature import StepOptions, View, make_binder, view_fields, view_signature
 from ..tensors import StepTensors
@@ -122,23 +122,26 @@ decode_step.__signature__ = view_signature(_VIEW).replace(return_annotation="tor
 
 
 #: what a replay pool's decode_step refuses, the reason after the name
-_NOT_WITH_REPLAY = {
-    ("dst_slots", "dst_state_batch_indices"): "a replay step writes its row's checkpoint and ring",
-    ("num_accepted_tokens", "num_accepted_tokens"): "speculative groups are stepwise decoding's (replay keeps "
-                                                    "drafts in the ring)",
-}
+_NOT_WITH_REPLAY = {("dst_slots", "dst_state_batch_indices"): "a replay step writes its row's checkpoint and ring"}
 
 
 def _replay_step(pool: StatePool, layer: int, tensors: StepTensors, call: dict) -> torch.Tensor:
-    """A one-token step of a replay pool (:class:`~mamba3_step.serving.ReplayStatePool`): :func:`mamba3_step.replay_step_fn`
-    on the layer's rows and ring, with every ``out`` stepwise decoding's, bit for bit. Refused by name: a
-    token axis, ``dst_slots``, ``num_accepted_tokens`` (checked before anything is written)."""
+    """A step of a replay pool (:class:`~mamba3_step.serving.ReplayStatePool`): :func:`mamba3_step.replay_step_fn`
+    on the layer's rows and ring, with every ``out`` stepwise decoding's, bit for bit. A verify step (x with
+    a token axis of at most ``pool.replay_draft`` drafts) keeps its drafts in the ring; ``num_accepted_tokens``
+    (B,) commits that many of each lane's last drafts first (``slots`` stays (B,): no speculative groups).
+    Refused by name, before anything is written: ``dst_slots``, more drafts than the ring has room for."""
     for (name, field), why in _NOT_WITH_REPLAY.items():
         if call[field] is not None:
             raise ValueError(f"{name}: expected None with a replay pool (replay_ring={pool.replay_ring}): {why}")
-    if isinstance(tensors.x, torch.Tensor) and tensors.x.dim() == 4:
-        raise ValueError(f"x: expected (B, H, D) with a replay pool (replay_ring={pool.replay_ring}): it takes "
-                         f"one-token steps, got {tuple(tensors.x.shape)}")
+    accepted = tensors.num_accepted_tokens
+    tensors = tensors._replace(num_accepted_tokens=None)  # replay commits drafts of the ring: replay_step_fn's accepted
+    x = tensors.x
+    tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
+    if tokens > 1 and tokens > pool.replay_draft:
+        raise ValueError(f"x: a verify step of {tokens} tokens needs a ring with room for them "
+                         f"(ReplayStatePool(..., replay_draft >= {tokens})), this pool has replay_draft="
+                         f"{pool.replay_draft}")
     stochastic = check_options(stochastic_rounding=call["stochastic_rounding"])["stochastic_rounding"]  # named errors
     if stochastic != (tensors.rand_seed is not None):
         raise ValueError(f"stochastic_rounding: expected {tensors.rand_seed is not None} with "
@@ -146,15 +149,31 @@ def _replay_step(pool: StatePool, layer: int, tensors: StepTensors, call: dict) 
     if stochastic and pool.ring(layer).offset is None:
         raise ValueError(f"stochastic_rounding: a replay pool with a {dtype_name(pool.state_dtype)} state takes no "
                          f"stochastic rounding (its rings keep no draw offsets; an 8-bit pool's do)")
-    if call["validate_indices"]:
+    if accepted is not None or call["validate_indices"]:
         check_step_inputs_cached(tensors, update_kv_state=True, rotate_pairwise=call["rotate_pairwise"],
                                  stochastic_rounding=stochastic)
+    if accepted is not None:
+        check_accepted(tensors, accepted, "num_accepted_tokens")
+    if call["validate_indices"]:
         check_index_values(tensors.with_out().one_token_squeezed())
-    out = replay_step_fn(tensors, pool.ring(layer), pool.replay_ring, rotate_pairwise=call["rotate_pairwise"],
-                         tile_D=call["tile_D"], num_warps=call["num_warps"])
+        _check_accepted_values(pool, accepted)
+    out = replay_step_fn(tensors, pool.ring(layer), pool.replay_ring, accepted=accepted,
+                         rotate_pairwise=call["rotate_pairwise"], tile_D=call["tile_D"], num_warps=call["num_warps"])
     if stochastic:
-        tensors.rand_seed[1:].add_(1)
+        tensors.rand_seed[1:].add_(tokens)
     return out
+
+
+def _check_accepted_values(pool: StatePool, accepted) -> None:
+    """With ``validate_indices``: each accepted count in ``[0, replay_draft]`` (the kernel makes a lane
+    whose count leaves its ring padding; this says so by name instead)."""
+    if accepted is None or accepted.numel() == 0:
+        return
+    bad = (accepted < 0) | (accepted > pool.replay_draft)
+    if bool(bad.any()):
+        lanes = bad.nonzero().flatten().tolist()
+        raise ValueError(f"num_accepted_tokens: expected counts in [0, replay_draft={pool.replay_draft}] with a replay "
+                         f"pool, got {accepted[bad].tolist()} at lanes {lanes}")
 
 
 def _masked_kv_scatter(pool: StatePool, layer: int, tensors: StepTensors) -> None:

@@ -19,11 +19,14 @@ __all__ = ["ReplayStatePool"]
 
 
 class ReplayStatePool(StatePool):
-    """A :class:`StatePool` (same arguments) plus ``replay_ring=K`` (an int in ``[2, 16]``): per layer
-    ``l`` a :class:`~mamba3_step.replay.Ring`, ``ring(l)``, of ``K - 1`` entries a row, with draw offsets
-    for an 8-bit state and angles with ``rope_angles``. The ``state`` rows are checkpoints;
+    """A :class:`StatePool` (same arguments) plus ``replay_ring=K`` (an int in ``[2, 16]``) and
+    ``replay_draft=T`` (an int in ``[0, 16]``, default 0: the most draft tokens of a verify step): per
+    layer ``l`` a :class:`~mamba3_step.replay.Ring`, ``ring(l)``, of ``K - 1 + T`` entries a row, with
+    draw offsets for an 8-bit state and angles with ``rope_angles``. The ``state`` rows are checkpoints;
     :meth:`materialize` gives a row's current state, and ``decode_step`` (and the graph runner) step
-    the pool through ``replay_step_fn``: one-token steps, every ``out`` stepwise decoding's.
+    the pool through ``replay_step_fn``: one-token steps, or verify steps of up to ``T`` drafts (kept in
+    the ring; the next step's ``num_accepted_tokens`` commits some, a rollback is committing none), every
+    ``out`` stepwise decoding's.
 
     The rings are one ``(L, P, ...)`` allocation per field, among the pool's row allocations: ``reset``
     empties a row's ring with its checkpoint, ``copy``/``fork`` copy it with the row (nothing is
@@ -31,15 +34,18 @@ class ReplayStatePool(StatePool):
     no stochastic rounding (refused by name).
     """
 
-    def __init__(self, *args, replay_ring: int, **kwargs):
+    def __init__(self, *args, replay_ring: int, replay_draft: int = 0, **kwargs):
         if not is_int(replay_ring) or not 2 <= replay_ring <= 16:
             raise ValueError(f"replay_ring: expected an int K in [2, 16] (the state written every K tokens, a ring "
                              f"of the K - 1 tokens since), got {shown(replay_ring)}")
+        if not is_int(replay_draft) or not 0 <= replay_draft <= 16:
+            raise ValueError(f"replay_draft: expected an int T in [0, 16] (the most draft tokens of a verify step), "
+                             f"got {shown(replay_draft)}")
         super().__init__(*args, **kwargs)
-        self.replay_ring = int(replay_ring)
+        self.replay_ring, self.replay_draft = int(replay_ring), int(replay_draft)
         L, P = self.num_layers, self.num_slots
         flat = new_ring(L * P, self.replay_ring, self.mimo, self.nheads, self.dstate, self.headdim,
-                        kv_dtype=self.kv_dtype, x_dtype=self.x_dtype,
+                        kv_dtype=self.kv_dtype, x_dtype=self.x_dtype, draft=self.replay_draft,
                         stochastic=dtype_name(self.state_dtype) in SCALED_STATE_DTYPES, rope_angles=self.rope_angles,
                         device=self.device)
         self._ring = Ring(*(None if t is None else t.view((L, P) + tuple(t.shape[1:])) for t in flat))
@@ -52,8 +58,10 @@ class ReplayStatePool(StatePool):
     def materialize(self, layer: int, slots, *, xproj: torch.Tensor, D: torch.Tensor, zproj=None, outproj=None,
                     B_bias=None, C_bias=None, rand_seed=None, rotate_pairwise: bool = False) -> Current:
         """The current state of ``slots`` (allocated) in layer ``layer``: each row's checkpoint advanced by
-        its ring's committed tokens with the step's math and rounding, bit for bit what stepwise decoding
-        holds (:func:`mamba3_step.replay.materialize`; prefix caching, export). The layer's weights
+        its ring's committed tokens with the step's math and rounding (:func:`mamba3_step.replay.materialize`;
+        prefix caching, export): on CPU tensors bit for bit what stepwise decoding holds; on CUDA the same
+        math in PyTorch, within float32 rounding of the stepwise kernel's rows (bit for bit for a row with
+        an empty ring: its checkpoint). The layer's weights
         (``xproj``, ``D``, ``zproj``/``outproj`` as the steps took them; ``B_bias``/``C_bias`` with rotary)
         and, with an 8-bit state, ``rand_seed`` (its seed) are what the steps used. Writes nothing.
 
@@ -76,4 +84,4 @@ class ReplayStatePool(StatePool):
         return materialize(t, self.ring(layer), rows, rotate_pairwise=rotate_pairwise)
 
     def __repr__(self) -> str:
-        return super().__repr__()[:-1] + f", replay_ring={self.replay_ring})"
+        return super().__repr__()[:-1] + f", replay_ring={self.replay_ring}, replay_draft={self.replay_draft})"

@@ -11,7 +11,10 @@ Passed on an H200 (2026-11-27). The checks the PTX tier makes on the CPU
 * a replay step captured in a CUDA graph and replayed with new inputs equals eager, ring included
   (the ring lengths move on the device);
 * a replay ``StatePool`` (``replay_ring=K``, not yet run on a GPU): ``decode_step`` and the CUDA-graph
-  runner give the stepwise pool's outs bit for bit, ``materialize`` its rows.
+  runner give the stepwise pool's outs bit for bit, ``materialize`` its rows (bit for bit after a
+  flush, else within float32 rounding: PyTorch's math against the kernel's);
+* verify rounds on a replay pool (``replay_draft=T``, not yet run on a GPU): the drafts' outs are the
+  stepwise T-token kernel's bit for bit, the accepted tokens committed by ``num_accepted_tokens``.
 
 Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank, K flush length.
 """
@@ -163,6 +166,60 @@ def test_replay_pool_decode_and_graph_runner_match_the_stepwise_pool(K):
         graphed = runner.step(padded, **lane)
         torch.cuda.synchronize()
         assert bits_equal(eager, want) and bits_equal(graphed, want), f"step {step}"
-        cur = pools[0].materialize(0, slots, xproj=w["xproj"], D=w["D"], zproj=w["zproj"], outproj=w["outproj"])
-        rows = slots.long().to(DEV)
-        assert bits_equal(cur.state, stepwise.state(0)[rows]), f"step {step}: materialized state"
+        _check_materialized(pools[0], stepwise, slots, w, f"step {step}")
+
+
+def _check_materialized(replay, stepwise, slots: torch.Tensor, w: dict, where: str) -> None:
+    """``materialize`` (PyTorch's math on the device) against the stepwise kernel's rows: bit for bit
+    for a row with an empty ring (its checkpoint, written by the kernel), else within float32 rounding
+    (the kernel's FMAs and PyTorch's differ in order)."""
+    cur = replay.materialize(0, slots, xproj=w["xproj"], D=w["D"], zproj=w["zproj"], outproj=w["outproj"])
+    rows = slots.long().to(DEV)
+    want = stepwise.state(0)[rows]
+    empty = replay.ring(0).length[rows, 0] == 0
+    assert bits_equal(cur.state[empty], want[empty]), f"{where}: a flushed row's state"
+    torch.testing.assert_close(cur.state, want, rtol=1e-4, atol=1e-4 * want.abs().max().item(),
+                               msg=lambda m: f"{where}: materialized state: {m}")
+
+
+@pytest.mark.parametrize("K, T", [(4, 4), (8, 4), (2, 2)])
+def test_verify_rounds_on_a_replay_pool_match_the_stepwise_kernel(K, T):
+    """Speculative rounds on a replay pool (``replay_draft=T``) through decode_step and, on a twin pool,
+    the CUDA-graph runner: every draft's out is the stepwise T-token kernel's on a copy of a stepwise pool that steps only the accepted tokens (one
+    by one), bit for bit; every flushed row equals it bit for bit, the others within float32 rounding."""
+    from mamba3_step.serving import CudaGraphStepRunner, ReplayStatePool, StatePool, decode_step
+
+    g = torch.Generator().manual_seed(10 * K + T)
+    replay = ReplayStatePool(1, 12, H, D, N, R, replay_ring=K, replay_draft=T, device=DEV)
+    stepwise, scratch = (StatePool(1, 12, H, D, N, R, device=DEV) for _ in range(2))
+    w = layer_weights(H, D, R, generator=g, device=DEV)
+    slots = stepwise.alloc(5)
+    assert torch.equal(replay.alloc(5), slots)
+    fresh = torch.randn(5, H, D, N, generator=g).to(DEV)
+    for pool in (replay, stepwise):
+        pool.state(0)[slots.long().to(DEV)] = fresh
+    padded = torch.cat([slots, torch.tensor([-1], dtype=torch.int32)]).to(DEV)
+    twin = ReplayStatePool(1, 12, H, D, N, R, replay_ring=K, replay_draft=T, device=DEV)  # through the runner
+    twin.alloc(5)
+    twin.state(0)[slots.long().to(DEV)] = fresh
+    runner = CudaGraphStepRunner(twin, 0, buckets=(8,), **w)
+    pending, flushed = None, 0
+    for step in range(3 * K):
+        accepted = torch.randint(0, T + 1, (6,), generator=g, dtype=torch.int32).to(DEV) if step else None
+        if accepted is not None:
+            for j in range(T):
+                go = torch.where(accepted > j, padded, torch.full_like(padded, -1))
+                decode_step(stepwise, 0, go, **{k: v[:, j] for k, v in pending.items()}, **w)
+            flushed += int((replay.ring(0).length[slots.long().to(DEV), 0] + accepted[:-1] >= K).sum())
+        lane = lane_inputs(6, H, D, N, R, tokens=T, generator=g, device=DEV)
+        got = decode_step(replay, 0, padded, **lane, **w, num_accepted_tokens=accepted)
+        graphed = runner.step(padded, **lane, num_accepted_tokens=accepted)
+        for mine, theirs in zip(scratch._pools(), stepwise._pools()):
+            mine.copy_(theirs)
+        want = decode_step(scratch, 0, padded, **lane, **w)
+        torch.cuda.synchronize()
+        assert bits_equal(got, want) and bits_equal(graphed, want), f"step {step}: drafts"
+        assert got[-1].eq(0).all(), f"step {step}: the padding lane"
+        _check_materialized(replay, stepwise, slots, w, f"step {step}")
+        pending = lane
+    assert flushed >= 2, flushed

@@ -1,0 +1,235 @@
+"""Replay's verify steps, executed: the kernel's PTX run on the CPU for the specialisations with
+``replay_ring = K`` and ``tokens = T`` (``REPLAY_VERIFY`` in test_kernel_compile.py;
+docs/contract.md, "Replay").
+
+1. Speculative rounds over a decode that crosses at least two flushes of a row, with requests
+   joining and leaving, lanes reshuffled, every padding kind in the batch and a random number of
+   the previous round's drafts accepted (0: all rolled back): every draft's ``out`` is the executed
+   stepwise T-token kernel's, bit for bit, on the state stepwise decoding holds after the accepted
+   tokens (committed by the executed one-token stepwise kernel), so the state replayed from the
+   checkpoint and the committed ring is that state; after a flush the checkpoint, Bstate and Xstate
+   equal it bit for bit; the ring equals the CPU path's bit for bit; rows no lane reads keep every
+   bit of every pool and ring.
+2. A live lane at committed count ``c`` (its ring length plus ``accepted``) reads exactly its rows,
+   ring entries ``[0, c)``, its length and its ``accepted``, and writes its three rows and entries
+   ``[0, T)`` (a flush, ``c >= K``) or entries ``[c, c + T)``, and its length. Padding lanes, and
+   lanes whose length or ``accepted`` is out of range, write +0.0 to every token's ``out`` and no
+   byte of any pool or ring. No race between CTAs or threads.
+
+Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank, K flush length,
+T draft tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_kernel_compile import REPLAY_VERIFY
+from test_ptx_replay import RING_TENSORS, _heads, _span, _touched, _within
+
+from mamba3_step.ptx import analysis
+from mamba3_step.ptx_tier import run_step_ptx
+from mamba3_step.replay import new_ring, replay_step
+from mamba3_step.spec import StepSpec
+from mamba3_step.tensors import StepTensors
+from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_, row_tensors
+
+P, NULL = 9, 8
+PADDING = (-1, P, -(2**31), 2**31 - 1, NULL)
+POOLS = ("state", "Bstate", "Xstate")
+
+
+def _spec(name: str) -> StepSpec:
+    return REPLAY_VERIFY[name].with_default_tiling()
+
+
+def _stepwise(spec: StepSpec, tokens: int) -> StepSpec:
+    """The stepwise specialisation with ``tokens`` per lane, no replay, its default tiling."""
+    return spec.replace(replay_ring=0, num_accepted=False, tokens=tokens, tile_D=0, num_warps=0).with_default_tiling()
+
+
+class Layer:
+    """The replay kernel's pools and ring, the CPU path's, and the stepwise pools (the state
+    stepwise decoding holds after each round's accepted tokens)."""
+
+    def __init__(self, spec: StepSpec, seed: int):
+        self.spec, self.H, self.T, self.K = spec, _heads(spec), spec.tokens, spec.replay_ring
+        self.g = torch.Generator().manual_seed(seed)
+        self.io = dict(kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype)
+        rows = row_tensors(P, self.H, spec.headdim, spec.dstate, spec.mimo, state_dtype=spec.state_dtype,
+                           generator=self.g, **self.io)
+        self.weights = layer_weights(self.H, spec.headdim, spec.mimo, proj_dtype=spec.proj_dtype, has_z=spec.has_z,
+                                     has_outproj=spec.has_outproj, generator=self.g)
+        self.pools = {kind: {k: v.clone() for k, v in rows.items()} for kind in ("replay", "cpu", "stepwise")}
+        shape = (P, self.K, spec.mimo, self.H, spec.dstate, spec.headdim)
+        self.rings = {kind: new_ring(*shape, kv_dtype=rows["Bstate"].dtype, x_dtype=rows["Xstate"].dtype,
+                                     draft=self.T) for kind in ("replay", "cpu")}
+        for ring in self.rings.values():  # entries past what a lane reads are never read
+            for t in (ring.B, ring.x, ring.coef):
+                poison_(t, seed=3)
+        self.pending = {}  # row -> its last round's drafts (lane inputs with a token axis)
+
+    def lane(self, B: int, tokens) -> dict:
+        s = self.spec
+        return lane_inputs(B, self.H, s.headdim, s.dstate, s.mimo, has_z=s.has_z, tokens=tokens, generator=self.g,
+                           **self.io)
+
+    def call(self, pools: dict, lane: dict, index: torch.Tensor, out=None) -> StepTensors:
+        w = self.weights
+        return StepTensors(pools["state"], pools["Bstate"], pools["Xstate"], lane["A"], lane["B"], lane["C"], w["D"],
+                           lane["x"], lane["dt"], lane["trap"], w["xproj"], outproj=w["outproj"], out=out,
+                           z=lane["z"], zproj=w["zproj"], state_batch_indices=index, null_slot_id=NULL)
+
+    def out(self, B: int) -> torch.Tensor:
+        s = self.spec
+        shape = (B, self.T) + ((self.H, s.headdim) if s.has_outproj else (s.mimo, self.H, s.headdim))
+        return poison_(torch.empty(shape, dtype=self.pools["replay"]["Xstate"].dtype), seed=B)
+
+    def join(self, row: int) -> None:
+        s = self.spec
+        fresh = row_tensors(1, self.H, s.headdim, s.dstate, s.mimo, state_dtype=s.state_dtype, generator=self.g,
+                            **self.io)
+        for pools in self.pools.values():
+            for k, v in fresh.items():
+                pools[k][row] = v[0]
+        for ring in self.rings.values():
+            ring.length[row] = 0
+        self.pending.pop(row, None)
+
+    def commit_stepwise(self, lanes: list, accepted: list) -> None:
+        """The stepwise pools advance by each lane's accepted drafts of its last round: one-token
+        steps of the executed stepwise kernel, token j for the lanes that accepted more than j."""
+        B, one = len(lanes), _stepwise(self.spec, 1)
+        for j in range(self.T):
+            index = [row if a > j else -1 for row, a in zip(lanes, accepted)]
+            if all(i < 0 for i in index):
+                return
+            lane = self.lane(B, None)  # filler for the lanes that do not step
+            for b, row in enumerate(index):
+                if row >= 0:
+                    for k, v in self.pending[row].items():
+                        if v is not None:
+                            lane[k][b] = v[j]
+            out = torch.empty(self.out(B)[:, 0].shape, dtype=self.out(1).dtype)
+            run_step_ptx(one, self.call(self.pools["stepwise"], lane, torch.tensor(index, dtype=torch.int32), out))
+
+    def drafts_stepwise(self, lane: dict, index: torch.Tensor) -> torch.Tensor:
+        """The drafts' outputs of the executed stepwise T-token kernel, from a copy of the stepwise pools."""
+        scratch = {k: v.clone() for k, v in self.pools["stepwise"].items()}
+        want = self.out(index.numel())
+        run_step_ptx(_stepwise(self.spec, self.T), self.call(scratch, lane, index, want))
+        return want
+
+    def snapshot(self) -> dict:
+        held = {k: v.clone() for k, v in self.pools["replay"].items()}
+        held.update({f"ring.{f}": getattr(self.rings["replay"], f).clone() for f in ("B", "x", "coef", "length")})
+        return held
+
+
+def _is_positive_zero(t: torch.Tensor) -> bool:
+    return torch.equal(t, torch.zeros_like(t)) and not t.float().signbit().any()
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.full_matrix] if "K8" in n else [])
+                                  for n in REPLAY_VERIFY])
+def test_verify_rounds_are_bit_identical_to_the_executed_stepwise_kernel(name):
+    spec = _spec(name)
+    layer = Layer(spec, seed=17)
+    K, T = layer.K, layer.T
+    rng = np.random.default_rng(7)
+    active = [0, 1, 2]
+    rounds = 7 if K <= T else 9
+    schedule = {2: (1, 4), 5: (0, 5)}  # round -> (row that leaves, row that joins)
+    flushes = {}
+    for s in range(rounds):
+        if s in schedule:
+            leave, join = schedule[s]
+            active[active.index(leave)] = join
+            layer.join(join)
+        lanes = list(active) + [int(v) for v in rng.choice(PADDING, size=2, replace=False)]
+        rng.shuffle(lanes)
+        accepted = [int(rng.integers(1, T + 1)) if s % 3 else int(rng.integers(0, T + 1)) for _ in lanes]
+        accepted = [a if row in layer.pending else 0 for row, a in zip(lanes, accepted)]
+        index = torch.tensor(lanes, dtype=torch.int32)
+        counts = {row: int(layer.rings["replay"].length[row, 0]) + a for row, a in zip(lanes, accepted)
+                  if row in active}
+        layer.commit_stepwise(lanes, accepted)
+        before = layer.snapshot()
+        lane = layer.lane(len(lanes), T)
+        got = layer.out(len(lanes))
+        acc = torch.tensor(accepted, dtype=torch.int32)
+        run_step_ptx(spec, layer.call(layer.pools["replay"], lane, index, got)._replace(num_accepted_tokens=acc),
+                     ring=layer.rings["replay"])
+        replay_step(layer.call(layer.pools["cpu"], lane, index), layer.rings["cpu"], K, accepted=acc,
+                    exact_outputs=True)
+        want = layer.drafts_stepwise(lane, index)
+        for b, row in enumerate(lanes):
+            if row not in active:
+                assert _is_positive_zero(got[b]), f"{name} round {s}: padding lane {b} out"
+                continue
+            assert bits_equal(got[b], want[b]), f"{name} round {s}: lane {b}'s drafts differ from the stepwise kernel's"
+            layer.pending[row] = {k: (None if v is None else v[b].clone()) for k, v in lane.items()}
+        replay, stepwise = layer.pools["replay"], layer.pools["stepwise"]
+        for row in active:
+            if counts[row] >= K:
+                flushes[row] = flushes.get(row, 0) + 1
+                assert int(layer.rings["replay"].length[row, 0]) == 0, f"{name} round {s}: row {row} not flushed"
+                for k in POOLS:
+                    assert bits_equal(replay[k][row], stepwise[k][row]), f"{name} round {s}: row {row} {k} at a flush"
+        for f in ("B", "x", "coef", "length"):
+            assert bits_equal(getattr(layer.rings["replay"], f), getattr(layer.rings["cpu"], f)), \
+                f"{name} round {s}: ring.{f} differs from the CPU path's"
+        after = layer.snapshot()
+        for row in set(range(P)) - set(active):
+            for k, v in before.items():
+                assert bits_equal(after[k][row], v[row]), f"{name} round {s}: row {row} of {k} written"
+    assert flushes and max(flushes.values()) >= 2, f"{name}: fewer than two flushes of one row ({flushes})"
+
+
+def test_verify_lanes_touch_exactly_their_rows_and_ring_entries():
+    spec = _spec("flagship-replay-K4-verify-T4")
+    layer = Layer(spec, seed=5)
+    K, T = layer.K, layer.T
+    ring = layer.rings["replay"]
+    # row -> (ring length, accepted): appends, flushes (up to the largest count), then out of range
+    cases = {0: (0, 0), 1: (1, 2), 2: (2, 3), 3: (K - 1, T), 4: (-1, 1), 5: (2, -1), 6: (K - 1, T + 1)}
+    lanes = [2, -1, 0, 5, 3, P, 1, NULL, 6, 4, -(2**31)]
+    for row, (c, _) in cases.items():
+        ring.length[row] = c
+    accepted = torch.tensor([cases.get(row, (0, 7))[1] for row in lanes], dtype=torch.int32)
+    index = torch.tensor(lanes, dtype=torch.int32)
+    out = layer.out(len(lanes))
+    tensors = layer.call(layer.pools["replay"], layer.lane(len(lanes), T), index, out)
+    res = run_step_ptx(spec, tensors._replace(num_accepted_tokens=accepted), ring=ring, record_shared=True)
+    rows = {k: getattr(tensors, k) for k in POOLS}
+    rings = {k: getattr(ring, f) for k, f in RING_TENSORS.items()}
+    for b, row in enumerate(lanes):
+        touched = _touched(res, b)
+        length, a = cases.get(row, (None, None))
+        c = None if length is None else length + a
+        if c is None or length < 0 or a < 0 or c > K - 1 + T:  # padding, or out of range: nothing written
+            assert _is_positive_zero(out[b]), (b, row)
+            for t in (*rows.values(), *rings.values()):
+                assert not _within(touched[True], t), f"lane {b} (row {row}) wrote"
+                if t is not ring.length or length is None:
+                    assert not _within(touched[False], t), f"lane {b} (row {row}) read"
+            assert _within(touched[False], accepted) == (set() if length is None else _span(accepted[b])), (b, row)
+            continue
+        flush = c >= K
+        first = 0 if flush else c
+        assert _within(touched[False], accepted) == _span(accepted[b]), f"lane {b} reads of accepted"
+        for k, t in rows.items():
+            assert _within(touched[False], t) == _span(t[row]), f"lane {b} reads row {row} of {k}"
+            assert _within(touched[True], t) == (_span(t[row]) if flush else set()), f"lane {b} writes {k}"
+        for k, t in rings.items():
+            if k == "ring_length":
+                want_read = want_written = _span(t[row])
+            else:
+                want_read = _span(t[row, :c]) if c else set()
+                want_written = _span(t[row, first:first + T])
+            assert _within(touched[False], t) == want_read, f"lane {b} (count {c}) reads of {k}"
+            assert _within(touched[True], t) == want_written, f"lane {b} (count {c}) writes of {k}"
+    assert analysis.cta_races(res) == [], "bytes shared between CTAs with a write"
+    assert analysis.intra_cta_races(res) == [], "a global race inside a CTA"
+    assert analysis.intra_cta_races(res, shared=True) == [], "a shared-memory race inside a CTA"
