@@ -33,7 +33,8 @@ from mamba3_step.bytes_model import (  # noqa: E402
 )
 from mamba3_step.spec import FLAGSHIP_HEADS, flagship_rotary_spec, flagship_spec  # noqa: E402
 from mamba3_step.issue_model import GPUS as ISSUE_GPUS  # noqa: E402
-from mamba3_step.issue_model import REPLAY_EXECUTED, replay_issue_model  # noqa: E402
+from mamba3_step.issue_model import (REPLAY_EXECUTED, VERIFY_EXECUTED, VERIFY_TOKENS, replay_issue_model,  # noqa: E402
+                                     replay_verify_issue_model)
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 GPUS = tuple(HBM_BANDWIDTH)  # H100, H200, GH200
@@ -269,8 +270,7 @@ def plot(rows: list[dict], path) -> bool:
 
 REPLAY_BATCHES = (1, 64, 256)
 REPLAY_K = (2, 4, 8)
-REPLAY_NOTE = ("replay (docs/design.md, 'Replay'): bytes averaged over ring positions; a verify step (the "
-               "CPU path so far) pays the flushes its accepted tokens cause (all T accepted: min(1, T/K) of a "
+REPLAY_NOTE = ("replay (docs/design.md, 'Replay'): bytes averaged over ring positions; a verify step pays the flushes its accepted tokens cause (all T accepted: min(1, T/K) of a "
                "state write). The time ratio is the bytes ratio while the step stays memory-bound: the issue "
                "table below says where it does")
 REPLAY_ISSUE_NOTE = ("issue model of the replay kernel (plain decode, B = 256): executed PTX warp-instructions per "
@@ -325,6 +325,33 @@ REPLAY_ISSUE_COLUMNS = [("K", "K", ">d"), ("outputs", "append outputs", "<"), ("
     ("measured_time_H200", "H200 measured x", ">.3f")]
 
 
+REPLAY_VERIFY_NOTE = ("issue model of the replay kernel's T = 4 verify steps (B = 256), every draft accepted by "
+                      "the next step, against today's verify step (a destination row per draft): executed PTX "
+                      "warp-instructions per slab at the committed-token counts the steady state visits "
+                      "(mamba3_step.issue_model.VERIFY_EXECUTED, from the PTX tier), the bytes model's verify bytes; "
+                      "time = the larger of issue and memory time, relative to today's. A model: not measured on a "
+                      "GPU (bench/gpu_replay_verify_bench.py)")
+
+
+def replay_verify_rows(batch: int = 256, heads: int = FLAGSHIP_HEADS) -> list[dict]:
+    """Per K of :data:`VERIFY_EXECUTED`: instructions relative to today's verify step, and per GPU the
+    issue/memory ratio and the modelled time relative to today's (``replay_verify_issue_model``)."""
+    rows = []
+    for K in (k for k in VERIFY_EXECUTED if k != "today"):
+        row = {"K": K, "tokens": VERIFY_TOKENS, "per_step": list(VERIFY_EXECUTED[K].values())}
+        for name, gpu in ISSUE_GPUS.items():
+            m = replay_verify_issue_model(K, gpu, batch, heads)
+            row.update({"instructions": m["instructions"], f"ratio_{name}": m["ratio"], f"time_{name}": m["time"],
+                        f"today_ratio_{name}": m["today_ratio"]})
+        rows.append(row)
+    return rows
+
+
+REPLAY_VERIFY_COLUMNS = [("K", "K", ">d"), ("tokens", "T", ">d"), ("instructions", "instr. x", ">.2f")] + [
+    col for g in ("H100", "H200", "B200") for col in ((f"ratio_{g}", f"{g} issue/mem", ">.2f"),
+                                                      (f"time_{g}", f"{g} time x", ">.3f"))]
+
+
 def replay_rows(batches=REPLAY_BATCHES, heads: int = FLAGSHIP_HEADS) -> list[dict]:
     """The flagship's bytes per plain step and per T = 4 verify step (a destination row per token),
     stepwise and with replay at each K of :data:`REPLAY_K` (``bytes_model.replay_bytes``)."""
@@ -376,6 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nreplay kernel, flagship, H={args.heads}, B=256: instructions and time against the stepwise step")
     print(_util.format_table(replay_issue, REPLAY_ISSUE_COLUMNS))
     print(f"  - {REPLAY_ISSUE_NOTE}")
+    replay_verify = replay_verify_rows(heads=args.heads)
+    print(f"\nreplay kernel, verify steps, flagship, H={args.heads}, B=256: instructions and time against today's "
+          "verify step")
+    print(_util.format_table(replay_verify, REPLAY_VERIFY_COLUMNS))
+    print(f"  - {REPLAY_VERIFY_NOTE}")
     out = _util.results_dir(args.out)
     payload = {
         "what": "modelled, not measured: compulsory HBM bytes per decode step (mamba3_step.bytes_model) "
@@ -386,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "tokens": tokens,
         "rotary": {"spec": flagship_rotary_spec().as_dict(), "rows": rotary, "notes": list(ROTARY_NOTES)},
-        "replay": {"rows": replay, "note": REPLAY_NOTE, "issue": replay_issue, "issue_note": REPLAY_ISSUE_NOTE},
+        "replay": {"rows": replay, "note": REPLAY_NOTE, "issue": replay_issue, "issue_note": REPLAY_ISSUE_NOTE,
+                   "verify_issue": replay_verify, "verify_issue_note": REPLAY_VERIFY_NOTE},
     }
     print(f"wrote {_util.write_json(out / 'model_bench.json', payload)}")
     if not args.no_plot:

@@ -7,6 +7,7 @@ package: docs/design.md, "Architecture".
 """
 
 from . import ops  # noqa: F401  registers torch.ops.mamba3_step.step (torch.compile-friendly)
+from . import ops_replay  # noqa: F401  registers torch.ops.mamba3_step.replay_step
 from .api import mamba3_step_fn
 from .api_replay import replay_step_fn
 from .contract import PAD_SLOT_ID

@@ -19,6 +19,7 @@ import torch
 from .api import runs_kernel
 from .launch import kernel_for
 from .replay import Ring, check_ring, replay_step
+from .signature import OP_ORDER, StepOptions
 from .spec import StepSpec, replay_problem
 from .tensors import RING_FIELDS, StepTensors, kernel_arguments
 from .tiling import tiling_problem
@@ -26,7 +27,7 @@ from .validation import check_step_inputs_cached, checks
 from .validation.cache import tensor_signature
 from .validation.step import check_tiling_options
 
-__all__ = ["check_accepted", "replay_kernel_spec", "replay_step_fn"]
+__all__ = ["REPLAY_OP_ORDER", "check_accepted", "replay_kernel_spec", "replay_step_fn", "replay_through_op"]
 
 
 def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[torch.Tensor] = None,
@@ -48,6 +49,9 @@ def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Option
         TypeError, ValueError: invalid inputs, naming the argument; on CUDA also what the replay
             kernel does not take yet.
     """
+    if torch.compiler.is_compiling():  # one call of torch.ops.mamba3_step.replay_step, checked in its fake
+        return replay_through_op(tensors, ring, K, accepted=accepted, rotate_pairwise=rotate_pairwise,
+                                 from_checkpoint=from_checkpoint, tile_D=tile_D, num_warps=num_warps)
     if accepted is not None:
         check_accepted(tensors, accepted)
     if not runs_kernel(tensors.x):
@@ -61,6 +65,35 @@ def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Option
     if t.batch:
         kernel_for(spec, t.x)(*kernel_arguments(t, ring))
     return out
+
+
+def _replay_op_order() -> tuple:
+    step = OP_ORDER[:-len(StepOptions._fields)]
+    cut = step.index("out") + 1
+    ring = tuple(f"ring_{f}" for f in Ring._fields)
+    optional = tuple(f"ring_{f}" for f in Ring._field_defaults)
+    return (step[:cut] + tuple(r for r in ring if r not in optional) + ("K",) + step[cut:] + optional
+            + ("accepted", "rotate_pairwise", "from_checkpoint", "tile_D", "num_warps"))
+
+
+#: ``mamba3_step::replay_step``'s arguments (mamba3_step.ops_replay), the required ones first: the step
+#: op's required tensors and ``out``, the ring's required fields as ``ring_<field>`` and ``K``; then the
+#: step op's optional tensors, the ring's optional fields, and replay's options
+REPLAY_OP_ORDER = _replay_op_order()
+
+
+def replay_through_op(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[torch.Tensor] = None,
+                      rotate_pairwise: bool = False, from_checkpoint: bool = False, tile_D: Optional[int] = None,
+                      num_warps: Optional[int] = None) -> torch.Tensor:
+    """The replay step as one call of ``torch.ops.mamba3_step.replay_step`` (what a tracer records;
+    registered by :mod:`mamba3_step.ops_replay`); returns ``out``, allocated when None. Arguments by
+    position, in :data:`REPLAY_OP_ORDER`."""
+    t = tensors.with_out()
+    call = {**t._asdict(), **{f"ring_{f}": v for f, v in zip(Ring._fields, ring)}, "K": K, "accepted": accepted,
+            "rotate_pairwise": rotate_pairwise, "from_checkpoint": from_checkpoint, "tile_D": tile_D,
+            "num_warps": num_warps}
+    torch.ops.mamba3_step.replay_step(*[call[name] for name in REPLAY_OP_ORDER])
+    return t.out
 
 
 def replay_kernel_spec(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[torch.Tensor] = None,

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from .bytes_model import bytes_per_step, replay_bytes
 from .spec import StepSpec, flagship_spec
 
-__all__ = ["GPUS", "GPU", "ISSUE_PER_CLOCK", "REPLAY_EXECUTED", "UPSTREAM", "issue_model", "replay_issue_model",
-           "slab_bytes"]
+__all__ = ["GPUS", "GPU", "ISSUE_PER_CLOCK", "REPLAY_EXECUTED", "UPSTREAM", "VERIFY_EXECUTED", "VERIFY_TOKENS",
+           "issue_model", "replay_issue_model", "replay_verify_issue_model", "slab_bytes"]
 
 #: warp-instructions an SM can issue per clock (four schedulers, one each)
 ISSUE_PER_CLOCK = 4
@@ -96,6 +96,31 @@ REPLAY_EXECUTED = {
     (4, True): (8, (6490, 7310, 8111, 18034)),
     (8, True): (8, (6642, 7463, 8310, 9157, 10004, 10850, 11650, 32322)),
 }
+
+
+#: executed PTX warp-instructions per state slab of the flagship's T = 4 verify step: ``"today"``, the
+#: stepwise verify step (T tokens, (B, T) sources with num_accepted_tokens, a destination row per
+#: token; its default 8 warps), and per K the replay verify kernel's at the committed-token counts
+#: the steady state visits when every draft is accepted by the next step (K = 4: 4 every step, a
+#: flush; K = 8: 4, then 8 with a flush). Measured by the PTX execution tier
+#: (``mamba3_step.verify.verify_instructions``; tests/test_issue_model.py re-executes K = 4 and today's).
+VERIFY_EXECUTED = {"today": 25362, 4: {4: 33069}, 8: {4: 32947, 8: 44901}}
+VERIFY_TOKENS = 4
+
+
+def replay_verify_issue_model(K: int, gpu: GPU, batch: int = 256, heads: int = 48) -> dict:
+    """The flagship's T = 4 replay verify step against today's verify step on ``gpu``, every draft
+    accepted, averaged over the steady state's steps: ``ratio`` (issue / memory time), ``time`` (the
+    larger of the two, relative to today's), ``instructions`` (relative to today's) and
+    ``today_ratio``, from :data:`VERIFY_EXECUTED` and :func:`mamba3_step.bytes_model.replay_bytes`."""
+    today = flagship_spec(tokens=VERIFY_TOKENS, has_dst=True, dst_per_token=True, num_accepted=True)
+    base = issue_model(VERIFY_EXECUTED["today"], slab_bytes(today, batch, heads), gpu)
+    counts = VERIFY_EXECUTED[K]
+    per_step = sum(counts.values()) / len(counts)
+    replay = issue_model(per_step, replay_bytes(today, K, batch, heads)["total"] / (batch * heads), gpu)
+    return {"ratio": replay["ratio"], "time": max(replay["issue_us"], replay["memory_us"])
+            / max(base["issue_us"], base["memory_us"]), "instructions": per_step / VERIFY_EXECUTED["today"],
+            "today_ratio": base["ratio"]}
 
 
 def replay_issue_model(K: int, from_checkpoint: bool, gpu: GPU, batch: int = 256, heads: int = 48) -> dict:

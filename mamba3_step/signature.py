@@ -37,7 +37,7 @@ import torch
 from .tensors import StepTensors
 
 __all__ = ["LAST_POSITIONAL", "OP_ORDER", "STEP_SIGNATURE", "StepOptions", "TENSOR_SIGNATURE", "View",
-           "declared_signature", "make_binder", "op_schema", "split_call", "view_signature"]
+           "declared_signature", "make_binder", "op_schema", "op_schema_parts", "split_call", "view_signature"]
 
 
 class StepOptions(NamedTuple):
@@ -204,9 +204,15 @@ def op_schema() -> str:
     dispatcher passes them on as given (it would turn ``update_kv_state=1`` into True before the
     validation could refuse it). Every argument after ``out`` has its declared default.
     """
+    return f"({', '.join(op_schema_parts(OP_ORDER))}) -> ()"
+
+
+def op_schema_parts(names) -> list[str]:
+    """The schema's argument texts of the declared ``names`` (in their order), each mutated tensor
+    with its own alias set ``(a0!)``, ``(a1!)``, ... in that order (see :func:`op_schema`)."""
     rows = {r[0]: r for r in _declared()}
     parts, alias = [], 0
-    for name in OP_ORDER:
+    for name in names:
         _, default, ann, _ = rows[name]
         typ = "Tensor" if name == "out" else _ANNOTATIONS[ann][1]
         if name in OP_MUTATED:
@@ -216,5 +222,5 @@ def op_schema() -> str:
         if name != "out" and default is not Parameter.empty:
             text += f"={default!r}"  # None, False, True: the schema's own spelling
         parts.append(text)
-    return f"({', '.join(parts)}) -> ()"
+    return parts
 

@@ -56,7 +56,7 @@ from .tensors import LANE_FIELDS, ROW_FIELDS, StepTensors
 from .testing import bits_equal, inputs_for, poison_, pool_rows, step_indices
 
 __all__ = ["HELP", "add_arguments", "append_reference", "executed_facts", "replay_instructions", "run", "tolerance",
-           "verify_spec"]
+           "verify_instructions", "verify_spec"]
 
 HELP = "compile, execute the kernel's PTX on the CPU and check it against float64 (no GPU needed)"
 NULL_SLOT = 2
@@ -324,6 +324,23 @@ def replay_instructions(spec: StepSpec, arch: str = "sm_90a", seed: int = 0) -> 
                              Xstate=tensors.Xstate.clone()).with_out()
         counts.append(int(run_step_ptx(spec, t, arch=arch, record=False, ring=ring).issued.sum()))
     return tuple(counts)
+
+
+def verify_instructions(spec: StepSpec, committed: int, arch: str = "sm_90a", seed: int = 0) -> int:
+    """Executed warp-instructions of one live (lane, head) slab of the replay verify specialisation
+    ``spec`` (``replay_ring`` = K, ``tokens`` = T, ``num_accepted``) whose row holds ``committed``
+    tokens once the step's ``accepted`` are taken (``accepted = min(committed, T)``, the rest already
+    in the ring). Inputs from the one input factory, one lane, one head, ``tile_D = D``."""
+    T = spec.tokens
+    base = spec.replace(replay_ring=0, num_accepted=False)
+    tensors, _ = _inputs(base, 1, 1, seed, live_only=True)
+    P, H, D, N = tensors.state.shape
+    ring = new_ring(P, spec.replay_ring, spec.mimo, H, N, D, kv_dtype=tensors.Bstate.dtype,
+                    x_dtype=tensors.Xstate.dtype, draft=T)
+    accepted = min(committed, T)
+    ring.length.fill_(committed - accepted)
+    t = tensors._replace(num_accepted_tokens=torch.full((1,), accepted, dtype=torch.int32)).with_out()
+    return int(run_step_ptx(spec, t, arch=arch, record=False, ring=ring).issued.sum())
 
 
 _COLUMNS = (("label", "specialisation", "<"), ("err_out", "err out", ">.2e"), ("budget_out", "torch32", ">.2e"),

@@ -36,7 +36,7 @@ LAYERS = [
     ["compile_cache"],
     ["launch"],
     ["api", "plan", "api_replay"],  # plan: plan once, run many (StepPlan); api_replay: replay's entry point
-    ["ops", "serving"],
+    ["ops", "ops_replay", "serving"],
     ["inspection", "layer", "demo", "demo_speculative", "demo_replay", "ptx_tier", "verify"],  # layer: a Mamba-3 decode layer
     ["cli", "__main__"],
 ]

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from mamba3_step.bytes_model import bytes_per_step, replay_bytes
-from mamba3_step.issue_model import GPUS, REPLAY_EXECUTED, UPSTREAM, issue_model, replay_issue_model, slab_bytes
+from mamba3_step.issue_model import (GPUS, REPLAY_EXECUTED, UPSTREAM, VERIFY_EXECUTED, issue_model, replay_issue_model,
+                                     replay_verify_issue_model, slab_bytes)
 from mamba3_step.spec import flagship_spec
-from mamba3_step.verify import replay_instructions
+from mamba3_step.verify import replay_instructions, verify_instructions
 
 
 def test_clock_is_derived_from_the_fp32_peak():
@@ -46,6 +47,33 @@ def test_replay_counts_are_what_the_ptx_tier_executes(K, from_checkpoint):
     assert spec.num_warps == warps
     assert replay_instructions(spec) == counts
     assert replay_instructions(flagship_spec()) == (REPLAY_EXECUTED["stepwise"],)
+
+
+def test_verify_counts_are_what_the_ptx_tier_executes():
+    """VERIFY_EXECUTED (model_bench's replay verify table) holds today's verify step's executed count and
+    the replay verify kernel's at K = 4 (4 committed tokens: a flush), re-executed here; K = 8's are
+    printed by the same function (verify_instructions)."""
+    today = flagship_spec(tokens=4, has_dst=True, dst_per_token=True, num_accepted=True)
+    assert replay_instructions(today) == (VERIFY_EXECUTED["today"],)
+    spec = flagship_spec(replay_ring=4, tokens=4, num_accepted=True)
+    assert verify_instructions(spec, 4) == VERIFY_EXECUTED[4][4]
+
+
+def test_replay_verify_issue_model_by_hand():
+    """H100, K = 8: the steady state's two steps (4 and 8 committed tokens) averaged, against the bytes
+    model's verify step (half a state write a step); the figures docs/performance.md 3d states."""
+    gpu = GPUS["H100"]
+    today = flagship_spec(tokens=4, has_dst=True, dst_per_token=True, num_accepted=True)
+    counts = VERIFY_EXECUTED[8]
+    replay = issue_model((counts[4] + counts[8]) / 2, replay_bytes(today, 8, 256, 48)["total"] / (256 * 48), gpu)
+    base = issue_model(VERIFY_EXECUTED["today"], slab_bytes(today), gpu)
+    m = replay_verify_issue_model(8, gpu)
+    assert m["ratio"] == pytest.approx(replay["ratio"]) and m["today_ratio"] == pytest.approx(base["ratio"])
+    assert m["time"] == pytest.approx(max(replay["issue_us"], replay["memory_us"]) / max(base["issue_us"],
+                                                                                        base["memory_us"]))
+    assert (round(m["ratio"], 2), round(m["time"], 2), round(m["instructions"], 2)) == (1.79, 0.69, 1.53)
+    k4 = replay_verify_issue_model(4, gpu)
+    assert (round(k4["ratio"], 2), round(k4["time"], 2), round(k4["today_ratio"], 2)) == (1.26, 0.59, 0.45)
 
 
 def test_replay_issue_model_by_hand():
