@@ -1,9 +1,11 @@
 """Replay's entry point: :func:`replay_step_fn`, one step of a pool kept as checkpoints and rings.
 
 CUDA tensors run the step kernel's replay specialisation (``StepSpec.replay_ring``: one launch
-replays each row's committed ring tokens in registers, steps this token, and writes the state
-every K-th token, else appends to the ring); CPU tensors run :func:`mamba3_step.replay.replay_step`
-with ``exact_outputs=True``, the kernel's rule. docs/contract.md, "Replay".
+replays each row's committed ring tokens in registers, steps this token, or a verify step's drafts,
+and writes the state every K-th token, else appends to the ring); CPU tensors run
+:func:`mamba3_step.replay.replay_step` with ``exact_outputs=True``, the kernel's rule. While
+``torch.compile`` traces it, a call is one ``torch.ops.mamba3_step.replay_step``
+(:func:`replay_through_op`). docs/contract.md, "Replay".
 
 Letters (docs/contract.md): B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank;
 K the flush length, L the ring's entries.
@@ -36,12 +38,13 @@ def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Option
     """One decode step with replay and flush length ``K``; returns ``out`` (allocated when None).
 
     ``tensors`` is a pool-mode step with ``update_kv_state`` semantics (``state`` the checkpoints,
-    ``Bstate``/``Xstate`` the tokens before the rings), ``ring`` the layer's
-    :class:`~mamba3_step.replay.Ring`. On CUDA: the replay kernel (what it takes:
-    :func:`replay_kernel_spec`), on the current stream, no allocation but ``out``, no
-    synchronisation, so a CUDA graph can capture it (the ring lengths move on the device). On CPU:
-    the CPU path, which also takes verify steps, ``accepted``, destinations, rotary and stochastic
-    rounding. Every ``out`` is stepwise decoding's, bit for bit, on both; with ``from_checkpoint`` an
+    ``Bstate``/``Xstate`` the tokens before the rings), one token per lane or T drafts (a verify
+    step: x (B, T, H, D), the drafts kept in the ring uncommitted), ``ring`` the layer's
+    :class:`~mamba3_step.replay.Ring`; ``accepted`` (B,) int32 first commits that many of each
+    lane's pending drafts. On CUDA: the replay kernel (what it takes: :func:`replay_kernel_spec`),
+    on the current stream, no allocation but ``out``, no synchronisation, so a CUDA graph can
+    capture it (the ring lengths move on the device). On CPU: the CPU path, which also takes
+    destinations, rotary, stochastic rounding and 8-bit states. Every ``out`` is stepwise decoding's, bit for bit, on both; with ``from_checkpoint`` an
     append's ``out`` comes from the checkpoint and the ring instead (docs/design.md, "Replay": no state
     update; the step's accuracy rule), a flush's is still stepwise decoding's.
 

@@ -1,5 +1,6 @@
-"""The demo's replay round (docs/design.md, "Replay"), on the CPU path: it takes verify steps,
-which the replay kernel does not yet.
+"""The demo's replay round (docs/design.md, "Replay"), on the CPU path, so that it runs on any
+machine (the replay kernel's plain and verify steps are checked against the executed stepwise kernel
+by the PTX tier: tests/test_ptx_replay.py, tests/test_ptx_replay_verify.py).
 
 One layer's pool is decoded twice from the same rows: stepwise (the pool-mode CPU path with
 ``update_kv_state``) and with replay (:mod:`mamba3_step.replay`: a checkpoint and a ring of K - 1

@@ -1,8 +1,8 @@
 """Replay: a pool row as a checkpoint of the state and a ring of the inputs since (the CPU path).
 
 docs/design.md, "Replay", has the design and the model that picks K; docs/contract.md, "Replay",
-the rules. The kernel's replay specialisation (``StepSpec.replay_ring``: one-token plain steps,
-outputs from the replayed state) is held to this module with ``exact_outputs=True``.
+the rules. The kernel's replay specialisation (``StepSpec.replay_ring``: one-token plain steps and
+verify steps, outputs from the replayed state) is held to this module with ``exact_outputs=True``.
 
 Letters (docs/contract.md): P pool rows, B lanes, T draft tokens, H heads, D head dim, N state
 size, R MIMO rank; K the flush length, L = K - 1 + draft the ring's entries.

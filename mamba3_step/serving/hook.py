@@ -81,7 +81,9 @@ def decode_step(*args, **kwargs) -> torch.Tensor:
             read a cached prefix row, write the request's own row) or, with a token axis,
             ``(B, T)`` (the state after token ``t`` to row ``dst_slots[b, t]``; a padding entry
             skips that token's write).
-        num_accepted_tokens: ``(B,)`` int32, with ``(B, K)`` ``slots`` (see above).
+        num_accepted_tokens: ``(B,)`` int32, with ``(B, K)`` ``slots`` (see above); on a replay pool
+            (:class:`~mamba3_step.serving.ReplayStatePool`) with ``(B,)`` ``slots``: the drafts of each
+            lane's last verify step to commit first (docs/contract.md, "Replay").
         out: optional output buffer, ``(B, [T,] H, D)`` with ``outproj``, else ``(B, [T,] R, H, D)``.
         tile_D, num_warps: kernel tiling, passed through unchanged (None = default).
 
@@ -94,7 +96,9 @@ def decode_step(*args, **kwargs) -> torch.Tensor:
     keeps the user's ``tile_D`` and follows the step with a masked scatter (graph-capturable:
     padded lanes and padding tokens go to a hidden scratch row). With ``stochastic_rounding`` the
     hook then advances ``rand_seed``'s offset by ``T`` in place, on its device (so the next step, or
-    the next replay of a captured one, draws fresh bits). Returns ``out``.
+    the next replay of a captured one, draws fresh bits). A replay pool's rows are checkpoints: the
+    step goes through ``replay_step_fn`` (the state written every K tokens, the rest to the ring;
+    a token axis is a verify step whose drafts stay in the ring). Returns ``out``.
     """
     values = _bind(*args, **kwargs)
     pool, layer, call = values[0], values[1], dict(zip(_FIELDS, values[2:]))
