@@ -116,7 +116,7 @@ def replay_kernel_spec(tensors: StepTensors, ring: Ring, K: int, *, accepted: Op
         check_accepted(tensors, accepted)
         step_spec = step_spec.replace(num_accepted=True)
     # the kernel reads accepted as num_accepted_tokens: checked there against the ring like any argument
-    read = tensors._replace(num_accepted_tokens=accepted)
+    read = tensors if accepted is None else tensors._replace(num_accepted_tokens=accepted)
     key = _ring_key(step_spec, tensors, ring, K, from_checkpoint, tile_D, num_warps)
     checked = _RING_CHECKS.get(key) if key is not None else None
     if checked is not None and _disjoint_from_step(checked.spans, read):

@@ -39,10 +39,9 @@ _RING_ARGS = tuple(f"ring_{f}" for f in Ring._fields)
 #: the ring fields a Ring may leave out (stochastic rounding's, rotary's)
 _OPTIONAL_RING = tuple(f"ring_{f}" for f in Ring._field_defaults)
 _STEP_ARGS = tuple(n for n in REPLAY_OP_ORDER if n in StepTensors._fields)
-#: replay's own arguments, their schema texts (Scalar: passed on as given)
-_OWN = {"K": "Scalar K", "accepted": "Tensor? accepted=None", "rotate_pairwise": "Scalar rotate_pairwise=False",
-        "from_checkpoint": "Scalar from_checkpoint=False", "tile_D": "Scalar? tile_D=None",
-        "num_warps": "Scalar? num_warps=None"}
+#: replay's own arguments: schema type (Scalar: passed on as given) and default
+_OWN = {"K": ("Scalar", Parameter.empty), "accepted": ("Tensor?", None), "rotate_pairwise": ("Scalar", False),
+        "from_checkpoint": ("Scalar", False), "tile_D": ("Scalar?", None), "num_warps": ("Scalar?", None)}
 
 
 def replay_op_schema() -> str:
@@ -59,16 +58,17 @@ def replay_op_schema() -> str:
             parts.append(f"Tensor(a{alias}!){'?' if optional else ''} {name}{'=None' if optional else ''}")
             alias += 1
         else:
-            parts.append(_OWN[name])
+            typ, default = _OWN[name]
+            parts.append(f"{typ} {name}" + ("" if default is Parameter.empty else f"={default!r}"))
     return f"({', '.join(parts)}) -> ()"
 
 
 def _parameter(name: str) -> Parameter:
+    """The op's parameter ``name``: the step's declared one (``out`` required), else replay's own."""
     if name in STEP_SIGNATURE.parameters:
         p = STEP_SIGNATURE.parameters[name]
         return p.replace(kind=Parameter.POSITIONAL_OR_KEYWORD, default=Parameter.empty if name == "out" else p.default)
-    default = Parameter.empty if name == "K" or (name in _RING_ARGS and name not in _OPTIONAL_RING) else (
-        False if name in ("rotate_pairwise", "from_checkpoint") else None)
+    default = _OWN[name][1] if name in _OWN else (None if name in _OPTIONAL_RING else Parameter.empty)
     return Parameter(name, Parameter.POSITIONAL_OR_KEYWORD, default=default)
 
 
