@@ -110,6 +110,24 @@ def time_round(timer: Timer, round_fn, calls_per_round: int, target_s: float, re
     return statistics.median(samples)
 
 
+def eager_and_graph_us(timer: Timer, fn, graphs: bool, target_s: float) -> dict:
+    """``{"us_eager": ...}`` microseconds per call of ``fn``, plus ``"us_graph"`` from a CUDA graph of
+    it when ``graphs`` and the timer is on CUDA."""
+    row = {"us_eager": time_round(timer, fn, 1, target_s) * 1e6}
+    if graphs and timer.cuda:
+        row["us_graph"] = time_round(timer, capture(fn).replay, 1, target_s) * 1e6
+    return row
+
+
+def add_speedups(rows: list[dict]) -> list[dict]:
+    """Each row's ``speedup_eager``/``speedup_graph``: the first row's time over its own."""
+    for row in rows:
+        for kind in ("eager", "graph"):
+            if f"us_{kind}" in row:
+                row[f"speedup_{kind}"] = rows[0][f"us_{kind}"] / row[f"us_{kind}"]
+    return rows
+
+
 def copy_bandwidth(device, nbytes: int = 1 << 30, timer: Timer | None = None) -> float:
     """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written per second)."""
     timer = timer or Timer(device)

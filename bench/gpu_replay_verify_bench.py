@@ -42,8 +42,7 @@ import _util  # noqa: E402  (also puts the repository on sys.path)
 
 import torch  # noqa: E402
 
-from gpu_bench import Timer, time_round  # noqa: E402
-from gpu_checks import capture  # noqa: E402
+from gpu_bench import Timer, add_speedups, eager_and_graph_us  # noqa: E402
 
 from mamba3_step import mamba3_step_fn, new_ring, replay_step_fn  # noqa: E402
 from mamba3_step.bytes_model import bytes_per_step, replay_bytes  # noqa: E402
@@ -131,16 +130,9 @@ def bench(batch: int, heads: int, Ks, T: int, device, graphs: bool, target_s: fl
         fn = layer.stepwise if K is None else layer.replay
         row = {"batch": batch, "heads": heads, "tokens": T, "step": name, "K": K,
                "bytes_ratio": 1.0 if K is None else replay_bytes(today, K, batch, heads)["total"] / base_bytes,
-               "us_eager": time_round(timer, fn, 1, target_s) * 1e6}
-        if graphs and timer.cuda:
-            graph = capture(fn)
-            row["us_graph"] = time_round(timer, graph.replay, 1, target_s) * 1e6
+               **eager_and_graph_us(timer, fn, graphs, target_s)}
         rows.append(row)
-    for row in rows:
-        for kind in ("eager", "graph"):
-            if f"us_{kind}" in row:
-                row[f"speedup_{kind}"] = rows[0][f"us_{kind}"] / row[f"us_{kind}"]
-    return rows
+    return add_speedups(rows)
 
 
 COLUMNS = [("batch", "B", ">d"), ("tokens", "T", ">d"), ("step", "step", "<"), ("bytes_ratio", "bytes x", ">.3f"),
