@@ -509,9 +509,20 @@ def test_replay_matrix_refusals():
             "state registers per thread" in (tiling_problem(spec) or ""), (N, D, R, sd)
 
 
+#: full-matrix specialisations (by name) that use stack at their default tiling, per arch. All 1,536 run
+#: 2026-11-27 with packed state rows (the static D stride of StepSpec.padded_state_rows): 8 bytes each
+FULL_MATRIX_SPILLS = {"sm_90a": {"N64-D64-R8-rotary-pool-dst-kv", "N128-D128-R1-float8_e4m3fn-sr-pool-dst-kv"},
+                      "sm_100a": {"N128-D128-R1-float8_e4m3fn-sr-pool-dst-kv", "N256-D32-R2-float8_e4m3fn-sr-pool-dst-kv"}}
+
+
+def _full_matrix_params() -> list:
+    known = pytest.mark.xfail(strict=True, reason="uses stack at its default tiling (FULL_MATRIX_SPILLS, not fixed)")
+    return [pytest.param(spec, arch, id=f"{name}-{arch}", marks=[known] if name in FULL_MATRIX_SPILLS[arch] else [])
+            for name, spec in _full_matrix().items() for arch in ARCHS]
+
+
 @pytest.mark.full_matrix
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("spec", list(_full_matrix().values()), ids=list(_full_matrix()))
+@pytest.mark.parametrize("spec,arch", _full_matrix_params())
 def test_full_matrix_compiles_with_clean_compiler_facts(spec, arch):
     check_compiler_facts(spec, arch)
 
