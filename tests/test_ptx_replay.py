@@ -55,6 +55,19 @@ def _heads(spec: StepSpec) -> int:
     return 1 if spec.dstate * spec.headdim * spec.mimo >= 128 * 64 * 4 else 2
 
 
+def join_request(layer, row: int) -> None:
+    """A new request in ``row`` of a test layer (``spec``, ``H``, ``g``, ``io``, ``pools`` and ``rings``
+    by kind): a fresh checkpoint in every copy of the pools, an empty ring in every ring."""
+    s = layer.spec
+    fresh = row_tensors(1, layer.H, s.headdim, s.dstate, s.mimo, state_dtype=s.state_dtype, generator=layer.g,
+                        **layer.io)
+    for pools in layer.pools.values():
+        for k, v in fresh.items():
+            pools[k][row] = v[0]
+    for ring in layer.rings.values():
+        ring.length[row] = 0
+
+
 class Layer:
     """Three copies of one layer's pools: the replay kernel's (with its ring), the stepwise kernel's,
     and the CPU path's (with its ring)."""
@@ -94,15 +107,7 @@ class Layer:
         return poison_(torch.empty(shape, dtype=x_dtype), seed=B)
 
     def join(self, row: int) -> None:
-        """A new request in ``row``: a fresh checkpoint in every copy, an empty ring."""
-        s = self.spec
-        fresh = row_tensors(1, self.H, s.headdim, s.dstate, s.mimo, state_dtype=s.state_dtype, generator=self.g,
-                            **self.io)
-        for pools in self.pools.values():
-            for k, v in fresh.items():
-                pools[k][row] = v[0]
-        for ring in self.rings.values():
-            ring.length[row] = 0
+        join_request(self, row)
 
     def step(self, lane: dict, index: torch.Tensor) -> tuple:
         """One step in each copy: ``(replay out, stepwise out)``, both executed from PTX."""

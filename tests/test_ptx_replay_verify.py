@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 from test_kernel_compile import REPLAY_VERIFY
-from test_ptx_replay import RING_TENSORS, _heads, _span, _touched, _within
+from test_ptx_replay import RING_TENSORS, _heads, _span, _touched, _within, join_request
 
 from mamba3_step.ptx import analysis
 from mamba3_step.ptx_tier import run_step_ptx
@@ -87,14 +87,7 @@ class Layer:
         return poison_(torch.empty(shape, dtype=self.pools["replay"]["Xstate"].dtype), seed=B)
 
     def join(self, row: int) -> None:
-        s = self.spec
-        fresh = row_tensors(1, self.H, s.headdim, s.dstate, s.mimo, state_dtype=s.state_dtype, generator=self.g,
-                            **self.io)
-        for pools in self.pools.values():
-            for k, v in fresh.items():
-                pools[k][row] = v[0]
-        for ring in self.rings.values():
-            ring.length[row] = 0
+        join_request(self, row)
         self.pending.pop(row, None)
 
     def commit_stepwise(self, lanes: list, accepted: list) -> None:
