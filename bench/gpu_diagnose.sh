@@ -22,7 +22,8 @@ sel="$sel or (multi_token_parity_against_t_dense_steps and 4-accepted)"
 # On the H200 run the sanitizer printed 20 API errors (cuGetProcAddress_v2 answering
 # CUDA_ERROR_INVALID_VALUE to cuda-python's driver binding), which filled --print-limit 20, and the
 # run was stopped before its summary: that run says nothing about the kernels' accesses. API errors
-# are not reported here (--report-api-errors no; not yet run with this flag), so they cannot fill the
+# are not reported here (--report-api-errors no; the second H200 run used it and got a clean ERROR
+# SUMMARY over two tests in 48 s, docs/measured/2026-11-27-h200-run2/), so they cannot fill the
 # limit; a run counts only when its log ends with the sanitizer's "ERROR SUMMARY" line.
 timeout "${MEMCHECK_S:-200}" compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
   --print-limit 1000 \

@@ -276,26 +276,47 @@ REPLAY_NOTE = ("replay (docs/design.md, 'Replay'): bytes averaged over ring posi
 REPLAY_ISSUE_NOTE = ("issue model of the replay kernel (plain decode, B = 256): executed PTX warp-instructions per "
                      "slab at each ring position (mamba3_step.issue_model.REPLAY_EXECUTED, from the PTX tier) "
                      "averaged over positions, against the bytes above; time = the larger of issue and memory "
-                     "time, relative to the stepwise step's. A model; 'H200 measured x' is not: the replay "
-                     "kernel's graph-replay time over the stepwise step's on one H200 (2026-11-27, "
-                     "docs/measured/2026-11-27-h200/gpu_replay_bench.json), where the model's full-bandwidth "
-                     "assumption failed: 8 resident warps per SM against the stepwise step's 12 "
-                     "(docs/performance.md 3d)")
-#: the GPU replay benchmark's JSON that the replay issue table sets beside the model
-MEASURED_REPLAY = _util.REPO / "docs" / "measured" / "2026-11-27-h200" / "gpu_replay_bench.json"
+                     "time, relative to the stepwise step's. A model; 'H200 run N x' is not: the replay kernel's "
+                     "graph-replay time over the stepwise step's on one H200 (2026-11-27; docs/measured/). Run 1 "
+                     "(2026-11-27-h200) before packed state rows: 8 resident warps per SM against the stepwise "
+                     "step's 12, and the model's full-bandwidth assumption failed; run 2 (2026-11-27-h200-run2, "
+                     "K = 2 and 4 only) after them: K = 2 at the stepwise residency (docs/performance.md 3d)")
+#: the GPU replay benchmark's JSON of each H200 run that the replay issue table sets beside the model
+MEASURED_REPLAY_RUNS = {
+    1: _util.REPO / "docs" / "measured" / "2026-11-27-h200" / "gpu_replay_bench.json",
+    2: _util.REPO / "docs" / "measured" / "2026-11-27-h200-run2" / "gpu_replay_bench.json",
+}
+MEASURED_REPLAY = MEASURED_REPLAY_RUNS[1]
+#: the GPU verify benchmark's JSON that the verify issue table sets beside the model
+MEASURED_VERIFY = _util.REPO / "docs" / "measured" / "2026-11-27-h200-run2" / "gpu_replay_verify_bench.json"
 
 
 def measured_replay_times(path=MEASURED_REPLAY, batch: int = 256) -> dict:
     """``{(K, from_checkpoint): replay graph time / stepwise graph time}`` at ``batch`` from a
     ``gpu_replay_bench.py`` JSON, default tilings only (no ``--replay-warps`` row); empty when the
     file is absent."""
-    try:
-        rows = [r for r in json.loads(Path(path).read_text())["rows"] if r["batch"] == batch and "us_graph" in r]
-    except FileNotFoundError:
+    rows = _graph_rows(path, batch)
+    if not rows:
         return {}
     base = next(r["us_graph"] for r in rows if r["step"] == "stepwise")
     return {(r["K"], r["outputs"] == "from checkpoint"): r["us_graph"] / base for r in rows
             if r["K"] is not None and r.get("num_warps") is None}
+
+
+def measured_verify_times(path=MEASURED_VERIFY, batch: int = 256) -> dict:
+    """``{K: replay verify graph time / today's verify graph time}`` at ``batch`` from a
+    ``gpu_replay_verify_bench.py`` JSON; empty when the file is absent."""
+    rows = _graph_rows(path, batch)
+    base = next((r["us_graph"] for r in rows if r["K"] is None), None)
+    return {} if base is None else {r["K"]: r["us_graph"] / base for r in rows if r["K"] is not None}
+
+
+def _graph_rows(path, batch: int) -> list[dict]:
+    """A GPU benchmark JSON's rows at ``batch`` that carry a graph time; [] when the file is absent."""
+    try:
+        return [r for r in json.loads(Path(path).read_text())["rows"] if r["batch"] == batch and "us_graph" in r]
+    except FileNotFoundError:
+        return []
 
 
 def replay_issue_rows(batch: int = 256, heads: int = FLAGSHIP_HEADS) -> list[dict]:
@@ -303,7 +324,7 @@ def replay_issue_rows(batch: int = 256, heads: int = FLAGSHIP_HEADS) -> list[dic
     issue/memory ratio and the modelled time relative to the stepwise step
     (``mamba3_step.issue_model.replay_issue_model``)."""
     rows = []
-    measured = measured_replay_times(batch=batch)
+    measured = {run: measured_replay_times(path, batch) for run, path in MEASURED_REPLAY_RUNS.items()}
     for from_checkpoint in (False, True):
         for K in REPLAY_K:
             _, counts = REPLAY_EXECUTED[(K, from_checkpoint)]
@@ -313,8 +334,9 @@ def replay_issue_rows(batch: int = 256, heads: int = FLAGSHIP_HEADS) -> list[dic
                 m = replay_issue_model(K, from_checkpoint, gpu, batch, heads)
                 row.update({"instructions": m["instructions"], f"ratio_{name}": m["ratio"], f"time_{name}": m["time"],
                             f"stepwise_ratio_{name}": m["stepwise_ratio"]})
-            if (K, from_checkpoint) in measured:
-                row["measured_time_H200"] = measured[(K, from_checkpoint)]
+            for run, times in measured.items():
+                if (K, from_checkpoint) in times:
+                    row[f"measured_H200_run{run}"] = times[(K, from_checkpoint)]
             rows.append(row)
     return rows
 
@@ -322,34 +344,39 @@ def replay_issue_rows(batch: int = 256, heads: int = FLAGSHIP_HEADS) -> list[dic
 REPLAY_ISSUE_COLUMNS = [("K", "K", ">d"), ("outputs", "append outputs", "<"), ("instructions", "instr. x", ">.2f")] + [
     col for g in ("H100", "H200", "B200") for col in ((f"ratio_{g}", f"{g} issue/mem", ">.2f"),
                                                       (f"time_{g}", f"{g} time x", ">.3f"))] + [
-    ("measured_time_H200", "H200 measured x", ">.3f")]
+    (f"measured_H200_run{run}", f"H200 run {run} x", ">.3f") for run in MEASURED_REPLAY_RUNS]
 
 
 REPLAY_VERIFY_NOTE = ("issue model of the replay kernel's T = 4 verify steps (B = 256), every draft accepted by "
                       "the next step, against today's verify step (a destination row per draft): executed PTX "
                       "warp-instructions per slab at the committed-token counts the steady state visits "
                       "(mamba3_step.issue_model.VERIFY_EXECUTED, from the PTX tier), the bytes model's verify bytes; "
-                      "time = the larger of issue and memory time, relative to today's. A model: not measured on a "
-                      "GPU (bench/gpu_replay_verify_bench.py)")
+                      "time = the larger of issue and memory time, relative to today's. A model; 'H200 measured x' is "
+                      "not: bench/gpu_replay_verify_bench.py's graph-replay time over today's on one H200 "
+                      "(2026-11-27, docs/measured/2026-11-27-h200-run2/)")
 
 
 def replay_verify_rows(batch: int = 256, heads: int = FLAGSHIP_HEADS) -> list[dict]:
     """Per K of :data:`VERIFY_EXECUTED`: instructions relative to today's verify step, and per GPU the
     issue/memory ratio and the modelled time relative to today's (``replay_verify_issue_model``)."""
     rows = []
+    measured = measured_verify_times(batch=batch)
     for K in (k for k in VERIFY_EXECUTED if k != "today"):
         row = {"K": K, "tokens": VERIFY_TOKENS, "per_step": list(VERIFY_EXECUTED[K].values())}
         for name, gpu in ISSUE_GPUS.items():
             m = replay_verify_issue_model(K, gpu, batch, heads)
             row.update({"instructions": m["instructions"], f"ratio_{name}": m["ratio"], f"time_{name}": m["time"],
                         f"today_ratio_{name}": m["today_ratio"]})
+        if K in measured:
+            row["measured_time_H200"] = measured[K]
         rows.append(row)
     return rows
 
 
 REPLAY_VERIFY_COLUMNS = [("K", "K", ">d"), ("tokens", "T", ">d"), ("instructions", "instr. x", ">.2f")] + [
     col for g in ("H100", "H200", "B200") for col in ((f"ratio_{g}", f"{g} issue/mem", ">.2f"),
-                                                      (f"time_{g}", f"{g} time x", ">.3f"))]
+                                                      (f"time_{g}", f"{g} time x", ">.3f"))] + [
+    ("measured_time_H200", "H200 measured x", ">.3f")]
 
 
 def replay_rows(batches=REPLAY_BATCHES, heads: int = FLAGSHIP_HEADS) -> list[dict]:

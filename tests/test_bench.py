@@ -527,15 +527,31 @@ def test_model_bench_replay_table(tmp_path, capsys):
 
 
 def test_model_bench_sets_the_measured_replay_times_beside_the_model(tmp_path):
-    """'H200 measured x' is the replay benchmark's graph time over the stepwise step's, read from
-    the kept JSON of the H200 run (B = 256); without the file the column is absent."""
-    rows = json.loads(model_bench.MEASURED_REPLAY.read_text())["rows"]
+    """'H200 run N x' is the replay benchmark's graph time over the stepwise step's, read from the
+    kept JSON of each H200 run (B = 256); a run without a K leaves its cell empty, and without the
+    file the column is absent."""
+    run1 = model_bench.measured_replay_times(model_bench.MEASURED_REPLAY_RUNS[1])
+    run2 = model_bench.measured_replay_times(model_bench.MEASURED_REPLAY_RUNS[2])
+    rows = json.loads(model_bench.MEASURED_REPLAY_RUNS[1].read_text())["rows"]
     us = {(r["K"], r["outputs"]): r["us_graph"] for r in rows if r["batch"] == 256}
-    measured = model_bench.measured_replay_times()
-    assert set(measured) == {(K, fc) for K in (2, 4, 8) for fc in (False, True)}
-    assert measured[(4, False)] == pytest.approx(us[(4, "replayed")] / us[(None, None)])
-    assert measured[(8, True)] == pytest.approx(us[(8, "from checkpoint")] / us[(None, None)])
-    assert all(v > 1 for v in measured.values())  # what the run found: slower than stepwise everywhere
-    assert [r["measured_time_H200"] for r in model_bench.replay_issue_rows()] == [
-        measured[(K, fc)] for fc in (False, True) for K in (2, 4, 8)]
+    assert set(run1) == {(K, fc) for K in (2, 4, 8) for fc in (False, True)}
+    assert set(run2) == {(K, fc) for K in (2, 4) for fc in (False, True)}
+    assert run1[(4, False)] == pytest.approx(us[(4, "replayed")] / us[(None, None)])
+    assert run1[(8, True)] == pytest.approx(us[(8, "from checkpoint")] / us[(None, None)])
+    assert all(v > 1 for v in run1.values())  # what run 1 found: slower than stepwise everywhere
+    assert run2[(2, False)] < 1 < run2[(4, False)]  # run 2: K = 2 replayed faster, K = 4 not
+    table = model_bench.replay_issue_rows()
+    assert [r.get("measured_H200_run1") for r in table] == [run1[(K, fc)] for fc in (False, True) for K in (2, 4, 8)]
+    assert [r.get("measured_H200_run2") for r in table] == [run2.get((K, fc)) for fc in (False, True) for K in (2, 4, 8)]
     assert model_bench.measured_replay_times(tmp_path / "absent.json") == {}
+
+
+def test_model_bench_sets_the_measured_verify_times_beside_the_model(tmp_path):
+    """'H200 measured x' of the verify table: the verify benchmark's graph time at B = 256 over
+    today's verify step's, from the kept JSON of the H200 run."""
+    rows = json.loads(model_bench.MEASURED_VERIFY.read_text())["rows"]
+    us = {r["K"]: r["us_graph"] for r in rows if r["batch"] == 256}
+    measured = model_bench.measured_verify_times()
+    assert measured == {K: pytest.approx(us[K] / us[None]) for K in (4, 8)}
+    assert [r["measured_time_H200"] for r in model_bench.replay_verify_rows()] == [measured[4], measured[8]]
+    assert model_bench.measured_verify_times(tmp_path / "absent.json") == {}

@@ -575,6 +575,21 @@ def test_pool_on_cuda_without_cuda_is_a_clear_error(monkeypatch):
         StatePool(1, 4, H, D, N, R, device="nonsense")
 
 
+def test_a_cuda_pool_names_its_device_with_the_index_its_tensors_carry(monkeypatch):
+    """Found on the H200 (2026-11-27): a pool made on "cuda" kept torch.device("cuda"), which is not
+    equal to the "cuda:0" of the tensors made there, so ReplayStatePool.materialize refused the
+    layer's own weights. checked_device resolves the index, as tensor construction does."""
+    from mamba3_step.serving.pool_args import checked_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert checked_device("cuda") == torch.device("cuda", 1)
+    assert checked_device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert checked_device("cuda:0") == torch.device("cuda", 0)
+    assert checked_device("cpu") == torch.device("cpu")
+
+
 def test_pool_takes_numpy_integers_where_it_takes_ints():
     np = pytest.importorskip("numpy")
     pool = StatePool(np.int64(1), np.int32(6), np.int64(H), np.int64(D), np.int64(N), np.int64(R))

@@ -32,7 +32,7 @@ def checked_dtype(dtype, name: str, group: tuple[str, ...]) -> torch.dtype:
 
 
 def checked_device(device) -> torch.device:
-    """``device`` as a torch.device that exists here; ValueError naming it otherwise."""
+    """``device`` as a torch.device that exists here, a CUDA device with its index; ValueError naming it otherwise."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as e:
@@ -44,4 +44,8 @@ def checked_device(device) -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"device: expected a CUDA device index below {torch.cuda.device_count()} "
                              f"(the visible GPUs), got {shown(device)}")
+        if dev.index is None:
+            # Tensors made on "cuda" live on the current device, and their .device names its index:
+            # keep the pool's device in that form so that comparisons with them hold.
+            dev = torch.device("cuda", torch.cuda.current_device())
     return dev

@@ -10,10 +10,10 @@ Passed on an H200 (2026-11-27). The checks the PTX tier makes on the CPU
   keep their bits;
 * a replay step captured in a CUDA graph and replayed with new inputs equals eager, ring included
   (the ring lengths move on the device);
-* a replay ``StatePool`` (``replay_ring=K``, not yet run on a GPU): ``decode_step`` and the CUDA-graph
+* a replay ``StatePool`` (``replay_ring=K``; run on an H200, 2026-11-27): ``decode_step`` and the CUDA-graph
   runner give the stepwise pool's outs bit for bit, ``materialize`` its rows (bit for bit after a
   flush, else within float32 rounding: PyTorch's math against the kernel's);
-* verify rounds on a replay pool (``replay_draft=T``, not yet run on a GPU): the drafts' outs are the
+* verify rounds on a replay pool (``replay_draft=T``; run on an H200, 2026-11-27): the drafts' outs are the
   stepwise T-token kernel's bit for bit, the accepted tokens committed by ``num_accepted_tokens``.
 
 Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank, K flush length.
