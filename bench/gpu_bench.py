@@ -1,6 +1,7 @@
 """GPU benchmark: pool mode vs gather -> dense -> scatter vs dense mode, measured.
 
     python bench/gpu_bench.py [--batches 1,2,4,...,512] [--heads 48] [--out DIR] [--no-graph] [--no-plot]
+                              [--padded-rows]
 
 Without a CUDA device it prints "no CUDA device: GPU benchmark not run" and exits 0.
 
@@ -21,6 +22,11 @@ projections, z and outproj, ``update_kv_state`` as a server runs it), for every 
    L2 cache and small batches are not served from L2.
 3. The device-to-device copy bandwidth of the same GPU, measured in the same run
    (``Tensor.copy_`` of 1 GiB, read + write bytes), as the practical ceiling.
+
+``--padded-rows`` adds a fourth mode, pool mode over a copy of the pool whose state rows have a
+padded D stride (N + 4): that compiles the kernel reading the stride at run time, the kernel every
+pool ran before packed state rows, so one run times the two side by side on the same GPU (checked
+first: bit for bit pool mode's results, the padding untouched).
 
 Reports microseconds per step, GB/s (the bytes of ``mamba3_step.bytes_model`` -- compulsory
 bytes of the mode -- divided by the measured time) and percent of the copy bandwidth, as a
@@ -47,7 +53,7 @@ import torch  # noqa: E402
 
 from gpu_checks import (  # noqa: E402,F401  (the checks and inputs; re-exported for the tests)
     GraphUnavailable, capture, check_batch, dense_step, gather_scatter_step, make_lanes, make_pool, make_shared,
-    pool_step, within_reference,
+    padded_copy, pool_step, within_reference,
 )
 
 from mamba3_step import mamba3_step_fn  # noqa: E402
@@ -59,7 +65,10 @@ from mamba3_step.testing import bits_equal  # noqa: E402,F401
 NO_CUDA_MESSAGE = "no CUDA device: GPU benchmark not run"
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 MODES = ("pool", "gather_scatter", "dense")
-MODE_LABELS = {"pool": "pool", "gather_scatter": "gather->dense->scatter", "dense": "dense"}
+#: with --padded-rows: pool mode on state rows of a padded D stride (the run-time stride kernel)
+PADDED_MODE = "pool_padded"
+MODE_LABELS = {"pool": "pool", "gather_scatter": "gather->dense->scatter", "dense": "dense",
+               PADDED_MODE: "pool, padded rows"}
 TIME_GUARD_S = 270.0
 
 
@@ -140,8 +149,10 @@ def copy_bandwidth(device, nbytes: int = 1 << 30, timer: Timer | None = None) ->
 
 
 def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dict, step_fn,
-                l2_bytes: int, graphs: bool, target_s: float, gen: torch.Generator) -> list[dict]:
-    """Time the three modes at one batch size; one row per (mode, eager|graph)."""
+                l2_bytes: int, graphs: bool, target_s: float, gen: torch.Generator,
+                padded: dict | None = None) -> list[dict]:
+    """Time the three modes at one batch size, and pool mode on ``padded`` (a :func:`padded_copy`
+    of ``pool``) when given; one row per (mode, eager|graph)."""
     timer = Timer(device)
     P = pool["state"].shape[0]
     per_set = bytes_per_step(spec, batch, heads, mode="pool")["total"]
@@ -156,8 +167,9 @@ def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dic
                for k, v in pool.items()}
 
     def round_of(mode):
-        if mode == "pool":
-            calls = [lambda s=s: pool_step(step_fn, spec, pool, shared, lanes[s], idx32[s]) for s in range(K)]
+        if mode in ("pool", PADDED_MODE):
+            rows_of = pool if mode == "pool" else padded
+            calls = [lambda s=s: pool_step(step_fn, spec, rows_of, shared, lanes[s], idx32[s]) for s in range(K)]
         elif mode == "gather_scatter":
             calls = [lambda s=s: gather_scatter_step(step_fn, spec, pool, scratch, shared, lanes[s], idx64[s])
                      for s in range(K)]
@@ -171,8 +183,8 @@ def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dic
         return run_round
 
     rows = []
-    for mode in MODES:
-        nbytes = bytes_per_step(spec, batch, heads, mode=mode)["total"]
+    for mode in MODES + ((PADDED_MODE,) if padded is not None else ()):
+        nbytes = bytes_per_step(spec, batch, heads, mode="pool" if mode == PADDED_MODE else mode)["total"]
         kinds = ["eager"] + (["graph"] if graphs else [])
         for kind in kinds:
             row = {"mode": mode, "kind": kind, "batch": batch, "sets": K, "bytes": nbytes}
@@ -254,10 +266,10 @@ def plot(trows: list[dict], copy_bps: float, title: str, path) -> bool:
     colors = _util.MODE_COLORS
     # pool and dense mode may nearly coincide: pool is drawn wide and translucent under dense
     look = {"pool": dict(lw=4.0, alpha=0.45), "gather_scatter": dict(lw=1.6, marker="o", ms=3),
-            "dense": dict(lw=1.0, marker="x", ms=4)}
+            "dense": dict(lw=1.0, marker="x", ms=4), PADDED_MODE: dict(lw=1.0, ls=":", marker="+", ms=5)}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2))
     xs_all = sorted({r["batch"] for r in trows})
-    for mode in MODES:
+    for mode in MODES + (PADDED_MODE,):
         sub = sorted((r for r in trows if r["mode"] == mode), key=lambda r: r["batch"])
         for kind, style in (("graph", "-"), ("eager", "--")):
             pts = [(r["batch"], r[f"us_{kind}"]) for r in sub if f"us_{kind}" in r]
@@ -317,11 +329,13 @@ def run(args, step_fn=None, reference_fn=None) -> dict:
     failures = []
     for batch in args.batches:
         try:
-            failures += check_batch(spec, batch, args.heads, device, step_fn, reference_fn, graphs=graphs)
+            failures += check_batch(spec, batch, args.heads, device, step_fn, reference_fn, graphs=graphs,
+                                    padded=args.padded_rows)
         except GraphUnavailable as e:
             env["graph_error"] = str(e)
             graphs = False
-            failures += check_batch(spec, batch, args.heads, device, step_fn, reference_fn, graphs=False)
+            failures += check_batch(spec, batch, args.heads, device, step_fn, reference_fn, graphs=False,
+                                    padded=args.padded_rows)
     if failures:
         raise CorrectnessError("\n".join(failures))
     env["checks"] = ("pool == gather->dense->scatter bit for bit; pool and dense within PyTorch float32's "
@@ -335,13 +349,15 @@ def run(args, step_fn=None, reference_fn=None) -> dict:
     P = max(2 * max_b, 16)
     pool = make_pool(spec, P, args.heads, device, gen)
     shared = make_shared(spec, args.heads, device, gen)
+    padded = padded_copy(pool) if args.padded_rows else None
     rows, skipped = [], []
     for batch in args.batches:
         if time.perf_counter() - t_start > TIME_GUARD_S:
             skipped.append(batch)
             continue
         rows += bench_batch(spec, batch, args.heads, device, pool=pool, shared=shared, step_fn=step_fn,
-                            l2_bytes=env["l2_bytes"], graphs=graphs, target_s=args.target_ms / 1e3, gen=gen)
+                            l2_bytes=env["l2_bytes"], graphs=graphs, target_s=args.target_ms / 1e3, gen=gen,
+                            padded=padded)
     env["seconds"] = round(time.perf_counter() - t_start, 1)
     return {
         "what": "measured on a GPU (CUDA events); GB/s use the compulsory bytes of mamba3_step.bytes_model",
@@ -361,6 +377,8 @@ def main(argv: list[str] | None = None, step_fn=None, reference_fn=None) -> int:
     p.add_argument("--out", default=None, help="output folder (default bench/results)")
     p.add_argument("--no-graph", action="store_true", help="eager calls only")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--padded-rows", action="store_true",
+                   help="also time pool mode on state rows of a padded D stride (the run-time stride kernel)")
     p.add_argument("--target-ms", type=float, default=60.0, help="time per measurement repetition")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: smoke-test the plumbing on the PyTorch path (not a benchmark)")

@@ -43,6 +43,19 @@ def make_pool(spec, rows: int, heads: int, device, gen: torch.Generator) -> dict
                        kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype, generator=gen, device=device)
 
 
+def padded_copy(pool: dict, pad: int = 4) -> dict:
+    """``pool`` with the same values, its state rows given a padded D stride (N + ``pad``
+    elements): such a pool compiles the kernel that reads the state's D stride at run time
+    (``StepSpec.padded_state_rows``), the kernel every pool ran before packed state rows. The
+    padding columns hold NaN: a kernel that read them would show it."""
+    state = pool["state"]
+    wide = torch.full(tuple(state.shape[:-1]) + (state.shape[-1] + pad,), float("nan"), dtype=state.dtype,
+                      device=state.device)
+    view = wide[..., : state.shape[-1]]
+    view.copy_(state)
+    return {**pool, "state": view, "Bstate": pool["Bstate"].clone(), "Xstate": pool["Xstate"].clone()}
+
+
 # ------------------------------------------------------------------------------ the three paths
 def pool_step(step_fn, spec, pool: dict, shared: dict, lanes: dict, idx: torch.Tensor):
     """Pool mode: one launch over the pool, rows ``idx`` (B,) int32, in place."""
@@ -105,8 +118,9 @@ def _clone(d: dict) -> dict:
 
 
 def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn=None,
-                graphs: bool = False, seed: int = 0) -> list[str]:
-    """Run every mode once on fresh random data and check it (see the module docstring).
+                graphs: bool = False, seed: int = 0, padded: bool = False) -> list[str]:
+    """Run every mode once on fresh random data and check it (see the module docstring); with
+    ``padded``, pool mode on state rows of a padded D stride too, bit for bit pool mode's.
 
     Returns the list of failures (empty when all checks pass).
     """
@@ -138,6 +152,8 @@ def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn
     for k in ("state", "Bstate", "Xstate"):
         if not bits_equal(pool_k[k], pool_g[k]):
             failures.append(f"B={batch}: pool-mode {k} differs from gather->dense->scatter")
+    if padded:
+        failures += _check_padded(spec, step_fn, pool0, shared, lanes, idx, pool_k, lanes_k, batch)
 
     # the PyTorch path, float32 and float64
     p32, l32, p64, l64 = _references(spec, pool0, lanes, shared, idx, reference_fn)
@@ -176,6 +192,21 @@ def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn
                                       pool_k, lanes_k, dense_k, lanes_d)
         except Exception as e:
             raise GraphUnavailable(f"{type(e).__name__}: {e}") from e
+    return failures
+
+
+def _check_padded(spec, step_fn, pool0, shared, lanes, idx, pool_k, lanes_k, batch) -> list[str]:
+    """Pool mode on a padded copy of ``pool0`` gives pool mode's bits, padding columns untouched."""
+    pool_p, lanes_p = padded_copy(pool0), _clone(lanes)
+    pool_step(step_fn, spec, pool_p, shared, lanes_p, idx)
+    failures = [f"B={batch}: padded-row pool mode {k} differs from pool mode" for k in ("state", "Bstate", "Xstate")
+                if not bits_equal(pool_p[k], pool_k[k])]
+    if not bits_equal(lanes_p["out"], lanes_k["out"]):
+        failures.append(f"B={batch}: padded-row pool mode out differs from pool mode")
+    wide = pool_p["state"].as_strided(pool_p["state"].shape[:-1] + (pool_p["state"].stride(-2),),
+                                      pool_p["state"].stride())
+    if not torch.isnan(wide[..., pool_k["state"].shape[-1]:]).all():
+        failures.append(f"B={batch}: padded-row pool mode wrote into the padding columns")
     return failures
 
 

@@ -334,6 +334,39 @@ def test_gpu_bench_plumbing_on_cpu(tmp_path, capsys):
         assert t["pct_copy_eager"] == pytest.approx(100 * t["gbps_eager"] * 1e9 / result["copy_bandwidth_bytes_per_s"])
 
 
+def test_gpu_bench_padded_rows_times_the_run_time_stride_kernel_beside_pool_mode(tmp_path, capsys):
+    """--padded-rows: a fourth mode, pool mode over state rows of a padded D stride, checked first
+    (pool mode's bits, padding untouched), timed, with pool mode's bytes."""
+    assert gpu_bench.main(CPU_ARGS + ["--padded-rows", "--out", str(tmp_path)]) == 0
+    assert "pool, padded rows" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "gpu_bench.json").read_text())["rows"]
+    padded = [r for r in rows if r["mode"] == "pool_padded"]
+    assert [r["batch"] for r in padded] == [1, 2] and all(r["us"] > 0 for r in padded)
+    assert all(r["bytes"] == bytes_per_step(flagship_spec(), r["batch"], 1, mode="pool")["total"] for r in padded)
+    view = gpu_bench.padded_copy({"state": torch.randn(3, 2, 4, 8), "Bstate": torch.randn(3), "Xstate": torch.randn(3)})
+    assert view["state"].stride(-2) == 12 and not view["state"].is_contiguous()
+
+
+@pytest.mark.parametrize("what", ["padded_out", "padding_column"])
+def test_gpu_bench_padded_rows_check_fails_on_a_wrong_padded_step(what, tmp_path, capsys):
+    from mamba3_step import mamba3_step_fn
+
+    def step(*args, **kwargs):
+        out = mamba3_step_fn(*args, **kwargs)
+        state = args[0]
+        if not state.is_contiguous():  # the padded copy
+            if what == "padded_out":
+                out.view(-1)[0] += 0.5
+            else:
+                state.as_strided(tuple(state.shape[:-1]) + (state.stride(-2),), state.stride())[..., -1] = 0.0
+        return out
+
+    assert gpu_bench.main(CPU_ARGS + ["--padded-rows", "--out", str(tmp_path)], step_fn=step) == 1
+    text = capsys.readouterr().out
+    assert ("padded-row pool mode out differs" if what == "padded_out" else "padding columns") in text
+    assert not (tmp_path / "gpu_bench.json").exists()
+
+
 def _corrupt(what):
     """A step function that runs the real one, then damages one thing."""
     from mamba3_step import mamba3_step_fn
