@@ -22,7 +22,7 @@ from .api import runs_kernel
 from .launch import kernel_for
 from .replay import Ring, check_ring, replay_step
 from .signature import OP_ORDER, StepOptions
-from .spec import StepSpec, replay_problem
+from .spec import MAX_TOKENS, StepSpec, replay_problem
 from .tensors import RING_FIELDS, StepTensors, kernel_arguments
 from .tiling import tiling_problem
 from .validation import check_step_inputs_cached, checks
@@ -148,7 +148,7 @@ def _check_replay(step_spec: StepSpec, tensors: StepTensors, read: StepTensors, 
     if type(from_checkpoint) is not bool:
         raise TypeError(f"replay_step_fn: from_checkpoint must be a bool, got {type(from_checkpoint).__name__}")
     spec = step_spec.replace(replay_ring=K, replay_from_checkpoint=from_checkpoint, tile_D=tile_D or 0,
-                             num_warps=num_warps or 0)
+                             num_warps=num_warps or 0, replay_draft=_ring_draft(step_spec, ring, K))
     problem = replay_problem(spec)
     if problem is None:
         spec = spec.with_default_tiling()
@@ -156,6 +156,18 @@ def _check_replay(step_spec: StepSpec, tensors: StepTensors, read: StepTensors, 
     if problem is not None:
         raise ValueError(f"replay_step_fn: the replay kernel: {problem}")
     return spec
+
+
+def _ring_draft(step_spec: StepSpec, ring: Ring, K: int) -> int:
+    """``StepSpec.replay_draft`` of a step that commits drafts (``num_accepted``): the ring's draft
+    room when it exceeds the step's T (a ring made for longer verify steps), else 0."""
+    if not step_spec.num_accepted:
+        return 0
+    room = ring.B.shape[1] - (K - 1)
+    if room > MAX_TOKENS:
+        raise ValueError(f"ring: the replay kernel commits drafts of rings of at most K - 1 + {MAX_TOKENS} = "
+                         f"{K - 1 + MAX_TOKENS} entries (new_ring(..., draft <= {MAX_TOKENS})), got {ring.B.shape[1]}")
+    return room if room > step_spec.tokens else 0
 
 
 # --------------------------------------------------------------------------- checked rings

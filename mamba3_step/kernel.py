@@ -218,6 +218,7 @@ class Mamba3StepKernel:
         self.shared_bc = spec.shared_bc
         self.stochastic = spec.stochastic_rounding
         self.K = spec.replay_ring  # replay's flush length; 0: no replay
+        self.L = spec.ring_entries  # the most committed ring entries a step replays
         #: replay's appends compute out from the checkpoint and the ring (else by replaying the state)
         self.algebra = self.K > 0 and spec.replay_from_checkpoint
         #: an 8-bit state with a scale per (row, head, d) (docs/contract.md, "8-bit states")
@@ -386,10 +387,10 @@ class Mamba3StepKernel:
     def ring_count(self, m: KernelArgs, b: Int32, src: Int32, h: Int32, src_live: Boolean):
         """``(count, live)``: the committed ring tokens of (row ``src``, head ``h``), plus with
         ``num_accepted`` the drafts lane ``b`` commits now, and whether the lane is live. A length or
-        an accepted count out of range (a one-token step replays at most ``K - 1`` tokens, a verify
-        step ``K - 1 + T``), or a ring too short for them and the drafts, makes the lane padding:
-        every ring access stays inside ``ring_B``'s entries."""
-        most = self.K - 1 if const_expr(self.T == 1) else self.K - 1 + self.T
+        an accepted count out of range (above ``L``: ``K - 1`` for a one-token step, for a verify
+        step ``K - 1 + max(T, replay_draft)``), or a ring of fewer than ``L`` entries, makes the lane
+        padding: every ring access stays inside ``ring_B``'s entries."""
+        most = self.L
         count = Int32(-1)
         accepted = Int32(0)
         if src_live:
@@ -427,7 +428,7 @@ class Mamba3StepKernel:
         the committed ones. The ring's length becomes the committed count (0 after a flush): a draft
         the next step does not accept is never replayed."""
         self.stage_kv_row(m.Bstate, (cta.src,), cta.h, shared.sBB[1, None, None], cta)
-        for j in cutlass.range_constexpr(self.K - 1 + self.T):
+        for j in cutlass.range_constexpr(self.L):
             if j < count:
                 cute.arch.barrier()  # token j - 1 is done with the shared buffers
                 self.ring_token(m, j, cta, shared, groups)

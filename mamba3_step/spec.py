@@ -68,6 +68,10 @@ class StepSpec:
         replay_from_checkpoint: a replay step's appends compute ``out`` from the checkpoint and the
             ring (the design's algebra: no state update, the step's accuracy rule); else (the
             default) by replaying the state, bit for bit stepwise decoding's ``out``.
+        replay_draft: with ``replay_ring`` and ``num_accepted``, the draft room ``T_max`` of a ring
+            made for longer verify steps than this one (its entries ``L = K - 1 + T_max``): the
+            kernel replays up to ``L`` committed entries (0: ``L = K - 1 + T``). Derived from the
+            ring by validation, never passed (docs/contract.md, "The replay kernel").
         padded_state_rows: the D stride of ``state`` (or ``state_out``) is not N, so the kernel
             takes it at run time. Else (the default: a pool row whose (D, N) block is packed,
             as ``torch.empty`` and every slice along P or H make it) the stride is the
@@ -102,7 +106,17 @@ class StepSpec:
     has_rand_rows: bool = False
     replay_ring: int = 0
     replay_from_checkpoint: bool = False
+    replay_draft: int = 0
     padded_state_rows: bool = False
+
+    @property
+    def ring_entries(self) -> int:
+        """L, the most committed ring entries a replay step replays: ``K - 1`` for a one-token step,
+        ``K - 1 + max(T, replay_draft)`` for a verify step; 0 without replay."""
+        if not self.replay_ring:
+            return 0
+        extra = 0 if self.tokens == 1 and not self.num_accepted else max(self.tokens, self.replay_draft)
+        return self.replay_ring - 1 + extra
 
     @property
     def carried_tokens(self) -> int:
@@ -176,7 +190,7 @@ def flagship_spec(**changes) -> StepSpec:
 #: fields a key names only when they are not at their default (added after keys were on disk)
 _KEY_OMITTED_AT_DEFAULT = frozenset({"rope_angles", "rotate_pairwise", "has_bc_bias", "shared_bc",
                                      "stochastic_rounding", "has_rand_rows", "replay_ring",
-                                     "replay_from_checkpoint", "padded_state_rows"})
+                                     "replay_from_checkpoint", "replay_draft", "padded_state_rows"})
 
 
 def flagship_rotary_spec(**changes) -> StepSpec:
@@ -246,7 +260,11 @@ _REPLAY_NEEDS = (("pool", True, "pool mode"), ("update_kv_state", True, "update_
 
 def replay_problem(spec: StepSpec) -> str | None:
     """Why ``spec``'s replay field cannot go with the rest, or None."""
-    K = spec.replay_ring
+    K, room = spec.replay_ring, spec.replay_draft
+    if isinstance(room, bool) or not isinstance(room, int) or not (room == 0 or spec.tokens < room <= MAX_TOKENS):
+        return f"replay_draft must be 0 or an int in ({spec.tokens}, {MAX_TOKENS}] (above tokens), got {room!r}"
+    if room and not (K and spec.num_accepted):
+        return "replay_draft needs replay_ring and num_accepted (a ring made for longer verify steps)"
     if K == 0:
         return "replay_from_checkpoint needs replay_ring > 0" if spec.replay_from_checkpoint else None
     if isinstance(K, bool) or not isinstance(K, int) or not 2 <= K <= MAX_TOKENS:

@@ -96,7 +96,8 @@ def spec_label(spec: StepSpec) -> str:
                              ("bcbias", spec.has_bc_bias), ("sharedBC", spec.shared_bc),
                              ("sr", spec.stochastic_rounding), ("rand_rows", spec.has_rand_rows),
                              (f"replay{spec.replay_ring}", spec.replay_ring > 0),
-                             ("fromCheckpoint", spec.replay_from_checkpoint)) if on]
+                             ("fromCheckpoint", spec.replay_from_checkpoint),
+                             (f"draft{spec.replay_draft}", spec.replay_draft > 0)) if on]
     tokens = f"T{spec.tokens} " if spec.tokens > 1 else ""
     return (f"N{spec.dstate} D{spec.headdim} R{spec.mimo} {spec.state_dtype}/{spec.kv_dtype}/"
             f"{spec.x_dtype}/{spec.proj_dtype} tD{spec.tile_D} w{spec.num_warps} {tokens}"
@@ -143,6 +144,9 @@ def add_spec_arguments(parser: argparse.ArgumentParser, *, modes: bool = True, a
                        help="replay: a checkpoint and a ring, the state written every K tokens (0: stepwise)")
         g.add_argument("--replay-from-checkpoint", action="store_true",
                        help="replay: an append's out from the checkpoint and the ring (needs --replay-ring)")
+        g.add_argument("--replay-draft", type=int, default=0, metavar="T_MAX",
+                       help="replay: a verify step on a ring made for T_MAX > T drafts (StepSpec.replay_draft; "
+                            "needs --replay-ring and --num-accepted)")
     if arch:
         g.add_argument("--arch", default=None, help=f"target architecture, e.g. sm_90a, sm_100a "
                                                     f"(default: this machine's GPU, else {DEFAULT_ARCH})")
@@ -178,7 +182,7 @@ def specs_from_args(args: argparse.Namespace) -> list[StepSpec]:
                        rope_angles=args.rope_angles, rotate_pairwise=args.rotate_pairwise,
                        has_bc_bias=args.bc_bias, shared_bc=args.shared_bc,
                        stochastic_rounding=args.stochastic_rounding, replay_ring=args.replay_ring,
-                       replay_from_checkpoint=args.replay_from_checkpoint)
+                       replay_from_checkpoint=args.replay_from_checkpoint, replay_draft=args.replay_draft)
     specs = []
     for config in args.config or ["flagship"]:
         for spec in specs_for_config(config, **changes):

@@ -195,13 +195,13 @@ def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) 
     of the last step. A verify specialisation (T drafts) accepts every draft of a row's last step,
     and the stepwise T-token kernel steps them all: the same drafts, the same states."""
     K, T = spec.replay_ring, spec.tokens
-    stepwise = spec.replace(replay_ring=0, replay_from_checkpoint=False, num_accepted=False, tile_D=0,
+    stepwise = spec.replace(replay_ring=0, replay_from_checkpoint=False, num_accepted=False, replay_draft=0, tile_D=0,
                             num_warps=0).with_default_tiling()
     start, _ = _inputs(stepwise, batch, heads, seed)
     pools = {kind: {k: getattr(start, k).clone() for k in ("state", "Bstate", "Xstate")} for kind in ("r", "s")}
     P, H, D, N = start.state.shape
     ring = new_ring(P, K, spec.mimo, H, N, D, kv_dtype=start.Bstate.dtype, x_dtype=start.Xstate.dtype,
-                    draft=T if T > 1 else 0)
+                    draft=max(spec.replay_draft, T) if T > 1 else 0)
     row = dict(err_out=0.0, budget_out=0.0, err_state=None, budget_state=None, parity=True, accurate=True)
     pending = set()  # rows whose last verify step's drafts the stepwise kernel has stepped
     for step in range(2 * K + 1):
@@ -332,11 +332,11 @@ def verify_instructions(spec: StepSpec, committed: int, arch: str = "sm_90a", se
     tokens once the step's ``accepted`` are taken (``accepted = min(committed, T)``, the rest already
     in the ring). Inputs from the one input factory, one lane, one head, ``tile_D = D``."""
     T = spec.tokens
-    base = spec.replace(replay_ring=0, num_accepted=False)
+    base = spec.replace(replay_ring=0, num_accepted=False, replay_draft=0)
     tensors, _ = _inputs(base, 1, 1, seed, live_only=True)
     P, H, D, N = tensors.state.shape
     ring = new_ring(P, spec.replay_ring, spec.mimo, H, N, D, kv_dtype=tensors.Bstate.dtype,
-                    x_dtype=tensors.Xstate.dtype, draft=T)
+                    x_dtype=tensors.Xstate.dtype, draft=max(spec.replay_draft, T))
     accepted = min(committed, T)
     ring.length.fill_(committed - accepted)
     t = tensors._replace(num_accepted_tokens=torch.full((1,), accepted, dtype=torch.int32)).with_out()

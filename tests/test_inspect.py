@@ -22,7 +22,7 @@ import cutlass.cute as cute  # noqa: E402
 
 from mamba3_step import cli  # noqa: E402
 from mamba3_step import inspection as I  # noqa: E402
-from mamba3_step.specsets import specs_from_args  # noqa: E402
+from mamba3_step.specsets import spec_label, specs_from_args  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PTXAS = shutil.which("ptxas")
@@ -418,3 +418,17 @@ def test_report_of_a_replay_specialisation_names_it_and_models_its_bytes():
     text = I.format_report(report)
     assert "replay_ring=4" in text and "averaged over ring positions" in text and "ring.length" in text
     assert facts.spill_bytes == 0
+
+
+def test_replay_draft_flag_names_a_verify_step_on_a_ring_made_for_more_drafts(capsys):
+    """--replay-draft T_MAX: StepSpec.replay_draft, the ring's K - 1 + T_MAX entries; refused by name
+    without --num-accepted or at most --tokens."""
+    args = cli.build_parser().parse_args(["inspect", "--replay-ring", "4", "--tokens", "2", "--num-accepted",
+                                          "--replay-draft", "4"])
+    (spec,) = specs_from_args(args)
+    assert (spec.replay_draft, spec.tokens, spec.ring_entries) == (4, 2, 7)
+    assert "draft4" in spec_label(spec)
+    for argv, message in ((["--replay-draft", "4"], "replay_draft needs replay_ring and num_accepted"),
+                          (["--num-accepted", "--replay-draft", "2"], "replay_draft must be 0 or an int in (2, 16]")):
+        assert cli.main(["inspect", "--replay-ring", "4", "--tokens", "2", *argv]) == 2
+        assert message in capsys.readouterr().err

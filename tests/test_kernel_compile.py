@@ -167,6 +167,14 @@ REPLAY_VERIFY = {
         num_accepted=True),
 }
 
+#: verify steps with fewer drafts than their ring holds (a ring made for T = 3, StepSpec.replay_draft),
+#: beside the T = 3 step that fills it: tests/test_ptx_replay_verify.py alternates the two
+_SMALL_VERIFY = REPLAY_VERIFY["N32-D64-R2-bf16state-replay-K2-verify-T2-noz"]
+REPLAY_VERIFY_MIXED = {
+    "N32-D64-R2-bf16state-replay-K2-verify-T3-noz": _SMALL_VERIFY.replace(tokens=3),
+    "N32-D64-R2-bf16state-replay-K2-verify-T2-draft3-noz": _SMALL_VERIFY.replace(replay_draft=3),
+}
+
 #: the covering set with T in {2, 4, 8} (T = 1 is COVERING itself)
 COVERING_TOKENS = {f"{name}-T{T}": with_tokens(spec, T) for name, spec in COVERING.items() for T in (2, 4, 8)}
 
@@ -175,7 +183,7 @@ COVERING_TOKENS = {f"{name}-T{T}": with_tokens(spec, T) for name, spec in COVERI
 EXECUTED_ARCH = "sm_90a"
 EXECUTED = frozenset(s.with_default_tiling() for s in (*COVERING.values(), *MULTI_TOKEN.values(), *ROTARY.values(),
                                                        *STOCHASTIC.values(), *EIGHT_BIT.values(), *REPLAY.values(),
-                                                       *REPLAY_VERIFY.values()))
+                                                       *REPLAY_VERIFY.values(), *REPLAY_VERIFY_MIXED.values()))
 
 
 def _full_matrix():
@@ -287,7 +295,8 @@ def check_padding_guard(sass_text: str, where: str, loads: int = 2) -> None:
 
 #: the named sets every run compiles for both architectures, by the prefix of their test ids
 COMPILED_SETS = {"covering": COVERING, "multi-token": MULTI_TOKEN, "rotary": ROTARY, "stochastic": STOCHASTIC,
-                 "eight-bit": EIGHT_BIT, "replay": REPLAY, "replay-verify": REPLAY_VERIFY}
+                 "eight-bit": EIGHT_BIT, "replay": REPLAY, "replay-verify": REPLAY_VERIFY,
+                 "replay-verify-mixed": REPLAY_VERIFY_MIXED}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

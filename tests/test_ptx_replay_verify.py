@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_kernel_compile import REPLAY_VERIFY
+from test_kernel_compile import REPLAY_VERIFY, REPLAY_VERIFY_MIXED
 from test_ptx_replay import RING_TENSORS, _heads, _span, _touched, _within, join_request
 
 from mamba3_step.ptx import analysis
@@ -41,17 +41,19 @@ POOLS = ("state", "Bstate", "Xstate")
 
 
 def _spec(name: str) -> StepSpec:
-    return REPLAY_VERIFY[name].with_default_tiling()
+    return {**REPLAY_VERIFY, **REPLAY_VERIFY_MIXED}[name].with_default_tiling()
 
 
 def _stepwise(spec: StepSpec, tokens: int) -> StepSpec:
     """The stepwise specialisation with ``tokens`` per lane, no replay, its default tiling."""
-    return spec.replace(replay_ring=0, num_accepted=False, tokens=tokens, tile_D=0, num_warps=0).with_default_tiling()
+    return spec.replace(replay_ring=0, num_accepted=False, replay_draft=0, tokens=tokens, tile_D=0,
+                        num_warps=0).with_default_tiling()
 
 
 class Layer:
     """The replay kernel's pools and ring, the CPU path's, and the stepwise pools (the state
-    stepwise decoding holds after each round's accepted tokens)."""
+    stepwise decoding holds after each round's accepted tokens). ``T`` is the current round's
+    draft count; the rings have room for ``spec.tokens`` drafts."""
 
     def __init__(self, spec: StepSpec, seed: int):
         self.spec, self.H, self.T, self.K = spec, _heads(spec), spec.tokens, spec.replay_ring
@@ -94,7 +96,7 @@ class Layer:
         """The stepwise pools advance by each lane's accepted drafts of its last round: one-token
         steps of the executed stepwise kernel, token j for the lanes that accepted more than j."""
         B, one = len(lanes), _stepwise(self.spec, 1)
-        for j in range(self.T):
+        for j in range(max(accepted, default=0)):
             index = [row if a > j else -1 for row, a in zip(lanes, accepted)]
             if all(i < 0 for i in index):
                 return
@@ -128,25 +130,47 @@ def _is_positive_zero(t: torch.Tensor) -> bool:
                                   for n in REPLAY_VERIFY])
 def test_verify_rounds_are_bit_identical_to_the_executed_stepwise_kernel(name):
     spec = _spec(name)
-    layer = Layer(spec, seed=17)
-    K, T = layer.K, layer.T
+    rounds = 7 if spec.replay_ring <= spec.tokens else 9
+    flushes, _ = _verify_rounds(name, Layer(spec, seed=17), [spec] * rounds, all_accepted=())
+    assert flushes and max(flushes.values()) >= 2, f"{name}: fewer than two flushes of one row ({flushes})"
+
+
+def test_verify_steps_with_fewer_drafts_than_the_ring_holds():
+    """A ring made for T = 3 drafts, steps alternating T = 3 and T = 2 (StepSpec.replay_draft = 3),
+    every draft of a T = 3 round accepted by the T = 2 round after it: a T = 2 step then commits up
+    to K - 1 + 3 entries, above its own K - 1 + T (the lane was padding before replay_draft)."""
+    big, small = (_spec(n) for n in REPLAY_VERIFY_MIXED)
+    assert small.replay_draft == big.tokens == 3 and small.ring_entries == big.ring_entries
+    specs = [big if s % 2 == 0 else small for s in range(8)]
+    flushes, beyond = _verify_rounds("mixed", Layer(big, seed=29), specs, all_accepted=range(1, 8, 2))
+    assert flushes and max(flushes.values()) >= 2, f"fewer than two flushes of one row ({flushes})"
+    assert beyond, "no T = 2 step committed more than K - 1 + 2 entries"
+
+
+def _verify_rounds(name: str, layer: Layer, specs: list, all_accepted) -> tuple:
+    """Speculative rounds, round ``s`` a verify step of ``specs[s]`` (see the module docstring),
+    every pending draft accepted in the rounds ``all_accepted``. Returns the flushes per row and
+    how many live lanes committed more than ``K - 1 + T`` entries."""
+    K = layer.K
     rng = np.random.default_rng(7)
     active = [0, 1, 2]
-    rounds = 7 if K <= T else 9
     schedule = {2: (1, 4), 5: (0, 5)}  # round -> (row that leaves, row that joins)
-    flushes = {}
-    for s in range(rounds):
+    flushes, beyond = {}, 0
+    for s, spec in enumerate(specs):
+        T = layer.T = spec.tokens
         if s in schedule:
             leave, join = schedule[s]
             active[active.index(leave)] = join
             layer.join(join)
         lanes = list(active) + [int(v) for v in rng.choice(PADDING, size=2, replace=False)]
         rng.shuffle(lanes)
-        accepted = [int(rng.integers(1, T + 1)) if s % 3 else int(rng.integers(0, T + 1)) for _ in lanes]
-        accepted = [a if row in layer.pending else 0 for row, a in zip(lanes, accepted)]
+        pending = [layer.pending[row]["x"].shape[0] if row in layer.pending else 0 for row in lanes]
+        accepted = [tp if s in all_accepted else int(rng.integers(1 if s % 3 else 0, tp + 1)) if tp else 0
+                    for tp in pending]
         index = torch.tensor(lanes, dtype=torch.int32)
         counts = {row: int(layer.rings["replay"].length[row, 0]) + a for row, a in zip(lanes, accepted)
                   if row in active}
+        beyond += sum(c > K - 1 + T for c in counts.values())
         layer.commit_stepwise(lanes, accepted)
         before = layer.snapshot()
         lane = layer.lane(len(lanes), T)
@@ -177,7 +201,7 @@ def test_verify_rounds_are_bit_identical_to_the_executed_stepwise_kernel(name):
         for row in set(range(P)) - set(active):
             for k, v in before.items():
                 assert bits_equal(after[k][row], v[row]), f"{name} round {s}: row {row} of {k} written"
-    assert flushes and max(flushes.values()) >= 2, f"{name}: fewer than two flushes of one row ({flushes})"
+    return flushes, beyond
 
 
 def test_verify_lanes_touch_exactly_their_rows_and_ring_entries():

@@ -76,7 +76,7 @@ def inspect_spec(spec, arch: str = "sm_90a", batch: int = 256, heads: int = 48,
         "batch": batch,
         "heads": heads,
         # a replay step's: averaged over its ring positions (bytes_model.replay_bytes)
-        "bytes_per_step": (replay_bytes(spec.replace(replay_ring=0, replay_from_checkpoint=False), spec.replay_ring,
+        "bytes_per_step": (replay_bytes(spec.replace(replay_ring=0, replay_from_checkpoint=False, replay_draft=0), spec.replay_ring,
                                         batch, heads) if spec.replay_ring else bytes_per_step(spec, batch, heads)),
     }
     return report, facts
@@ -94,7 +94,7 @@ def format_report(report: dict) -> str:
     mode = "pool" if s["pool"] else "dense"
     flags = [k for k in ("has_dst", "dst_per_token", "num_accepted", "update_kv_state", "has_z", "has_outproj",
                          "has_state_out", "shared_bc", "stochastic_rounding", "replay_from_checkpoint") if s.get(k)]
-    for key in ("tokens", "rope_angles", "replay_ring"):  # the counts, where they are not the default
+    for key in ("tokens", "rope_angles", "replay_ring", "replay_draft"):  # the counts, where they are not the default
         if s.get(key, 0) > (key == "tokens"):
             flags.insert(0, f"{key}={s[key]}")
     lines = [
