@@ -160,14 +160,14 @@ def _check_replay(step_spec: StepSpec, tensors: StepTensors, read: StepTensors, 
 
 def _ring_draft(step_spec: StepSpec, ring: Ring, K: int) -> int:
     """``StepSpec.replay_draft`` of a step that commits drafts (``num_accepted``): the ring's draft
-    room when it exceeds the step's T (a ring made for longer verify steps), else 0."""
+    room when it exceeds what the step itself needs (T drafts, none for one token), else 0."""
     if not step_spec.num_accepted:
         return 0
     room = ring.B.shape[1] - (K - 1)
     if room > MAX_TOKENS:
         raise ValueError(f"ring: the replay kernel commits drafts of rings of at most K - 1 + {MAX_TOKENS} = "
                          f"{K - 1 + MAX_TOKENS} entries (new_ring(..., draft <= {MAX_TOKENS})), got {ring.B.shape[1]}")
-    return room if room > step_spec.tokens else 0
+    return room if room > step_spec.draft_need else 0
 
 
 # --------------------------------------------------------------------------- checked rings

@@ -494,7 +494,7 @@ class Mamba3StepKernel:
         nothing stored), then this step's token (:meth:`live_token`). Token ``j`` stages its B in
         ``sBB[j % 2]``; Bstate, the token before the ring, is token -1's (``sBB[1]``)."""
         self.stage_kv_row(m.Bstate, (cta.src,), cta.h, shared.sBB[1, None, None], cta)
-        for j in cutlass.range_constexpr(self.K - 1):
+        for j in cutlass.range_constexpr(self.L):
             if j < count:
                 cute.arch.barrier()  # token j - 1 is done with the shared buffers
                 self.ring_token(m, j, cta, shared, groups)
@@ -521,9 +521,9 @@ class Mamba3StepKernel:
     @cute.jit
     def live_token(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list):
         """This step's token after ``count`` ring tokens, stepped like a one-token step's, its ``out``
-        written. A flush (``count = K - 1``) stores the state, B and x to row ``dst`` and empties
-        its ring; otherwise the token becomes ring entry ``count`` (:meth:`append_ring`) and the
-        state row is not written."""
+        written. A flush (``count >= K - 1``: ``K - 1`` exactly unless the step commits drafts)
+        stores the state, B and x to row ``dst`` and empties its ring; otherwise the token becomes
+        ring entry ``count`` (:meth:`append_ring`) and the state row is not written."""
         src, h = cta.src, cta.h
         lane_t = (cta.b,)
         parity = count % 2
@@ -544,6 +544,8 @@ class Mamba3StepKernel:
         self.stage_coefficients(m, (m.x, lane_t), xprev, tok, shared, cta)
         cute.arch.barrier()
         flush = count == self.K - 1
+        if const_expr(self.num_accepted):
+            flush = count >= self.K - 1  # committed drafts may carry the count past K - 1
         if cta.dst_live:
             if flush:
                 self.store_kv_state(m, tok.sB, shared.sX, cta)

@@ -69,9 +69,10 @@ class StepSpec:
             ring (the design's algebra: no state update, the step's accuracy rule); else (the
             default) by replaying the state, bit for bit stepwise decoding's ``out``.
         replay_draft: with ``replay_ring`` and ``num_accepted``, the draft room ``T_max`` of a ring
-            made for longer verify steps than this one (its entries ``L = K - 1 + T_max``): the
-            kernel replays up to ``L`` committed entries (0: ``L = K - 1 + T``). Derived from the
-            ring by validation, never passed (docs/contract.md, "The replay kernel").
+            made for longer steps than this one needs (its entries ``L = K - 1 + T_max``; a verify
+            step needs ``T``, a one-token step none): the kernel replays up to ``L`` committed
+            entries (0: the step's own need). Derived from the ring by validation, never passed
+            (docs/contract.md, "The replay kernel").
         padded_state_rows: the D stride of ``state`` (or ``state_out``) is not N, so the kernel
             takes it at run time. Else (the default: a pool row whose (D, N) block is packed,
             as ``torch.empty`` and every slice along P or H make it) the stride is the
@@ -111,12 +112,17 @@ class StepSpec:
 
     @property
     def ring_entries(self) -> int:
-        """L, the most committed ring entries a replay step replays: ``K - 1`` for a one-token step,
-        ``K - 1 + max(T, replay_draft)`` for a verify step; 0 without replay."""
+        """L, the most committed ring entries a replay step replays: ``K - 1 + max(need,
+        replay_draft)``, the step's own need ``T`` for a verify step and 0 for a one-token step; 0
+        without replay."""
         if not self.replay_ring:
             return 0
-        extra = 0 if self.tokens == 1 and not self.num_accepted else max(self.tokens, self.replay_draft)
-        return self.replay_ring - 1 + extra
+        return self.replay_ring - 1 + max(self.draft_need, self.replay_draft)
+
+    @property
+    def draft_need(self) -> int:
+        """The ring entries beyond ``K - 1`` this step itself needs: its T drafts, or none for one token."""
+        return self.tokens if self.tokens > 1 else 0
 
     @property
     def carried_tokens(self) -> int:
@@ -261,8 +267,9 @@ _REPLAY_NEEDS = (("pool", True, "pool mode"), ("update_kv_state", True, "update_
 def replay_problem(spec: StepSpec) -> str | None:
     """Why ``spec``'s replay field cannot go with the rest, or None."""
     K, room = spec.replay_ring, spec.replay_draft
-    if isinstance(room, bool) or not isinstance(room, int) or not (room == 0 or spec.tokens < room <= MAX_TOKENS):
-        return f"replay_draft must be 0 or an int in ({spec.tokens}, {MAX_TOKENS}] (above tokens), got {room!r}"
+    need = spec.draft_need
+    if isinstance(room, bool) or not isinstance(room, int) or not (room == 0 or need < room <= MAX_TOKENS):
+        return f"replay_draft must be 0 or an int in ({need}, {MAX_TOKENS}] (above the step's own need), got {room!r}"
     if room and not (K and spec.num_accepted):
         return "replay_draft needs replay_ring and num_accepted (a ring made for longer verify steps)"
     if K == 0:
@@ -274,9 +281,8 @@ def replay_problem(spec: StepSpec) -> str | None:
             return f"replay_ring needs {what}, got {field}={getattr(spec, field)!r}"
     if spec.tokens > 1 and spec.replay_from_checkpoint:
         return "replay_from_checkpoint takes one-token steps (a verify step's outputs come from the replayed state)"
-    if spec.num_accepted and spec.tokens == 1:
-        return ("num_accepted with replay_ring needs a verify step, tokens > 1 (a one-token step committing "
-                "drafts: the CPU path only)")
+    if spec.num_accepted and spec.replay_from_checkpoint:
+        return "replay_from_checkpoint takes no num_accepted (a step committing drafts replays the state)"
     if spec.tile_D and spec.tile_D < spec.headdim:
         return "replay_ring needs tile_D >= headdim (one CTA per (lane, head) owns its ring entry and length)"
     return None

@@ -102,8 +102,8 @@ def full_matrix(request) -> bool:
 
 @pytest.fixture
 def fuzz_examples(request) -> int:
-    """Examples of the public-surface fuzz harness: 20,000 with ``--fuzz-long``, else 600."""
-    return 20_000 if request.config.getoption("--fuzz-long") else 600
+    """Examples of the public-surface fuzz harness: 20,000 with ``--fuzz-long``, else 400."""
+    return 20_000 if request.config.getoption("--fuzz-long") else 400
 
 
 @pytest.fixture(autouse=True, scope="session")

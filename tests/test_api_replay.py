@@ -72,7 +72,9 @@ def test_kernel_spec_refuses_what_the_kernel_does_not_take_by_name():
     index = torch.tensor([0, 1], dtype=torch.int32)
     call = _call(rows, lane_inputs(2, H, D, N, R, generator=g), weights, index)
     accepted = torch.zeros(2, dtype=torch.int32)
-    _refused(call, ring, "num_accepted with replay_ring needs a verify step, tokens > 1", accepted=accepted)
+    _refused(call, ring, "replay_from_checkpoint takes no num_accepted", accepted=accepted, from_checkpoint=True)
+    assert replay_kernel_spec(call, ring, K, accepted=accepted) == flagship_spec(replay_ring=K, num_accepted=True,
+                                                                                  replay_draft=2)  # the ring's room
     drafts = _call(rows, lane_inputs(2, H, D, N, R, tokens=2, generator=g), weights, index)
     _refused(drafts, ring, "replay_from_checkpoint takes one-token steps", from_checkpoint=True)
     _refused(drafts, ring, r"^accepted: expected dtype int32, got int64", accepted=accepted.long())

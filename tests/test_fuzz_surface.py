@@ -3,7 +3,7 @@ scalars survives, refuses with a named TypeError/ValueError, and a refused call 
 of the pool and nothing in its allocator.
 
 The harness runs in a subprocess (``tests/fuzz_surface_worker.py``; a crash there is a failure
-here, not the end of the test run). The default budget is 600 examples; ``--fuzz-long`` runs
+here, not the end of the test run). The default budget is 400 examples; ``--fuzz-long`` runs
 20,000 (docs/verification-log.md has the last long run's count).
 """
 

@@ -168,11 +168,13 @@ REPLAY_VERIFY = {
 }
 
 #: verify steps with fewer drafts than their ring holds (a ring made for T = 3, StepSpec.replay_draft),
-#: beside the T = 3 step that fills it: tests/test_ptx_replay_verify.py alternates the two
+#: and a one-token step committing drafts, beside the T = 3 step that fills the ring:
+#: tests/test_ptx_replay_verify.py alternates them
 _SMALL_VERIFY = REPLAY_VERIFY["N32-D64-R2-bf16state-replay-K2-verify-T2-noz"]
 REPLAY_VERIFY_MIXED = {
     "N32-D64-R2-bf16state-replay-K2-verify-T3-noz": _SMALL_VERIFY.replace(tokens=3),
     "N32-D64-R2-bf16state-replay-K2-verify-T2-draft3-noz": _SMALL_VERIFY.replace(replay_draft=3),
+    "N32-D64-R2-bf16state-replay-K2-T1-accepted-noz": _SMALL_VERIFY.replace(tokens=1, replay_draft=3),
 }
 
 #: the covering set with T in {2, 4, 8} (T = 1 is COVERING itself)
@@ -306,10 +308,11 @@ def test_compiles_with_clean_compiler_facts(spec, arch):
     check_compiler_facts(spec, arch)
 
 
-# The default run compiles the covering set's T > 1 forms for sm_90a; sm_100a with --full-matrix
-# (the flagship's T in {2, 3, 4, 6, 8} is compiled for both in every run: MULTI_TOKEN).
+# The default run compiles the covering set's T = 2 and 4 forms for sm_90a; T = 8 and sm_100a with
+# --full-matrix (the flagship's T in {2, 3, 4, 6, 8} is compiled for both in every run: MULTI_TOKEN).
 @pytest.mark.parametrize("arch", [ARCHS[0], pytest.param(ARCHS[1], marks=pytest.mark.full_matrix)])
-@pytest.mark.parametrize("name", list(COVERING_TOKENS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.full_matrix] if n.endswith("-T8") else [])
+                                  for n in COVERING_TOKENS])
 def test_covering_set_with_tokens_compiles_with_clean_compiler_facts(name, arch):
     check_compiler_facts(COVERING_TOKENS[name], arch)
 

@@ -125,7 +125,9 @@ class Layer:
         return held
 
 
-@pytest.mark.parametrize("name", list(REPLAY))
+# K = 8 from the checkpoint with --full-matrix: K = 8 (replayed) and from the checkpoint (K = 3, 4) run by default
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.full_matrix] if n.endswith("K8-from-checkpoint") else [])
+                                  for n in REPLAY])
 def test_replay_decode_is_bit_identical_to_the_executed_stepwise_kernel(name):
     spec = _spec(name)
     K = spec.replay_ring

@@ -113,7 +113,8 @@ class Layer:
         """The drafts' outputs of the executed stepwise T-token kernel, from a copy of the stepwise pools."""
         scratch = {k: v.clone() for k, v in self.pools["stepwise"].items()}
         want = self.out(index.numel())
-        run_step_ptx(_stepwise(self.spec, self.T), self.call(scratch, lane, index, want))
+        run_step_ptx(_stepwise(self.spec, self.T),
+                     self.call(scratch, lane, index, want[:, 0] if self.T == 1 else want))
         return want
 
     def snapshot(self) -> dict:
@@ -139,7 +140,8 @@ def test_verify_steps_with_fewer_drafts_than_the_ring_holds():
     """A ring made for T = 3 drafts, steps alternating T = 3 and T = 2 (StepSpec.replay_draft = 3),
     every draft of a T = 3 round accepted by the T = 2 round after it: a T = 2 step then commits up
     to K - 1 + 3 entries, above its own K - 1 + T (the lane was padding before replay_draft)."""
-    big, small = (_spec(n) for n in REPLAY_VERIFY_MIXED)
+    big = _spec("N32-D64-R2-bf16state-replay-K2-verify-T3-noz")
+    small = _spec("N32-D64-R2-bf16state-replay-K2-verify-T2-draft3-noz")
     assert small.replay_draft == big.tokens == 3 and small.ring_entries == big.ring_entries
     specs = [big if s % 2 == 0 else small for s in range(8)]
     flushes, beyond = _verify_rounds("mixed", Layer(big, seed=29), specs, all_accepted=range(1, 8, 2))
@@ -147,10 +149,26 @@ def test_verify_steps_with_fewer_drafts_than_the_ring_holds():
     assert beyond, "no T = 2 step committed more than K - 1 + 2 entries"
 
 
+def test_one_token_steps_that_commit_drafts():
+    """A one-token step with ``accepted`` (StepSpec num_accepted, tokens = 1) after verify steps of 3
+    drafts: it commits the accepted drafts, steps its own token (committed, not a draft) and
+    flushes once the count reaches K - 1, every draft accepted in some rounds so that the count
+    passes K - 1 (a flush of more than K tokens). Its out is the executed stepwise one-token
+    kernel's after the accepted drafts, bit for bit; rows at a flush equal stepwise decoding's."""
+    big = _spec("N32-D64-R2-bf16state-replay-K2-verify-T3-noz")
+    one = _spec("N32-D64-R2-bf16state-replay-K2-T1-accepted-noz")
+    assert (one.tokens, one.num_accepted, one.replay_draft, one.ring_entries) == (1, True, 3, big.ring_entries)
+    specs = [big if s % 2 == 0 else one for s in range(8)]
+    flushes, beyond = _verify_rounds("one-token", Layer(big, seed=31), specs, all_accepted=range(1, 8, 4))
+    assert flushes and max(flushes.values()) >= 2, f"fewer than two flushes of one row ({flushes})"
+    assert beyond, "no one-token step committed more than K - 1 entries"
+
+
 def _verify_rounds(name: str, layer: Layer, specs: list, all_accepted) -> tuple:
     """Speculative rounds, round ``s`` a verify step of ``specs[s]`` (see the module docstring),
-    every pending draft accepted in the rounds ``all_accepted``. Returns the flushes per row and
-    how many live lanes committed more than ``K - 1 + T`` entries."""
+    every pending draft accepted in the rounds ``all_accepted``; a one-token round's token is
+    committed (the stepwise pools step it at once). Returns the flushes per row and how many live
+    lanes committed more than the step's own ``K - 1 + T`` (one-token: ``K - 1``) entries."""
     K = layer.K
     rng = np.random.default_rng(7)
     active = [0, 1, 2]
@@ -158,6 +176,7 @@ def _verify_rounds(name: str, layer: Layer, specs: list, all_accepted) -> tuple:
     flushes, beyond = {}, 0
     for s, spec in enumerate(specs):
         T = layer.T = spec.tokens
+        one = T == 1
         if s in schedule:
             leave, join = schedule[s]
             active[active.index(leave)] = join
@@ -170,14 +189,14 @@ def _verify_rounds(name: str, layer: Layer, specs: list, all_accepted) -> tuple:
         index = torch.tensor(lanes, dtype=torch.int32)
         counts = {row: int(layer.rings["replay"].length[row, 0]) + a for row, a in zip(lanes, accepted)
                   if row in active}
-        beyond += sum(c > K - 1 + T for c in counts.values())
+        beyond += sum(c > K - 1 + spec.draft_need for c in counts.values())
         layer.commit_stepwise(lanes, accepted)
         before = layer.snapshot()
-        lane = layer.lane(len(lanes), T)
+        lane = layer.lane(len(lanes), None if one else T)
         got = layer.out(len(lanes))
         acc = torch.tensor(accepted, dtype=torch.int32)
-        run_step_ptx(spec, layer.call(layer.pools["replay"], lane, index, got)._replace(num_accepted_tokens=acc),
-                     ring=layer.rings["replay"])
+        run_step_ptx(spec, layer.call(layer.pools["replay"], lane, index, got[:, 0] if one else got)
+                     ._replace(num_accepted_tokens=acc), ring=layer.rings["replay"])
         replay_step(layer.call(layer.pools["cpu"], lane, index), layer.rings["cpu"], K, accepted=acc,
                     exact_outputs=True)
         want = layer.drafts_stepwise(lane, index)
@@ -186,10 +205,15 @@ def _verify_rounds(name: str, layer: Layer, specs: list, all_accepted) -> tuple:
                 assert _is_positive_zero(got[b]), f"{name} round {s}: padding lane {b} out"
                 continue
             assert bits_equal(got[b], want[b]), f"{name} round {s}: lane {b}'s drafts differ from the stepwise kernel's"
-            layer.pending[row] = {k: (None if v is None else v[b].clone()) for k, v in lane.items()}
+            layer.pending[row] = {k: (None if v is None else (v[b][None] if one else v[b]).clone())
+                                  for k, v in lane.items()}
+        if one:  # the token is committed: stepwise decoding steps it now
+            layer.commit_stepwise(lanes, [1 if row in active else 0 for row in lanes])
+            for row in active:
+                layer.pending.pop(row)
         replay, stepwise = layer.pools["replay"], layer.pools["stepwise"]
         for row in active:
-            if counts[row] >= K:
+            if counts[row] >= (K - 1 if one else K):
                 flushes[row] = flushes.get(row, 0) + 1
                 assert int(layer.rings["replay"].length[row, 0]) == 0, f"{name} round {s}: row {row} not flushed"
                 for k in POOLS:

@@ -83,7 +83,8 @@ def decode_step(*args, **kwargs) -> torch.Tensor:
             skips that token's write).
         num_accepted_tokens: ``(B,)`` int32, with ``(B, K)`` ``slots`` (see above); on a replay pool
             (:class:`~mamba3_step.serving.ReplayStatePool`) with ``(B,)`` ``slots``: the drafts of each
-            lane's last verify step to commit first (docs/contract.md, "Replay").
+            lane's last verify step to commit first, before a verify step or a one-token step
+            (docs/contract.md, "Replay").
         out: optional output buffer, ``(B, [T,] H, D)`` with ``outproj``, else ``(B, [T,] R, H, D)``.
         tile_D, num_warps: kernel tiling, passed through unchanged (None = default).
 

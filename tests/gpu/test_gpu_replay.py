@@ -226,14 +226,16 @@ def test_verify_rounds_on_a_replay_pool_match_the_stepwise_kernel(K, T):
 
 
 @pytest.mark.parametrize("K", [2, 4])
-def test_verify_steps_with_fewer_drafts_than_the_pool_holds(K):
-    """A pool made for 3 drafts (``replay_draft=3``), verify steps alternating 3 and 2 drafts, every
-    draft of a 3-draft step accepted by the 2-draft step after it: that step commits up to K - 1 + 3
-    entries, more than its own K - 1 + 2 (the kernel specialised on the ring's entries,
-    ``StepSpec.replay_draft``). Drafts bit for bit the stepwise kernel's, rows as in the test above."""
+@pytest.mark.parametrize("small", [2, 1])
+def test_steps_with_fewer_drafts_than_the_pool_holds(K, small):
+    """A pool made for 3 drafts (``replay_draft=3``), steps of 3, 3 and ``small`` drafts in turn (2
+    drafts, or one token: x without a token axis, its token committed), every draft accepted by a
+    ``small`` step: that step commits up to K - 1 + 3 entries, more than its
+    own need (the kernel specialised on the ring's entries, ``StepSpec.replay_draft``). Outs bit for
+    bit the stepwise kernel's, rows as in the test above."""
     from mamba3_step.serving import ReplayStatePool, StatePool, decode_step
 
-    g = torch.Generator().manual_seed(70 + K)
+    g = torch.Generator().manual_seed(70 + K + small)
     replay = ReplayStatePool(1, 12, H, D, N, R, replay_ring=K, replay_draft=3, device=DEV)
     stepwise, scratch = (StatePool(1, 12, H, D, N, R, device=DEV) for _ in range(2))
     w = layer_weights(H, D, R, generator=g, device=DEV)
@@ -245,23 +247,27 @@ def test_verify_steps_with_fewer_drafts_than_the_pool_holds(K):
     padded = torch.cat([slots, torch.tensor([-1], dtype=torch.int32)]).to(DEV)
     pending, beyond = None, 0
     for step in range(4 * K):
-        T = 3 if step % 2 == 0 else 2
+        T = (3, 3, small)[step % 3]  # two 3-draft steps let the ring hold committed tokens before `small`
         accepted = None
         if pending is not None:
             tp = pending["x"].shape[1]
-            accepted = (torch.full((6,), tp, dtype=torch.int32) if T == 2 else
+            accepted = (torch.full((6,), tp, dtype=torch.int32) if T < 3 else
                         torch.randint(0, tp + 1, (6,), generator=g, dtype=torch.int32)).to(DEV)
             for j in range(tp):
                 go = torch.where(accepted > j, padded, torch.full_like(padded, -1))
                 decode_step(stepwise, 0, go, **{k: v[:, j] for k, v in pending.items()}, **w)
-            beyond += int((replay.ring(0).length[slots.long().to(DEV), 0] + accepted[:-1] > K - 1 + T).sum())
-        lane = lane_inputs(6, H, D, N, R, tokens=T, generator=g, device=DEV)
+            need = T if T > 1 else 0
+            beyond += int((replay.ring(0).length[slots.long().to(DEV), 0] + accepted[:-1] > K - 1 + need).sum())
+        lane = lane_inputs(6, H, D, N, R, tokens=T if T > 1 else None, generator=g, device=DEV)
         got = decode_step(replay, 0, padded, **lane, **w, num_accepted_tokens=accepted)
         for mine, theirs in zip(scratch._pools(), stepwise._pools()):
             mine.copy_(theirs)
         want = decode_step(scratch, 0, padded, **lane, **w)
-        assert bits_equal(got, want), f"step {step} (T = {T}): drafts"
+        assert bits_equal(got, want), f"step {step} (T = {T}): outs"
         assert got[-1].eq(0).all(), f"step {step}: the padding lane"
-        _check_materialized(replay, stepwise, slots, w, f"step {step}")
         pending = lane
-    assert beyond > 0, "no 2-draft step committed more than K - 1 + 2 entries"
+        if T == 1:  # the token is committed: the stepwise pool steps it too
+            decode_step(stepwise, 0, padded, **lane, **w)
+            pending = None
+        _check_materialized(replay, stepwise, slots, w, f"step {step}")
+    assert beyond > 0, "no step committed more than its own need"
