@@ -265,8 +265,8 @@ class Mamba3StepKernel:
         src, dst, src_live, dst_live = self.select_rows(m, b)
         count = Int32(0)
         if const_expr(self.K):  # replay: the row's committed ring tokens; a count out of range is padding
-            count, src_live = self.ring_count(m, b, src, h, src_live)
-            dst_live = src_live
+            count, live = self.ring_count(m, b, src, h, src_live)
+            src_live, dst_live = live, dst_live & live
         if src_live:
             shared = self.allocate_shared()
             # Issue every state load first: they are the bytes that matter.
@@ -410,7 +410,7 @@ class Mamba3StepKernel:
         if const_expr(self.T > 1):
             self.verify_state(m, count, cta, shared, groups)
         elif const_expr(self.algebra):
-            if count == self.K - 1:
+            if self.flushes(count, cta):
                 # the count passed on opaque: the tokens stay conditional, as in every other flush
                 # (unconditional, the compiler interleaves them and spills at 4 warps)
                 self.replay_state(m, inline_ptx(Int32, "mov.b32 $0, $1;", "=r,r", count), cta, shared, groups)
@@ -489,6 +489,18 @@ class Mamba3StepKernel:
         return v
 
     @cute.jit
+    def flushes(self, count: Int32, cta: Cta) -> Boolean:
+        """Whether a one-token step after ``count`` committed tokens writes the state: at ``K - 1``
+        (past it too when the step commits drafts), and whenever the destination is another row
+        (that row gets the state after these tokens, the source keeps its checkpoint and ring)."""
+        flush = count == self.K - 1
+        if const_expr(self.num_accepted):
+            flush = count >= self.K - 1  # committed drafts may carry the count past K - 1
+        if const_expr(self.has_dst):
+            flush = flush | (cta.dst != cta.src)
+        return flush
+
+    @cute.jit
     def replay_state(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list):
         """The ``count`` committed ring tokens replayed in registers (:meth:`ring_token`, no output,
         nothing stored), then this step's token (:meth:`live_token`). Token ``j`` stages its B in
@@ -521,9 +533,9 @@ class Mamba3StepKernel:
     @cute.jit
     def live_token(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list):
         """This step's token after ``count`` ring tokens, stepped like a one-token step's, its ``out``
-        written. A flush (``count >= K - 1``: ``K - 1`` exactly unless the step commits drafts)
-        stores the state, B and x to row ``dst`` and empties its ring; otherwise the token becomes
-        ring entry ``count`` (:meth:`append_ring`) and the state row is not written."""
+        written. A flush (:meth:`flushes`) stores the state, B and x to row ``dst`` and empties its
+        ring; otherwise the token becomes ring entry ``count`` (:meth:`append_ring`) and the state
+        row is not written."""
         src, h = cta.src, cta.h
         lane_t = (cta.b,)
         parity = count % 2
@@ -543,9 +555,7 @@ class Mamba3StepKernel:
 
         self.stage_coefficients(m, (m.x, lane_t), xprev, tok, shared, cta)
         cute.arch.barrier()
-        flush = count == self.K - 1
-        if const_expr(self.num_accepted):
-            flush = count >= self.K - 1  # committed drafts may carry the count past K - 1
+        flush = self.flushes(count, cta)
         if cta.dst_live:
             if flush:
                 self.store_kv_state(m, tok.sB, shared.sX, cta)

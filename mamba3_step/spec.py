@@ -259,8 +259,7 @@ def mode_problem(spec: StepSpec) -> str | None:
 
 #: what a replay specialisation takes so far (docs/contract.md, "Replay"): the field and its required value
 _REPLAY_NEEDS = (("pool", True, "pool mode"), ("update_kv_state", True, "update_kv_state (Bstate/Xstate are the "
-                 "token before the ring)"), ("has_dst", False, "no dst_state_batch_indices (the CPU path only)"),
-                 ("rope_angles", 0, "no rotary angle (the CPU path only)"),
+                 "token before the ring)"), ("rope_angles", 0, "no rotary angle (the CPU path only)"),
                  ("stochastic_rounding", False, "no stochastic rounding (the CPU path only)"))
 
 
@@ -279,6 +278,8 @@ def replay_problem(spec: StepSpec) -> str | None:
     for field, value, what in _REPLAY_NEEDS:
         if getattr(spec, field) != value:
             return f"replay_ring needs {what}, got {field}={getattr(spec, field)!r}"
+    if spec.has_dst and spec.tokens > 1:
+        return "replay_ring with has_dst takes one-token steps (a verify step keeps its drafts in its row's ring)"
     if spec.tokens > 1 and spec.replay_from_checkpoint:
         return "replay_from_checkpoint takes one-token steps (a verify step's outputs come from the replayed state)"
     if spec.num_accepted and spec.replay_from_checkpoint:

@@ -84,7 +84,10 @@ def test_kernel_spec_refuses_what_the_kernel_does_not_take_by_name():
     assert replay_kernel_spec(drafts, ring, K, accepted=accepted) == flagship_spec(replay_ring=K, tokens=2,
                                                                                   num_accepted=True)
     assert replay_kernel_spec(drafts, ring, K) == flagship_spec(replay_ring=K, tokens=2)
-    _refused(call._replace(dst_state_batch_indices=index), ring, "replay_ring needs no dst_state_batch_indices")
+    moved = index.flip(0).contiguous()  # one-token steps take destinations; a verify step refuses them
+    assert replay_kernel_spec(call._replace(dst_state_batch_indices=moved), ring, K) == flagship_spec(
+        replay_ring=K, has_dst=True)
+    _refused(drafts._replace(dst_state_batch_indices=moved), ring, "dst_state_batch_indices with a verify step")
     rotary = with_rotary({**call._asdict(), "state": rows["state"]}, 16, seed=4)
     _refused(StepTensors(**rotary), new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16,
                                              rope_angles=16), "replay_ring needs no rotary angle")

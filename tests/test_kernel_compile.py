@@ -167,6 +167,15 @@ REPLAY_VERIFY = {
         num_accepted=True),
 }
 
+#: one-token replay steps with destinations (a lane whose destination is another row flushes into it)
+REPLAY_DST = {
+    "N32-D64-R2-bf16state-replay-K3-dst-noz": StepSpec(
+        32, 64, 2, "bfloat16", pool=True, has_dst=True, update_kv_state=True, has_z=False, replay_ring=3),
+    "N32-D64-R2-bf16state-replay-K3-dst-from-checkpoint-noz": StepSpec(
+        32, 64, 2, "bfloat16", pool=True, has_dst=True, update_kv_state=True, has_z=False, replay_ring=3,
+        replay_from_checkpoint=True),
+}
+
 #: verify steps with fewer drafts than their ring holds (a ring made for T = 3, StepSpec.replay_draft),
 #: and a one-token step committing drafts, beside the T = 3 step that fills the ring:
 #: tests/test_ptx_replay_verify.py alternates them
@@ -185,7 +194,8 @@ COVERING_TOKENS = {f"{name}-T{T}": with_tokens(spec, T) for name, spec in COVERI
 EXECUTED_ARCH = "sm_90a"
 EXECUTED = frozenset(s.with_default_tiling() for s in (*COVERING.values(), *MULTI_TOKEN.values(), *ROTARY.values(),
                                                        *STOCHASTIC.values(), *EIGHT_BIT.values(), *REPLAY.values(),
-                                                       *REPLAY_VERIFY.values(), *REPLAY_VERIFY_MIXED.values()))
+                                                       *REPLAY_VERIFY.values(), *REPLAY_VERIFY_MIXED.values(),
+                                                       *REPLAY_DST.values()))
 
 
 def _full_matrix():
@@ -298,7 +308,7 @@ def check_padding_guard(sass_text: str, where: str, loads: int = 2) -> None:
 #: the named sets every run compiles for both architectures, by the prefix of their test ids
 COMPILED_SETS = {"covering": COVERING, "multi-token": MULTI_TOKEN, "rotary": ROTARY, "stochastic": STOCHASTIC,
                  "eight-bit": EIGHT_BIT, "replay": REPLAY, "replay-verify": REPLAY_VERIFY,
-                 "replay-verify-mixed": REPLAY_VERIFY_MIXED}
+                 "replay-verify-mixed": REPLAY_VERIFY_MIXED, "replay-dst": REPLAY_DST}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import assert_accurate
-from test_kernel_compile import REPLAY
+from test_kernel_compile import REPLAY, REPLAY_DST
 
 from mamba3_step.bytes_model import replay_bytes
 from mamba3_step.ptx import analysis
@@ -43,7 +43,7 @@ RING_TENSORS = {"ring_B": "B", "ring_x": "x", "ring_coef": "coef", "ring_length"
 
 
 def _spec(name: str) -> StepSpec:
-    return REPLAY[name].with_default_tiling()
+    return {**REPLAY, **REPLAY_DST}[name].with_default_tiling()
 
 
 def _stepwise(spec: StepSpec) -> StepSpec:
@@ -95,11 +95,11 @@ class Layer:
             lane["B"], lane["C"] = lane["B"][:, :, :1].contiguous(), lane["C"][:, :, :1].contiguous()
         return lane
 
-    def call(self, kind: str, lane: dict, index: torch.Tensor, out=None) -> StepTensors:
+    def call(self, kind: str, lane: dict, index: torch.Tensor, out=None, dst=None) -> StepTensors:
         p, w = self.pools[kind], self.weights
         return StepTensors(p["state"], p["Bstate"], p["Xstate"], lane["A"], lane["B"], lane["C"], w["D"], lane["x"],
                            lane["dt"], lane["trap"], w["xproj"], outproj=w["outproj"], out=out, z=lane["z"],
-                           zproj=w["zproj"], state_batch_indices=index, null_slot_id=NULL)
+                           zproj=w["zproj"], state_batch_indices=index, dst_state_batch_indices=dst, null_slot_id=NULL)
 
     def out(self, B: int) -> torch.Tensor:
         s, x_dtype = self.spec, self.pools["replay"]["Xstate"].dtype
@@ -109,13 +109,13 @@ class Layer:
     def join(self, row: int) -> None:
         join_request(self, row)
 
-    def step(self, lane: dict, index: torch.Tensor) -> tuple:
+    def step(self, lane: dict, index: torch.Tensor, dst=None) -> tuple:
         """One step in each copy: ``(replay out, stepwise out)``, both executed from PTX."""
         B = index.numel()
         got, want = self.out(B), self.out(B)
-        run_step_ptx(self.spec, self.call("replay", lane, index, got), ring=self.rings["replay"])
-        run_step_ptx(_stepwise(self.spec), self.call("stepwise", lane, index, want))
-        replay_step(self.call("cpu", lane, index), self.rings["cpu"], self.spec.replay_ring,
+        run_step_ptx(self.spec, self.call("replay", lane, index, got, dst), ring=self.rings["replay"])
+        run_step_ptx(_stepwise(self.spec), self.call("stepwise", lane, index, want, dst))
+        replay_step(self.call("cpu", lane, index, None, dst), self.rings["cpu"], self.spec.replay_ring,
                     exact_outputs=not self.spec.replay_from_checkpoint)
         return got, want
 
@@ -175,6 +175,72 @@ def test_replay_decode_is_bit_identical_to_the_executed_stepwise_kernel(name):
             for k, v in before.items():
                 assert bits_equal(after[k][row], v[row]), f"{name} step {s}: row {row} of {k} written"
     assert max(flushes.values()) >= 2, f"{name}: the decode crossed fewer than two flushes of one row"
+
+
+@pytest.mark.parametrize("name", list(REPLAY_DST))
+def test_replay_destinations_flush_into_another_row(name):
+    """One-token steps with ``dst_state_batch_indices``: a lane whose destination is another row (a
+    request moving to a new slot, as prefix caching does at a block boundary) flushes into it, bit
+    for bit the executed stepwise kernel's new state there, the destination's ring emptied, the
+    source row and its ring untouched; a padding destination computes ``out`` and writes nothing;
+    a destination equal to the source is an ordinary replay step. Every flushing lane's ``out``
+    (with ``replay_from_checkpoint``, every lane's out at a flush or a move) is the stepwise
+    kernel's bit for bit; the ring equals the CPU path's."""
+    spec = _spec(name)
+    K = spec.replay_ring
+    layer = Layer(spec, seed=23)
+    rng = np.random.default_rng(9)
+    active, free = [0, 1, 2], [3, 4, 5, 6]
+    moved = padded = 0
+    for s in range(3 * K + 2):
+        lanes = list(active) + [int(rng.choice(PADDING))]
+        rng.shuffle(lanes)
+        dst, left = list(lanes), []
+        for b, row in enumerate(lanes):
+            if row in active and s % 2 == 1 and rng.random() < 0.6:  # this request moves to a free row
+                dst[b] = free.pop(int(rng.integers(len(free))))
+                left.append(row)  # free after this step: no row is one lane's source and another's destination
+        free += left
+        if s == 4:  # one live lane with a padding destination
+            b = next(b for b, row in enumerate(lanes) if row in active and dst[b] == row)
+            dst[b], padded = -1, padded + 1
+        index, dst_t = torch.tensor(lanes, dtype=torch.int32), torch.tensor(dst, dtype=torch.int32)
+        before = layer.snapshot()
+        got, want = layer.step(layer.lane(len(lanes)), index, dst_t)
+        after = layer.snapshot()
+        for b, (row, to) in enumerate(zip(lanes, dst)):
+            if row not in active:
+                assert _is_positive_zero(got[b]), f"{name} step {s}: padding lane {b} out"
+                continue
+            flush = to != row or int(before["ring.length"][row, 0]) == K - 1
+            if flush or not spec.replay_from_checkpoint:
+                assert bits_equal(got[b], want[b]), f"{name} step {s}: lane {b} out differs from the stepwise kernel's"
+            if to == -1:
+                for k, v in before.items():
+                    assert bits_equal(after[k][row], v[row]), f"{name} step {s}: padding destination wrote {k}"
+            elif to != row:
+                moved += 1
+                assert int(after["ring.length"][to, 0]) == 0, f"{name} step {s}: row {to}'s ring not emptied"
+                for k in ("state", "Bstate", "Xstate"):
+                    assert bits_equal(after[k][to], layer.pools["stepwise"][k][to]), f"{name} step {s}: row {to} {k}"
+                for k, v in before.items():
+                    assert bits_equal(after[k][row], v[row]), f"{name} step {s}: source row {row} of {k} written"
+            elif int(after["ring.length"][row, 0]) == 0:
+                for k in ("state", "Bstate", "Xstate"):
+                    assert bits_equal(after[k][row], layer.pools["stepwise"][k][row]), f"{name} step {s}: {k} flush"
+        for f in ("B", "x", "coef", "length"):
+            assert bits_equal(getattr(layer.rings["replay"], f), getattr(layer.rings["cpu"], f)), \
+                f"{name} step {s}: ring.{f} differs from the CPU path's"
+        named = {r for row, to in zip(lanes, dst) if row in active for r in (row, to)}
+        for row in set(range(P)) - named:
+            for k, v in before.items():
+                assert bits_equal(after[k][row], v[row]), f"{name} step {s}: row {row} of {k} written"
+        active = [to if to >= 0 else row for row, to in zip(lanes, dst) if row in active]
+    assert moved >= 3 and padded == 1, (moved, padded)
+
+
+def _is_positive_zero(t: torch.Tensor) -> bool:
+    return torch.equal(t, torch.zeros_like(t)) and not t.float().signbit().any()
 
 
 def _touched(res, lane: int) -> dict:

@@ -271,3 +271,46 @@ def test_steps_with_fewer_drafts_than_the_pool_holds(K, small):
             pending = None
         _check_materialized(replay, stepwise, slots, w, f"step {step}")
     assert beyond > 0, "no step committed more than its own need"
+
+
+@pytest.mark.parametrize("K", [2, 4])
+@pytest.mark.parametrize("B", [1, 64])
+def test_replay_destinations_flush_into_another_row(B, K):
+    """One-token replay steps with ``dst_state_batch_indices``: every other step a third of the lanes
+    move to the free rows (their state flushed there, bit for bit the stepwise kernel's row with the
+    same destinations; the destination's ring emptied; the source row and ring untouched), one lane
+    at most has a padding destination (nothing written), the rest write back to their own row."""
+    P = 2 * B + 3
+    layer = Layer(P, K, seed=B * 10 + K + 5)
+    rows, free = list(range(B)), list(range(B, P))
+    for step in range(2 * K + 2):
+        dst = list(rows)
+        if step % 2:
+            moving = rows[::3]
+            for b in range(0, B, 3):
+                dst[b] = free.pop(0)
+            free += moving
+        if step == 3 and B > 1:
+            dst[1] = -1
+        index, dst_t = (torch.tensor(v, dtype=torch.int32, device=DEV) for v in (rows, dst))
+        lane = layer.lane(B)
+        before = {k: v.clone() for k, v in layer.replay.items()}
+        ring = {f: getattr(layer.ring, f).clone() for f in ("B", "x", "coef", "length")}
+        got = replay_step_fn(layer.call(layer.replay, lane, index)._replace(dst_state_batch_indices=dst_t),
+                             layer.ring, K)
+        want = mamba3_step_fn(**layer.call(layer.stepwise, lane, index)._replace(
+            dst_state_batch_indices=dst_t)._asdict(), update_kv_state=True)
+        torch.cuda.synchronize()
+        assert bits_equal(got, want), f"step {step}: outs"
+        for b, (row, to) in enumerate(zip(rows, dst)):
+            if to == -1:
+                assert all(bits_equal(layer.replay[k][row], before[k][row]) for k in before), f"step {step}: lane {b}"
+                assert bits_equal(layer.ring.length[row], ring["length"][row]), f"step {step}: lane {b}'s ring"
+            elif to != row:
+                assert int(layer.ring.length[to, 0]) == 0, f"step {step}: row {to}'s ring"
+                assert all(bits_equal(layer.replay[k][to], layer.stepwise[k][to]) for k in before), f"step {step}"
+                assert all(bits_equal(layer.replay[k][row], before[k][row]) for k in before), f"step {step}: source"
+                assert bits_equal(layer.ring.length[row], ring["length"][row]), f"step {step}: source ring"
+            elif int(layer.ring.length[row, 0]) == 0:
+                assert all(bits_equal(layer.replay[k][row], layer.stepwise[k][row]) for k in before), f"step {step}"
+        rows = [to if to >= 0 else row for row, to in zip(rows, dst)]
