@@ -113,7 +113,8 @@ def test_replay_pool_refusals_change_nothing():
     drafts.alloc(2)
     lane = lane_inputs(2, H, D, N, R, generator=g)
     cases = [
-        (replay, dict(dst_slots=slots), r"^dst_slots: expected None with a replay pool \(replay_ring=4\)"),
+        (drafts, dict(lane_inputs(2, H, D, N, R, tokens=2, generator=g), dst_slots=slots),
+         r"^dst_slots: expected None with a replay pool's verify step \(replay_ring=2\)"),
         (replay, dict(lane_inputs(2, H, D, N, R, tokens=2, generator=g)),
          r"^x: a verify step of 2 tokens needs a ring with room for them \(ReplayStatePool\(\.\.\., replay_draft >= 2\)\)"),
         (drafts, dict(lane_inputs(2, H, D, N, R, tokens=2, generator=g), validate_indices=True,
@@ -219,3 +220,42 @@ def test_graph_runner_steps_verify_rounds_of_a_replay_pool_as_decode_step():
         assert torch.equal(kind_a, kind_b)
     assert {form for _, form in runner.captured} == {StepForm(2), StepForm(2, accepted=True)}
     assert runner.buffers(4, StepForm(2, accepted=True))["nat"].shape == (4,)
+
+
+@pytest.mark.parametrize("K", [2, 4])
+def test_replay_pool_moves_requests_with_dst_slots_as_the_stepwise_pool(K):
+    """One-token steps with ``dst_slots``: every other step the first request moves to a fresh slot
+    (prefix caching's block boundary); the replay pool flushes it there, outs bit for bit the stepwise
+    pool's, every live slot's materialized state equal to the stepwise pool's row, the slot left
+    behind untouched (its checkpoint and ring as they were). The graph runner (``with_dst``) on a twin
+    replay pool gives the same outs."""
+    g = torch.Generator().manual_seed(40 + K)
+    replay, stepwise = _pools(K)
+    twin = ReplayStatePool(2, P, H, D, N, R, replay_ring=K)
+    w = layer_weights(H, D, R, generator=g)
+    live = replay.alloc(3)
+    assert torch.equal(live, stepwise.alloc(3)) and torch.equal(live, twin.alloc(3))
+    _seed_rows((replay, stepwise, twin), live, g)
+    runner = CudaGraphStepRunner(twin, 0, buckets=(4,), with_dst=True, **w)
+    for step in range(2 * K + 2):
+        dst = live.clone()
+        if step % 2:
+            dst[0] = replay.alloc(1)[0]
+            assert int(stepwise.alloc(1)[0]) == int(dst[0]) == int(twin.alloc(1)[0])
+        left = int(live[0])
+        held = (replay.state(0)[left].clone(), replay.ring(0).length[left].clone())
+        for layer in range(2):
+            lane = lane_inputs(3, H, D, N, R, generator=g)
+            got = decode_step(replay, layer, live, **lane, **w, dst_slots=dst)
+            want = decode_step(stepwise, layer, live, **lane, **w, dst_slots=dst)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (step, layer)
+            if layer == 0:
+                graphed = runner.step(live, **lane, dst_slots=dst)
+                assert torch.equal(graphed.view(torch.int16), want.view(torch.int16)), (step, "runner")
+            _check_current(replay, stepwise, layer, dst, w)
+        if step % 2:
+            assert int(replay.ring(0).length[int(dst[0]), 0]) == 0
+            assert torch.equal(replay.state(0)[left], held[0]) and torch.equal(replay.ring(0).length[left], held[1])
+            for pool in (replay, stepwise, twin):
+                pool.free(live[:1])
+        live = dst

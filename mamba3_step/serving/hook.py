@@ -126,8 +126,9 @@ def decode_step(*args, **kwargs) -> torch.Tensor:
 decode_step.__signature__ = view_signature(_VIEW).replace(return_annotation="torch.Tensor")
 
 
-#: what a replay pool's decode_step refuses, the reason after the name
-_NOT_WITH_REPLAY = {("dst_slots", "dst_state_batch_indices"): "a replay step writes its row's checkpoint and ring"}
+#: what a replay pool's verify step refuses, the reason after the name (a one-token step takes dst_slots: a
+#: lane moving to another slot flushes into it)
+_NOT_WITH_REPLAY_VERIFY = {("dst_slots", "dst_state_batch_indices"): "a verify step keeps its drafts in its row's ring"}
 
 
 def _replay_step(pool: StatePool, layer: int, tensors: StepTensors, call: dict) -> torch.Tensor:
@@ -135,14 +136,17 @@ def _replay_step(pool: StatePool, layer: int, tensors: StepTensors, call: dict) 
     on the layer's rows and ring, with every ``out`` stepwise decoding's, bit for bit. A verify step (x with
     a token axis of at most ``pool.replay_draft`` drafts) keeps its drafts in the ring; ``num_accepted_tokens``
     (B,) commits that many of each lane's last drafts first (``slots`` stays (B,): no speculative groups).
-    Refused by name, before anything is written: ``dst_slots``, more drafts than the ring has room for."""
-    for (name, field), why in _NOT_WITH_REPLAY.items():
-        if call[field] is not None:
-            raise ValueError(f"{name}: expected None with a replay pool (replay_ring={pool.replay_ring}): {why}")
+    A one-token step's ``dst_slots`` (B,): a lane whose destination is another slot flushes into it (the
+    source slot keeps its checkpoint and ring). Refused by name, before anything is written: ``dst_slots``
+    with a verify step, more drafts than the ring has room for."""
     accepted = tensors.num_accepted_tokens
     tensors = tensors._replace(num_accepted_tokens=None)  # replay commits drafts of the ring: replay_step_fn's accepted
     x = tensors.x
     tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
+    for (name, field), why in _NOT_WITH_REPLAY_VERIFY.items():
+        if tokens > 1 and call[field] is not None:
+            raise ValueError(f"{name}: expected None with a replay pool's verify step (replay_ring={pool.replay_ring}): "
+                             f"{why}")
     if tokens > 1 and tokens > pool.replay_draft:
         raise ValueError(f"x: a verify step of {tokens} tokens needs a ring with room for them "
                          f"(ReplayStatePool(..., replay_draft >= {tokens})), this pool has replay_draft="
