@@ -19,6 +19,7 @@ export PYTHONUNBUFFERED=1
 sel='no_access_outside or (parity_against_gather and (P37-B5- or P37-B16- or P37-B64-))'
 sel="$sel or (replay_decode and 64-4) or (stochastic_pool_parity and 9) or (rotary_pool_parity and 7)"
 sel="$sel or (multi_token_parity_against_t_dense_steps and 4-accepted)"
+sel="$sel or (replay_destinations and 64-2) or (fewer_drafts and 1-2)"  # replay's destinations, one-token commits
 # On the H200 run the sanitizer printed 20 API errors (cuGetProcAddress_v2 answering
 # CUDA_ERROR_INVALID_VALUE to cuda-python's driver binding), which filled --print-limit 20, and the
 # run was stopped before its summary: that run says nothing about the kernels' accesses. API errors
