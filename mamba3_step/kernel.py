@@ -427,12 +427,7 @@ class Mamba3StepKernel:
         T drafts (:meth:`draft_token`), each writing its ``out`` and its uncommitted ring entry after
         the committed ones. The ring's length becomes the committed count (0 after a flush): a draft
         the next step does not accept is never replayed."""
-        self.stage_kv_row(m.Bstate, (cta.src,), cta.h, shared.sBB[1, None, None], cta)
-        for j in cutlass.range_constexpr(self.L):
-            if j < count:
-                cute.arch.barrier()  # token j - 1 is done with the shared buffers
-                self.ring_token(m, j, cta, shared, groups)
-        cute.arch.barrier()
+        self.replay_committed(m, count, cta, shared, groups)
         flush = count >= self.K
         if cta.dst_live & flush:
             for g in cutlass.range_constexpr(self.layout.row_groups):
@@ -505,13 +500,19 @@ class Mamba3StepKernel:
         """The ``count`` committed ring tokens replayed in registers (:meth:`ring_token`, no output,
         nothing stored), then this step's token (:meth:`live_token`). Token ``j`` stages its B in
         ``sBB[j % 2]``; Bstate, the token before the ring, is token -1's (``sBB[1]``)."""
+        self.replay_committed(m, count, cta, shared, groups)
+        self.live_token(m, count, cta, shared, groups)
+
+    @cute.jit
+    def replay_committed(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list):
+        """The ``count`` committed ring entries (at most ``L``) stepped on the state in registers,
+        in order (:meth:`ring_token`); Bstate, the token before the ring, staged as token -1's B."""
         self.stage_kv_row(m.Bstate, (cta.src,), cta.h, shared.sBB[1, None, None], cta)
         for j in cutlass.range_constexpr(self.L):
             if j < count:
                 cute.arch.barrier()  # token j - 1 is done with the shared buffers
                 self.ring_token(m, j, cta, shared, groups)
         cute.arch.barrier()
-        self.live_token(m, count, cta, shared, groups)
 
     @cute.jit
     def ring_token(self, m: KernelArgs, j: int, cta: Cta, shared: Shared, groups: list):

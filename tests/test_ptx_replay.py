@@ -167,13 +167,7 @@ def test_replay_decode_is_bit_identical_to_the_executed_stepwise_kernel(name):
                 flushes[row] = flushes.get(row, 0) + 1
                 for k in ("state", "Bstate", "Xstate"):
                     assert bits_equal(replay[k][row], stepwise[k][row]), f"{name} step {s}: row {row} {k} at a flush"
-        for f in ("B", "x", "coef", "length"):
-            assert bits_equal(getattr(layer.rings["replay"], f), getattr(layer.rings["cpu"], f)), \
-                f"{name} step {s}: ring.{f} differs from the CPU path's"
-        after = layer.snapshot()
-        for row in set(range(P)) - set(active):
-            for k, v in before.items():
-                assert bits_equal(after[k][row], v[row]), f"{name} step {s}: row {row} of {k} written"
+        check_ring_and_other_rows(layer, before, layer.snapshot(), set(active), f"{name} step {s}")
     assert max(flushes.values()) >= 2, f"{name}: the decode crossed fewer than two flushes of one row"
 
 
@@ -228,15 +222,21 @@ def test_replay_destinations_flush_into_another_row(name):
             elif int(after["ring.length"][row, 0]) == 0:
                 for k in ("state", "Bstate", "Xstate"):
                     assert bits_equal(after[k][row], layer.pools["stepwise"][k][row]), f"{name} step {s}: {k} flush"
-        for f in ("B", "x", "coef", "length"):
-            assert bits_equal(getattr(layer.rings["replay"], f), getattr(layer.rings["cpu"], f)), \
-                f"{name} step {s}: ring.{f} differs from the CPU path's"
         named = {r for row, to in zip(lanes, dst) if row in active for r in (row, to)}
-        for row in set(range(P)) - named:
-            for k, v in before.items():
-                assert bits_equal(after[k][row], v[row]), f"{name} step {s}: row {row} of {k} written"
+        check_ring_and_other_rows(layer, before, after, named, f"{name} step {s}")
         active = [to if to >= 0 else row for row, to in zip(lanes, dst) if row in active]
     assert moved >= 3 and padded == 1, (moved, padded)
+
+
+def check_ring_and_other_rows(layer, before: dict, after: dict, named: set, where: str) -> None:
+    """The replay ring equals the CPU path's bit for bit, and every row outside ``named`` keeps every bit
+    of every pool and ring (``before``/``after``: :meth:`Layer.snapshot`)."""
+    for f in ("B", "x", "coef", "length"):
+        assert bits_equal(getattr(layer.rings["replay"], f), getattr(layer.rings["cpu"], f)), \
+            f"{where}: ring.{f} differs from the CPU path's"
+    for row in set(range(before["state"].shape[0])) - named:
+        for k, v in before.items():
+            assert bits_equal(after[k][row], v[row]), f"{where}: row {row} of {k} written"
 
 
 def _is_positive_zero(t: torch.Tensor) -> bool:

@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 import torch
 from test_kernel_compile import REPLAY_VERIFY, REPLAY_VERIFY_MIXED
-from test_ptx_replay import RING_TENSORS, _heads, _span, _touched, _within, join_request
+from test_ptx_replay import (RING_TENSORS, _heads, _is_positive_zero, _span, _touched, _within, check_ring_and_other_rows,
+                             join_request)
 
 from mamba3_step.ptx import analysis
 from mamba3_step.ptx_tier import run_step_ptx
@@ -123,10 +124,6 @@ class Layer:
         return held
 
 
-def _is_positive_zero(t: torch.Tensor) -> bool:
-    return torch.equal(t, torch.zeros_like(t)) and not t.float().signbit().any()
-
-
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.full_matrix] if "K8" in n else [])
                                   for n in REPLAY_VERIFY])
 def test_verify_rounds_are_bit_identical_to_the_executed_stepwise_kernel(name):
@@ -218,13 +215,7 @@ def _verify_rounds(name: str, layer: Layer, specs: list, all_accepted) -> tuple:
                 assert int(layer.rings["replay"].length[row, 0]) == 0, f"{name} round {s}: row {row} not flushed"
                 for k in POOLS:
                     assert bits_equal(replay[k][row], stepwise[k][row]), f"{name} round {s}: row {row} {k} at a flush"
-        for f in ("B", "x", "coef", "length"):
-            assert bits_equal(getattr(layer.rings["replay"], f), getattr(layer.rings["cpu"], f)), \
-                f"{name} round {s}: ring.{f} differs from the CPU path's"
-        after = layer.snapshot()
-        for row in set(range(P)) - set(active):
-            for k, v in before.items():
-                assert bits_equal(after[k][row], v[row]), f"{name} round {s}: row {row} of {k} written"
+        check_ring_and_other_rows(layer, before, layer.snapshot(), set(active), f"{name} round {s}")
     return flushes, beyond
 
 

@@ -182,45 +182,73 @@ def _check_materialized(replay, stepwise, slots: torch.Tensor, w: dict, where: s
                                msg=lambda m: f"{where}: materialized state: {m}")
 
 
+class Speculative:
+    """A replay pool made for ``draft`` drafts (and ``twins`` more like it), a stepwise pool that steps only
+    the accepted tokens, one by one, and a scratch pool for the stepwise outs; five live slots and a
+    padding lane."""
+
+    def __init__(self, K: int, draft: int, seed: int, twins: int = 0):
+        from mamba3_step.serving import ReplayStatePool, StatePool
+
+        self.g = torch.Generator().manual_seed(seed)
+        self.replays = [ReplayStatePool(1, 12, H, D, N, R, replay_ring=K, replay_draft=draft, device=DEV)
+                        for _ in range(1 + twins)]
+        self.stepwise, self.scratch = (StatePool(1, 12, H, D, N, R, device=DEV) for _ in range(2))
+        self.w = layer_weights(H, D, R, generator=self.g, device=DEV)
+        self.slots = self.stepwise.alloc(5)
+        for pool in self.replays:
+            assert torch.equal(pool.alloc(5), self.slots)
+        fresh = torch.randn(5, H, D, N, generator=self.g).to(DEV)
+        for pool in (*self.replays, self.stepwise):
+            pool.state(0)[self.slots.long().to(DEV)] = fresh
+        self.padded = torch.cat([self.slots, torch.tensor([-1], dtype=torch.int32)]).to(DEV)
+
+    def commit(self, pending: dict, accepted: torch.Tensor) -> None:
+        """The stepwise pool steps each lane's first ``accepted`` tokens of ``pending`` (B, T, ...)."""
+        from mamba3_step.serving import decode_step
+
+        for j in range(pending["x"].shape[1]):
+            go = torch.where(accepted > j, self.padded, torch.full_like(self.padded, -1))
+            decode_step(self.stepwise, 0, go, **{k: v[:, j] for k, v in pending.items()}, **self.w)
+
+    def stepwise_outs(self, lane: dict) -> torch.Tensor:
+        """The stepwise kernel's outs for ``lane`` from the stepwise pool's rows (on a scratch copy)."""
+        from mamba3_step.serving import decode_step
+
+        for mine, theirs in zip(self.scratch._pools(), self.stepwise._pools()):
+            mine.copy_(theirs)
+        return decode_step(self.scratch, 0, self.padded, **lane, **self.w)
+
+    def committed(self, accepted: torch.Tensor) -> torch.Tensor:
+        """Each live slot's committed count once ``accepted`` is taken."""
+        return self.replays[0].ring(0).length[self.slots.long().to(DEV), 0] + accepted[:-1]
+
+
 @pytest.mark.parametrize("K, T", [(4, 4), (8, 4), (2, 2)])
 def test_verify_rounds_on_a_replay_pool_match_the_stepwise_kernel(K, T):
     """Speculative rounds on a replay pool (``replay_draft=T``) through decode_step and, on a twin pool,
-    the CUDA-graph runner: every draft's out is the stepwise T-token kernel's on a copy of a stepwise pool that steps only the accepted tokens (one
-    by one), bit for bit; every flushed row equals it bit for bit, the others within float32 rounding."""
-    from mamba3_step.serving import CudaGraphStepRunner, ReplayStatePool, StatePool, decode_step
+    the CUDA-graph runner: every draft's out is the stepwise T-token kernel's on a copy of a stepwise pool
+    that steps only the accepted tokens (one by one), bit for bit; every flushed row equals it bit for bit,
+    the others within float32 rounding."""
+    from mamba3_step.serving import CudaGraphStepRunner, decode_step
 
-    g = torch.Generator().manual_seed(10 * K + T)
-    replay = ReplayStatePool(1, 12, H, D, N, R, replay_ring=K, replay_draft=T, device=DEV)
-    stepwise, scratch = (StatePool(1, 12, H, D, N, R, device=DEV) for _ in range(2))
-    w = layer_weights(H, D, R, generator=g, device=DEV)
-    slots = stepwise.alloc(5)
-    assert torch.equal(replay.alloc(5), slots)
-    fresh = torch.randn(5, H, D, N, generator=g).to(DEV)
-    for pool in (replay, stepwise):
-        pool.state(0)[slots.long().to(DEV)] = fresh
-    padded = torch.cat([slots, torch.tensor([-1], dtype=torch.int32)]).to(DEV)
-    twin = ReplayStatePool(1, 12, H, D, N, R, replay_ring=K, replay_draft=T, device=DEV)  # through the runner
-    twin.alloc(5)
-    twin.state(0)[slots.long().to(DEV)] = fresh
-    runner = CudaGraphStepRunner(twin, 0, buckets=(8,), **w)
+    pools = Speculative(K, T, seed=10 * K + T, twins=1)
+    replay, twin = pools.replays
+    runner = CudaGraphStepRunner(twin, 0, buckets=(8,), **pools.w)
     pending, flushed = None, 0
     for step in range(3 * K):
-        accepted = torch.randint(0, T + 1, (6,), generator=g, dtype=torch.int32).to(DEV) if step else None
+        accepted = torch.randint(0, T + 1, (6,), generator=pools.g, dtype=torch.int32).to(DEV) if step else None
         if accepted is not None:
-            for j in range(T):
-                go = torch.where(accepted > j, padded, torch.full_like(padded, -1))
-                decode_step(stepwise, 0, go, **{k: v[:, j] for k, v in pending.items()}, **w)
-            flushed += int((replay.ring(0).length[slots.long().to(DEV), 0] + accepted[:-1] >= K).sum())
-        lane = lane_inputs(6, H, D, N, R, tokens=T, generator=g, device=DEV)
-        got = decode_step(replay, 0, padded, **lane, **w, num_accepted_tokens=accepted)
-        graphed = runner.step(padded, **lane, num_accepted_tokens=accepted)
-        for mine, theirs in zip(scratch._pools(), stepwise._pools()):
-            mine.copy_(theirs)
-        want = decode_step(scratch, 0, padded, **lane, **w)
+            pools.commit(pending, accepted)
+            flushed += int((pools.committed(accepted) >= K).sum())
+        lane = lane_inputs(6, H, D, N, R, tokens=T, generator=pools.g, device=DEV)
+        got = decode_step(replay, 0, pools.padded, **lane, **pools.w, num_accepted_tokens=accepted)
+        graphed = runner.step(pools.padded, **lane, num_accepted_tokens=accepted)
+        want = pools.stepwise_outs(lane)
         torch.cuda.synchronize()
         assert bits_equal(got, want) and bits_equal(graphed, want), f"step {step}: drafts"
         assert got[-1].eq(0).all(), f"step {step}: the padding lane"
-        _check_materialized(replay, stepwise, slots, w, f"step {step}")
+        _check_materialized(replay, pools.stepwise, pools.slots, pools.w, f"step {step}")
         pending = lane
     assert flushed >= 2, flushed
 
@@ -230,21 +258,13 @@ def test_verify_rounds_on_a_replay_pool_match_the_stepwise_kernel(K, T):
 def test_steps_with_fewer_drafts_than_the_pool_holds(K, small):
     """A pool made for 3 drafts (``replay_draft=3``), steps of 3, 3 and ``small`` drafts in turn (2
     drafts, or one token: x without a token axis, its token committed), every draft accepted by a
-    ``small`` step: that step commits up to K - 1 + 3 entries, more than its
-    own need (the kernel specialised on the ring's entries, ``StepSpec.replay_draft``). Outs bit for
-    bit the stepwise kernel's, rows as in the test above."""
-    from mamba3_step.serving import ReplayStatePool, StatePool, decode_step
+    ``small`` step: that step commits up to K - 1 + 3 entries, more than its own need (the kernel
+    specialised on the ring's entries, ``StepSpec.replay_draft``). Outs bit for bit the stepwise
+    kernel's, rows as in the test above."""
+    from mamba3_step.serving import decode_step
 
-    g = torch.Generator().manual_seed(70 + K + small)
-    replay = ReplayStatePool(1, 12, H, D, N, R, replay_ring=K, replay_draft=3, device=DEV)
-    stepwise, scratch = (StatePool(1, 12, H, D, N, R, device=DEV) for _ in range(2))
-    w = layer_weights(H, D, R, generator=g, device=DEV)
-    slots = stepwise.alloc(5)
-    assert torch.equal(replay.alloc(5), slots)
-    fresh = torch.randn(5, H, D, N, generator=g).to(DEV)
-    for pool in (replay, stepwise):
-        pool.state(0)[slots.long().to(DEV)] = fresh
-    padded = torch.cat([slots, torch.tensor([-1], dtype=torch.int32)]).to(DEV)
+    pools = Speculative(K, 3, seed=70 + K + small)
+    replay = pools.replays[0]
     pending, beyond = None, 0
     for step in range(4 * K):
         T = (3, 3, small)[step % 3]  # two 3-draft steps let the ring hold committed tokens before `small`
@@ -252,24 +272,19 @@ def test_steps_with_fewer_drafts_than_the_pool_holds(K, small):
         if pending is not None:
             tp = pending["x"].shape[1]
             accepted = (torch.full((6,), tp, dtype=torch.int32) if T < 3 else
-                        torch.randint(0, tp + 1, (6,), generator=g, dtype=torch.int32)).to(DEV)
-            for j in range(tp):
-                go = torch.where(accepted > j, padded, torch.full_like(padded, -1))
-                decode_step(stepwise, 0, go, **{k: v[:, j] for k, v in pending.items()}, **w)
-            need = T if T > 1 else 0
-            beyond += int((replay.ring(0).length[slots.long().to(DEV), 0] + accepted[:-1] > K - 1 + need).sum())
-        lane = lane_inputs(6, H, D, N, R, tokens=T if T > 1 else None, generator=g, device=DEV)
-        got = decode_step(replay, 0, padded, **lane, **w, num_accepted_tokens=accepted)
-        for mine, theirs in zip(scratch._pools(), stepwise._pools()):
-            mine.copy_(theirs)
-        want = decode_step(scratch, 0, padded, **lane, **w)
+                        torch.randint(0, tp + 1, (6,), generator=pools.g, dtype=torch.int32)).to(DEV)
+            pools.commit(pending, accepted)
+            beyond += int((pools.committed(accepted) > K - 1 + (T if T > 1 else 0)).sum())
+        lane = lane_inputs(6, H, D, N, R, tokens=T if T > 1 else None, generator=pools.g, device=DEV)
+        got = decode_step(replay, 0, pools.padded, **lane, **pools.w, num_accepted_tokens=accepted)
+        want = pools.stepwise_outs(lane)
         assert bits_equal(got, want), f"step {step} (T = {T}): outs"
         assert got[-1].eq(0).all(), f"step {step}: the padding lane"
         pending = lane
         if T == 1:  # the token is committed: the stepwise pool steps it too
-            decode_step(stepwise, 0, padded, **lane, **w)
+            decode_step(pools.stepwise, 0, pools.padded, **lane, **pools.w)
             pending = None
-        _check_materialized(replay, stepwise, slots, w, f"step {step}")
+        _check_materialized(replay, pools.stepwise, pools.slots, pools.w, f"step {step}")
     assert beyond > 0, "no step committed more than its own need"
 
 
