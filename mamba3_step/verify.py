@@ -201,7 +201,7 @@ def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) 
     pools = {kind: {k: getattr(start, k).clone() for k in ("state", "Bstate", "Xstate")} for kind in ("r", "s")}
     P, H, D, N = start.state.shape
     ring = new_ring(P, K, spec.mimo, H, N, D, kv_dtype=start.Bstate.dtype, x_dtype=start.Xstate.dtype,
-                    draft=max(spec.replay_draft, T) if T > 1 else 0)
+                    draft=max(spec.replay_draft, spec.draft_need))
     row = dict(err_out=0.0, budget_out=0.0, err_state=None, budget_state=None, parity=True, accurate=True)
     pending = set()  # rows whose last verify step's drafts the stepwise kernel has stepped
     for step in range(2 * K + 1):
@@ -209,7 +209,7 @@ def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) 
         call = start._replace(**{f: getattr(fresh, f) for f in (*LANE_FIELDS, "state_batch_indices")})
         rows = call.state_batch_indices.tolist()
         live = [kind in _LIVE_KINDS for kind in kinds]
-        accepted = [T if lv and r in pending else 0 for lv, r in zip(live, rows)]
+        accepted = [T if T > 1 and lv and r in pending else 0 for lv, r in zip(live, rows)]  # a token is no draft
         mine = call._replace(**pools["r"], out=poison_(torch.empty_like(call.x), seed=step))
         if spec.num_accepted:
             mine = mine._replace(num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32))

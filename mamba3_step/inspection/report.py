@@ -76,8 +76,9 @@ def inspect_spec(spec, arch: str = "sm_90a", batch: int = 256, heads: int = 48,
         "batch": batch,
         "heads": heads,
         # a replay step's: averaged over its ring positions (bytes_model.replay_bytes)
-        "bytes_per_step": (replay_bytes(spec.replace(replay_ring=0, replay_from_checkpoint=False, replay_draft=0), spec.replay_ring,
-                                        batch, heads) if spec.replay_ring else bytes_per_step(spec, batch, heads)),
+        "bytes_per_step": (replay_bytes(spec.replace(replay_ring=0, replay_from_checkpoint=False, replay_draft=0),
+                                        spec.replay_ring, batch, heads) if spec.replay_ring
+                           else bytes_per_step(spec, batch, heads)),
     }
     return report, facts
 
