@@ -206,8 +206,10 @@ def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) 
     pending = set()  # rows whose last verify step's drafts the stepwise kernel has stepped
     for step in range(2 * K + 1):
         fresh, kinds = _inputs(stepwise, batch, heads, seed + 1 + step)  # this step's tokens and lanes
-        call = start._replace(**{f: getattr(fresh, f) for f in (*LANE_FIELDS, "state_batch_indices")})
+        call = start._replace(**{f: getattr(fresh, f) for f in (*LANE_FIELDS, "state_batch_indices",
+                                                              "dst_state_batch_indices")})
         rows = call.state_batch_indices.tolist()
+        dsts = rows if call.dst_state_batch_indices is None else call.dst_state_batch_indices.tolist()
         live = [kind in _LIVE_KINDS for kind in kinds]
         accepted = [T if T > 1 and lv and r in pending else 0 for lv, r in zip(live, rows)]  # a token is no draft
         mine = call._replace(**pools["r"], out=poison_(torch.empty_like(call.x), seed=step))
@@ -224,7 +226,8 @@ def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) 
                 row["parity"] &= bits_equal(mine.out[b], torch.zeros_like(mine.out[b]))
                 continue
             count = int(before["length"][r, 0]) + accepted[b]
-            if T > 1 or not spec.replay_from_checkpoint or count == K - 1:
+            moved = dsts[b] != r  # a destination elsewhere: the lane flushes there (or, padding, writes nothing)
+            if T > 1 or not spec.replay_from_checkpoint or count == K - 1 or moved:
                 row["parity"] &= bits_equal(mine.out[b], theirs.out[b])
             else:
                 want64 = append_reference(call, base, before, r, b, torch.float64)
@@ -235,6 +238,8 @@ def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) 
                 row["accurate"] &= err <= tolerance(budget, want64.abs().max().item())
             if T > 1 and count >= K:  # a verify step's flush: the state after the committed tokens
                 row["parity"] &= all(bits_equal(pools["r"][k][r], held[k][r]) for k in pools["r"])
+            elif moved and kinds[b] == "live":  # the destination holds the state after this token
+                row["parity"] &= all(bits_equal(pools["r"][k][dsts[b]], pools["s"][k][dsts[b]]) for k in pools["r"])
             elif T == 1 and int(ring.length[r, 0]) == 0:
                 row["parity"] &= all(bits_equal(pools["r"][k][r], pools["s"][k][r]) for k in pools["r"])
             pending.add(r)

@@ -118,5 +118,7 @@ def test_verify_cli_replay_flags(capsys):
     assert "replay2" in capsys.readouterr().out
     assert cli.main(["verify", "--config", "32,32,1", "--replay-from-checkpoint"]) == 2
     assert "--replay-from-checkpoint needs --replay-ring" in capsys.readouterr().err
-    assert cli.main(["verify", "--config", "32,32,1", "--replay-ring", "2", "--dst"]) == 2
-    assert "replay_ring needs no dst_state_batch_indices" in capsys.readouterr().err
+    assert cli.main(["verify", "--config", "32,32,1", "--batch", "4", "--heads", "1", "--replay-ring", "2", "--dst"]) == 0
+    assert "pool+dst+kv+z+outproj+replay2" in capsys.readouterr().out  # destinations: moves flush into them
+    assert cli.main(["verify", "--config", "32,32,1", "--replay-ring", "2", "--dst", "--tokens", "2"]) == 2
+    assert "replay_ring with has_dst takes one-token steps" in capsys.readouterr().err
