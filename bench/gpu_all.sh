@@ -2,6 +2,10 @@
 # One command for a GPU machine: the whole GPU test suite, then the GPU benchmark.
 # Usage (from the repo root, after installing the package):  bash bench/gpu_all.sh
 # Writes logs and results under bench/results/. Budget: under 10 minutes on one H100.
+# Seen on an H200 (2026-11-27, docs/measured/2026-11-27-h200-run2/): the GPU tests 203 s on 16
+# workers, gpu_bench.py 33 s (4 batches), the verify benchmark 89 s (K = 4, 8), the replay
+# benchmark about 70 s for K = 2, 4 at two batches. With every default the whole script is close
+# to the gpu-kit's 540 s limit: give it GPUKIT_LIMIT_S=590, or run the parts separately.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p bench/results
