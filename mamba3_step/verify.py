@@ -201,7 +201,7 @@ def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) 
     pools = {kind: {k: getattr(start, k).clone() for k in ("state", "Bstate", "Xstate")} for kind in ("r", "s")}
     P, H, D, N = start.state.shape
     ring = new_ring(P, K, spec.mimo, H, N, D, kv_dtype=start.Bstate.dtype, x_dtype=start.Xstate.dtype,
-                    draft=max(spec.replay_draft, spec.draft_need))
+                    draft=spec.ring_entries - (K - 1))  # the room the step's specialisation replays
     row = dict(err_out=0.0, budget_out=0.0, err_state=None, budget_state=None, parity=True, accurate=True)
     pending = set()  # rows whose last verify step's drafts the stepwise kernel has stepped
     for step in range(2 * K + 1):
@@ -341,7 +341,7 @@ def verify_instructions(spec: StepSpec, committed: int, arch: str = "sm_90a", se
     tensors, _ = _inputs(base, 1, 1, seed, live_only=True)
     P, H, D, N = tensors.state.shape
     ring = new_ring(P, spec.replay_ring, spec.mimo, H, N, D, kv_dtype=tensors.Bstate.dtype,
-                    x_dtype=tensors.Xstate.dtype, draft=max(spec.replay_draft, T))
+                    x_dtype=tensors.Xstate.dtype, draft=spec.ring_entries - (spec.replay_ring - 1))
     accepted = min(committed, T)
     ring.length.fill_(committed - accepted)
     t = tensors._replace(num_accepted_tokens=torch.full((1,), accepted, dtype=torch.int32)).with_out()
