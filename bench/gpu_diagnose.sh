@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A GPU machine's second look, after bench/gpu_all.sh: the kernels under compute-sanitizer, the
-# flagship's stepwise and replay kernels under Nsight Compute (K = 2 first: since the state's D
-# stride is static it compiles to the stepwise step's 168 registers on sm_90a; does it reach the
-# stepwise step's DRAM throughput?), and the GPU parity cross product.
+# flagship's stepwise kernel (pool mode, then dense mode: why pool mode measured 4-5% slower than
+# dense from the second H200 run on) and replay kernels under Nsight Compute (K = 2 first: since
+# the state's D stride is static it compiles to the stepwise step's 168 registers on sm_90a; does
+# it reach the stepwise step's DRAM throughput?), and the GPU parity cross product.
 # Usage (repo root, package importable): bash bench/gpu_diagnose.sh
 # Logs go to $OUT when set (the device tool), else bench/results/. Each part has its own time limit
 # (MEMCHECK_S, NCU_S, MATRIX_S seconds) so that a slow part leaves the others their time.

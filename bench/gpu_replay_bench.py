@@ -71,6 +71,11 @@ class Layer:
     def stepwise(self):
         return mamba3_step_fn(**self.call()._asdict(), update_kv_state=True)
 
+    def dense(self):
+        """The stepwise step in dense mode (lane b on row b, no index): the same rows as
+        :meth:`stepwise` reads through its identity index."""
+        return mamba3_step_fn(**self.call()._replace(state_batch_indices=None)._asdict(), update_kv_state=True)
+
     def replay(self, from_checkpoint: bool = False, num_warps: int | None = None):
         return replay_step_fn(self.call(), self.ring, self.K, from_checkpoint=from_checkpoint, num_warps=num_warps)
 

@@ -3,7 +3,8 @@
     ncu --profile-from-start off --section SpeedOfLight ... python bench/gpu_replay_probe.py [--batch 256]
 
 Every kernel is compiled and launched twice before ``cudaProfilerStart``, so the profiled range holds
-exactly one launch per variant, in this order: stepwise, then replay K=2, 4, 8 with outputs
+exactly one launch per variant, in this order: stepwise (pool mode), the same step in dense mode
+(the pool mode / dense comparison of docs/performance.md section 4), then replay K=2, 4, 8 with outputs
 replayed, then replayed at each ``--replay-warps`` warps a CTA, then from the checkpoint (rings
 staggered as in ``gpu_replay_bench.py``; a profiler's time limit cuts the last first). Prints the order so that a report's kernels can be
 named. Exits 0 without a CUDA device.
@@ -25,10 +26,11 @@ from mamba3_step.spec import FLAGSHIP_HEADS  # noqa: E402
 
 
 def variants(batch: int, heads: int, Ks, device="cuda", replay_warps=()) -> list[tuple[str, object]]:
-    """(name, step) in profiling order: the stepwise step, then replay for each K with outputs
+    """(name, step) in profiling order: the stepwise step in pool and dense mode, then replay for each K with outputs
     replayed, then replayed at each of ``replay_warps`` warps a CTA, then from the checkpoint; each
     replay layer's rows staggered over the ring positions."""
-    out = [("stepwise", Layer(batch, heads, 2, device, seed=1).stepwise)]
+    out = [("stepwise", Layer(batch, heads, 2, device, seed=1).stepwise),
+           ("stepwise dense", Layer(batch, heads, 2, device, seed=1).dense)]
     forms = [(False, None)] + [(False, w) for w in replay_warps] + [(True, None)]
     for fc, warps in forms:
         for K in Ks:

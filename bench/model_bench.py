@@ -287,8 +287,13 @@ MEASURED_REPLAY_RUNS = {
     2: _util.REPO / "docs" / "measured" / "2026-11-27-h200-run2" / "gpu_replay_bench.json",
 }
 MEASURED_REPLAY = MEASURED_REPLAY_RUNS[1]
-#: the GPU verify benchmark's JSON that the verify issue table sets beside the model
-MEASURED_VERIFY = _util.REPO / "docs" / "measured" / "2026-11-27-h200-run2" / "gpu_replay_verify_bench.json"
+#: the GPU verify benchmarks' JSON that the verify issue table sets beside the model, by H200 run
+#: (run 2 timed K = 4 and 8, run 3 K = 2; each against today's verify step on its own machine)
+MEASURED_VERIFY_RUNS = {
+    2: _util.REPO / "docs" / "measured" / "2026-11-27-h200-run2" / "gpu_replay_verify_bench.json",
+    3: _util.REPO / "docs" / "measured" / "2026-11-27-h200-run3" / "gpu_replay_verify_bench.json",
+}
+MEASURED_VERIFY = MEASURED_VERIFY_RUNS[2]
 
 
 def measured_replay_times(path=MEASURED_REPLAY, batch: int = 256) -> dict:
@@ -352,15 +357,16 @@ REPLAY_VERIFY_NOTE = ("issue model of the replay kernel's T = 4 verify steps (B 
                       "warp-instructions per slab at the committed-token counts the steady state visits "
                       "(mamba3_step.issue_model.VERIFY_EXECUTED, from the PTX tier), the bytes model's verify bytes; "
                       "time = the larger of issue and memory time, relative to today's. A model; 'H200 measured x' is "
-                      "not: bench/gpu_replay_verify_bench.py's graph-replay time over today's on one H200 "
-                      "(2026-11-27, docs/measured/2026-11-27-h200-run2/)")
+                      "not: bench/gpu_replay_verify_bench.py's graph-replay time over today's on an H200, "
+                      "both timed in the same run ('run': docs/measured/2026-11-27-h200-run<run>/)")
 
 
 def replay_verify_rows(batch: int = 256, heads: int = FLAGSHIP_HEADS) -> list[dict]:
     """Per K of :data:`VERIFY_EXECUTED`: instructions relative to today's verify step, and per GPU the
     issue/memory ratio and the modelled time relative to today's (``replay_verify_issue_model``)."""
     rows = []
-    measured = measured_verify_times(batch=batch)
+    measured = {K: (run, x) for run, path in MEASURED_VERIFY_RUNS.items()
+                for K, x in measured_verify_times(path, batch).items()}
     for K in (k for k in VERIFY_EXECUTED if k != "today"):
         row = {"K": K, "tokens": VERIFY_TOKENS, "per_step": list(VERIFY_EXECUTED[K].values())}
         for name, gpu in ISSUE_GPUS.items():
@@ -368,7 +374,7 @@ def replay_verify_rows(batch: int = 256, heads: int = FLAGSHIP_HEADS) -> list[di
             row.update({"instructions": m["instructions"], f"ratio_{name}": m["ratio"], f"time_{name}": m["time"],
                         f"today_ratio_{name}": m["today_ratio"]})
         if K in measured:
-            row["measured_time_H200"] = measured[K]
+            row["measured_run"], row["measured_time_H200"] = measured[K]
         rows.append(row)
     return rows
 
@@ -376,7 +382,7 @@ def replay_verify_rows(batch: int = 256, heads: int = FLAGSHIP_HEADS) -> list[di
 REPLAY_VERIFY_COLUMNS = [("K", "K", ">d"), ("tokens", "T", ">d"), ("instructions", "instr. x", ">.2f")] + [
     col for g in ("H100", "H200", "B200") for col in ((f"ratio_{g}", f"{g} issue/mem", ">.2f"),
                                                       (f"time_{g}", f"{g} time x", ">.3f"))] + [
-    ("measured_time_H200", "H200 measured x", ">.3f")]
+    ("measured_time_H200", "H200 measured x", ">.3f"), ("measured_run", "run", ">d")]
 
 
 def replay_rows(batches=REPLAY_BATCHES, heads: int = FLAGSHIP_HEADS) -> list[dict]:

@@ -101,10 +101,10 @@ REPLAY_EXECUTED = {
 #: executed PTX warp-instructions per state slab of the flagship's T = 4 verify step: ``"today"``, the
 #: stepwise verify step (T tokens, (B, T) sources with num_accepted_tokens, a destination row per
 #: token; its default 8 warps), and per K the replay verify kernel's at the committed-token counts
-#: the steady state visits when every draft is accepted by the next step (K = 4: 4 every step, a
-#: flush; K = 8: 4, then 8 with a flush). Measured by the PTX execution tier
-#: (``mamba3_step.verify.verify_instructions``; tests/test_issue_model.py re-executes K = 4 and today's).
-VERIFY_EXECUTED = {"today": 25362, 4: {4: 33069}, 8: {4: 32947, 8: 44901}}
+#: the steady state visits when every draft is accepted by the next step (K = 2 and 4: 4 every step,
+#: a flush; K = 8: 4, then 8 with a flush). Measured by the PTX execution tier
+#: (``mamba3_step.verify.verify_instructions``; tests/test_issue_model.py re-executes K = 2, 4 and today's).
+VERIFY_EXECUTED = {"today": 25362, 2: {4: 33053}, 4: {4: 33069}, 8: {4: 32947, 8: 44901}}
 VERIFY_TOKENS = 4
 
 

@@ -299,13 +299,15 @@ def test_gpu_replay_probe_without_cuda_says_so(capsys):
 
 
 def test_gpu_replay_probe_profiles_the_variants_in_its_stated_order():
-    """The order ncu's report is read in: stepwise, replayed for each K, then from the checkpoint;
-    every variant runs (here on the CPU path) and returns the step's out."""
+    """The order ncu's report is read in: stepwise in pool and dense mode, replayed for each K, then
+    from the checkpoint; every variant runs (here on the CPU path) and returns the step's out, pool
+    and dense mode the same."""
     runs = gpu_replay_probe.variants(2, 1, [2, 3], device="cpu", replay_warps=[8])
-    assert [name for name, _ in runs] == ["stepwise", "replay K=2 replayed", "replay K=3 replayed",
+    assert [name for name, _ in runs] == ["stepwise", "stepwise dense", "replay K=2 replayed", "replay K=3 replayed",
                                           "replay K=2 replayed 8 warps", "replay K=3 replayed 8 warps",
                                           "replay K=2 from checkpoint", "replay K=3 from checkpoint"]
     assert all(tuple(fn().shape) == (2, 1, 64) for _, fn in runs)
+    assert gpu_bench.bits_equal(runs[0][1](), runs[1][1]())
 
 
 def test_gpu_diagnose_script_parses():
@@ -581,10 +583,16 @@ def test_model_bench_sets_the_measured_replay_times_beside_the_model(tmp_path):
 
 def test_model_bench_sets_the_measured_verify_times_beside_the_model(tmp_path):
     """'H200 measured x' of the verify table: the verify benchmark's graph time at B = 256 over
-    today's verify step's, from the kept JSON of the H200 run."""
-    rows = json.loads(model_bench.MEASURED_VERIFY.read_text())["rows"]
-    us = {r["K"]: r["us_graph"] for r in rows if r["batch"] == 256}
-    measured = model_bench.measured_verify_times()
-    assert measured == {K: pytest.approx(us[K] / us[None]) for K in (4, 8)}
-    assert [r["measured_time_H200"] for r in model_bench.replay_verify_rows()] == [measured[4], measured[8]]
+    today's verify step's in the same run, from the kept JSON of the H200 run that timed that K
+    (run 2: K = 4 and 8; run 3: K = 2)."""
+    measured = {}
+    for run, path in model_bench.MEASURED_VERIFY_RUNS.items():
+        us = {r["K"]: r["us_graph"] for r in json.loads(path.read_text())["rows"] if r["batch"] == 256}
+        assert model_bench.measured_verify_times(path) == {K: pytest.approx(us[K] / us[None]) for K in us if K}
+        measured.update({K: (run, us[K] / us[None]) for K in us if K})
+    assert sorted(measured) == [2, 4, 8] and measured[2][0] == 3 and measured[4][0] == 2
+    rows = model_bench.replay_verify_rows()
+    assert [r["K"] for r in rows] == [2, 4, 8]
+    assert [(r["measured_run"], r["measured_time_H200"]) for r in rows] == [
+        (measured[K][0], pytest.approx(measured[K][1])) for K in (2, 4, 8)]
     assert model_bench.measured_verify_times(tmp_path / "absent.json") == {}

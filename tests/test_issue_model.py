@@ -51,12 +51,13 @@ def test_replay_counts_are_what_the_ptx_tier_executes(K, from_checkpoint):
 
 def test_verify_counts_are_what_the_ptx_tier_executes():
     """VERIFY_EXECUTED (model_bench's replay verify table) holds today's verify step's executed count and
-    the replay verify kernel's at K = 4 (4 committed tokens: a flush), re-executed here; K = 8's are
-    printed by the same function (verify_instructions)."""
+    the replay verify kernel's at K = 2 and 4 (4 committed tokens: a flush), re-executed here; K = 8's
+    are printed by the same function (verify_instructions)."""
     today = flagship_spec(tokens=4, has_dst=True, dst_per_token=True, num_accepted=True)
     assert replay_instructions(today) == (VERIFY_EXECUTED["today"],)
-    spec = flagship_spec(replay_ring=4, tokens=4, num_accepted=True)
-    assert verify_instructions(spec, 4) == VERIFY_EXECUTED[4][4]
+    for K in (2, 4):
+        spec = flagship_spec(replay_ring=K, tokens=4, num_accepted=True)
+        assert verify_instructions(spec, 4) == VERIFY_EXECUTED[K][4]
 
 
 def test_replay_verify_issue_model_by_hand():
