@@ -158,11 +158,12 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
     holds the state across K tokens: its average step runs few tokens, and fewer threads issue fewer
     per-token instructions (staging, coefficients, reductions): the flagship at K = 4 averages 1.78x
     a stepwise slab's executed instructions at 4 warps (2.14x at the K-token default's 8, counted
-    before the state's D stride was static).
+    before the state's D stride was static). Where that default is one warp, a replay step takes
+    two when they fit the tile (:data:`REPLAY_MIN_WARPS`).
     """
     tile_D = headdim
     if replay:  # a replay step: the one-token default where it still keeps the state across the tokens
-        num_warps = _default_warps(dstate, tile_D, state_dtype, 1, lean)
+        num_warps = _replay_warps(dstate, tile_D, state_dtype, mimo, tokens, lean)
         if thread_layout(dstate, tile_D, num_warps, state_dtype, mimo, tokens).preload:
             return tile_D, num_warps
     while True:
@@ -177,6 +178,31 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
         if whole_head or tile_D <= 8:
             return tile_D, default  # no tiling keeps the state: tiling_problem says so
         tile_D //= 2
+
+
+#: the fewest warps a replayed step's default gives a CTA where the tile has rows for them. At one
+#: warp (the one-token default of the small slabs: N = 32, 64 with D = 32, 64) a replay thread holds
+#: the ring's coefficients, the draft's partials and a flush's whole share at once, and the register
+#: model misses it: N=64 D=32 R=4 fp32 used 16 bytes of stack on sm_90a, N=32 D=64 R=2 fp32 with
+#: destinations 24, the T = 4 verify step at R = 8 up to 544. At two warps the 108 replayed
+#: specialisations (plain, destinations, T = 4 verify; every N, D, R, 16- and 32-bit state) whose
+#: default was one warp compile clean on sm_90a but N=32 D=64 R=8 fp16's verify step (304 bytes),
+#: and on sm_100a but that step (320) and N=32 D=32 R=4 fp32 plain (8 bytes at 80 registers; clean
+#: at one warp and at four): tests/test_kernel_compile.py's REPLAY_SPILLS, REPLAY_VERIFY_SPILLS.
+#: The outputs keep their bits: a row's reduction is laid out by N and the state's width
+#: (``ThreadLayout`` VN, TPR, CPT), not by warps (the PTX tier's replay tests compare them).
+REPLAY_MIN_WARPS = 2
+
+
+def _replay_warps(dstate: int, tile_D: int, state_dtype: str, mimo: int, tokens: int, lean) -> int:
+    """A replayed step's default warps: the one-token default, raised to :data:`REPLAY_MIN_WARPS`
+    where that many warps' rows fit the tile and still keep the state across the ``tokens``."""
+    num_warps = _default_warps(dstate, tile_D, state_dtype, 1, lean)
+    if num_warps < REPLAY_MIN_WARPS:
+        lay = thread_layout(dstate, tile_D, REPLAY_MIN_WARPS, state_dtype, mimo, tokens)
+        if lay.rows_per_pass <= tile_D and lay.preload:
+            return REPLAY_MIN_WARPS
+    return num_warps
 
 
 def _default_warps(dstate: int, tile_D: int, state_dtype: str, tokens: int, lean: bool | str = False) -> int:

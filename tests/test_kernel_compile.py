@@ -176,6 +176,16 @@ REPLAY_DST = {
         replay_from_checkpoint=True),
 }
 
+#: replayed steps whose one-token default is one warp, at the two warps they get instead
+#: (tiling.REPLAY_MIN_WARPS): each used stack at one warp on sm_90a (16, 24 and 8 bytes)
+REPLAY_SMALL = {
+    "N64-D32-R4-replay-K4": StepSpec(64, 32, 4, "float32", pool=True, update_kv_state=True, replay_ring=4),
+    "N32-D64-R2-replay-K4-dst": StepSpec(32, 64, 2, "float32", pool=True, has_dst=True, update_kv_state=True,
+                                         replay_ring=4),
+    "N32-D32-R8-bf16state-replay-K4-verify-T4": StepSpec(32, 32, 8, "bfloat16", pool=True, update_kv_state=True,
+                                                         replay_ring=4, tokens=4, num_accepted=True),
+}
+
 #: verify steps with fewer drafts than their ring holds (a ring made for T = 3, StepSpec.replay_draft),
 #: and a one-token step committing drafts, beside the T = 3 step that fills the ring:
 #: tests/test_ptx_replay_verify.py alternates them
@@ -308,7 +318,7 @@ def check_padding_guard(sass_text: str, where: str, loads: int = 2) -> None:
 #: the named sets every run compiles for both architectures, by the prefix of their test ids
 COMPILED_SETS = {"covering": COVERING, "multi-token": MULTI_TOKEN, "rotary": ROTARY, "stochastic": STOCHASTIC,
                  "eight-bit": EIGHT_BIT, "replay": REPLAY, "replay-verify": REPLAY_VERIFY,
-                 "replay-verify-mixed": REPLAY_VERIFY_MIXED, "replay-dst": REPLAY_DST}
+                 "replay-verify-mixed": REPLAY_VERIFY_MIXED, "replay-dst": REPLAY_DST, "replay-small": REPLAY_SMALL}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -449,15 +459,17 @@ def test_in_place_matrix_compiles_with_clean_compiler_facts(spec, arch):
 #: in IN_PLACE_SPILLS too at R = 4). fp32 N=256 D=128 has no tiling that keeps a whole head's
 #: slab in registers across tokens: refused (test_replay_matrix_refusals). With packed state rows
 #: (2026-11-27, all 560 run) four of sm_90a's and one of sm_100a's compile clean; N=64 D=32 R=4 fp32
-#: replayed (1 warp) uses 16 bytes on sm_90a, N=32 D=32 R=1 bf16 and N=256 D=32 R=8 fp16 from the
-#: checkpoint 8 bytes each on sm_100a.
+#: replayed (1 warp) used 16 bytes on sm_90a, N=32 D=32 R=1 bf16 and N=256 D=32 R=8 fp16 from the
+#: checkpoint 8 bytes each on sm_100a. Since replayed steps take two warps where the one-token default
+#: gave one (tiling.REPLAY_MIN_WARPS; the 108 such shapes of plain, destination and verify steps
+#: recompiled on both targets), N=64 D=32 R=4 fp32 is clean, and N=32 D=32 R=4 fp32 replayed uses 8
+#: bytes on sm_100a (80 registers at 2 warps; clean at 1 and 4), the one shape the rule made worse.
 REPLAY_SPILLS = {
     "sm_90a": {(256, 128, 4, "float16", False), *((256, 128, 8, sd, False) for sd in ("bfloat16", "float16")),
-               (64, 32, 4, "float32", False),
                *((128, 128, 8, sd, True) for sd in UNSCALED), *((256, 64, 8, sd, True) for sd in ("bfloat16", "float16")),
                (256, 128, 2, "float16", True), *((256, 128, R, sd, True) for R in (4, 8) for sd in ("bfloat16", "float16"))},
     "sm_100a": {(256, 128, 4, "float16", False), *((256, 128, 8, sd, False) for sd in ("bfloat16", "float16")),
-                (32, 32, 1, "bfloat16", True), (256, 32, 8, "float16", True),
+                (32, 32, 4, "float32", False), (32, 32, 1, "bfloat16", True), (256, 32, 8, "float16", True),
                 *((128, 128, 8, sd, True) for sd in UNSCALED),
                 *((256, 64, 8, sd, True) for sd in ("bfloat16", "float16")),
                 *((256, 128, R, sd, True) for R in (2, 4, 8) for sd in ("bfloat16", "float16"))},
@@ -483,18 +495,19 @@ def test_replay_matrix_compiles_with_clean_compiler_facts(spec, arch):
     check_compiler_facts(spec, arch)
 
 
-#: replay verify specialisations (K = 4, T = 4, accepted) that use stack at their default tiling (the
-#: one-token replay default), per arch: (N, D, R, state dtype). All 280 run 2026-11-27: 25 of 140 a target,
-#: 8-544 bytes, at R >= 4 with 1 or 2 warps (N = 32, 64) and at N = 256 D = 128 with 16-bit states.
-#: The K-token default tiling (more warps) clears some (N=64 D=128 R=8 fp16: 440 bytes at 4 warps, 0 at
-#: 8) but not where the warps are capped by the tile's rows (N=32 D=64 R=8 fp16: 304 bytes at 2 warps,
-#: N=32 D=32 R=8 bf16: 1 warp either way): a verify tiling rule is open work (docs/performance.md, 3d)
-_VERIFY_SPILLS_BOTH = {*((32, 32, 8, sd) for sd in ("bfloat16", "float16")),
-                       *((32, D, R, sd) for D in (64, 128) for R in (4, 8) for sd in UNSCALED),
-                       (64, 32, 8, "float16"), *((64, D, 8, sd) for D in (64, 128) for sd in ("bfloat16", "float16")),
+#: replay verify specialisations (K = 4, T = 4, accepted) that use stack at their default tiling, per
+#: arch: (N, D, R, state dtype). All 280 run 2026-11-27 at the one-token replay default: 25 of 140 a
+#: target, 8-544 bytes, at R >= 4 with 1 or 2 warps (N = 32, 64) and at N = 256 D = 128 with 16-bit
+#: states. Since replayed steps take at least two warps (tiling.REPLAY_MIN_WARPS; every shape whose
+#: default was one warp recompiled on both targets), 9 of sm_90a's and 8 of sm_100a's compile clean;
+#: N=32 D=64 R=8 fp16 still uses 304 (sm_90a) and 320 (sm_100a) bytes at 2 warps. The rest are
+#: shapes at two or more warps, which the rule does not change: a verify tiling rule for them is open
+#: work (docs/performance.md, 3d).
+_VERIFY_SPILLS_BOTH = {(32, 64, 8, "float16"), *((32, 128, R, sd) for R in (4, 8) for sd in UNSCALED),
+                       *((64, D, 8, sd) for D in (64, 128) for sd in ("bfloat16", "float16")),
                        (128, 64, 2, "float16"), (256, 128, 4, "bfloat16"),
                        *((256, 128, 8, sd) for sd in ("bfloat16", "float16"))}
-REPLAY_VERIFY_SPILLS = {"sm_90a": _VERIFY_SPILLS_BOTH | {(64, 32, 8, "float32"), (64, 64, 8, "float32")},
+REPLAY_VERIFY_SPILLS = {"sm_90a": _VERIFY_SPILLS_BOTH | {(64, 64, 8, "float32")},
                         "sm_100a": _VERIFY_SPILLS_BOTH | {(64, 128, 8, "float32"), (256, 128, 2, "float16")}}
 
 
@@ -511,6 +524,16 @@ def _replay_verify_params() -> list:
 @pytest.mark.parametrize("spec,arch", _replay_verify_params())
 def test_replay_verify_matrix_compiles_with_clean_compiler_facts(spec, arch):
     check_compiler_facts(spec, arch)
+
+
+def test_replayed_steps_take_two_warps_where_the_one_token_default_is_one():
+    """REPLAY_SMALL's shapes: one warp stepwise, two replayed (plain, destinations, verify); the
+    flagship keeps its four."""
+    for name, spec in REPLAY_SMALL.items():
+        stepwise = spec.replace(replay_ring=0, tokens=1, num_accepted=False).with_default_tiling()
+        assert stepwise.num_warps == 1, name
+        assert spec.with_default_tiling().num_warps == 2, name
+    assert flagship_spec(replay_ring=4).num_warps == flagship_spec().num_warps == 4  # the flagship is unchanged
 
 
 def test_replay_k2_flagship_keeps_the_stepwise_residency():
