@@ -20,7 +20,7 @@ import torch
 
 from .api import runs_kernel
 from .launch import kernel_for
-from .replay import Ring, check_ring, replay_step
+from .replay import Ring, check_replay_arguments, check_ring, replay_step
 from .signature import OP_ORDER, StepOptions
 from .spec import MAX_TOKENS, StepSpec, replay_problem
 from .tensors import RING_FIELDS, StepTensors, kernel_arguments
@@ -52,6 +52,7 @@ def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Option
         TypeError, ValueError: invalid inputs, naming the argument; on CUDA also what the replay
             kernel does not take yet.
     """
+    check_replay_arguments(tensors, ring, "replay_step_fn")
     if torch.compiler.is_compiling():  # one call of torch.ops.mamba3_step.replay_step, checked in its fake
         return replay_through_op(tensors, ring, K, accepted=accepted, rotate_pairwise=rotate_pairwise,
                                  from_checkpoint=from_checkpoint, tile_D=tile_D, num_warps=num_warps)
@@ -110,6 +111,7 @@ def replay_kernel_spec(tensors: StepTensors, ring: Ring, K: int, *, accepted: Op
     Raises:
         TypeError, ValueError: as :func:`replay_step_fn`.
     """
+    check_replay_arguments(tensors, ring, "replay_step_fn")
     step_spec = check_step_inputs_cached(tensors, update_kv_state=True, rotate_pairwise=rotate_pairwise,
                                          stochastic_rounding=tensors.rand_seed is not None)
     if accepted is not None:

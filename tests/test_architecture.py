@@ -30,12 +30,14 @@ LAYERS = [
     # ptx: the PTX executor, numpy only; rounding: the state's random bits and low-precision stores
     ["tiling", "tensors", "signature", "arch", "sources", "testing", "ptx", "rotary", "rounding"],
     ["spec"],
+    ["ring"],  # replay's ring: layout, allocation, argument checks
     ["reference", "validation", "bytes_model", "issue_model", "specsets", "replay"],  # replay: CPU path only
     ["kernel"],
     ["build"],  # the kernel's cutlass-free face: imports it lazily, on the first compile
     ["compile_cache"],
     ["launch"],
     ["api", "plan", "api_replay"],  # plan: plan once, run many (StepPlan); api_replay: replay's entry point
+    ["plan_replay"],  # plan once, run many, for replay (ReplayStepPlan): on the stepwise plan and replay's entry
     ["ops", "ops_replay", "serving"],
     ["inspection", "layer", "demo", "demo_speculative", "demo_replay", "ptx_tier", "verify"],  # layer: a Mamba-3 decode layer
     ["cli", "__main__"],

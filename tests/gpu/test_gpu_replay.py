@@ -114,6 +114,37 @@ def _decode(B: int, K: int, from_checkpoint: bool, num_warps=None):
                 assert bits_equal(layer.replay[k][row], before[k][row]), f"row {row} of {k} written"
 
 
+def test_a_replay_plan_equals_replay_step_fn_and_captures_in_a_graph():
+    """``plan_replay_step`` once, ``run`` every step with new lane tensors, eager and captured in a
+    CUDA graph: outs, rows and rings bit for bit ``replay_step_fn``'s over a decode crossing flushes."""
+    from mamba3_step import plan_replay_step
+
+    B, P, K = 16, 20, 4
+    fn, planned, graphed = Layer(P, K, seed=9), Layer(P, K, seed=9), Layer(P, K, seed=9)
+    index = _index(B, P, 2)
+    static = graphed.lane(B)
+    out, eager_out = (torch.empty(B, H, D, dtype=torch.bfloat16, device=DEV) for _ in range(2))
+    plan = plan_replay_step(planned.call(planned.replay, static, index, out), planned.ring, K)  # one plan for both
+    scratch = Layer(P, K, seed=10)  # warms up outside the capture, on other pools
+    plan.run(scratch.call(scratch.replay, static, index, out), scratch.ring)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(graphed.call(graphed.replay, static, index, out), graphed.ring)
+    for step in range(2 * K + 1):
+        lane = fn.lane(B)
+        want = replay_step_fn(fn.call(fn.replay, lane, index), fn.ring, K)
+        got = plan.run(planned.call(planned.replay, lane, index, eager_out), planned.ring)
+        for k, v in lane.items():
+            static[k].copy_(v)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert got is eager_out and bits_equal(got, want) and bits_equal(out, want), f"step {step}: out"
+        for layer in (planned, graphed):
+            assert all(bits_equal(layer.replay[k], fn.replay[k]) for k in fn.replay), f"step {step}: rows"
+            assert all(bits_equal(a, b) for a, b in zip(layer.ring[:4], fn.ring[:4])), f"step {step}: ring"
+
+
 @pytest.mark.parametrize("from_checkpoint", [False, True])
 def test_replay_graph_equals_eager(from_checkpoint):
     B, P, K = 16, 20, 4

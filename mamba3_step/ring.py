@@ -1,0 +1,108 @@
+"""The replay ring: its layout (:class:`Ring`), its allocation (:func:`new_ring`) and what replay's
+entry points check of their arguments before anything runs (:func:`check_replay_arguments`,
+:func:`check_ring`). The CPU path that steps a ring is :mod:`mamba3_step.replay`; the rules are
+docs/contract.md, "Replay".
+
+Letters (docs/contract.md): P pool rows, T draft tokens, H heads, D head dim, N state size, R MIMO
+rank, S rotary angles; K the flush length, L = K - 1 + draft the ring's entries.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .tensors import StepTensors
+
+__all__ = ["Ring", "check_replay_arguments", "check_ring", "new_ring"]
+
+Tensor = torch.Tensor
+
+
+class Ring(NamedTuple):
+    """One layer's ring pools: entry ``j < length[p]`` of row ``p`` is the ``j``-th token after the
+    checkpoint of row ``p``; entries past ``length`` are a verify step's uncommitted drafts."""
+
+    B: Tensor  # (P, L, R, H, N), B's dtype: the token's B (per head, a shared B expanded)
+    x: Tensor  # (P, L, H, D), x's dtype
+    coef: Tensor  # (P, L, H, 3) float32: the token's A, dt, trap
+    length: Tensor  # (P, H) int32: committed tokens, one value per row (each head holds it: a kernel CTA owns one)
+    offset: Optional[Tensor] = None  # (P, L) int64, with stochastic rounding: the rand_seed offset it drew at
+    drawn_for: Optional[Tensor] = None  # (P, L) int32, with stochastic rounding: the row it drew for
+    angle: Optional[Tensor] = None  # (P, L, H, S) int64, with rotary: the angle after the token
+
+
+def new_ring(rows: int, K: int, mimo: int, heads: int, dstate: int, headdim: int, *,
+             kv_dtype: torch.dtype, x_dtype: torch.dtype, draft: int = 0, stochastic: bool = False,
+             rope_angles: int = 0, device=None) -> Ring:
+    """An empty ring for ``rows`` pool rows, flush length ``K`` (2 to 16) and room for verify steps of
+    up to ``draft`` tokens (0 to 16): ``K - 1 + draft`` entries; ``stochastic``: with the offsets a
+    stochastically rounded state's flush draws at; ``rope_angles`` S > 0: with each token's angle."""
+    if not isinstance(K, int) or not 2 <= K <= 16:
+        raise ValueError(f"new_ring: K must be an int in [2, 16], got {K!r}")
+    if not isinstance(draft, int) or not 0 <= draft <= 16:
+        raise ValueError(f"new_ring: draft must be an int in [0, 16], got {draft!r}")
+    L = K - 1 + draft
+    return Ring(torch.zeros(rows, L, mimo, heads, dstate, dtype=kv_dtype, device=device),
+                torch.zeros(rows, L, heads, headdim, dtype=x_dtype, device=device),
+                torch.zeros(rows, L, heads, 3, dtype=torch.float32, device=device),
+                torch.zeros(rows, heads, dtype=torch.int32, device=device),
+                torch.zeros(rows, L, dtype=torch.int64, device=device) if stochastic else None,
+                torch.zeros(rows, L, dtype=torch.int32, device=device) if stochastic else None,
+                torch.zeros(rows, L, heads, rope_angles, dtype=torch.int64, device=device) if rope_angles else None)
+
+
+_RING_HINTS = dict(offset=" (stochastic rounding: new_ring(..., stochastic=True))", angle=" (rotary: new_ring(..., "
+                   "rope_angles=S))", drawn_for=" (stochastic rounding: new_ring(..., stochastic=True))")
+
+
+def check_replay_arguments(tensors, ring, who: str = "replay_step") -> None:
+    """``tensors`` is a :class:`StepTensors` and ``ring`` a :class:`Ring` whose required fields are
+    tensors and optional ones tensors or None (``TypeError`` naming the argument, ``who`` the entry
+    point); what they hold is the step's and :func:`check_ring`'s to judge."""
+    if not isinstance(tensors, StepTensors):
+        raise TypeError(f"{who}: tensors must be a mamba3_step.tensors.StepTensors, got {type(tensors).__name__}")
+    if not isinstance(ring, Ring):
+        raise TypeError(f"{who}: ring must be a mamba3_step.Ring (mamba3_step.new_ring), got {type(ring).__name__}")
+    for field, value in zip(Ring._fields, ring):
+        optional = field in Ring._field_defaults
+        if not isinstance(value, Tensor) and not (optional and value is None):
+            want = "a tensor or None" if optional else "a tensor"
+            raise TypeError(f"{who}: ring.{field} must be {want}, got {type(value).__name__}")
+
+
+def check_ring(t: StepTensors, ring: Ring, K: int) -> None:
+    """What replay takes: pool mode, the state written back to its source, a ring that fits ``t`` and ``K``
+    (refused by name, ``ValueError``)."""
+    unsupported = {"num_accepted_tokens": t.num_accepted_tokens, "state_out": t.state_out}
+    for name, v in unsupported.items():
+        if v is not None:
+            raise ValueError(f"replay_step: {name} is not supported with replay yet (docs/contract.md, 'Replay')")
+    if not t.pool:
+        raise ValueError("replay_step: replay is a pool-mode step: state_batch_indices is required")
+    if t.dst_state_batch_indices is not None and t.x.dim() == 4:
+        raise ValueError("replay_step: dst_state_batch_indices with a verify step (T tokens): replay keeps the drafts "
+                         "in the ring, not in destination rows")
+    if not isinstance(K, int) or not 2 <= K <= 16:
+        raise ValueError(f"replay_step: K must be an int in [2, 16], got {K!r}")
+    P, H, D, N = t.state.shape
+    R, L = t.xproj.shape[0], ring.B.shape[1]
+    drafts = t.tokens if t.x.dim() == 4 else 0
+    if L < K - 1 + drafts:
+        raise ValueError(f"replay_step: the ring holds {L} entries; K = {K} with {drafts}-token drafts needs "
+                         f"{K - 1 + drafts} (new_ring(..., draft={drafts}))")
+    S = 0 if t.angle_state is None else t.angle_state.shape[-1]
+    want = {"B": (P, L, R, H, N), "x": (P, L, H, D), "coef": (P, L, H, 3), "length": (P, H), "offset": (P, L),
+            "drawn_for": (P, L), "angle": (P, L, H, S)}
+    dtypes = {"B": t.Bstate.dtype, "x": t.Xstate.dtype, "coef": torch.float32, "length": torch.int32,
+              "offset": torch.int64, "drawn_for": torch.int32, "angle": torch.int64}
+    optional = {"offset": t.rand_seed, "drawn_for": t.rand_seed, "angle": t.angle_state}
+    for name, shape in want.items():
+        got = getattr(ring, name)
+        if got is None and name in optional and optional[name] is None:
+            continue
+        if got is None or tuple(got.shape) != shape or got.dtype != dtypes[name] or got.device != t.state.device:
+            got = "None" if got is None else f"{got.dtype} {tuple(got.shape)} on {got.device}"
+            raise ValueError(f"replay_step: ring.{name} must be {dtypes[name]} of shape {shape} on {t.state.device}"
+                             f"{_RING_HINTS.get(name, '')}, got {got}")

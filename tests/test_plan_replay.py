@@ -1,0 +1,213 @@
+"""Plan once, run many, for replay (mamba3_step.plan_replay): ``plan_replay_step`` validates a replay
+call signature once; ``ReplayStepPlan.run`` checks only what can change between steps, then does
+exactly what ``replay_step_fn`` does.
+
+* ``run`` equals ``replay_step_fn`` bit for bit on CPU tensors (outs, rows, every ring tensor) over
+  decodes crossing flushes, one-token and verify steps with ``accepted``, with fresh lane tensors
+  every step;
+* on the kernel path (a stand-in kernel recording what it is given; the replay kernel's
+  validation runs on any device) ``run`` passes what ``replay_step_fn`` passes and runs no full
+  validation, for every layer of a pool whose rings share the signature;
+* bad input gets ``replay_step_fn``'s exception and changes nothing, a ring sharing memory with an
+  argument included; a valid call of another signature raises ``StepPlanMismatch`` naming what
+  changed, and changes nothing.
+
+Letters: B lanes, T tokens, P pool rows, H heads, D head dim, N state size, R MIMO rank, K flush length.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mamba3_step.plan_replay as plan_replay
+from mamba3_step import (ReplayStepPlan, StepPlanMismatch, api_replay, new_ring, plan_replay_step, replay_step_fn)
+from mamba3_step.spec import flagship_spec
+from mamba3_step.tensors import StepTensors
+from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, row_tensors
+
+P, H, D, N, R, K = 7, 2, 64, 128, 4, 4
+NULL = 6
+
+
+class Layer:
+    """One layer's rows and ring, and a generator for its lane inputs."""
+
+    def __init__(self, seed: int, draft: int = 0):
+        self.g = torch.Generator().manual_seed(seed)
+        self.rows = row_tensors(P, H, D, N, R, generator=self.g)
+        self.w = layer_weights(H, D, R, generator=self.g)
+        self.ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16, draft=draft)
+
+    def clone(self) -> "Layer":
+        other = object.__new__(Layer)
+        other.g, other.w = self.g, self.w
+        other.rows = {k: v.clone() for k, v in self.rows.items()}
+        other.ring = type(self.ring)(*(None if v is None else v.clone() for v in self.ring))
+        return other
+
+    def call(self, lane: dict, index: torch.Tensor) -> StepTensors:
+        r, w = self.rows, self.w
+        return StepTensors(r["state"], r["Bstate"], r["Xstate"], lane["A"], lane["B"], lane["C"], w["D"], lane["x"],
+                           lane["dt"], lane["trap"], w["xproj"], outproj=w["outproj"], z=lane["z"],
+                           zproj=w["zproj"], state_batch_indices=index, null_slot_id=NULL)
+
+    def lane(self, B: int, tokens=None) -> dict:
+        return lane_inputs(B, H, D, N, R, tokens=tokens, generator=self.g)
+
+
+INDEX = torch.tensor([3, -1, 0, NULL, 5], dtype=torch.int32)
+
+
+def _same_layers(a: Layer, b: Layer, where: str) -> None:
+    assert all(bits_equal(a.rows[k], b.rows[k]) for k in a.rows), f"{where}: rows"
+    assert all(bits_equal(x, y) for x, y in zip(a.ring, b.ring) if x is not None), f"{where}: ring"
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["one-token", "verify-T2"])
+def test_run_equals_replay_step_fn_bit_for_bit_step_after_step(verify):
+    fn = Layer(1, draft=2 if verify else 0)
+    planned = fn.clone()
+    B, T = len(INDEX), (2 if verify else None)
+    accepted = torch.zeros(B, dtype=torch.int32) if verify else None
+    plan = plan_replay_step(planned.call(planned.lane(B, T), INDEX), planned.ring, K, accepted=accepted)
+    for step in range(2 * K + 1):
+        lane = fn.lane(B, T)  # new values and addresses every step
+        if verify and step:
+            accepted = torch.randint(0, 3, (B,), generator=fn.g, dtype=torch.int32)
+        want = replay_step_fn(fn.call(lane, INDEX), fn.ring, K, accepted=accepted)
+        got = plan.run(planned.call(lane, INDEX), planned.ring, accepted=accepted)
+        assert bits_equal(got, want), f"step {step}: out"
+        _same_layers(planned, fn, f"step {step}")
+    assert int(fn.ring.length.max()) < K - 1 + (3 if verify else 1)  # rows flushed on the way
+
+
+class Recorder:
+    """A stand-in for the replay kernel: records the arguments of each launch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    """CPU tensors take the kernel path: one recorder stands for every compiled kernel."""
+    recorder = Recorder()
+    for module in (plan_replay, api_replay):
+        monkeypatch.setattr(module, "runs_kernel", lambda x: True)
+        monkeypatch.setattr(module, "kernel_for", lambda spec, x: recorder)
+    return recorder
+
+
+def _same_launch(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+
+
+def test_run_launches_what_replay_step_fn_launches_without_validating(kernel_path, monkeypatch):
+    """Every layer of a pool (rings of one signature), one-token steps with destinations: the same
+    launch arguments as replay_step_fn's, and no full validation after the plan."""
+    layers = [Layer(2), Layer(3)]
+    out = torch.empty(len(INDEX), H, D, dtype=torch.bfloat16)
+    dst = torch.tensor([4, -1, 0, NULL, 5], dtype=torch.int32)
+    lane = layers[0].lane(len(INDEX))
+    plan = plan_replay_step(layers[0].call(lane, INDEX)._replace(out=out, dst_state_batch_indices=dst),
+                            layers[0].ring, K)
+    assert plan.spec == flagship_spec(replay_ring=K, has_dst=True)
+    validations = []
+    monkeypatch.setattr(plan_replay, "_validated", lambda *a: validations.append(a))
+    for step in range(3):
+        for layer in layers:
+            call = layer.call(layer.lane(len(INDEX)), INDEX)._replace(out=out, dst_state_batch_indices=dst)
+            assert plan.run(call, layer.ring) is out
+            replay_step_fn(call, layer.ring, K)
+            assert _same_launch(kernel_path.calls[-2], kernel_path.calls[-1]), f"step {step}"
+    assert validations == []
+
+
+def test_bad_input_gets_replay_step_fns_error_and_changes_nothing(kernel_path):
+    layer = Layer(4, draft=2)
+    lane = layer.lane(len(INDEX), tokens=2)
+    accepted = torch.ones(len(INDEX), dtype=torch.int32)
+    plan = plan_replay_step(layer.call(lane, INDEX), layer.ring, K, accepted=accepted)
+    good = layer.call(lane, INDEX)
+    bad = {
+        "accepted int64": (good, layer.ring, accepted.long()),
+        "accepted a ring byte": (good, layer.ring, layer.ring.length.view(-1)[: len(INDEX)]),
+        "x float32": (good._replace(x=good.x.float()), layer.ring, accepted),
+        "ring.x float32": (good, layer.ring._replace(x=layer.ring.x.float()), accepted),
+        "ring.x aliases ring.B": (good, layer.ring._replace(
+            x=layer.ring.B.view(-1)[: layer.ring.x.numel()].view(layer.ring.x.shape)), accepted),
+    }
+    buf = torch.zeros(P * H + len(INDEX), dtype=torch.int32)  # a ring length whose last bytes are the index's
+    shared = buf[P * H - 2: P * H - 2 + len(INDEX)]
+    shared.copy_(INDEX)
+    bad["ring.length shares the index's bytes"] = (good._replace(state_batch_indices=shared),
+                                                   layer.ring._replace(length=buf[: P * H].view(P, H)), accepted)
+    for name, (call, ring, acc) in bad.items():
+        before = [t.clone() for t in (*call, *ring, acc) if isinstance(t, torch.Tensor)]
+        with pytest.raises((TypeError, ValueError)) as want:
+            replay_step_fn(call, ring, K, accepted=acc)
+        with pytest.raises(type(want.value)) as got:
+            plan.run(call, ring, accepted=acc)
+        assert str(got.value) == str(want.value), name
+        assert not isinstance(got.value, StepPlanMismatch), name
+        after = [t for t in (*call, *ring, acc) if isinstance(t, torch.Tensor)]
+        assert all(bits_equal(a, b) for a, b in zip(after, before)), f"{name}: a refused call wrote"
+    assert not kernel_path.calls
+
+
+@pytest.mark.parametrize("change", ["batch", "ring entries", "accepted given", "null_slot_id", "inference mode"])
+def test_a_valid_call_of_another_signature_is_refused_naming_what_changed(change, kernel_path):
+    layer = Layer(5, draft=2)
+    plan = plan_replay_step(layer.call(layer.lane(len(INDEX)), INDEX), layer.ring, K)
+    call, ring, accepted = layer.call(layer.lane(len(INDEX)), INDEX), layer.ring, None
+    expect = {"batch": "x: planned shape", "ring entries": "ring.B: planned", "accepted given": "accepted: planned None",
+              "null_slot_id": "null_slot_id: planned 6, got 2", "inference mode": "torch.inference_mode"}[change]
+    if change == "batch":
+        call = layer.call(layer.lane(2), INDEX[:2])
+    elif change == "ring entries":
+        ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16)
+    elif change == "accepted given":
+        accepted = torch.zeros(len(INDEX), dtype=torch.int32)
+    elif change == "null_slot_id":
+        call = call._replace(null_slot_id=2)
+    before = [t.clone() for t in (*call, *ring) if isinstance(t, torch.Tensor)]
+    with pytest.raises(StepPlanMismatch, match=expect):
+        if change == "inference mode":
+            with torch.inference_mode():
+                plan.run(call, ring, accepted=accepted)
+        else:
+            plan.run(call, ring, accepted=accepted)
+    after = [t for t in (*call, *ring) if isinstance(t, torch.Tensor)]
+    assert all(bits_equal(a, b) for a, b in zip(after, before))
+    assert not kernel_path.calls
+    replay_step_fn(call, ring, K, accepted=accepted)  # valid: replay_step_fn runs it
+    assert len(kernel_path.calls) == 1
+
+
+def test_plan_replay_step_refuses_what_replay_step_fn_refuses():
+    layer = Layer(6)
+    call = layer.call(layer.lane(len(INDEX)), INDEX)
+    with pytest.raises(ValueError, match="K must be an int in"):
+        plan_replay_step(call, layer.ring, 1)
+    with pytest.raises(TypeError, match="^plan_replay_step: tensors must be a mamba3_step.tensors.StepTensors, got dict"):
+        plan_replay_step(call._asdict(), layer.ring, K)
+    for ring, what in (("ring", "ring must be a mamba3_step.Ring"), (tuple(layer.ring), "ring must be"),
+                       (layer.ring._replace(B=[0]), "ring.B must be a tensor, got list"),
+                       (layer.ring._replace(angle=3), "ring.angle must be a tensor or None, got int")):
+        for entry in (plan_replay_step, replay_step_fn):
+            with pytest.raises(TypeError, match=what):
+                entry(call, ring, K)
+    with pytest.raises(ValueError, match="the ring holds 1 entries; K = 4"):
+        plan_replay_step(call, new_ring(P, 2, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16), K)
+
+
+def test_a_plan_says_what_it_is(kernel_path):
+    layer = Layer(7)
+    plan = plan_replay_step(layer.call(layer.lane(2), INDEX[:2]), layer.ring, K)
+    assert isinstance(plan, ReplayStepPlan) and plan.K == K
+    assert repr(plan).startswith("ReplayStepPlan(") and f"K={K}" in repr(plan)
+    assert plan.options == {"rotate_pairwise": False, "from_checkpoint": False, "tile_D": None, "num_warps": None}
