@@ -52,10 +52,10 @@ def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Option
         TypeError, ValueError: invalid inputs, naming the argument; on CUDA also what the replay
             kernel does not take yet.
     """
-    check_replay_arguments(tensors, ring, "replay_step_fn")
     if torch.compiler.is_compiling():  # one call of torch.ops.mamba3_step.replay_step, checked in its fake
         return replay_through_op(tensors, ring, K, accepted=accepted, rotate_pairwise=rotate_pairwise,
                                  from_checkpoint=from_checkpoint, tile_D=tile_D, num_warps=num_warps)
+    check_replay_arguments(tensors, ring, "replay_step_fn")
     if accepted is not None:
         check_accepted(tensors, accepted)
     if not runs_kernel(tensors.x):

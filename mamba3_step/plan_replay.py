@@ -114,6 +114,8 @@ class ReplayStepPlan:
         if tuple(v is not None for v in ring) != self._ring_present or (accepted is None) != (self._accepted is None):
             return False
         guarded = _guarded(ring, accepted)
+        if not all(isinstance(t, torch.Tensor) and not t.is_nested for t in guarded):
+            return False  # torch's guard aborts the process on a nested tensor: the full check names it
         if not self._ring_guard(*guarded):
             return False
         if not self._inference and any(t.is_inference() for t in guarded):
@@ -126,6 +128,8 @@ class ReplayStepPlan:
         signatures the guards admitted fix the extents)."""
         step, written, acc = self._extents
         spans = [(v.data_ptr(), e) for v, e in zip(ring, written) if e]
+        if any(lo == 0 for lo, _ in spans):
+            return False  # a storage freed under the ring: the full check names it
         others = [(v.data_ptr(), e) for v, e in zip(tensors, step) if e]
         if accepted is not None and acc[0]:
             others.append((accepted.data_ptr(), acc[0]))

@@ -14,6 +14,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .tensors import StepTensors
+from .validation import checks
 
 __all__ = ["Ring", "check_replay_arguments", "check_ring", "new_ring"]
 
@@ -59,17 +60,18 @@ _RING_HINTS = dict(offset=" (stochastic rounding: new_ring(..., stochastic=True)
 
 def check_replay_arguments(tensors, ring, who: str = "replay_step") -> None:
     """``tensors`` is a :class:`StepTensors` and ``ring`` a :class:`Ring` whose required fields are
-    tensors and optional ones tensors or None (``TypeError`` naming the argument, ``who`` the entry
-    point); what they hold is the step's and :func:`check_ring`'s to judge."""
+    strided tensors and optional ones strided tensors or None (``TypeError`` naming the argument,
+    ``who`` the entry point): run on every call, before anything reads a ring tensor's shape or
+    strides. What they hold (storage included) is :func:`check_ring`'s to judge."""
     if not isinstance(tensors, StepTensors):
         raise TypeError(f"{who}: tensors must be a mamba3_step.tensors.StepTensors, got {type(tensors).__name__}")
     if not isinstance(ring, Ring):
         raise TypeError(f"{who}: ring must be a mamba3_step.Ring (mamba3_step.new_ring), got {type(ring).__name__}")
-    for field, value in zip(Ring._fields, ring):
-        optional = field in Ring._field_defaults
-        if not isinstance(value, Tensor) and not (optional and value is None):
-            want = "a tensor or None" if optional else "a tensor"
-            raise TypeError(f"{who}: ring.{field} must be {want}, got {type(value).__name__}")
+    for field, value in zip(Ring._fields, ring):  # cheap enough for every call; the storage: check_ring
+        if value is None and field in Ring._field_defaults:
+            continue
+        if not isinstance(value, Tensor) or value.is_nested or value.layout is not torch.strided:
+            checks.check_is_tensor(f"ring.{field}", value, optional=field in Ring._field_defaults)
 
 
 def check_ring(t: StepTensors, ring: Ring, K: int) -> None:
@@ -102,6 +104,8 @@ def check_ring(t: StepTensors, ring: Ring, K: int) -> None:
         got = getattr(ring, name)
         if got is None and name in optional and optional[name] is None:
             continue
+        if got is not None:
+            checks.check_storage(f"ring.{name}", got)  # a storage freed under the ring: no kernel may write it
         if got is None or tuple(got.shape) != shape or got.dtype != dtypes[name] or got.device != t.state.device:
             got = "None" if got is None else f"{got.dtype} {tuple(got.shape)} on {got.device}"
             raise ValueError(f"replay_step: ring.{name} must be {dtypes[name]} of shape {shape} on {t.state.device}"

@@ -30,8 +30,8 @@ LAYERS = [
     # ptx: the PTX executor, numpy only; rounding: the state's random bits and low-precision stores
     ["tiling", "tensors", "signature", "arch", "sources", "testing", "ptx", "rotary", "rounding"],
     ["spec"],
-    ["ring"],  # replay's ring: layout, allocation, argument checks
-    ["reference", "validation", "bytes_model", "issue_model", "specsets", "replay"],  # replay: CPU path only
+    # ring: replay's ring (layout, allocation, argument checks); replay: its CPU path
+    ["reference", "validation", "bytes_model", "issue_model", "specsets", "ring", "replay"],
     ["kernel"],
     ["build"],  # the kernel's cutlass-free face: imports it lazily, on the first compile
     ["compile_cache"],

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import mamba3_step.plan_replay as plan_replay
-from mamba3_step import (ReplayStepPlan, StepPlanMismatch, api_replay, new_ring, plan_replay_step, replay_step_fn)
+from mamba3_step import (ReplayStepPlan, StepPlanMismatch, api_replay, new_ring, plan_replay_step, replay,
+                         replay_step_fn)
 from mamba3_step.spec import flagship_spec
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, row_tensors
@@ -196,8 +197,8 @@ def test_plan_replay_step_refuses_what_replay_step_fn_refuses():
     with pytest.raises(TypeError, match="^plan_replay_step: tensors must be a mamba3_step.tensors.StepTensors, got dict"):
         plan_replay_step(call._asdict(), layer.ring, K)
     for ring, what in (("ring", "ring must be a mamba3_step.Ring"), (tuple(layer.ring), "ring must be"),
-                       (layer.ring._replace(B=[0]), "ring.B must be a tensor, got list"),
-                       (layer.ring._replace(angle=3), "ring.angle must be a tensor or None, got int")):
+                       (layer.ring._replace(B=[0]), "ring.B: expected a torch.Tensor, got list"),
+                       (layer.ring._replace(angle=3), "ring.angle: expected a torch.Tensor or None, got int")):
         for entry in (plan_replay_step, replay_step_fn):
             with pytest.raises(TypeError, match=what):
                 entry(call, ring, K)
@@ -211,3 +212,41 @@ def test_a_plan_says_what_it_is(kernel_path):
     assert isinstance(plan, ReplayStepPlan) and plan.K == K
     assert repr(plan).startswith("ReplayStepPlan(") and f"K={K}" in repr(plan)
     assert plan.options == {"rotate_pairwise": False, "from_checkpoint": False, "tile_D": None, "num_warps": None}
+
+
+def _odd(kind: str, t: torch.Tensor) -> torch.Tensor:
+    if kind == "nested":
+        return torch.nested.nested_tensor([t[0].float(), t[-1].float()])
+    if kind == "sparse":
+        return t.float().to_sparse()
+    if kind == "freed":  # its storage freed under it: a kernel writing it would write memory it no longer owns
+        u = t.clone()
+        u.untyped_storage().resize_(0)
+        return u
+    if kind == "meta":
+        return torch.empty_like(t, device="meta")
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["nested", "sparse", "freed", "meta"])
+def test_every_ring_tensor_kind_is_refused_by_name_on_every_replay_path(kind, kernel_path):
+    """A ring tensor of another kind, on the CPU path, the kernel's validation (cached ring or not)
+    and a plan's run: a named TypeError/ValueError naming the ring field, nothing written. Before
+    the ring's tensors were checked like every argument, a freed one passed the kernel's validation
+    and nested or sparse ones raised torch's own errors."""
+    layer = Layer(8)
+    call = layer.call(layer.lane(len(INDEX)), INDEX)
+    plan = plan_replay_step(call, layer.ring, K)
+    api_replay.replay_kernel_spec(call, layer.ring, K)  # this ring checked and kept: the cached path
+    for field in ("B", "x", "coef", "length"):
+        ring = layer.ring._replace(**{field: _odd(kind, getattr(layer.ring, field))})
+        before = [t.clone() for t in (*call, *layer.ring) if isinstance(t, torch.Tensor)]
+        paths = {"kernel validation": lambda: api_replay.replay_kernel_spec(call, ring, K),
+                 "plan.run": lambda: plan.run(call, ring),
+                 "cpu path": lambda: replay.replay_step(call, ring, K)}
+        for path, run in paths.items():
+            with pytest.raises((TypeError, ValueError), match=rf"ring[._]{field}"):
+                run()
+        after = [t for t in (*call, *layer.ring) if isinstance(t, torch.Tensor)]
+        assert all(bits_equal(a, b) for a, b in zip(after, before)), f"{field}: a refused call wrote"
+    assert not kernel_path.calls
