@@ -156,7 +156,8 @@ class StepSpec:
         tile_D, num_warps = default_tiling(self.dstate, self.headdim, self.mimo, self.state_dtype, self.carried_tokens,
                                            whole_head=self.update_kv_state or self.rope_angles > 0,
                                            lean=_rounding_lean(self),
-                                           replay=self.replay_ring > 0 and not self.replay_from_checkpoint)
+                                           replay=self.replay_ring > 0 and not self.replay_from_checkpoint,
+                                           verify=self.replay_ring > 0 and self.tokens > 1)
         return self.replace(
             tile_D=self.tile_D or tile_D,
             num_warps=self.num_warps or num_warps,

@@ -134,7 +134,8 @@ def launch_grid(batch, heads, headdim: int, tile_D: int) -> tuple:
 
 
 def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, tokens: int = 1,
-                   whole_head: bool = True, lean: bool | str = False, replay: bool = False) -> tuple[int, int]:
+                   whole_head: bool = True, lean: bool | str = False, replay: bool = False,
+                   verify: bool = False) -> tuple[int, int]:
     """Per-configuration default ``(tile_D, num_warps)``.
 
     ``tile_D = headdim``: one CTA owns a whole (lane, head), which is what makes
@@ -159,11 +160,14 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
     per-token instructions (staging, coefficients, reductions): the flagship at K = 4 averages 1.78x
     a stepwise slab's executed instructions at 4 warps (2.14x at the K-token default's 8, counted
     before the state's D stride was static). Where that default is one warp, a replay step takes
-    two when they fit the tile (:data:`REPLAY_MIN_WARPS`).
+    two when they fit the tile (:data:`REPLAY_MIN_WARPS`); a replayed verify step (``verify``: T
+    drafts) takes at least the warps :data:`VERIFY_WARPS` lists for its shape.
     """
     tile_D = headdim
     if replay:  # a replay step: the one-token default where it still keeps the state across the tokens
         num_warps = _replay_warps(dstate, tile_D, state_dtype, mimo, tokens, lean)
+        if verify:
+            num_warps = max(num_warps, VERIFY_WARPS.get((dstate, headdim, mimo, state_dtype), 0))
         if thread_layout(dstate, tile_D, num_warps, state_dtype, mimo, tokens).preload:
             return tile_D, num_warps
     while True:
@@ -192,6 +196,23 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
 #: The outputs keep their bits: a row's reduction is laid out by N and the state's width
 #: (``ThreadLayout`` VN, TPR, CPT), not by warps (the PTX tier's replay tests compare them).
 REPLAY_MIN_WARPS = 2
+
+
+#: replayed verify steps' warps, by (N, D, R, state dtype), where the replay default used stack:
+#: the fewest at which the K = 4, T = 4 verify step compiled with none on both sm_90a and sm_100a
+#: (a sweep of every shape that spilled, 2026-11-27: at their default each ran at the 255-register
+#: cap; tests/test_kernel_compile.py's full matrix checks every shape at its default). N = 256,
+#: D = 128 with a 16-bit state is not here: it uses stack at 8 warps, the most before 16 halve
+#: the register cap. A verify
+#: thread holds each draft's partial sums and the ring's coefficients beside the state, which the
+#: register model does not count; a rule that predicts it is open work.
+VERIFY_WARPS = {
+    (32, 64, 8, "float16"): 4,
+    **{(32, 128, R, sd): 4 for R in (4, 8) for sd in ("float32", "bfloat16", "float16")},
+    **{(64, 64, 8, sd): 4 for sd in ("float32", "bfloat16", "float16")},
+    **{(64, 128, 8, sd): 8 for sd in ("float32", "bfloat16", "float16")},
+    (128, 64, 2, "float16"): 8,
+}
 
 
 def _replay_warps(dstate: int, tile_D: int, state_dtype: str, mimo: int, tokens: int, lean) -> int:

@@ -28,7 +28,7 @@ from mamba3_step.ptx_tier import ptx_kernel
 from mamba3_step.contract import (DTYPE_BYTES, KV_DTYPES, SCALED_STATE_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N,
                                   SUPPORTED_R)
 from mamba3_step.spec import StepSpec, flagship_rotary_spec, flagship_spec
-from mamba3_step.tiling import default_tiling, thread_layout, tiling_problem
+from mamba3_step.tiling import VERIFY_WARPS, default_tiling, thread_layout, tiling_problem
 
 ARCHS = ("sm_90a", "sm_100a")
 
@@ -498,17 +498,13 @@ def test_replay_matrix_compiles_with_clean_compiler_facts(spec, arch):
 #: replay verify specialisations (K = 4, T = 4, accepted) that use stack at their default tiling, per
 #: arch: (N, D, R, state dtype). All 280 run 2026-11-27 at the one-token replay default: 25 of 140 a
 #: target, 8-544 bytes, at R >= 4 with 1 or 2 warps (N = 32, 64) and at N = 256 D = 128 with 16-bit
-#: states. Since replayed steps take at least two warps (tiling.REPLAY_MIN_WARPS; every shape whose
-#: default was one warp recompiled on both targets), 9 of sm_90a's and 8 of sm_100a's compile clean;
-#: N=32 D=64 R=8 fp16 still uses 304 (sm_90a) and 320 (sm_100a) bytes at 2 warps. The rest are
-#: shapes at two or more warps, which the rule does not change: a verify tiling rule for them is open
-#: work (docs/performance.md, 3d).
-_VERIFY_SPILLS_BOTH = {(32, 64, 8, "float16"), *((32, 128, R, sd) for R in (4, 8) for sd in UNSCALED),
-                       *((64, D, 8, sd) for D in (64, 128) for sd in ("bfloat16", "float16")),
-                       (128, 64, 2, "float16"), (256, 128, 4, "bfloat16"),
-                       *((256, 128, 8, sd) for sd in ("bfloat16", "float16"))}
-REPLAY_VERIFY_SPILLS = {"sm_90a": _VERIFY_SPILLS_BOTH | {(64, 64, 8, "float32")},
-                        "sm_100a": _VERIFY_SPILLS_BOTH | {(64, 128, 8, "float32"), (256, 128, 2, "float16")}}
+#: states. Since replayed steps take at least two warps (tiling.REPLAY_MIN_WARPS) and verify steps the
+#: warps of tiling.VERIFY_WARPS (each shape that still spilled, compiled at 2, 4 and 8 warps on both
+#: targets: the fewest with no stack), only N = 256 D = 128 with a 16-bit state is left (24-344 bytes
+#: at 8 warps; 16 warps would halve the register cap): a verify tiling rule for it is open work.
+_VERIFY_SPILLS_BOTH = {(256, 128, 4, "bfloat16"), *((256, 128, 8, sd) for sd in ("bfloat16", "float16"))}
+REPLAY_VERIFY_SPILLS = {"sm_90a": _VERIFY_SPILLS_BOTH,
+                        "sm_100a": _VERIFY_SPILLS_BOTH | {(256, 128, 2, "float16")}}
 
 
 def _replay_verify_params() -> list:
@@ -524,6 +520,16 @@ def _replay_verify_params() -> list:
 @pytest.mark.parametrize("spec,arch", _replay_verify_params())
 def test_replay_verify_matrix_compiles_with_clean_compiler_facts(spec, arch):
     check_compiler_facts(spec, arch)
+
+
+def test_verify_steps_take_the_warps_of_their_table():
+    """VERIFY_WARPS's shapes: a replayed verify step gets the listed warps, a one-token replay step
+    of the same shape its own default, and the flagship's verify step keeps its four."""
+    for (N, D, R, sd), warps in VERIFY_WARPS.items():
+        spec = StepSpec(N, D, R, sd, pool=True, update_kv_state=True, replay_ring=4, tokens=4, num_accepted=True)
+        assert spec.with_default_tiling().num_warps == warps, (N, D, R, sd)
+        assert spec.replace(tokens=1, num_accepted=False).with_default_tiling().num_warps < warps, (N, D, R, sd)
+    assert flagship_spec(replay_ring=4, tokens=4, num_accepted=True).num_warps == 4
 
 
 def test_replayed_steps_take_two_warps_where_the_one_token_default_is_one():
