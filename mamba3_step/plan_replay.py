@@ -50,6 +50,7 @@ __all__ = ["ReplayStepPlan", "plan_replay_step"]
 _WRITTEN = ("B", "x", "coef", "length")  # the ring tensors the step writes: Ring's first fields
 assert Ring._fields[:len(_WRITTEN)] == _WRITTEN
 
+
 class ReplayStepPlan:
     """A validated replay call signature and what running it needs (the module docstring).
 

@@ -10,7 +10,9 @@ exactly what ``replay_step_fn`` does.
   validation, for every layer of a pool whose rings share the signature;
 * bad input gets ``replay_step_fn``'s exception and changes nothing, a ring sharing memory with an
   argument included; a valid call of another signature raises ``StepPlanMismatch`` naming what
-  changed, and changes nothing.
+  changed, and changes nothing;
+* a ring tensor of another kind (nested, sparse, freed, meta) is refused by name on every replay
+  path, the kernel's validation of a cached ring included, and the process survives.
 
 Letters: B lanes, T tokens, P pool rows, H heads, D head dim, N state size, R MIMO rank, K flush length.
 """
@@ -165,7 +167,8 @@ def test_a_valid_call_of_another_signature_is_refused_naming_what_changed(change
     layer = Layer(5, draft=2)
     plan = plan_replay_step(layer.call(layer.lane(len(INDEX)), INDEX), layer.ring, K)
     call, ring, accepted = layer.call(layer.lane(len(INDEX)), INDEX), layer.ring, None
-    expect = {"batch": "x: planned shape", "ring entries": "ring.B: planned", "accepted given": "accepted: planned None",
+    expect = {"batch": "x: planned shape", "ring entries": "ring.B: planned",
+              "accepted given": "accepted: planned None",
               "null_slot_id": "null_slot_id: planned 6, got 2", "inference mode": "torch.inference_mode"}[change]
     if change == "batch":
         call = layer.call(layer.lane(2), INDEX[:2])
@@ -194,7 +197,8 @@ def test_plan_replay_step_refuses_what_replay_step_fn_refuses():
     call = layer.call(layer.lane(len(INDEX)), INDEX)
     with pytest.raises(ValueError, match="K must be an int in"):
         plan_replay_step(call, layer.ring, 1)
-    with pytest.raises(TypeError, match="^plan_replay_step: tensors must be a mamba3_step.tensors.StepTensors, got dict"):
+    with pytest.raises(TypeError, match="^plan_replay_step: tensors must be a mamba3_step.tensors.StepTensors, "
+                                        "got dict"):
         plan_replay_step(call._asdict(), layer.ring, K)
     for ring, what in (("ring", "ring must be a mamba3_step.Ring"), (tuple(layer.ring), "ring must be"),
                        (layer.ring._replace(B=[0]), "ring.B: expected a torch.Tensor, got list"),
