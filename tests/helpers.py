@@ -344,6 +344,17 @@ class YieldingHeapq:
         return wrapped
 
 
+class RecordingKernel:
+    """A stand-in for a compiled kernel: records the arguments of each launch (tests of the launch
+    paths without a GPU)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
 def count_calls(monkeypatch, module, name: str) -> list:
     """``module.name`` replaced (for the test) by a wrapper appending one entry per call to the
     returned list, then calling the real function."""

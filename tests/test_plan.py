@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import clone_inputs, count_calls, make_inputs, run_threads
+from helpers import RecordingKernel, clone_inputs, count_calls, make_inputs, run_threads
 
 import mamba3_step.plan as plan_module
 from mamba3_step import StepPlan, StepPlanMismatch, api, compile_cache, launch, mamba3_step_fn, plan_step
@@ -287,14 +287,6 @@ def test_plan_step_refuses_what_mamba3_step_fn_refuses():
 
 
 # --------------------------------------------------------------------------- the kernel path
-class RecordingKernel:
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, *args):
-        self.calls.append(args)
-
-
 @pytest.fixture
 def kernel_path(monkeypatch) -> RecordingKernel:
     """CPU tensors take the CUDA path with a stand-in kernel (as bench/bench_host.py does)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import RecordingKernel
 
 import mamba3_step.plan_replay as plan_replay
 from mamba3_step import (ReplayStepPlan, StepPlanMismatch, api_replay, new_ring, plan_replay_step, replay,
@@ -85,20 +86,10 @@ def test_run_equals_replay_step_fn_bit_for_bit_step_after_step(verify):
     assert int(fn.ring.length.max()) < K - 1 + (3 if verify else 1)  # rows flushed on the way
 
 
-class Recorder:
-    """A stand-in for the replay kernel: records the arguments of each launch."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, *args):
-        self.calls.append(args)
-
-
 @pytest.fixture
 def kernel_path(monkeypatch):
     """CPU tensors take the kernel path: one recorder stands for every compiled kernel."""
-    recorder = Recorder()
+    recorder = RecordingKernel()
     for module in (plan_replay, api_replay):
         monkeypatch.setattr(module, "runs_kernel", lambda x: True)
         monkeypatch.setattr(module, "kernel_for", lambda spec, x: recorder)
