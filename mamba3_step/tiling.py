@@ -190,9 +190,10 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
 #: model misses it: N=64 D=32 R=4 fp32 used 16 bytes of stack on sm_90a, N=32 D=64 R=2 fp32 with
 #: destinations 24, the T = 4 verify step at R = 8 up to 544. At two warps the 108 replayed
 #: specialisations (plain, destinations, T = 4 verify; every N, D, R, 16- and 32-bit state) whose
-#: default was one warp compile clean on sm_90a but N=32 D=64 R=8 fp16's verify step (304 bytes),
-#: and on sm_100a but that step (320) and N=32 D=32 R=4 fp32 plain (8 bytes at 80 registers; clean
-#: at one warp and at four): tests/test_kernel_compile.py's REPLAY_SPILLS, REPLAY_VERIFY_SPILLS.
+#: default was one warp compile clean on sm_90a but N=32 D=64 R=8 fp16's verify step (304 bytes;
+#: :data:`VERIFY_WARPS` gives it four), and on sm_100a but that step (320) and N=32 D=32 R=4 fp32
+#: plain (8 bytes at 80 registers; clean at one warp and at four: REPLAY_SPILLS in
+#: tests/test_kernel_compile.py).
 #: The outputs keep their bits: a row's reduction is laid out by N and the state's width
 #: (``ThreadLayout`` VN, TPR, CPT), not by warps (the PTX tier's replay tests compare them).
 REPLAY_MIN_WARPS = 2
@@ -200,12 +201,12 @@ REPLAY_MIN_WARPS = 2
 
 #: replayed verify steps' warps, by (N, D, R, state dtype), where the replay default used stack:
 #: the fewest at which the K = 4, T = 4 verify step compiled with none on both sm_90a and sm_100a
-#: (a sweep of every shape that spilled, 2026-11-27: at their default each ran at the 255-register
-#: cap; tests/test_kernel_compile.py's full matrix checks every shape at its default). N = 256,
-#: D = 128 with a 16-bit state is not here: it uses stack at 8 warps, the most before 16 halve
-#: the register cap. A verify
-#: thread holds each draft's partial sums and the ring's coefficients beside the state, which the
-#: register model does not count; a rule that predicts it is open work.
+#: (a sweep at 2, 4 and 8 warps of every shape that spilled, 2026-11-27: at their default each ran
+#: at the 255-register cap; tests/test_kernel_compile.py's full matrix checks every shape at its
+#: default). N = 256, D = 128 with a 16-bit state is not here: it uses stack at 8 warps, the most
+#: before 16 halve the register cap. A verify thread holds each draft's partial sums and the ring's
+#: coefficients beside the state, which the register model does not count; a rule that predicts it
+#: is open work.
 VERIFY_WARPS = {
     (32, 64, 8, "float16"): 4,
     **{(32, 128, R, sd): 4 for R in (4, 8) for sd in ("float32", "bfloat16", "float16")},
