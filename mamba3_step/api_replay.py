@@ -21,6 +21,7 @@ import torch
 from .api import runs_kernel
 from .launch import kernel_for
 from .replay import Ring, check_replay_arguments, check_ring, replay_step
+from .ring import check_accepted
 from .signature import OP_ORDER, StepOptions
 from .spec import MAX_TOKENS, StepSpec, replay_problem
 from .tensors import RING_FIELDS, StepTensors, kernel_arguments
@@ -56,13 +57,10 @@ def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Option
         return replay_through_op(tensors, ring, K, accepted=accepted, rotate_pairwise=rotate_pairwise,
                                  from_checkpoint=from_checkpoint, tile_D=tile_D, num_warps=num_warps)
     check_replay_arguments(tensors, ring, "replay_step_fn")
-    if accepted is not None:
-        check_accepted(tensors, accepted)
-    if not runs_kernel(tensors.x):
+    if not runs_kernel(tensors.x):  # the CPU path checks the rest itself
         return replay_step(tensors, ring, K, accepted=accepted, rotate_pairwise=rotate_pairwise,
                            exact_outputs=not from_checkpoint)
-    spec = replay_kernel_spec(tensors, ring, K, accepted=accepted, rotate_pairwise=rotate_pairwise,
-                              from_checkpoint=from_checkpoint, tile_D=tile_D, num_warps=num_warps)
+    spec = _kernel_spec(tensors, ring, K, accepted, rotate_pairwise, from_checkpoint, tile_D, num_warps)
     t = tensors.with_out()
     out = t.out
     t = t.one_token_squeezed()._replace(num_accepted_tokens=accepted)  # replay's kernel reads it there
@@ -112,6 +110,12 @@ def replay_kernel_spec(tensors: StepTensors, ring: Ring, K: int, *, accepted: Op
         TypeError, ValueError: as :func:`replay_step_fn`.
     """
     check_replay_arguments(tensors, ring, "replay_step_fn")
+    return _kernel_spec(tensors, ring, K, accepted, rotate_pairwise, from_checkpoint, tile_D, num_warps)
+
+
+def _kernel_spec(tensors: StepTensors, ring: Ring, K, accepted, rotate_pairwise, from_checkpoint, tile_D,
+                 num_warps) -> StepSpec:
+    """:func:`replay_kernel_spec` after :func:`check_replay_arguments` (which ``replay_step_fn`` has run)."""
     step_spec = check_step_inputs_cached(tensors, update_kv_state=True, rotate_pairwise=rotate_pairwise,
                                          stochastic_rounding=tensors.rand_seed is not None)
     if accepted is not None:
@@ -127,17 +131,6 @@ def replay_kernel_spec(tensors: StepTensors, ring: Ring, K: int, *, accepted: Op
     if key is not None:
         _remember(key, _CheckedRing(spec, _ring_spans(ring)))
     return spec
-
-
-def check_accepted(t: StepTensors, accepted, name: str = "accepted") -> None:
-    """``accepted`` (called ``name``): a (B,) int32 tensor with unit stride on the step's device (its
-    values are the kernel's to judge: a count that leaves the ring makes the lane padding,
-    docs/contract.md, "Replay"). ``t`` is validated already."""
-    checks.check_is_tensor(name, accepted)
-    checks.check_shape(name, accepted, "B", (t.batch,))
-    checks.check_dtype(name, accepted, ("int32",))
-    checks.check_device(name, accepted, t.x.device)
-    checks.check_unit_inner_stride(name, accepted)
 
 
 def _check_replay(step_spec: StepSpec, tensors: StepTensors, read: StepTensors, ring: Ring, K, from_checkpoint,

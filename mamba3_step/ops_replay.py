@@ -27,11 +27,10 @@ from inspect import Parameter, Signature
 
 import torch
 
-from .api_replay import REPLAY_OP_ORDER, check_accepted, replay_kernel_spec, replay_step_fn
-from .replay import Ring, check_ring
+from .api_replay import REPLAY_OP_ORDER, replay_kernel_spec, replay_step_fn
+from .replay import Ring, check_replay_step
 from .signature import OP_MUTATED, STEP_SIGNATURE, make_binder, op_schema_parts
 from .tensors import StepTensors
-from .validation import check_step_inputs
 
 __all__ = ["REPLAY_OP_MUTATED", "replay_op_schema", "replay_step"]
 
@@ -97,11 +96,7 @@ def _op_fake(*args, **kwargs) -> None:
     if tensors.x.device.type == "cuda":
         replay_kernel_spec(tensors, ring, K, **options)
         return None
-    check_step_inputs(tensors, update_kv_state=True, rotate_pairwise=options["rotate_pairwise"],
-                      stochastic_rounding=tensors.rand_seed is not None)
-    check_ring(tensors, ring, K)
-    if options["accepted"] is not None:
-        check_accepted(tensors, options["accepted"])
+    check_replay_step(tensors, ring, K, options["accepted"], options["rotate_pairwise"])
     return None
 
 

@@ -36,13 +36,13 @@ from typing import Optional
 import torch
 
 from .api import runs_kernel
-from .api_replay import check_accepted, replay_kernel_spec
+from .api_replay import replay_kernel_spec
 from .launch import kernel_for
 from .plan import StepPlanMismatch
-from .replay import Ring, check_replay_arguments, check_ring, replay_step
+from .replay import Ring, check_replay_arguments, check_replay_step, replay_step
 from .spec import StepSpec
 from .tensors import StepTensors, kernel_arguments
-from .validation import CheckedSignature, check_step_inputs, checks
+from .validation import CheckedSignature, checks
 from .validation.cache import ADMIT, make_guard, tensor_signature
 
 __all__ = ["ReplayStepPlan", "plan_replay_step"]
@@ -187,15 +187,9 @@ def plan_replay_step(tensors: StepTensors, ring: Ring, K: int, *, accepted: Opti
 def _validated(tensors, ring, K, accepted, kernel_path: bool, options: dict) -> StepSpec:
     """What ``replay_step_fn`` checks before it runs: the replay kernel's specialisation on the kernel
     path, the step's and the ring's checks on the CPU path (which takes more: rotary, 8-bit ...)."""
-    check_replay_arguments(tensors, ring, "replay_step_fn")
-    if accepted is not None:
-        check_accepted(tensors, accepted)
     if kernel_path:
         return replay_kernel_spec(tensors, ring, K, accepted=accepted, **options)
-    spec = check_step_inputs(tensors, update_kv_state=True, rotate_pairwise=options.get("rotate_pairwise", False),
-                             stochastic_rounding=tensors.rand_seed is not None)
-    check_ring(tensors.with_out(), ring, K)
-    return spec
+    return check_replay_step(tensors, ring, K, accepted, options.get("rotate_pairwise", False), who="replay_step_fn")
 
 
 def _guarded(ring: Ring, accepted) -> tuple:

@@ -36,12 +36,11 @@ from .contract import lane_is_live
 from .reference import epilogue, mamba3_step_reference, rotated_bc
 from .rotary import advance_angle
 from .rounding import dequantize_rows
-from .ring import Ring, check_replay_arguments, check_ring, new_ring
+from .ring import Ring, check_replay_arguments, check_replay_step, check_ring, new_ring
 from .tensors import StepTensors
-from .validation.step import check_step_inputs
 
-__all__ = ["Current", "Ring", "check_replay_arguments", "check_ring", "fork_row", "materialize", "new_ring",
-           "output_from_checkpoint", "replay_step"]  # Ring, new_ring and the checks: mamba3_step.ring
+__all__ = ["Current", "Ring", "check_replay_arguments", "check_replay_step", "check_ring", "fork_row", "materialize",
+           "new_ring", "output_from_checkpoint", "replay_step"]  # Ring, new_ring and the checks: mamba3_step.ring
 
 Tensor = torch.Tensor
 
@@ -298,11 +297,8 @@ def replay_step(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[
     ``state``, ``Bstate``, ``Xstate`` (flushing lanes) and the ring in place and returns ``out``; every
     value is computed, and whatever is refused is refused by name, before anything is written.
     """
-    check_replay_arguments(tensors, ring)
-    check_step_inputs(tensors, update_kv_state=True, rotate_pairwise=rotate_pairwise,
-                      stochastic_rounding=tensors.rand_seed is not None)
+    check_replay_step(tensors, ring, K, accepted, rotate_pairwise)
     t = tensors.with_out()
-    check_ring(t, ring, K)
     P = t.state.shape[0]
     src = t.state_batch_indices.to(device=t.x.device, dtype=torch.int64)
     lanes = lane_is_live(src, P, t.null_slot_id).nonzero().squeeze(1)

@@ -13,10 +13,12 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .spec import StepSpec
 from .tensors import StepTensors
 from .validation import checks
+from .validation.step import check_step_inputs
 
-__all__ = ["Ring", "check_replay_arguments", "check_ring", "new_ring"]
+__all__ = ["Ring", "check_accepted", "check_replay_arguments", "check_replay_step", "check_ring", "new_ring"]
 
 Tensor = torch.Tensor
 
@@ -110,3 +112,28 @@ def check_ring(t: StepTensors, ring: Ring, K: int) -> None:
             got = "None" if got is None else f"{got.dtype} {tuple(got.shape)} on {got.device}"
             raise ValueError(f"replay_step: ring.{name} must be {dtypes[name]} of shape {shape} on {t.state.device}"
                              f"{_RING_HINTS.get(name, '')}, got {got}")
+
+
+def check_accepted(t: StepTensors, accepted, name: str = "accepted") -> None:
+    """``accepted`` (called ``name``): a (B,) int32 tensor with unit stride on the step's device (its
+    values are the kernel's to judge: a count that leaves the ring makes the lane padding,
+    docs/contract.md, "Replay"). ``t`` is validated already."""
+    checks.check_is_tensor(name, accepted)
+    checks.check_shape(name, accepted, "B", (t.batch,))
+    checks.check_dtype(name, accepted, ("int32",))
+    checks.check_device(name, accepted, t.x.device)
+    checks.check_unit_inner_stride(name, accepted)
+
+
+def check_replay_step(tensors, ring, K, accepted=None, rotate_pairwise: bool = False,
+                      who: str = "replay_step") -> StepSpec:
+    """Everything the CPU path checks before it computes, in the kernel path's order: the arguments'
+    types (:func:`check_replay_arguments`), the step's (with ``update_kv_state``), ``accepted``, the
+    ring's (:func:`check_ring`). Returns the step's validated spec."""
+    check_replay_arguments(tensors, ring, who)
+    spec = check_step_inputs(tensors, update_kv_state=True, rotate_pairwise=rotate_pairwise,
+                             stochastic_rounding=tensors.rand_seed is not None)
+    if accepted is not None:
+        check_accepted(tensors, accepted)
+    check_ring(tensors, ring, K)
+    return spec

@@ -245,3 +245,21 @@ def test_every_ring_tensor_kind_is_refused_by_name_on_every_replay_path(kind, ke
         after = [t for t in (*call, *layer.ring) if isinstance(t, torch.Tensor)]
         assert all(bits_equal(a, b) for a, b in zip(after, before)), f"{field}: a refused call wrote"
     assert not kernel_path.calls
+
+
+def test_the_cpu_path_checks_the_step_then_accepted_by_name():
+    """On the CPU path (``replay_step_fn`` and ``replay_step``) a bad step tensor is named before
+    ``accepted`` is read, and a bad ``accepted`` by its name: a nested x with ``accepted`` given
+    used to reach ``accepted``'s shape check through x and raise torch's own error, and
+    ``replay_step`` did not check ``accepted`` at all."""
+    layer = Layer(9, draft=2)
+    call = layer.call(layer.lane(len(INDEX), 2), INDEX)
+    accepted = torch.zeros(len(INDEX), dtype=torch.int32)
+    nested = call._replace(x=torch.nested.nested_tensor([call.x[0].float(), call.x[1].float()]))
+    for entry in (replay_step_fn, replay.replay_step):
+        with pytest.raises(TypeError, match="^x: expected a strided"):
+            entry(nested, layer.ring, K, accepted=accepted)
+        with pytest.raises(TypeError, match="^accepted: expected dtype int32, got int64"):
+            entry(call, layer.ring, K, accepted=accepted.long())
+        with pytest.raises(ValueError, match=r"^accepted: expected shape \(B\)"):
+            entry(call, layer.ring, K, accepted=accepted[:2])
