@@ -122,7 +122,8 @@ def pyplot():
 
 
 #: one colour per step mode, the same in every plot
-MODE_COLORS = {"pool": "tab:green", "gather_scatter": "tab:red", "dense": "tab:blue", "pool_padded": "tab:olive"}
+MODE_COLORS = {"pool": "tab:green", "gather_scatter": "tab:red", "dense": "tab:blue", "pool_padded": "tab:olive",
+               "pool_dense_rows": "tab:purple"}
 
 
 def save_batch_plot(plt, fig, axes, batches, path) -> None:

@@ -19,7 +19,7 @@ start=$(date +%s)
 python -m pytest -q tests/gpu 2>&1 | tee bench/results/gpu_tests.log
 tests_rc=${PIPESTATUS[0]}
 echo "GPU tests: exit ${tests_rc} after $(( $(date +%s) - start )) s"
-python bench/gpu_bench.py --padded-rows 2>&1 | tee bench/results/gpu_bench.log
+python bench/gpu_bench.py --padded-rows --dense-rows 2>&1 | tee bench/results/gpu_bench.log
 bench_rc=${PIPESTATUS[0]}
 python bench/gpu_replay_bench.py --replay-warps 8 2>&1 | tee bench/results/gpu_replay_bench.log
 replay_rc=${PIPESTATUS[0]}

@@ -1,7 +1,7 @@
 """GPU benchmark: pool mode vs gather -> dense -> scatter vs dense mode, measured.
 
     python bench/gpu_bench.py [--batches 1,2,4,...,512] [--heads 48] [--out DIR] [--no-graph] [--no-plot]
-                              [--padded-rows]
+                              [--padded-rows] [--dense-rows]
 
 Without a CUDA device it prints "no CUDA device: GPU benchmark not run" and exits 0.
 
@@ -32,6 +32,12 @@ Reports microseconds per step, GB/s (the bytes of ``mamba3_step.bytes_model`` --
 bytes of the mode -- divided by the measured time) and percent of the copy bandwidth, as a
 table, ``gpu_bench.json`` and ``gpu_bench.png`` in ``bench/results/`` (or ``--out``).
 Designed to finish in well under 5 minutes on one H100 (a guard stops timing at 270 s).
+
+``--dense-rows`` adds pool mode whose indices name dense mode's rows (set ``s`` at batch ``B``: rows
+``s*B ... s*B + B - 1`` in order) where pool mode names random rows: the pool kernel at dense mode's
+addresses. Pool against it isolates where the rows are (random rows: DRAM pages and TLB reach); it
+against dense isolates the index (the state loads waiting for ``state_batch_indices``). It is pool
+mode's kernel and call with other index values, so pool mode's check covers it.
 
 ``--device cpu`` runs the same plumbing on CPU tensors (the PyTorch path, perf_counter timing,
 no graphs): a smoke test of this script, not a benchmark.
@@ -67,8 +73,10 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 MODES = ("pool", "gather_scatter", "dense")
 #: with --padded-rows: pool mode on state rows of a padded D stride (the run-time stride kernel)
 PADDED_MODE = "pool_padded"
+#: with --dense-rows: pool mode whose indices name dense mode's rows, in order
+DENSE_ROWS_MODE = "pool_dense_rows"
 MODE_LABELS = {"pool": "pool", "gather_scatter": "gather->dense->scatter", "dense": "dense",
-               PADDED_MODE: "pool, padded rows"}
+               PADDED_MODE: "pool, padded rows", DENSE_ROWS_MODE: "pool, dense's rows"}
 TIME_GUARD_S = 270.0
 
 
@@ -150,9 +158,10 @@ def copy_bandwidth(device, nbytes: int = 1 << 30, timer: Timer | None = None) ->
 
 def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dict, step_fn,
                 l2_bytes: int, graphs: bool, target_s: float, gen: torch.Generator,
-                padded: dict | None = None) -> list[dict]:
-    """Time the three modes at one batch size, and pool mode on ``padded`` (a :func:`padded_copy`
-    of ``pool``) when given; one row per (mode, eager|graph)."""
+                padded: dict | None = None, dense_rows: bool = False) -> list[dict]:
+    """Time the three modes at one batch size, pool mode on ``padded`` (a :func:`padded_copy` of
+    ``pool``) when given, and pool mode on dense mode's rows with ``dense_rows``; one row per
+    (mode, eager|graph)."""
     timer = Timer(device)
     P = pool["state"].shape[0]
     per_set = bytes_per_step(spec, batch, heads, mode="pool")["total"]
@@ -160,6 +169,7 @@ def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dic
     perm = torch.randperm(P, generator=gen)[: K * batch].view(K, batch)
     idx32 = [perm[k].to(torch.int32).to(device) for k in range(K)]
     idx64 = [perm[k].to(device) for k in range(K)]
+    in_order = [torch.arange(k * batch, (k + 1) * batch, dtype=torch.int32, device=device) for k in range(K)]
     lanes = [make_lanes(spec, batch, heads, device, gen) for _ in range(K)]
     # dense mode: set k uses pool rows [k*B, (k+1)*B) as its (B, ...) dense tensors (views)
     dense = [{k: v[s * batch:(s + 1) * batch] for k, v in pool.items()} for s in range(K)]
@@ -167,9 +177,10 @@ def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dic
                for k, v in pool.items()}
 
     def round_of(mode):
-        if mode in ("pool", PADDED_MODE):
-            rows_of = pool if mode == "pool" else padded
-            calls = [lambda s=s: pool_step(step_fn, spec, rows_of, shared, lanes[s], idx32[s]) for s in range(K)]
+        if mode in ("pool", PADDED_MODE, DENSE_ROWS_MODE):
+            rows_of = padded if mode == PADDED_MODE else pool
+            idx = in_order if mode == DENSE_ROWS_MODE else idx32
+            calls = [lambda s=s: pool_step(step_fn, spec, rows_of, shared, lanes[s], idx[s]) for s in range(K)]
         elif mode == "gather_scatter":
             calls = [lambda s=s: gather_scatter_step(step_fn, spec, pool, scratch, shared, lanes[s], idx64[s])
                      for s in range(K)]
@@ -183,8 +194,9 @@ def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dic
         return run_round
 
     rows = []
-    for mode in MODES + ((PADDED_MODE,) if padded is not None else ()):
-        nbytes = bytes_per_step(spec, batch, heads, mode="pool" if mode == PADDED_MODE else mode)["total"]
+    extra = ((PADDED_MODE,) if padded is not None else ()) + ((DENSE_ROWS_MODE,) if dense_rows else ())
+    for mode in MODES + extra:
+        nbytes = bytes_per_step(spec, batch, heads, mode=mode if mode in MODES else "pool")["total"]
         kinds = ["eager"] + (["graph"] if graphs else [])
         for kind in kinds:
             row = {"mode": mode, "kind": kind, "batch": batch, "sets": K, "bytes": nbytes}
@@ -266,10 +278,11 @@ def plot(trows: list[dict], copy_bps: float, title: str, path) -> bool:
     colors = _util.MODE_COLORS
     # pool and dense mode may nearly coincide: pool is drawn wide and translucent under dense
     look = {"pool": dict(lw=4.0, alpha=0.45), "gather_scatter": dict(lw=1.6, marker="o", ms=3),
-            "dense": dict(lw=1.0, marker="x", ms=4), PADDED_MODE: dict(lw=1.0, ls=":", marker="+", ms=5)}
+            "dense": dict(lw=1.0, marker="x", ms=4), PADDED_MODE: dict(lw=1.0, ls=":", marker="+", ms=5),
+            DENSE_ROWS_MODE: dict(lw=1.0, ls="-.", marker="d", ms=4)}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2))
     xs_all = sorted({r["batch"] for r in trows})
-    for mode in MODES + (PADDED_MODE,):
+    for mode in MODES + (PADDED_MODE, DENSE_ROWS_MODE):
         sub = sorted((r for r in trows if r["mode"] == mode), key=lambda r: r["batch"])
         for kind, style in (("graph", "-"), ("eager", "--")):
             pts = [(r["batch"], r[f"us_{kind}"]) for r in sub if f"us_{kind}" in r]
@@ -357,7 +370,7 @@ def run(args, step_fn=None, reference_fn=None) -> dict:
             continue
         rows += bench_batch(spec, batch, args.heads, device, pool=pool, shared=shared, step_fn=step_fn,
                             l2_bytes=env["l2_bytes"], graphs=graphs, target_s=args.target_ms / 1e3, gen=gen,
-                            padded=padded)
+                            padded=padded, dense_rows=args.dense_rows)
     env["seconds"] = round(time.perf_counter() - t_start, 1)
     return {
         "what": "measured on a GPU (CUDA events); GB/s use the compulsory bytes of mamba3_step.bytes_model",
@@ -379,6 +392,9 @@ def main(argv: list[str] | None = None, step_fn=None, reference_fn=None) -> int:
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--padded-rows", action="store_true",
                    help="also time pool mode on state rows of a padded D stride (the run-time stride kernel)")
+    p.add_argument("--dense-rows", action="store_true",
+                   help="also time pool mode with indices naming dense mode's rows in order (where the rows are "
+                        "vs waiting for the index)")
     p.add_argument("--target-ms", type=float, default=60.0, help="time per measurement repetition")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: smoke-test the plumbing on the PyTorch path (not a benchmark)")

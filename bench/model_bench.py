@@ -288,10 +288,12 @@ MEASURED_REPLAY_RUNS = {
 }
 MEASURED_REPLAY = MEASURED_REPLAY_RUNS[1]
 #: the GPU verify benchmarks' JSON that the verify issue table sets beside the model, by H200 run
-#: (run 2 timed K = 4 and 8, run 3 K = 2; each against today's verify step on its own machine)
+#: (run 2 timed K = 4 and 8, run 3 K = 2, run 4 K = 2 and 4 side by side; each against today's verify step
+#: on its own machine). A K timed by several runs shows the latest.
 MEASURED_VERIFY_RUNS = {
     2: _util.REPO / "docs" / "measured" / "2026-11-27-h200-run2" / "gpu_replay_verify_bench.json",
     3: _util.REPO / "docs" / "measured" / "2026-11-27-h200-run3" / "gpu_replay_verify_bench.json",
+    4: _util.REPO / "docs" / "measured" / "2026-11-27-h200-run4" / "gpu_replay_verify_bench.json",
 }
 MEASURED_VERIFY = MEASURED_VERIFY_RUNS[2]
 

@@ -349,6 +349,30 @@ def test_gpu_bench_padded_rows_times_the_run_time_stride_kernel_beside_pool_mode
     assert view["state"].stride(-2) == 12 and not view["state"].is_contiguous()
 
 
+def test_gpu_bench_dense_rows_times_pool_mode_on_dense_modes_rows(tmp_path, capsys):
+    """--dense-rows: pool mode whose indices name dense mode's rows in order, timed beside the
+    three modes with pool mode's bytes; the indices it is given are exactly those rows."""
+    from mamba3_step import mamba3_step_fn
+
+    seen = []
+
+    def step(*args, **kwargs):
+        idx = kwargs.get("state_batch_indices")
+        if idx is not None:
+            seen.append(idx.tolist())
+        return mamba3_step_fn(*args, **kwargs)
+
+    assert gpu_bench.main(CPU_ARGS + ["--dense-rows", "--out", str(tmp_path)], step_fn=step) == 0
+    assert "pool, dense's rows" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "gpu_bench.json").read_text())["rows"]
+    mine = [r for r in rows if r["mode"] == "pool_dense_rows"]
+    assert [r["batch"] for r in mine] == [1, 2] and all(r["us"] > 0 for r in mine)
+    assert all(r["bytes"] == bytes_per_step(flagship_spec(), r["batch"], 1, mode="pool")["total"] for r in mine)
+    for B in (1, 2):  # every in-order set of rows the mode names
+        for s in range(mine[B - 1]["sets"]):
+            assert list(range(s * B, (s + 1) * B)) in seen
+
+
 @pytest.mark.parametrize("what", ["padded_out", "padding_column"])
 def test_gpu_bench_padded_rows_check_fails_on_a_wrong_padded_step(what, tmp_path, capsys):
     from mamba3_step import mamba3_step_fn
@@ -584,13 +608,13 @@ def test_model_bench_sets_the_measured_replay_times_beside_the_model(tmp_path):
 def test_model_bench_sets_the_measured_verify_times_beside_the_model(tmp_path):
     """'H200 measured x' of the verify table: the verify benchmark's graph time at B = 256 over
     today's verify step's in the same run, from the kept JSON of the H200 run that timed that K
-    (run 2: K = 4 and 8; run 3: K = 2)."""
+    last (run 2: K = 4 and 8; run 3: K = 2; run 4: K = 2 and 4)."""
     measured = {}
     for run, path in model_bench.MEASURED_VERIFY_RUNS.items():
         us = {r["K"]: r["us_graph"] for r in json.loads(path.read_text())["rows"] if r["batch"] == 256}
         assert model_bench.measured_verify_times(path) == {K: pytest.approx(us[K] / us[None]) for K in us if K}
         measured.update({K: (run, us[K] / us[None]) for K in us if K})
-    assert sorted(measured) == [2, 4, 8] and measured[2][0] == 3 and measured[4][0] == 2
+    assert sorted(measured) == [2, 4, 8] and measured[2][0] == measured[4][0] == 4 and measured[8][0] == 2
     rows = model_bench.replay_verify_rows()
     assert [r["K"] for r in rows] == [2, 4, 8]
     assert [(r["measured_run"], r["measured_time_H200"]) for r in rows] == [
