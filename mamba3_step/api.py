@@ -236,8 +236,9 @@ def _run_uncompiled(tensors: StepTensors, options: StepOptions) -> torch.Tensor:
 
 def runs_kernel(x: torch.Tensor) -> bool:
     """Whether a step whose ``x`` is ``x`` runs the CuteDSL kernel (CUDA tensors) rather than
-    :func:`host_step` (``bench/bench_host.py`` replaces this to time the CUDA path on the CPU)."""
-    return x.is_cuda
+    :func:`host_step` (``bench/bench_host.py`` replaces this to time the CUDA path on the CPU).
+    An ``x`` that is no tensor goes to the CPU path, whose checks name it."""
+    return isinstance(x, torch.Tensor) and x.is_cuda
 
 
 def host_step(spec: StepSpec, tensors: StepTensors) -> None:

@@ -56,7 +56,7 @@ def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Option
     if torch.compiler.is_compiling():  # one call of torch.ops.mamba3_step.replay_step, checked in its fake
         return replay_through_op(tensors, ring, K, accepted=accepted, rotate_pairwise=rotate_pairwise,
                                  from_checkpoint=from_checkpoint, tile_D=tile_D, num_warps=num_warps)
-    check_replay_arguments(tensors, ring, "replay_step_fn")
+    check_replay_arguments(tensors, ring, K, "replay_step_fn", from_checkpoint)
     if not runs_kernel(tensors.x):  # the CPU path checks the rest itself
         return replay_step(tensors, ring, K, accepted=accepted, rotate_pairwise=rotate_pairwise,
                            exact_outputs=not from_checkpoint)
@@ -109,7 +109,7 @@ def replay_kernel_spec(tensors: StepTensors, ring: Ring, K: int, *, accepted: Op
     Raises:
         TypeError, ValueError: as :func:`replay_step_fn`.
     """
-    check_replay_arguments(tensors, ring, "replay_step_fn")
+    check_replay_arguments(tensors, ring, K, "replay_step_fn", from_checkpoint)
     return _kernel_spec(tensors, ring, K, accepted, rotate_pairwise, from_checkpoint, tile_D, num_warps)
 
 
@@ -140,8 +140,6 @@ def _check_replay(step_spec: StepSpec, tensors: StepTensors, read: StepTensors, 
     check_ring(tensors, ring, K)
     _check_ring_memory(read, ring)
     tile_D, num_warps = check_tiling_options(tile_D, num_warps)
-    if type(from_checkpoint) is not bool:
-        raise TypeError(f"replay_step_fn: from_checkpoint must be a bool, got {type(from_checkpoint).__name__}")
     spec = step_spec.replace(replay_ring=K, replay_from_checkpoint=from_checkpoint, tile_D=tile_D or 0,
                              num_warps=num_warps or 0, replay_draft=_ring_draft(step_spec, ring, K))
     problem = replay_problem(spec)

@@ -66,7 +66,7 @@ class ReplayStepPlan:
 
     def __init__(self, tensors: StepTensors, ring: Ring, K: int, accepted: Optional[torch.Tensor] = None,
                  **options):
-        check_replay_arguments(tensors, ring, "plan_replay_step")
+        check_replay_arguments(tensors, ring, K, "plan_replay_step", options.get("from_checkpoint", False))
         self.K, self.options = K, dict(options)
         self._inference = torch.is_inference_mode_enabled()
         kernel_path = runs_kernel(tensors.x)
@@ -147,6 +147,7 @@ class ReplayStepPlan:
     def _recheck(self, tensors, ring, accepted) -> None:
         """A call the guards did not admit: full validation (``replay_step_fn``'s named error for bad
         input), then :class:`StepPlanMismatch` listing what differs from the plan."""
+        check_replay_arguments(tensors, ring, self.K, "replay_step_fn", self.options.get("from_checkpoint", False))
         _validated(tensors, ring, self.K, accepted, runs_kernel(tensors.x), self.options)
         changed = self._sig.differences(tensors)
         mode = torch.is_inference_mode_enabled()

@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .contract import shown
 from .spec import StepSpec
 from .tensors import StepTensors
 from .validation import checks
@@ -43,7 +44,7 @@ def new_ring(rows: int, K: int, mimo: int, heads: int, dstate: int, headdim: int
     up to ``draft`` tokens (0 to 16): ``K - 1 + draft`` entries; ``stochastic``: with the offsets a
     stochastically rounded state's flush draws at; ``rope_angles`` S > 0: with each token's angle."""
     if not isinstance(K, int) or not 2 <= K <= 16:
-        raise ValueError(f"new_ring: K must be an int in [2, 16], got {K!r}")
+        raise ValueError(f"new_ring: K must be an int in [2, 16], got {shown(K)}")
     if not isinstance(draft, int) or not 0 <= draft <= 16:
         raise ValueError(f"new_ring: draft must be an int in [0, 16], got {draft!r}")
     L = K - 1 + draft
@@ -60,11 +61,12 @@ _RING_HINTS = dict(offset=" (stochastic rounding: new_ring(..., stochastic=True)
                    "rope_angles=S))", drawn_for=" (stochastic rounding: new_ring(..., stochastic=True))")
 
 
-def check_replay_arguments(tensors, ring, who: str = "replay_step") -> None:
+def check_replay_arguments(tensors, ring, K, who: str = "replay_step", from_checkpoint: bool = False) -> None:
     """``tensors`` is a :class:`StepTensors` and ``ring`` a :class:`Ring` whose required fields are
     strided tensors and optional ones strided tensors or None (``TypeError`` naming the argument,
-    ``who`` the entry point): run on every call, before anything reads a ring tensor's shape or
-    strides. What they hold (storage included) is :func:`check_ring`'s to judge."""
+    ``who`` the entry point); ``K`` an int in [2, 16] and ``from_checkpoint`` a bool: run on every
+    call, before anything reads a ring tensor's shape or strides or the scalars' values. What the
+    tensors hold (storage included) is :func:`check_ring`'s to judge."""
     if not isinstance(tensors, StepTensors):
         raise TypeError(f"{who}: tensors must be a mamba3_step.tensors.StepTensors, got {type(tensors).__name__}")
     if not isinstance(ring, Ring):
@@ -74,11 +76,14 @@ def check_replay_arguments(tensors, ring, who: str = "replay_step") -> None:
             continue
         if not isinstance(value, Tensor) or value.is_nested or value.layout is not torch.strided:
             checks.check_is_tensor(f"ring.{field}", value, optional=field in Ring._field_defaults)
+    if type(K) is not int or not 2 <= K <= 16:
+        raise ValueError(f"{who}: K must be an int in [2, 16], got {shown(K)}")
+    checks.check_bool_option("from_checkpoint", from_checkpoint)
 
 
 def check_ring(t: StepTensors, ring: Ring, K: int) -> None:
     """What replay takes: pool mode, the state written back to its source, a ring that fits ``t`` and ``K``
-    (refused by name, ``ValueError``)."""
+    (refused by name, ``ValueError``), after :func:`check_replay_arguments`."""
     unsupported = {"num_accepted_tokens": t.num_accepted_tokens, "state_out": t.state_out}
     for name, v in unsupported.items():
         if v is not None:
@@ -88,8 +93,6 @@ def check_ring(t: StepTensors, ring: Ring, K: int) -> None:
     if t.dst_state_batch_indices is not None and t.x.dim() == 4:
         raise ValueError("replay_step: dst_state_batch_indices with a verify step (T tokens): replay keeps the drafts "
                          "in the ring, not in destination rows")
-    if not isinstance(K, int) or not 2 <= K <= 16:
-        raise ValueError(f"replay_step: K must be an int in [2, 16], got {K!r}")
     P, H, D, N = t.state.shape
     R, L = t.xproj.shape[0], ring.B.shape[1]
     drafts = t.tokens if t.x.dim() == 4 else 0
@@ -130,7 +133,7 @@ def check_replay_step(tensors, ring, K, accepted=None, rotate_pairwise: bool = F
     """Everything the CPU path checks before it computes, in the kernel path's order: the arguments'
     types (:func:`check_replay_arguments`), the step's (with ``update_kv_state``), ``accepted``, the
     ring's (:func:`check_ring`). Returns the step's validated spec."""
-    check_replay_arguments(tensors, ring, who)
+    check_replay_arguments(tensors, ring, K, who)
     spec = check_step_inputs(tensors, update_kv_state=True, rotate_pairwise=rotate_pairwise,
                              stochastic_rounding=tensors.rand_seed is not None)
     if accepted is not None:

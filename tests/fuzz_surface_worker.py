@@ -1,7 +1,7 @@
 """The fuzz harness's worker (run by tests/test_fuzz_surface.py in a subprocess: a crash must not
 take the test runner with it).
 
-    python tests/fuzz_surface_worker.py EXAMPLES SEED
+    python tests/fuzz_surface_worker.py EXAMPLES SEED [step|replay]
 
 Hypothesis draws an entry point of the public surface (``mamba3_step_fn``, ``mamba3_step_op``,
 ``plan_step`` / ``StepPlan.run``, ``decode_step``, ``CudaGraphStepRunner.step`` on its CPU path, a
@@ -37,8 +37,10 @@ from mamba3_step import cli, mamba3_step_fn, mamba3_step_op, plan_step
 from mamba3_step.serving import CudaGraphStepRunner, PoolExhaustedError, StatePool, decode_step
 from mamba3_step.testing import lane_inputs, layer_weights, poison_pool
 
+from fuzz_replay_surface import ReplaySurface, replay_example  # noqa: E402  (tests/ is the script's folder)
+
 H, D, N, R, P, B = 2, 32, 32, 2, 6, 3
-NAMED = re.compile(r"^[A-Za-z_][\w/\[\]]*[:\s]")  # a message that starts by naming something
+NAMED = re.compile(r"^[A-Za-z_][\w/\[\].]*[:\s]")  # a message that starts by naming something
 
 
 def _freed(t):
@@ -112,10 +114,12 @@ CLI = {
               "--spec-rounds", "--buckets", "--device", "--tile-d", "--num-warps", "--config", "--state-dtype",
               "--kv-dtype", "--arch", "--tokens", "--mode"), ["--quiet"]),
     "inspect": (("--arch", "--config", "--tile-d", "--num-warps", "--tokens", "--mode", "--batch", "--heads",
-                 "--state-dtype"), ["--json"]),
-    "precompile": (("--arch", "--config", "--tile-d", "--num-warps", "--tokens", "--state-dtype"), ["--json"]),
+                 "--state-dtype", "--replay-ring", "--replay-draft"), ["--json"]),
+    "precompile": (("--arch", "--config", "--tile-d", "--num-warps", "--tokens", "--state-dtype", "--replay-ring",
+                    "--replay-draft"), ["--json"]),
     # a valid run compiles and executes a small specialisation's PTX: kept small by these flags (the odd one comes last)
-    "verify": (("--arch", "--config", "--batch", "--heads", "--seed", "--tile-d", "--num-warps", "--rope-angles"),
+    "verify": (("--arch", "--config", "--batch", "--heads", "--seed", "--tile-d", "--num-warps", "--rope-angles",
+                "--replay-ring"),
                ["--json", "--config", "32,32,1", "--batch", "2", "--heads", "1"]),
 }
 ODD_STRINGS = ["-1", "0", "1", "abc", "", "nan", "inf", "1.5", "1e9", "99999999999999999999", "-99999999999999999999",
@@ -196,20 +200,25 @@ class Surface:
         raise AssertionError(entry)
 
 
-def _outcome(fn, pool: StatePool, groups=None, extra_named=()) -> str | None:
-    """None when the call succeeded or was refused cleanly; else what went wrong."""
-    snap = _snapshot(pool, groups)
+def _judged(fn, snapshot, unchanged) -> str | None:
+    """None when ``fn()`` succeeded or was refused cleanly (a named TypeError/ValueError, and
+    ``unchanged(snapshot())`` from before the call still holds); else what went wrong."""
+    snap = snapshot()
     try:
         fn()
         return None
-    except (TypeError, ValueError, PoolExhaustedError, *extra_named) as e:
+    except (TypeError, ValueError, PoolExhaustedError) as e:
         if not NAMED.match(str(e)):
             return f"unnamed {type(e).__name__}: {str(e)[:160]}"
-        if not _same(pool, snap, groups):
+        if not unchanged(snap):
             return f"refused ({type(e).__name__}: {str(e)[:80]}) but changed the pool"
         return None
     except Exception as e:  # noqa: BLE001 - the point: anything else is a finding
         return f"{type(e).__name__}: {str(e)[:160]}"
+
+
+def _outcome(fn, pool: StatePool, groups=None) -> str | None:
+    return _judged(fn, lambda: _snapshot(pool, groups), lambda snap: _same(pool, snap, groups))
 
 
 #: the CLI families the short run draws from (a valid ``verify`` compiles and executes a kernel: the
@@ -276,6 +285,34 @@ def main(examples: int, seed_value: int) -> None:
     print("RESULT " + json.dumps({"examples": count[0], "failures": sorted(set(failures))}))
 
 
+def main_replay(examples: int, seed_value: int) -> None:
+    """The replay surface (``tests/fuzz_replay_surface.py``), with the same odd values and judge."""
+    rs = ReplaySurface()
+    failures, count = [], [0]
+    odd = st.one_of(st.sampled_from(sorted(ODD_TENSORS)).map(lambda k: ("tensor", k)),
+                    st.sampled_from(range(len(ODD_SCALARS))).map(lambda i: ("scalar", i)))
+
+    @seed(seed_value)
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(arg=st.integers(0, 10**6), odd=odd)
+    def run(arg, odd):
+        count[0] += 1
+        kind, which = odd
+
+        def odd_value(base):
+            if kind == "scalar":
+                return ODD_SCALARS[which]
+            return _odd_tensor(which, base if isinstance(base, torch.Tensor) else rs.slots)
+
+        label, problem = replay_example(rs, arg, odd_value, _judged)
+        if problem:
+            failures.append(f"{label} <- {kind} {which}: {problem}")
+
+    run()
+    print("RESULT " + json.dumps({"examples": count[0], "failures": sorted(set(failures))}))
+
+
 if __name__ == "__main__":
     os.environ["MAMBA3_STEP_CACHE_DIR"] = tempfile.mkdtemp(prefix="mamba3-fuzz-cache-")  # precompile writes
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    surface = sys.argv[3] if len(sys.argv) > 3 else "step"
+    (main_replay if surface == "replay" else main)(int(sys.argv[1]), int(sys.argv[2]))

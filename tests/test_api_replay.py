@@ -153,3 +153,60 @@ def test_a_checked_ring_is_refused_again_where_the_call_changes_what_it_must_fit
     rotary = with_rotary({**_call(rows, lane, weights, index)._asdict()}, 16, seed=7)
     _refused(StepTensors(**rotary), ring, "ring.angle must be")
 
+
+
+def _freed(t: torch.Tensor) -> torch.Tensor:
+    u = t.clone()
+    u.untyped_storage().resize_(0)
+    return u
+
+
+def test_odd_scalars_and_bundles_are_refused_by_name_on_every_replay_entry():
+    """What the replay surface's fuzz harness found (tests/fuzz_replay_surface.py): an ``x`` that is
+    no tensor raised AttributeError in ``replay_step_fn`` (and ``decode_step`` on a replay pool);
+    ``ReplayStepPlan.run`` given no StepTensors raised AttributeError; a freed tensor as ``K`` made the
+    error message itself fail (its repr read the values); a tensor as ``from_checkpoint`` raised
+    torch's ambiguous-truth error on the CPU path. Each is now a named error and nothing is written."""
+    from mamba3_step import plan_replay_step
+
+    g, rows, weights = _layer(6)
+    ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16)
+    call = _call(rows, lane_inputs(2, H, D, N, R, generator=g), weights, torch.tensor([0, 1], dtype=torch.int32))
+    plan = plan_replay_step(call, ring, K)
+    before = [t.clone() for t in (*call, *ring) if isinstance(t, torch.Tensor)]
+    cases = [
+        (lambda: replay_step_fn(call._replace(x=7), ring, K), TypeError, r"^x: expected a torch.Tensor, got int"),
+        (lambda: plan.run(True, ring), TypeError, r"^replay_step_fn: tensors must be a mamba3_step.tensors.StepTensors"),
+        (lambda: plan.run(call, "ring"), TypeError, r"^replay_step_fn: ring must be a mamba3_step.Ring"),
+        (lambda: replay_kernel_spec(call, ring, _freed(torch.zeros(3, dtype=torch.int32))), ValueError,
+         r"K must be an int in \[2, 16\], got a tensor of shape \(3,\)"),
+        (lambda: replay_step_fn(call, ring, K, from_checkpoint=torch.ones(2)), TypeError,
+         r"^from_checkpoint: expected a bool, got torch.Tensor"),
+        (lambda: plan_replay_step(call, ring, K, from_checkpoint=1), TypeError, r"^from_checkpoint: expected a bool"),
+    ]
+    for run, exc, message in cases:
+        with pytest.raises(exc, match=message):
+            run()
+    after = [t for t in (*call, *ring) if isinstance(t, torch.Tensor)]
+    assert all(bits_equal(a, b) for a, b in zip(after, before)), "a refused call wrote"
+
+
+@pytest.mark.parametrize("kind", ["nested", "sparse", "freed", "quantized", "complex"])
+def test_a_replay_pools_materialize_refuses_odd_weights_by_name(kind):
+    """``ReplayStatePool.materialize`` checks each weight by the step's table (it checked shape and
+    device only: a nested, freed, sparse or quantized weight raised torch's own errors, and a complex
+    one was silently cast)."""
+    from mamba3_step.serving import ReplayStatePool
+
+    pool = ReplayStatePool(1, 4, H, 32, 32, 2, replay_ring=3)
+    slots = pool.alloc(2).tolist()
+    w = layer_weights(H, 32, 2, generator=torch.Generator().manual_seed(7))
+    odd = {"nested": lambda t: torch.nested.nested_tensor([t.reshape(-1)[:2], t.reshape(-1)[:3]]),
+           "sparse": lambda t: t.to_sparse(), "freed": _freed,
+           "quantized": lambda t: torch.quantize_per_tensor(t.float(), 0.1, 0, torch.qint8),
+           "complex": lambda t: t.to(torch.complex64)}[kind]
+    for name in ("xproj", "D", "zproj", "outproj"):
+        kw = dict(w, **{name: odd(w[name])})
+        with pytest.raises((TypeError, ValueError), match=rf"^{name}: expected"):
+            pool.materialize(0, slots, **kw)
+    assert pool.materialize(0, slots, **w).state.shape == (2, H, 32, 32)

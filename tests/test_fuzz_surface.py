@@ -3,8 +3,10 @@ scalars survives, refuses with a named TypeError/ValueError, and a refused call 
 of the pool and nothing in its allocator.
 
 The harness runs in a subprocess (``tests/fuzz_surface_worker.py``; a crash there is a failure
-here, not the end of the test run). The default budget is 400 examples; ``--fuzz-long`` runs
-20,000 (docs/verification-log.md has the last long run's count).
+here, not the end of the test run), once for the stepwise surface and once for replay's
+(``tests/fuzz_replay_surface.py``: ``replay_step_fn``, ``replay_kernel_spec``, ``ReplayStepPlan.run``,
+``decode_step`` and ``materialize`` on a replay pool). The default budget is 400 examples each;
+``--fuzz-long`` runs 20,000 (docs/verification-log.md has the last long run's count).
 """
 
 from __future__ import annotations
@@ -17,8 +19,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def test_the_public_surface_survives_odd_input_and_refuses_it_by_name(fuzz_examples):
-    r = subprocess.run([sys.executable, str(HERE / "fuzz_surface_worker.py"), str(fuzz_examples), "20261124"],
+import pytest
+
+
+@pytest.mark.parametrize("surface", ["step", "replay"])
+def test_the_public_surface_survives_odd_input_and_refuses_it_by_name(fuzz_examples, surface):
+    r = subprocess.run([sys.executable, str(HERE / "fuzz_surface_worker.py"), str(fuzz_examples), "20261124", surface],
                        cwd=HERE.parent, capture_output=True, text=True, timeout=3600)
     assert r.returncode == 0, f"the harness died (exit {r.returncode}):\n{r.stderr[-4000:]}"
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]

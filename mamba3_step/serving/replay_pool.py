@@ -12,6 +12,7 @@ import torch
 from ..contract import SCALED_STATE_DTYPES, dtype_name, shown
 from ..replay import Current, Ring, materialize, new_ring
 from ..tensors import StepTensors
+from ..validation.step import check_weights
 from .pool import StatePool
 from .slots import is_int
 
@@ -65,20 +66,15 @@ class ReplayStatePool(StatePool):
         (``xproj``, ``D``, ``zproj``/``outproj`` as the steps took them; ``B_bias``/``C_bias`` with rotary)
         and, with an 8-bit state, ``rand_seed`` (its seed) are what the steps used. Writes nothing.
 
-        Raises ValueError naming the argument: a weight of another shape or device, and what
+        Raises TypeError/ValueError naming the argument: a weight that is not a strided tensor of the
+        step's shape, dtype and device (the table's row for it), and what
         :func:`~mamba3_step.replay.materialize` refuses; :class:`SlotError` for slots not allocated.
         """
         with self._lock:
             rows = self._checked_allocated(slots, "slots", what="materialize")
-        H, Dh, R = self.nheads, self.headdim, self.mimo
-        for name, w, shape in (("xproj", xproj, (R, H, Dh)), ("D", D, (H,)), ("zproj", zproj, (R, H, Dh)),
-                               ("outproj", outproj, (R, H, Dh))):
-            if w is None and name in ("zproj", "outproj"):
-                continue
-            if not isinstance(w, torch.Tensor) or tuple(w.shape) != shape or w.device != self.device:
-                got = f"{tuple(w.shape)} on {w.device}" if isinstance(w, torch.Tensor) else type(w).__name__
-                raise ValueError(f"{name}: expected a tensor of shape {shape} on {self.device} (the layer's weights "
-                                 f"as the steps took them), got {got}")
+        dims = {"R": self.mimo, "H": self.nheads, "D": self.headdim, "N": self.dstate}
+        check_weights(dict(xproj=xproj, D=D, zproj=zproj, outproj=outproj, B_bias=B_bias, C_bias=C_bias,
+                           rand_seed=rand_seed), dims, self.device, "(the layer's weights as the steps took them)")
         t = StepTensors(**self.layer_rows(layer), A=None, B=None, C=None, D=D, x=None, dt=None, trap=None,
                         xproj=xproj, zproj=zproj, outproj=outproj, B_bias=B_bias, C_bias=C_bias, rand_seed=rand_seed)
         return materialize(t, self.ring(layer), rows, rotate_pairwise=rotate_pairwise)

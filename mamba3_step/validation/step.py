@@ -23,7 +23,7 @@ from ..tiling import shape_problem, tiling_problem
 from . import checks
 from .table import LETTER_SOURCES, RULE_BY_NAME, RULES, Layout, is_written, shape_letters
 
-__all__ = ["check_options", "check_step_inputs", "check_tiling_options"]
+__all__ = ["check_options", "check_step_inputs", "check_tiling_options", "check_weights"]
 
 
 def check_options(*, null_slot_id=None, update_kv_state=False, tile_D=None, num_warps=None,
@@ -344,3 +344,26 @@ def _check_tiling(spec: StepSpec, tile_D, num_warps) -> StepSpec:
             f"per-configuration default)"
         )
     return spec
+
+
+def check_weights(weights: dict, dims: dict, device: torch.device, why: str) -> None:
+    """Layer weights given outside a step (``ReplayStatePool.materialize``), each by its row of the
+    table: ``weights`` maps an argument name to its tensor (None where the row allows it); ``dims``
+    maps the table's letters to sizes; ``device`` is where they must be, ``why`` says why (for the
+    messages). TypeError/ValueError naming the argument."""
+    for name, t in weights.items():
+        rule = RULE_BY_NAME[name]
+        checks.check_is_tensor(name, t, optional=not rule.required)
+        if t is None:
+            continue
+        shape = tuple(int(c) if c.isdigit() else dims[c] for c in rule.letters.split())
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected a tensor of shape {shape} = ({', '.join(rule.letters.split())}) "
+                             f"{why}, got {tuple(t.shape)}")
+        ref = weights.get(rule.same_as) if rule.same_as else None
+        if ref is not None:
+            checks.check_dtype_same(name, t, rule.same_as, ref)
+        elif not rule.same_as:
+            checks.check_dtype(name, t, rule.dtypes, rule.hint)
+        if t.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device} {why}, got {t.device}")

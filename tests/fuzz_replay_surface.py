@@ -1,0 +1,146 @@
+"""The fuzz harness's replay surface (issue 23), run by ``tests/fuzz_surface_worker.py replay``.
+
+Hypothesis draws a replay entry point (``replay_step_fn``, ``replay_kernel_spec`` -- the replay
+kernel's validation, which runs on any device --, ``ReplayStepPlan.run``, ``decode_step`` on a
+:class:`~mamba3_step.serving.ReplayStatePool`, ``ReplayStatePool.materialize``), one of its
+arguments (a field of the step's tensors, a field of the ring, ``accepted``, ``K``, an option, or
+the ``tensors``/``ring`` bundle itself) and an odd value for it (the worker's odd tensors and
+scalars), calls it with otherwise valid arguments, and records a failure when the call raises
+anything but a named ``TypeError``/``ValueError`` or, refused, changed a byte of the pool's rows,
+its ring or its allocator. Valid calls are one-token steps and T = 2 verify steps (with
+``accepted``) on a pool made for 2 drafts, so the rings move through appends, flushes and
+commits while the harness runs.
+
+Letters (docs/contract.md): B lanes, T drafts, P pool rows, H heads, D head dim, N state size,
+R MIMO rank, K flush length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mamba3_step import api_replay, plan_replay_step, replay_step_fn
+from mamba3_step.serving import ReplayStatePool, decode_step
+from mamba3_step.tensors import StepTensors
+from mamba3_step.testing import lane_inputs, layer_weights, poison_pool
+
+H, D, N, R, P, B, K, T = 2, 32, 32, 2, 6, 3, 3, 2
+
+STEP_FIELDS = ("state", "Bstate", "Xstate", "A", "B", "C", "D", "x", "dt", "trap", "xproj", "outproj", "out", "z",
+               "zproj", "state_batch_indices", "dst_state_batch_indices", "angle_state", "rand_seed")
+RING_FIELDS = ("ring.B", "ring.x", "ring.coef", "ring.length", "ring.offset", "ring.angle")
+CALL_ARGS = ("tensors", "ring", "K", "accepted", "null_slot_id", "from_checkpoint", "rotate_pairwise", "tile_D",
+             "num_warps")
+LANE = ("A", "B", "C", "x", "dt", "trap", "z")
+WEIGHTS = ("D", "xproj", "zproj", "outproj")
+#: entry -> the arguments it takes (materialize: the slots and the layer's weights)
+ENTRIES = {
+    "replay_step_fn": STEP_FIELDS + RING_FIELDS + CALL_ARGS,
+    "replay_kernel_spec": STEP_FIELDS + RING_FIELDS + CALL_ARGS,
+    "replay plan.run": STEP_FIELDS + RING_FIELDS + ("tensors", "ring", "accepted", "null_slot_id"),
+    "decode_step": LANE + WEIGHTS + ("out", "state_batch_indices", "dst_state_batch_indices", "accepted", "tile_D",
+                                     "num_warps"),
+    "materialize": WEIGHTS + ("slots", "rotate_pairwise"),
+}
+
+
+class ReplaySurface:
+    """A replay pool (one layer, K = 3, made for 2 drafts), its weights, and a plan per step form."""
+
+    def __init__(self):
+        self.pool = ReplayStatePool(1, P, H, D, N, R, reserve_null_slot=True, replay_ring=K, replay_draft=T)
+        poison_pool(self.pool, torch.Generator().manual_seed(11))
+        self.mine = self.pool.alloc(3).tolist()
+        self.g = torch.Generator().manual_seed(12)
+        self.weights = layer_weights(H, D, R, generator=self.g)
+        self.slots = torch.tensor([self.mine[0], -1, self.mine[1]], dtype=torch.int32)
+        self.plans = {tokens: plan_replay_step(self.tensors(tokens), self.pool.ring(0), K,
+                                               accepted=self.accepted(tokens))
+                      for tokens in (None, T)}
+
+    def tensors(self, tokens) -> StepTensors:
+        lane = lane_inputs(B, H, D, N, R, tokens=tokens, generator=self.g)
+        return StepTensors(**self.pool.layer_rows(0), **{k: lane[k] for k in LANE}, **self.weights,
+                           state_batch_indices=self.slots, null_slot_id=self.pool.null_slot_id)
+
+    def accepted(self, tokens):
+        """A verify step's ``accepted``: as many of each lane's drafts as the ring can still commit
+        (at most T), so the valid call stays valid while odd calls that succeed move the rings."""
+        if not tokens:
+            return None
+        ring = self.pool.ring(0)
+        room = ring.B.shape[1] - ring.length[self.slots.clamp(min=0).long(), 0]
+        return room.clamp(0, T).to(torch.int32)
+
+    def snapshot(self) -> tuple:
+        """Every byte a refused call must leave alone: the layer's rows, its ring, the allocator."""
+        tensors = [t for t in (*self.pool.layer_rows(0).values(), *self.pool.ring(0)) if t is not None]
+        return [t.clone() for t in tensors], (self.pool.num_free, tuple(self.pool.allocated_slots()))
+
+    def unchanged(self, snap) -> bool:
+        before, book = snap
+        now, book_now = self.snapshot()
+        return book == book_now and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                                        for a, b in zip(before, now))
+
+    def call(self, entry: str, name: str, value, tokens):
+        """``entry`` with argument ``name`` replaced by ``value`` (``tokens``: None, a one-token step,
+        or ``T``, a verify step committing ``accepted`` first)."""
+        if entry == "materialize":
+            kw = dict(self.weights, slots=self.mine[:2])
+            if name != "-":
+                kw[name] = value
+            return self.pool.materialize(0, kw.pop("slots"), **kw)
+        t, ring, args = self.tensors(tokens), self.pool.ring(0), {"K": K, "accepted": self.accepted(tokens)}
+        if name == "-":  # the valid call
+            pass
+        elif name in STEP_FIELDS or name == "null_slot_id":
+            t = t._replace(**{name: value})
+        elif name in RING_FIELDS:
+            ring = ring._replace(**{name[len("ring."):]: value})
+        elif name == "tensors":
+            t = value
+        elif name == "ring":
+            ring = value
+        else:
+            args[name] = value
+        if entry == "decode_step":
+            return self._decode(t, args)
+        if entry == "replay plan.run":
+            return self.plans[tokens].run(t, ring, args["accepted"])
+        fn = replay_step_fn if entry == "replay_step_fn" else api_replay.replay_kernel_spec
+        return fn(t, ring, args.pop("K"), **args)
+
+    def _decode(self, t: StepTensors, args: dict):
+        options = {k: args[k] for k in ("tile_D", "num_warps") if k in args}
+        return decode_step(self.pool, 0, t.state_batch_indices, **{k: getattr(t, k) for k in LANE + WEIGHTS + ("out",)},
+                           dst_slots=t.dst_state_batch_indices, num_accepted_tokens=args["accepted"], **options)
+
+
+def replay_example(surface: ReplaySurface, arg: int, odd_value, judged) -> tuple:
+    """One example: ``(label, problem)`` for the entry, argument and step form ``arg`` picks, given
+    ``odd_value(base)`` (the drawn odd value, for an argument whose valid value is ``base``) and
+    ``judged(fn, snapshot, unchanged)`` (the worker's judge of one call)."""
+    entry = sorted(ENTRIES)[arg % len(ENTRIES)]
+    names = ENTRIES[entry]
+    name = names[arg // len(ENTRIES) % len(names)]
+    tokens = T if arg // 7919 % 2 and entry != "materialize" else None
+    value = odd_value(_valid(surface, name, tokens))
+    label = f"{entry} {name}" + (f" (verify step, T = {tokens})" if tokens else "")
+    problem = judged(lambda: surface.call(entry, name, value, tokens), surface.snapshot, surface.unchanged)
+    return label, problem
+
+
+def _valid(surface: ReplaySurface, name: str, tokens):
+    """The valid value of argument ``name`` (None where the call leaves it out)."""
+    if name in surface.weights:
+        return surface.weights[name]
+    if name.startswith("ring."):
+        return getattr(surface.pool.ring(0), name[len("ring."):])
+    if name in ("state_batch_indices", "slots"):
+        return surface.slots
+    if name == "accepted":
+        return surface.accepted(T)
+    if name in StepTensors._fields:
+        return getattr(surface.tensors(tokens), name)
+    return None
