@@ -1,8 +1,9 @@
 """The fuzz harness's replay surface (issue 23), run by ``tests/fuzz_surface_worker.py replay``.
 
 Hypothesis draws a replay entry point (``replay_step_fn``, ``replay_kernel_spec`` -- the replay
-kernel's validation, which runs on any device --, ``ReplayStepPlan.run``, ``decode_step`` on a
-:class:`~mamba3_step.serving.ReplayStatePool`, ``ReplayStatePool.materialize``), one of its
+kernel's validation, which runs on any device --, ``ReplayStepPlan.run``, ``decode_step`` and the
+graph runner's ``step`` (its CPU path) on a :class:`~mamba3_step.serving.ReplayStatePool`, and the
+pool's ``materialize``, ``reset``, ``copy`` and ``fork``, which move rings), one of its
 arguments (a field of the step's tensors, a field of the ring, ``accepted``, ``K``, an option, or
 the ``tensors``/``ring`` bundle itself) and an odd value for it (the worker's odd tensors and
 scalars), calls it with otherwise valid arguments, and records a failure when the call raises
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from mamba3_step import api_replay, plan_replay_step, replay_step_fn
-from mamba3_step.serving import ReplayStatePool, decode_step
+from mamba3_step.serving import CudaGraphStepRunner, ReplayStatePool, decode_step
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import lane_inputs, layer_weights, poison_pool
 
@@ -41,6 +42,10 @@ ENTRIES = {
     "decode_step": LANE + WEIGHTS + ("out", "state_batch_indices", "dst_state_batch_indices", "accepted", "tile_D",
                                      "num_warps"),
     "materialize": WEIGHTS + ("slots", "rotate_pairwise"),
+    "runner": LANE + ("state_batch_indices", "dst_state_batch_indices", "accepted"),
+    "reset": ("slots",),
+    "copy": ("src", "dst"),
+    "fork": ("src", "n"),
 }
 
 
@@ -54,6 +59,7 @@ class ReplaySurface:
         self.g = torch.Generator().manual_seed(12)
         self.weights = layer_weights(H, D, R, generator=self.g)
         self.slots = torch.tensor([self.mine[0], -1, self.mine[1]], dtype=torch.int32)
+        self.runner = CudaGraphStepRunner(self.pool, 0, buckets=(4,), **self.weights)
         self.plans = {tokens: plan_replay_step(self.tensors(tokens), self.pool.ring(0), K,
                                                accepted=self.accepted(tokens))
                       for tokens in (None, T)}
@@ -86,11 +92,8 @@ class ReplaySurface:
     def call(self, entry: str, name: str, value, tokens):
         """``entry`` with argument ``name`` replaced by ``value`` (``tokens``: None, a one-token step,
         or ``T``, a verify step committing ``accepted`` first)."""
-        if entry == "materialize":
-            kw = dict(self.weights, slots=self.mine[:2])
-            if name != "-":
-                kw[name] = value
-            return self.pool.materialize(0, kw.pop("slots"), **kw)
+        if entry in _POOL_METHODS:
+            return self._pool_method(entry, name, value)
         t, ring, args = self.tensors(tokens), self.pool.ring(0), {"K": K, "accepted": self.accepted(tokens)}
         if name == "-":  # the valid call
             pass
@@ -106,15 +109,41 @@ class ReplaySurface:
             args[name] = value
         if entry == "decode_step":
             return self._decode(t, args)
+        if entry == "runner":
+            return self.runner.step(t.state_batch_indices, **{k: getattr(t, k) for k in LANE},
+                                    dst_slots=t.dst_state_batch_indices, num_accepted_tokens=args["accepted"])
         if entry == "replay plan.run":
             return self.plans[tokens].run(t, ring, args["accepted"])
         fn = replay_step_fn if entry == "replay_step_fn" else api_replay.replay_kernel_spec
         return fn(t, ring, args.pop("K"), **args)
 
+    def _pool_method(self, entry: str, name: str, value):
+        """``materialize``, ``reset``, ``copy`` or ``fork`` with argument ``name`` replaced (a fork's new
+        slots are freed again, so the surface keeps its slots)."""
+        kw = dict(_POOL_METHODS[entry](self))
+        if name != "-":
+            kw[name] = value
+        if entry == "materialize":
+            return self.pool.materialize(0, kw.pop("slots"), **kw)
+        got = getattr(self.pool, entry)(*kw.values())
+        if entry == "fork":
+            self.pool.free(got)
+        return got
+
     def _decode(self, t: StepTensors, args: dict):
         options = {k: args[k] for k in ("tile_D", "num_warps") if k in args}
         return decode_step(self.pool, 0, t.state_batch_indices, **{k: getattr(t, k) for k in LANE + WEIGHTS + ("out",)},
                            dst_slots=t.dst_state_batch_indices, num_accepted_tokens=args["accepted"], **options)
+
+
+#: the pool methods the surface calls, with their valid arguments by name, in order (a free slot
+#: receives a copy: the surface's own three slots keep their rows)
+_POOL_METHODS = {
+    "materialize": lambda s: dict(s.weights, slots=s.mine[:2]),
+    "reset": lambda s: {"slots": [s.mine[2]]},
+    "copy": lambda s: {"src": [s.mine[0]], "dst": [s.mine[2]]},
+    "fork": lambda s: {"src": s.mine[1], "n": 1},
+}
 
 
 def replay_example(surface: ReplaySurface, arg: int, odd_value, judged) -> tuple:
@@ -124,7 +153,7 @@ def replay_example(surface: ReplaySurface, arg: int, odd_value, judged) -> tuple
     entry = sorted(ENTRIES)[arg % len(ENTRIES)]
     names = ENTRIES[entry]
     name = names[arg // len(ENTRIES) % len(names)]
-    tokens = T if arg // 7919 % 2 and entry != "materialize" else None
+    tokens = T if arg // 7919 % 2 and entry not in _POOL_METHODS else None
     value = odd_value(_valid(surface, name, tokens))
     label = f"{entry} {name}" + (f" (verify step, T = {tokens})" if tokens else "")
     problem = judged(lambda: surface.call(entry, name, value, tokens), surface.snapshot, surface.unchanged)
@@ -137,7 +166,7 @@ def _valid(surface: ReplaySurface, name: str, tokens):
         return surface.weights[name]
     if name.startswith("ring."):
         return getattr(surface.pool.ring(0), name[len("ring."):])
-    if name in ("state_batch_indices", "slots"):
+    if name in ("state_batch_indices", "slots", "src", "dst"):
         return surface.slots
     if name == "accepted":
         return surface.accepted(T)
