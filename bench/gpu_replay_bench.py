@@ -1,7 +1,7 @@
 """GPU benchmark of replay: the replay kernel against the stepwise kernel, measured.
 
     python bench/gpu_replay_bench.py [--batches 1,64,256] [--heads 48] [--ks 2,4,8] [--replay-warps 8]
-                                     [--out DIR] [--no-graph]
+                                     [--checkpoint-warps 4] [--out DIR] [--no-graph]
 
 Without a CUDA device it prints "no CUDA device: GPU replay benchmark not run" and exits 0
 (``--device cpu`` runs the plumbing on the CPU path: a smoke test, not a benchmark).
@@ -20,6 +20,10 @@ mode with update_kv_state), for every batch size:
    8 warps a CTA (column ``warps``; else each step runs its default tiling): at K = 4 it compiles to
    128 registers, 2 CTAs = 16 warps per SM, against the 4-warp default's 194 registers and 8 warps
    per SM, for 2.07x the stepwise step's instructions against 1.78x (docs/performance.md, 3d).
+   ``--checkpoint-warps 4`` adds the step with outputs from the checkpoint at 4 warps a CTA, checked
+   first (every flush's ``out`` and rows bit-identical to the stepwise kernel's, every append's ``out``
+   within 2% of it): 184 registers and 2 CTAs = 8 warps per SM on sm_90a, against its 8-warp
+   default's 149 registers and one CTA of 8 warps.
 
 Reports microseconds per step, the speed-up over the stepwise step, and the bytes model's ratio
 (``mamba3_step.bytes_model.replay_bytes``) beside it; ``gpu_replay_bench.json`` in
@@ -86,33 +90,40 @@ class Layer:
         return self
 
 
-def check(batch: int, heads: int, K: int, device, num_warps: int | None = None) -> str | None:
-    """What differs between a replayed (at ``num_warps`` warps a CTA, else the default) and a stepwise
-    decode of 2K + 1 steps, or None."""
+def check(batch: int, heads: int, K: int, device, num_warps: int | None = None,
+          from_checkpoint: bool = False) -> str | None:
+    """What differs between a replay decode (at ``num_warps`` warps a CTA, else the default) and a
+    stepwise decode of 2K + 1 steps, or None: every ``out`` bit for bit with outputs replayed; from the
+    checkpoint, a flush's ``out`` bit for bit and an append's within 2% (a different rounding)."""
     a, b = Layer(batch, heads, K, device, seed=batch), Layer(batch, heads, K, device, seed=batch)
     g = torch.Generator().manual_seed(K)
+    what = f"B={batch} K={K} warps={num_warps or 'default'}" + (" from the checkpoint" if from_checkpoint else "")
     for step in range(2 * K + 1):
         fresh = lane_inputs(batch, heads, D, N, R, generator=g, device=device)
         for layer in (a, b):
             for k, v in fresh.items():
                 layer.lane[k].copy_(v)
-        got, want = a.replay(False, num_warps).clone(), b.stepwise()
-        if not bits_equal(got, want):
-            return f"B={batch} K={K} warps={num_warps or 'default'} step {step}: out differs from the stepwise kernel's"
-        if int(a.ring.length[0, 0]) == 0 and not all(bits_equal(a.pools[k], b.pools[k]) for k in a.pools):
-            return (f"B={batch} K={K} warps={num_warps or 'default'} step {step}: the flushed rows differ from "
-                    f"stepwise decoding")
+        got, want = a.replay(from_checkpoint, num_warps).clone(), b.stepwise()
+        flushed = int(a.ring.length[0, 0]) == 0
+        exact = flushed or not from_checkpoint
+        if not (bits_equal(got, want) if exact else torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)):
+            return f"{what} step {step}: out differs from the stepwise kernel's"
+        if flushed and not all(bits_equal(a.pools[k], b.pools[k]) for k in a.pools):
+            return f"{what} step {step}: the flushed rows differ from stepwise decoding"
     return None
 
 
-def bench(batch: int, heads: int, Ks, device, graphs: bool, target_s: float, replay_warps=()) -> list[dict]:
+def bench(batch: int, heads: int, Ks, device, graphs: bool, target_s: float, replay_warps=(),
+          checkpoint_warps=()) -> list[dict]:
     """Timed rows: the stepwise step, then per K replayed and from the checkpoint at the default tiling,
-    and replayed at each of ``replay_warps`` warps a CTA (``num_warps`` set in those rows only)."""
+    replayed at each of ``replay_warps`` warps a CTA and from the checkpoint at each of
+    ``checkpoint_warps`` (``num_warps`` set in those rows only)."""
     timer = Timer(device)
     spec = flagship_spec()
     base_bytes = bytes_per_step(spec, batch, heads)["total"]
     runs = [("stepwise", 1, False, None)] + [(f"replay K={K}", K, fc, None) for K in Ks for fc in (False, True)]
     runs += [(f"replay K={K}", K, False, w) for K in Ks for w in replay_warps]
+    runs += [(f"replay K={K}", K, True, w) for K in Ks for w in checkpoint_warps]
     rows = []
     for name, K, fc, warps in runs:
         layer = Layer(batch, heads, max(K, 2), device, seed=1).stagger()
@@ -138,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ks", default="2,4,8", help="flush lengths K (default 2,4,8)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of the plumbing")
     p.add_argument("--replay-warps", default="", help="also time the replayed step at these warps a CTA (e.g. 8)")
+    p.add_argument("--checkpoint-warps", default="",
+                   help="also time the step with outputs from the checkpoint at these warps a CTA (e.g. 4)")
     p.add_argument("--no-graph", action="store_true", help="eager timing only")
     p.add_argument("--out", default=None, help="output folder (default bench/results)")
     args = p.parse_args(argv)
@@ -145,21 +158,25 @@ def main(argv: list[str] | None = None) -> int:
         batches = [int(v) for v in args.batches.split(",")]
         Ks = [int(v) for v in args.ks.split(",")]
         replay_warps = [int(v) for v in args.replay_warps.split(",") if v]
+        checkpoint_warps = [int(v) for v in args.checkpoint_warps.split(",") if v]
     except ValueError:
-        p.error(f"--batches/--ks/--replay-warps: expected comma-separated ints, got {args.batches!r} / {args.ks!r} / "
-                f"{args.replay_warps!r}")
+        p.error(f"--batches/--ks/--replay-warps/--checkpoint-warps: expected comma-separated ints, got "
+                f"{args.batches!r} / {args.ks!r} / {args.replay_warps!r} / {args.checkpoint_warps!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print(NO_CUDA_MESSAGE)
         return 0
     target_s = 0.05 if args.device == "cpu" else 0.2
     for batch in batches:
-        for K, warps in [(K, w) for K in Ks for w in [None, *replay_warps]]:
-            problem = check(batch, args.heads, K, args.device, warps)
+        checks = [(K, w, False) for K in Ks for w in [None, *replay_warps]]
+        checks += [(K, w, True) for K in Ks for w in checkpoint_warps]
+        for K, warps, fc in checks:
+            problem = check(batch, args.heads, K, args.device, warps, fc)
             if problem:
                 print(f"CORRECTNESS FAILURE, no timing: {problem}")
                 return 1
     rows = [r for batch in batches
-            for r in bench(batch, args.heads, Ks, args.device, not args.no_graph, target_s, replay_warps)]
+            for r in bench(batch, args.heads, Ks, args.device, not args.no_graph, target_s, replay_warps,
+                           checkpoint_warps)]
     print(f"replay vs stepwise, flagship, H={args.heads}, {args.device} (measured; bytes x: the model's ratio)")
     print(_util.format_table(rows, [c for c in COLUMNS if any(c[0] in r for r in rows)]))
     out = _util.results_dir(args.out)

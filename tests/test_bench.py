@@ -246,14 +246,14 @@ def test_gpu_replay_bench_without_cuda_says_so(tmp_path, capsys):
 def test_gpu_replay_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
     """The replay benchmark on CPU tensors: its correctness check passes (and fails on a corrupted
     replay step, with no timing), every step kind is timed, the bytes ratio is the model's."""
-    args = ["--device", "cpu", "--heads", "1", "--batches", "2", "--ks", "2", "--replay-warps", "8", "--no-graph",
-            "--out", str(tmp_path)]
+    args = ["--device", "cpu", "--heads", "1", "--batches", "2", "--ks", "2", "--replay-warps", "8",
+            "--checkpoint-warps", "4", "--no-graph", "--out", str(tmp_path)]
     assert gpu_replay_bench.main(args) == 0
     assert "replay K=2" in capsys.readouterr().out
     rows = json.loads((tmp_path / "gpu_replay_bench.json").read_text())["rows"]
     assert [(r["step"], r["outputs"], r["num_warps"]) for r in rows] == [
         ("stepwise", None, None), ("replay K=2", "replayed", None), ("replay K=2", "from checkpoint", None),
-        ("replay K=2", "replayed", 8)]
+        ("replay K=2", "replayed", 8), ("replay K=2", "from checkpoint", 4)]
     assert rows[1]["bytes_ratio"] == pytest.approx(replay_bytes(flagship_spec(), 2, 2, 1)["total"]
                                                    / bytes_per_step(flagship_spec(), 2, 1)["total"])
     assert all(r["us_eager"] > 0 for r in rows)
@@ -262,6 +262,14 @@ def test_gpu_replay_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
     assert gpu_replay_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
     assert "CORRECTNESS FAILURE" in capsys.readouterr().out
     assert not (tmp_path / "bad" / "gpu_replay_bench.json").exists()
+    # from the checkpoint an append's out is checked within 2% of the stepwise kernel's, a flush's bit for bit
+    monkeypatch.setattr(gpu_replay_bench.Layer, "replay", original)
+    assert gpu_replay_bench.check(2, 1, 2, "cpu", 4, True) is None
+    monkeypatch.setattr(gpu_replay_bench.Layer, "replay", lambda self, fc=False, w=None: original(self, fc, w).mul_(1.05))
+    assert "out differs" in gpu_replay_bench.check(2, 1, 2, "cpu", 4, True)
+    monkeypatch.setattr(gpu_replay_bench.Layer, "replay",
+                        lambda self, fc=False, w=None: original(self, fc, w).add_(0.0 if self.ring.length[0, 0] else 1e-3))
+    assert "step 1: out differs" in gpu_replay_bench.check(2, 1, 2, "cpu", 4, True)  # the first flush, exact
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists")
