@@ -280,12 +280,19 @@ REPLAY_ISSUE_NOTE = ("issue model of the replay kernel (plain decode, B = 256): 
                      "graph-replay time over the stepwise step's on one H200 (2026-11-27; docs/measured/). Run 1 "
                      "(2026-11-27-h200) before packed state rows: 8 resident warps per SM against the stepwise "
                      "step's 12, and the model's full-bandwidth assumption failed; run 2 (2026-11-27-h200-run2, "
-                     "K = 2 and 4 only) after them: K = 2 at the stepwise residency (docs/performance.md 3d)")
+                     "K = 2 and 4 only) after them: K = 2 at the stepwise residency; runs 1 and 2 timed the "
+                     "from-checkpoint step at its former 8-warp default, run 4 (2026-11-27-h200-run4, K = 2 and 4) at "
+                     "today's 4 (docs/performance.md 3d)")
 #: the GPU replay benchmark's JSON of each H200 run that the replay issue table sets beside the model
 MEASURED_REPLAY_RUNS = {
     1: _util.REPO / "docs" / "measured" / "2026-11-27-h200" / "gpu_replay_bench.json",
     2: _util.REPO / "docs" / "measured" / "2026-11-27-h200-run2" / "gpu_replay_bench.json",
+    4: _util.REPO / "docs" / "measured" / "2026-11-27-h200-run4" / "checkpoint_warps.json",
 }
+#: per run, where today's default tiling is a row with a ``num_warps`` (``--checkpoint-warps``) rather than
+#: the run's default rows, by from_checkpoint: run 4 timed the from-checkpoint step at 4 warps, today's
+#: default, beside the 8 warps then its default
+MEASURED_REPLAY_TILING = {4: {True: 4}}
 MEASURED_REPLAY = MEASURED_REPLAY_RUNS[1]
 #: the GPU verify benchmarks' JSON that the verify issue table sets beside the model, by H200 run
 #: (run 2 timed K = 4 and 8, run 3 K = 2, run 4 K = 2 and 4 side by side; each against today's verify step
@@ -298,16 +305,18 @@ MEASURED_VERIFY_RUNS = {
 MEASURED_VERIFY = MEASURED_VERIFY_RUNS[2]
 
 
-def measured_replay_times(path=MEASURED_REPLAY, batch: int = 256) -> dict:
+def measured_replay_times(path=MEASURED_REPLAY, batch: int = 256, tiling: dict | None = None) -> dict:
     """``{(K, from_checkpoint): replay graph time / stepwise graph time}`` at ``batch`` from a
-    ``gpu_replay_bench.py`` JSON, default tilings only (no ``--replay-warps`` row); empty when the
+    ``gpu_replay_bench.py`` JSON: the rows of the run's default tilings (no ``num_warps``), or for an
+    output form in ``tiling`` (``{from_checkpoint: num_warps}``) the rows at those warps; empty when the
     file is absent."""
     rows = _graph_rows(path, batch)
     if not rows:
         return {}
+    tiling = tiling or {}
     base = next(r["us_graph"] for r in rows if r["step"] == "stepwise")
     return {(r["K"], r["outputs"] == "from checkpoint"): r["us_graph"] / base for r in rows
-            if r["K"] is not None and r.get("num_warps") is None}
+            if r["K"] is not None and r.get("num_warps") == tiling.get(r["outputs"] == "from checkpoint")}
 
 
 def measured_verify_times(path=MEASURED_VERIFY, batch: int = 256) -> dict:
@@ -331,7 +340,8 @@ def replay_issue_rows(batch: int = 256, heads: int = FLAGSHIP_HEADS) -> list[dic
     issue/memory ratio and the modelled time relative to the stepwise step
     (``mamba3_step.issue_model.replay_issue_model``)."""
     rows = []
-    measured = {run: measured_replay_times(path, batch) for run, path in MEASURED_REPLAY_RUNS.items()}
+    measured = {run: measured_replay_times(path, batch, MEASURED_REPLAY_TILING.get(run))
+                for run, path in MEASURED_REPLAY_RUNS.items()}
     for from_checkpoint in (False, True):
         for K in REPLAY_K:
             _, counts = REPLAY_EXECUTED[(K, from_checkpoint)]

@@ -155,11 +155,15 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
     fp32: tile_D=64 with 8 warps). ``lean`` (True: half, ``"quarter"``) lowers the target too, for
     a store that keeps many more values live: stochastic rounding with R = 8 (``spec._rounding_lean``;
     bf16 or fp16, N=32 D=64 at 1 warp used 208 bytes of stack on sm_90a, at 4 warps none). A
-    replay step (``replay``, ``tokens`` = K) keeps the one-token default where that layout still
-    holds the state across K tokens: its average step runs few tokens, and fewer threads issue fewer
-    per-token instructions (staging, coefficients, reductions): the flagship at K = 4 averages 1.78x
-    a stepwise slab's executed instructions at 4 warps (2.14x at the K-token default's 8, counted
-    before the state's D stride was static). Where that default is one warp, a replay step takes
+    replay step (``replay``, ``tokens`` = K; outputs replayed or from the checkpoint) keeps the
+    one-token default where that layout still holds the state across K tokens: its average step runs
+    few tokens, and fewer threads issue fewer per-token instructions (staging, coefficients,
+    reductions): the flagship at K = 4 averages 1.78x a stepwise slab's executed instructions at 4
+    warps (2.14x at the K-token default's 8, counted before the state's D stride was static). With
+    outputs from the checkpoint the flagship at 4 warps takes 184 registers, 2 CTAs per SM, against
+    the K-token default's 8 warps, 149 registers and one CTA: measured on an H200 1.55x faster
+    (K = 2 and 4, B = 256; docs/performance.md, 3d); above :data:`CHECKPOINT_REPLAY_MAX_MIMO` they
+    keep the K-token default. Where that default is one warp, a replay step takes
     two when they fit the tile (:data:`REPLAY_MIN_WARPS`); a replayed verify step (``verify``: T
     drafts) takes at least the warps :data:`VERIFY_WARPS` lists for its shape.
     """
@@ -197,6 +201,14 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
 #: The outputs keep their bits: a row's reduction is laid out by N and the state's width
 #: (``ThreadLayout`` VN, TPR, CPT), not by warps (the PTX tier's replay tests compare them).
 REPLAY_MIN_WARPS = 2
+
+
+#: the largest MIMO rank at which a step with outputs from the checkpoint takes the replayed default
+#: tiling (fewer warps, more registers a thread); above it, the K-token default. At R = 8 the append
+#: path's R x R tables and the ring's terms beside a flush's slab used stack at the replayed default in
+#: 31 of the 48 shapes a target that compile clean at the K-token default (every N, D and 16/32-bit
+#: state at K = 4, both targets, 2026-11-27); at R <= 4 none did.
+CHECKPOINT_REPLAY_MAX_MIMO = 4
 
 
 #: replayed verify steps' warps, by (N, D, R, state dtype), where the replay default used stack:

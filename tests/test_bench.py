@@ -610,6 +610,15 @@ def test_model_bench_sets_the_measured_replay_times_beside_the_model(tmp_path):
     table = model_bench.replay_issue_rows()
     assert [r.get("measured_H200_run1") for r in table] == [run1[(K, fc)] for fc in (False, True) for K in (2, 4, 8)]
     assert [r.get("measured_H200_run2") for r in table] == [run2.get((K, fc)) for fc in (False, True) for K in (2, 4, 8)]
+    # run 4: the from-checkpoint step at 4 warps (today's default; its rows carry num_warps = 4), replayed at the default
+    path4 = model_bench.MEASURED_REPLAY_RUNS[4]
+    run4 = model_bench.measured_replay_times(path4, tiling=model_bench.MEASURED_REPLAY_TILING[4])
+    us4 = {(r["K"], r["outputs"], r["num_warps"]): r["us_graph"] for r in json.loads(path4.read_text())["rows"]
+           if r["batch"] == 256}
+    assert run4 == {(K, False): pytest.approx(us4[(K, "replayed", None)] / us4[(None, None, None)]) for K in (2, 4)} | {
+        (K, True): pytest.approx(us4[(K, "from checkpoint", 4)] / us4[(None, None, None)]) for K in (2, 4)}
+    assert run4[(2, True)] < us4[(2, "from checkpoint", None)] / us4[(None, None, None)]  # 4 warps beat 8
+    assert [r.get("measured_H200_run4") for r in table] == [run4.get((K, fc)) for fc in (False, True) for K in (2, 4, 8)]
     assert model_bench.measured_replay_times(tmp_path / "absent.json") == {}
 
 

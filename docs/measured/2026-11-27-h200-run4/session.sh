@@ -33,3 +33,17 @@ for i in 1 2; do
   cp /tmp/r$i/gpu_bench.json "$o/dense_rows_$i.json" 2>/dev/null
 done
 el "done"
+
+# third machine (gpu3.txt, checkpoint_warps.{log,json}): .gpukit/session6.sh
+# Fourth H200 run, third machine: replay with outputs from the checkpoint at 4 warps a CTA (184 registers,
+# 2 CTAs = 8 warps per SM on sm_90a) against its 8-warp default (149 registers, 1 CTA of 8 warps).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+o=${OUT:-/tmp/out}; mkdir -p "$o"
+t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv > "$o/gpu3.txt" 2>&1
+el "gpu_replay_bench --checkpoint-warps 4"
+timeout 200 python bench/gpu_replay_bench.py --batches 64,256 --ks 2,4 --checkpoint-warps 4 --out /tmp/r6 > "$o/checkpoint_warps.log" 2>&1
+echo "exit $?" >> "$o/checkpoint_warps.log"; tail -14 "$o/checkpoint_warps.log"
+cp /tmp/r6/gpu_replay_bench.json "$o/checkpoint_warps.json" 2>/dev/null
+el "done"
