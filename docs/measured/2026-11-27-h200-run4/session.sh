@@ -47,3 +47,21 @@ timeout 200 python bench/gpu_replay_bench.py --batches 64,256 --ks 2,4 --checkpo
 echo "exit $?" >> "$o/checkpoint_warps.log"; tail -14 "$o/checkpoint_warps.log"
 cp /tmp/r6/gpu_replay_bench.json "$o/checkpoint_warps.json" 2>/dev/null
 el "done"
+
+# fourth machine, tree 61e9d70 (gpu4.txt, gpu_tests_checkpoint.log, replay_k48.log): .gpukit/session7.sh
+# Fourth H200 run, fourth machine: the tree with outputs from the checkpoint at 4 warps by default (61e9d70):
+# the replay decode tests (both output forms, B = 1, 64, 256, K = 2, 4, 8; graph = eager), then replay at
+# B = 256, K = 4 and 8, replayed also at 8 warps, from the checkpoint at its new default.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+o=${OUT:-/tmp/out}; mkdir -p "$o"
+t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv > "$o/gpu4.txt" 2>&1
+el "replay decode tests"
+timeout 100 python -m pytest -q -n 16 -p no:cacheprovider -rf tests/gpu/test_gpu_replay.py -k "decode_matches or graph_equals_eager" > "$o/gpu_tests_checkpoint.log" 2>&1
+echo "exit $?" >> "$o/gpu_tests_checkpoint.log"; tail -3 "$o/gpu_tests_checkpoint.log"
+el "replay bench K = 4, 8 at B = 256"
+timeout 80 python bench/gpu_replay_bench.py --batches 256 --ks 4,8 --replay-warps 8 --out /tmp/r7 > "$o/replay_k48.log" 2>&1
+echo "exit $?" >> "$o/replay_k48.log"; tail -9 "$o/replay_k48.log"
+cp /tmp/r7/gpu_replay_bench.json "$o/replay_k48.json" 2>/dev/null
+el "done"
