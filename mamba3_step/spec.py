@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .contract import KV_DTYPES, PROJ_DTYPES, ROUNDED_STATE_DTYPES, SCALED_STATE_DTYPES, STATE_DTYPES, X_DTYPES
-from .tiling import CHECKPOINT_REPLAY_MAX_MIMO, default_tiling, shape_problem, tiling_problem
+from .tiling import default_tiling, shape_problem, tiling_problem
 
 __all__ = ["FLAGSHIP_HEADS", "MAX_TOKENS", "StepSpec", "complete_spec", "flagship_rotary_spec", "flagship_spec",
            "mode_problem", "replay_problem", "rotary_problem"]
@@ -156,9 +156,8 @@ class StepSpec:
         tile_D, num_warps = default_tiling(self.dstate, self.headdim, self.mimo, self.state_dtype, self.carried_tokens,
                                            whole_head=self.update_kv_state or self.rope_angles > 0,
                                            lean=_rounding_lean(self),
-                                           replay=self.replay_ring > 0 and (
-                                               not self.replay_from_checkpoint
-                                               or self.mimo <= CHECKPOINT_REPLAY_MAX_MIMO),
+                                           replay=self.replay_ring > 0,
+                                           from_checkpoint=self.replay_from_checkpoint,
                                            verify=self.replay_ring > 0 and self.tokens > 1)
         return self.replace(
             tile_D=self.tile_D or tile_D,

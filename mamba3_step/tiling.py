@@ -135,7 +135,7 @@ def launch_grid(batch, heads, headdim: int, tile_D: int) -> tuple:
 
 def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, tokens: int = 1,
                    whole_head: bool = True, lean: bool | str = False, replay: bool = False,
-                   verify: bool = False) -> tuple[int, int]:
+                   verify: bool = False, from_checkpoint: bool = False) -> tuple[int, int]:
     """Per-configuration default ``(tile_D, num_warps)``.
 
     ``tile_D = headdim``: one CTA owns a whole (lane, head), which is what makes
@@ -163,12 +163,13 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
     outputs from the checkpoint the flagship at 4 warps takes 184 registers, 2 CTAs per SM, against
     the K-token default's 8 warps, 149 registers and one CTA: measured on an H200 1.55x faster
     (K = 2 and 4, B = 256; docs/performance.md, 3d); above :data:`CHECKPOINT_REPLAY_MAX_MIMO` they
-    keep the K-token default. Where that default is one warp, a replay step takes
+    keep the K-token default (``from_checkpoint``). Where that default is one warp, a replay step takes
     two when they fit the tile (:data:`REPLAY_MIN_WARPS`); a replayed verify step (``verify``: T
     drafts) takes at least the warps :data:`VERIFY_WARPS` lists for its shape.
     """
     tile_D = headdim
-    if replay:  # a replay step: the one-token default where it still keeps the state across the tokens
+    if replay and (not from_checkpoint or mimo <= CHECKPOINT_REPLAY_MAX_MIMO):
+        # a replay step: the one-token default where it still keeps the state across the tokens
         num_warps = _replay_warps(dstate, tile_D, state_dtype, mimo, tokens, lean)
         if verify:
             num_warps = max(num_warps, VERIFY_WARPS.get((dstate, headdim, mimo, state_dtype), 0))
