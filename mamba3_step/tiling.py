@@ -207,8 +207,9 @@ REPLAY_MIN_WARPS = 2
 #: the largest MIMO rank at which a step with outputs from the checkpoint takes the replayed default
 #: tiling (fewer warps, more registers a thread); above it, the K-token default. At R = 8 the append
 #: path's R x R tables and the ring's terms beside a flush's slab used stack at the replayed default in
-#: 31 of the 48 shapes a target that compile clean at the K-token default (every N, D and 16/32-bit
-#: state at K = 4, both targets, 2026-11-27); at R <= 4 none did.
+#: 16 of the 28 shapes that compile clean at the K-token default on sm_90a and 15 of 27 on sm_100a
+#: (every N, D and 16/32-bit state at K = 4, 2026-11-27); at R <= 4 none that was clean there did
+#: (the known spills, tests/test_kernel_compile.py's REPLAY_SPILLS, stay).
 CHECKPOINT_REPLAY_MAX_MIMO = 4
 
 
@@ -216,10 +217,11 @@ CHECKPOINT_REPLAY_MAX_MIMO = 4
 #: the fewest at which the K = 4, T = 4 verify step compiled with none on both sm_90a and sm_100a
 #: (a sweep at 2, 4 and 8 warps of every shape that spilled, 2026-11-27: at their default each ran
 #: at the 255-register cap; tests/test_kernel_compile.py's full matrix checks every shape at its
-#: default). N = 256, D = 128 with a 16-bit state is not here: it uses stack at 8 warps, the most
-#: before 16 halve the register cap. A verify thread holds each draft's partial sums and the ring's
-#: coefficients beside the state, which the register model does not count; a rule that predicts it
-#: is open work.
+#: default). N = 256, D = 128 with a 16-bit state is not here: it uses stack at 8 warps, and at 16
+#: (the register cap halved to 128; compiled with the layout forced to keep the state, which the
+#: register model refuses) R = 4 bf16 spilled 660 bytes on sm_90a (2026-11-27). A verify thread
+#: holds each draft's partial sums and the ring's coefficients beside the state, which the register
+#: model does not count; a rule that predicts it is open work.
 VERIFY_WARPS = {
     (32, 64, 8, "float16"): 4,
     **{(32, 128, R, sd): 4 for R in (4, 8) for sd in ("float32", "bfloat16", "float16")},

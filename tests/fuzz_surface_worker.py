@@ -6,11 +6,13 @@ take the test runner with it).
 Hypothesis draws an entry point of the public surface (``mamba3_step_fn``, ``mamba3_step_op``,
 ``plan_step`` / ``StepPlan.run``, ``decode_step``, ``CudaGraphStepRunner.step`` on its CPU path, a
 ``StatePool`` method, or one option of the ``demo``, ``inspect``, ``precompile`` (and, in the long
-run, ``verify``) subcommands with an odd string: exit 0, 1 or 2 without a traceback), one of its arguments and an odd value for it (an odd tensor kind, dtype,
-rank, size, stride or view, or an odd scalar), calls it with otherwise valid arguments, and
+run, ``verify``) subcommands with an odd string: exit 0, 1 or 2 without a traceback), one of its
+arguments and an odd value for it (an odd tensor kind, dtype, rank, size, stride or view, or an
+odd scalar), calls it with otherwise valid arguments, and
 records a failure when the call raises anything but a named ``TypeError``/``ValueError`` (the
 pool's ``SlotError``/``PoolExhaustedError`` included) or, refused, changed a byte of the pool or
-of the allocator. Prints ``RESULT {"examples": n, "failures": [...]}``.
+of the allocator. Prints ``RESULT {"examples": n, "failures": [...]}``. With ``replay`` as the
+third argument it fuzzes replay's surface instead (``tests/fuzz_replay_surface.py``).
 
 The surface's pool has an angle pool (S = 8), so the rotary arguments are fuzzed with the rest.
 
