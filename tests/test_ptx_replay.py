@@ -331,3 +331,37 @@ def test_executed_bytes_equal_the_bytes_model_at_every_ring_position(name):
         for key, n in executed.items():
             assert n == model[key], f"{name} position {position}: {key} executed {n}, model {model[key]}"
         assert sum(executed.values()) == model["total"], f"{name} position {position}: total"
+
+
+@pytest.mark.parametrize("from_checkpoint", [False, True], ids=["replayed", "from-checkpoint"])
+def test_the_outputs_bits_do_not_depend_on_the_warps(from_checkpoint):
+    """docs/contract.md: the warps do not change a row's reduction order. The flagship at K = 4,
+    executed at 4 warps (its default) and at 8 (the from-checkpoint form's default until 2026-11-27)
+    on the same inputs and ring, at every ring position: the same ``out`` and the same flushed rows,
+    bit for bit (and the outputs are not trivial: non-zero, and the flush writes the state)."""
+    from mamba3_step.spec import flagship_spec
+    from mamba3_step.verify import _inputs
+
+    K = 4
+    base = flagship_spec(replay_ring=K, replay_from_checkpoint=from_checkpoint)
+    tensors, _ = _inputs(base.replace(replay_ring=0, replay_from_checkpoint=False), 2, 2, 3, live_only=True)
+    rows, heads, D, N = tensors.state.shape
+    results = {}
+    for warps in (4, 8):
+        spec = base.replace(num_warps=warps)
+        ring = new_ring(rows, K, spec.mimo, heads, N, D, kv_dtype=tensors.Bstate.dtype, x_dtype=tensors.Xstate.dtype)
+        g = torch.Generator().manual_seed(5)
+        ring.B.copy_(torch.randn(ring.B.shape, generator=g).to(ring.B.dtype))
+        ring.x.copy_(torch.randn(ring.x.shape, generator=g).to(ring.x.dtype))
+        ring.coef.copy_(torch.rand(ring.coef.shape, generator=g) * 0.5)
+        for position in range(K):
+            ring.length.fill_(position)
+            t = tensors._replace(state=tensors.state.clone(), Bstate=tensors.Bstate.clone(),
+                                 Xstate=tensors.Xstate.clone(), out=None).with_out()
+            run_step_ptx(spec, t, record=False, ring=ring)
+            results[warps, position] = (t.out, t.state)
+    for position in range(K):
+        (out4, state4), (out8, state8) = results[4, position], results[8, position]
+        assert bits_equal(out4, out8) and bits_equal(state4, state8), f"position {position}"
+        assert out4.abs().max() > 0
+        assert (position == K - 1) != bits_equal(state4, tensors.state), f"position {position}: the flush"
