@@ -465,7 +465,7 @@ def test_in_place_matrix_compiles_with_clean_compiler_facts(spec, arch):
 #: recompiled on both targets), N=64 D=32 R=4 fp32 is clean, and N=32 D=32 R=4 fp32 replayed uses 8
 #: bytes on sm_100a (80 registers at 2 warps; clean at 1 and 4), the one shape the rule made worse.
 #: Outputs from the checkpoint take the replayed tiling up to R = 4 since 2026-11-27
-#: (tiling.CHECKPOINT_REPLAY_MAX_MIMO; all 272 from-checkpoint compiles rerun): the list is unchanged.
+#: (tiling.CHECKPOINT_REPLAY_MAX_MIMO; all 280 from-checkpoint compiles rerun): the list is unchanged.
 REPLAY_SPILLS = {
     "sm_90a": {(256, 128, 4, "float16", False), *((256, 128, 8, sd, False) for sd in ("bfloat16", "float16")),
                *((128, 128, 8, sd, True) for sd in UNSCALED), *((256, 64, 8, sd, True) for sd in ("bfloat16", "float16")),
