@@ -75,6 +75,9 @@ ODD_TENSORS = {
 #: odd values for a scalar (or any) argument
 ODD_SCALARS = [None, 0, -1, 1, 2**31, 2**63, 2**70, -2**70, 1.5, float("nan"), True, False, "0", b"x",
                object(), (), [1]]
+#: an odd value, drawn: ("tensor", a kind of ODD_TENSORS) or ("scalar", an index into ODD_SCALARS)
+ODD = st.one_of(st.sampled_from(sorted(ODD_TENSORS)).map(lambda k: ("tensor", k)),
+                st.sampled_from(range(len(ODD_SCALARS))).map(lambda i: ("scalar", i)))
 TENSOR_ARGS = ("state", "Bstate", "Xstate", "A", "B", "C", "D", "x", "dt", "trap", "xproj", "outproj", "out",
                "z", "zproj", "state_batch_indices", "dst_state_batch_indices", "num_accepted_tokens", "angle_state",
                "angle_proj", "B_bias", "C_bias")
@@ -228,21 +231,23 @@ def _outcome(fn, pool: StatePool, groups=None) -> str | None:
 LONG_RUN = 5000
 
 
+def _report(examples: int, failures: list) -> None:
+    print("RESULT " + json.dumps({"examples": examples, "failures": sorted(set(failures))}))
+
+
 def main(examples: int, seed_value: int) -> None:
     s = Surface()
     cli_families = sorted(CLI) if examples >= LONG_RUN else sorted(set(CLI) - {"verify"})
     failures, count = [], [0]
     step_entries = ("fn", "op", "plan.run", "decode_step", "runner")
 
-    odd = st.one_of(st.sampled_from(sorted(ODD_TENSORS)).map(lambda k: ("tensor", k)),
-                    st.sampled_from(range(len(ODD_SCALARS))).map(lambda i: ("scalar", i)))
 
     # a CLI run costs a hundred library calls: one example in twenty
     entries = step_entries * 3 + ("pool",) * 4 + ("cli",)
 
     @seed(seed_value)
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(entry=st.sampled_from(entries), arg=st.integers(0, 10**6), odd=odd)
+    @given(entry=st.sampled_from(entries), arg=st.integers(0, 10**6), odd=ODD)
     def run(entry, arg, odd):
         count[0] += 1
         kind, which = odd
@@ -284,19 +289,17 @@ def main(examples: int, seed_value: int) -> None:
             failures.append(f"{label} <- {kind} {which}: {problem}")
 
     run()
-    print("RESULT " + json.dumps({"examples": count[0], "failures": sorted(set(failures))}))
+    _report(count[0], failures)
 
 
 def main_replay(examples: int, seed_value: int) -> None:
     """The replay surface (``tests/fuzz_replay_surface.py``), with the same odd values and judge."""
     rs = ReplaySurface()
     failures, count = [], [0]
-    odd = st.one_of(st.sampled_from(sorted(ODD_TENSORS)).map(lambda k: ("tensor", k)),
-                    st.sampled_from(range(len(ODD_SCALARS))).map(lambda i: ("scalar", i)))
 
     @seed(seed_value)
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(arg=st.integers(0, 10**6), odd=odd)
+    @given(arg=st.integers(0, 10**6), odd=ODD)
     def run(arg, odd):
         count[0] += 1
         kind, which = odd
@@ -311,7 +314,7 @@ def main_replay(examples: int, seed_value: int) -> None:
             failures.append(f"{label} <- {kind} {which}: {problem}")
 
     run()
-    print("RESULT " + json.dumps({"examples": count[0], "failures": sorted(set(failures))}))
+    _report(count[0], failures)
 
 
 if __name__ == "__main__":
