@@ -44,8 +44,9 @@ def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Option
     :class:`~mamba3_step.replay.Ring`; ``accepted`` (B,) int32 first commits that many of each
     lane's pending drafts. On CUDA: the replay kernel (what it takes: :func:`replay_kernel_spec`),
     on the current stream, no allocation but ``out``, no synchronisation, so a CUDA graph can
-    capture it (the ring lengths move on the device). On CPU: the CPU path, which also takes
-    destinations, rotary, stochastic rounding and 8-bit states. Every ``out`` is stepwise decoding's, bit for bit, on both; with ``from_checkpoint`` an
+    capture it (the ring lengths move on the device); it takes destinations and the rotary angle. On
+    CPU: the CPU path, which also takes stochastic rounding and 8-bit states. Every ``out`` is
+    stepwise decoding's, bit for bit, on both; with ``from_checkpoint`` an
     append's ``out`` comes from the checkpoint and the ring instead (docs/design.md, "Replay": no state
     update; the step's accuracy rule), a flush's is still stepwise decoding's.
 
@@ -216,7 +217,7 @@ def _remember(key, checked: _CheckedRing) -> None:
 
 
 def _ring_spans(ring: Ring) -> tuple:
-    spans = (checks.byte_span(v) for v in (ring.B, ring.x, ring.coef, ring.length))
+    spans = (checks.byte_span(v) for v in _written_ring(ring).values())
     return tuple(span for span in spans if span is not None)
 
 
@@ -247,10 +248,16 @@ def _disjoint_from_step(spans: tuple, t: StepTensors) -> bool:
     return True
 
 
+def _written_ring(ring: Ring) -> dict:
+    """The ring tensors the kernel writes, by argument name (:data:`RING_FIELDS`; the angles with rotary)."""
+    values = (ring.B, ring.x, ring.coef, ring.length, ring.angle)
+    return {name: value for name, value in zip(RING_FIELDS, values) if value is not None}
+
+
 def _check_ring_memory(t: StepTensors, ring: Ring) -> None:
     """The ring's tensors are written in place: writable, unit innermost stride, 32-bit inner offsets,
     no element sharing memory, no byte shared with another ring tensor or any argument."""
-    written = dict(zip(RING_FIELDS, (ring.B, ring.x, ring.coef, ring.length)))
+    written = _written_ring(ring)
     inference_mode = torch.is_inference_mode_enabled()
     for name, value in written.items():
         checks.check_write_target(name, value, inference_mode)

@@ -433,6 +433,8 @@ class Mamba3StepKernel:
             for g in cutlass.range_constexpr(self.layout.row_groups):
                 self.store_state(groups[g], m, cta)
             self.store_kv_state(m, shared.sBB[(count + 1) % 2, None, None], shared.sX, cta)
+            if const_expr(self.S > 0):  # the checkpoint's angle: the last committed entry's
+                self.for_thread_indices(self.S, cta.tidx, lambda a: self.store_angle_state(m, count, cta, a))
         first = cutlass.select_(flush, Int32(0), count)  # the drafts' first ring entry
         for i in cutlass.range_constexpr(self.T):
             cute.arch.barrier()  # the flush's stores, or draft i - 1, are done with the shared buffers
@@ -453,9 +455,14 @@ class Mamba3StepKernel:
         parity = (count + i) % 2
         tok = Token(i, lane_t, shared.sBB[parity, None, None], shared.sBB[1 - parity, None, None],
                     *self.decay_coefficients(m, lane_t, h))
-        hbc = 0 if const_expr(self.shared_bc) else h
-        self.stage_kv_row(m.B, lane_t, hbc, tok.sB, cta)
-        self.stage_kv_row(m.C, lane_t, hbc, shared.sC, cta)
+        if const_expr(self.S > 0):
+            def store_angle(a, q):  # the draft's angle goes with its ring entry, uncommitted
+                mRingAngle = m.ring_angle
+                if cta.dst_live:
+                    mRingAngle[cta.dst, first + i, h, a] = q
+
+            self.rotary_token(m, tok, count, shared, cta, store_angle)
+        self.stage_bc(m, tok, shared, cta)
         if const_expr(i == 0):
             self.stage_coefficients(m, (m.x, lane_t), lambda dg: self.x_before_drafts(m, count, cta, dg), tok,
                                     shared, cta)
@@ -522,7 +529,14 @@ class Mamba3StepKernel:
         src, h = cta.src, cta.h
         tok = Token(j, None, shared.sBB[j % 2, None, None], shared.sBB[(j + 1) % 2, None, None],
                     *self.decay(m.ring_coef[src, j, h, 0], m.ring_coef[src, j, h, 1], m.ring_coef[src, j, h, 2]))
-        self.stage_kv_row(m.ring_B, (src, j), h, tok.sB, cta)
+        if const_expr(self.S > 0):  # B~ again: B, its bias, rotated by the entry's stored angle
+            self.stored_angles(m.ring_angle, (src, j), shared, cta)
+            cute.arch.barrier()
+            self.stage_rotated(m.ring_B, m.B_bias, (src, j), h, tok.sB, shared.sCS, cta)
+            if const_expr(j > 0 and self.kv_dtype is not Float32):  # entry j - 1's B~ as Bstate would hold it
+                self.round_previous_b(tok.sBs, cta)
+        else:
+            self.stage_kv_row(m.ring_B, (src, j), h, tok.sB, cta)
         mXprev, prev = (m.Xstate, (src,)) if const_expr(j == 0) else (m.ring_x, (src, j - 1))
         self.stage_coefficients(m, (m.ring_x, (src, j)), lambda dg: mXprev[prev + (h, dg)].to(Float32), tok, shared,
                                 cta)
@@ -530,6 +544,34 @@ class Mamba3StepKernel:
         operands = self.load_operands(tok, shared, cta)
         for g in cutlass.range_constexpr(self.layout.row_groups):
             self.update_rows(groups[g], operands, tok, shared, cta)  # its output is not needed: y is dead code
+
+    @cute.jit
+    def rotary_token(self, m: KernelArgs, tok: Token, count: Int32, shared: Shared, cta: Cta, store: Callable):
+        """With rotary, before a replay step's token is staged: its angles advanced from the row's
+        current angle (:meth:`current_angle`; the previous draft's for ``tok.t > 0``) and stored by
+        ``store(i, q)``; after a barrier, the previous token's B~ rounded as Bstate holds it (a
+        no-op on Bstate itself)."""
+        self.advance_angles(m, tok, shared, cta, start=lambda a: self.current_angle(m, count, cta, a), store=store)
+        cute.arch.barrier()  # cos/sin of the new angles, for the B/C staging
+        if const_expr(self.kv_dtype is not Float32):
+            self.round_previous_b(tok.sBs, cta)
+
+    @cute.jit
+    def current_angle(self, m: KernelArgs, count: Int32, cta: Cta, a: Int32) -> Int64:
+        """Angle ``a`` of row ``src`` after its ``count`` committed tokens: the last one's ring entry,
+        or ``angle_state`` (the checkpoint's) with none."""
+        q = Int64(0)
+        if count > 0:
+            q = m.ring_angle[cta.src, count - 1, cta.h, a]
+        else:
+            q = m.angle_state[cta.src, cta.h, a]
+        return q
+
+    @cute.jit
+    def store_angle_state(self, m: KernelArgs, count: Int32, cta: Cta, a: Int32):
+        """A verify step's flush: angle ``a`` of the last committed entry to ``angle_state[dst]``."""
+        mAngle = m.angle_state
+        mAngle[cta.dst, cta.h, a] = m.ring_angle[cta.src, count - 1, cta.h, a]
 
     @cute.jit
     def live_token(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list):
@@ -542,9 +584,17 @@ class Mamba3StepKernel:
         parity = count % 2
         tok = Token(0, lane_t, shared.sBB[parity, None, None], shared.sBB[1 - parity, None, None],
                     *self.decay_coefficients(m, lane_t, h))
-        hbc = 0 if const_expr(self.shared_bc) else h
-        self.stage_kv_row(m.B, lane_t, hbc, tok.sB, cta)
-        self.stage_kv_row(m.C, lane_t, hbc, shared.sC, cta)
+        if const_expr(self.S > 0):
+            def store_angle(a, q):  # a flush's angle is the new checkpoint's, an append's its entry's
+                mAngle, mRingAngle = m.angle_state, m.ring_angle
+                if cta.dst_live:
+                    if self.flushes(count, cta):
+                        mAngle[cta.dst, h, a] = q
+                    else:
+                        mRingAngle[cta.dst, count, h, a] = q
+
+            self.rotary_token(m, tok, count, shared, cta, store_angle)
+        self.stage_bc(m, tok, shared, cta)
 
         def xprev(dg):  # the entry before this token, or Xstate with an empty ring: one load either way
             v = Float32(0.0)
@@ -725,11 +775,16 @@ class Mamba3StepKernel:
         fp32 copies, which convert back exactly), and its A, dt, trap (thread 0)."""
         dst, h = cta.dst, cta.h
 
+        hbc = 0 if const_expr(self.shared_bc) else h
+
         def store_b(i):  # i = r * N + n
             mRingB = m.ring_B  # stored under a runtime `if`: a local name (see for_thread_indices)
             r = i // self.N
             n = i - r * self.N
-            mRingB[dst, entry, r, h, n] = tok.sB[r, n].to(self.kv_dtype)
+            if const_expr(self.S > 0):  # B as received (sB holds B~)
+                mRingB[dst, entry, r, h, n] = m.B[tok.lane_t + (r, hbc, n)]
+            else:
+                mRingB[dst, entry, r, h, n] = tok.sB[r, n].to(self.kv_dtype)
 
         self.for_thread_indices(self.R * self.N, cta.tidx, store_b)
         d0 = cta.dtile * self.tile_D
@@ -914,6 +969,15 @@ class Mamba3StepKernel:
         leading coordinates): Xstate (P, H, D) and ``(src,)``, or ``x`` itself and the previous
         token's coordinates.
         """
+        self.stage_bc(m, tok, shared, cta)
+        mXprev, prev = Xprev
+        self.stage_coefficients(m, (m.x, tok.lane_t), lambda dg: mXprev[prev + (cta.h, dg)].to(Float32), tok, shared,
+                                cta)
+
+    @cute.jit
+    def stage_bc(self, m: KernelArgs, tok: Token, shared: Shared, cta: Cta):
+        """The token's B and C rows to ``tok.sB`` and ``sC``, fp32: as they are, or with rotary B~ and
+        C~ (plus their biases, rotated by the token's angles in ``sCS``)."""
         hbc = 0 if const_expr(self.shared_bc) else cta.h  # B/C's head: one shared by the heads, or h
         if const_expr(self.S > 0):
             self.stage_rotated(m.B, m.B_bias, tok.lane_t, hbc, tok.sB, shared.sCS, cta)
@@ -921,9 +985,6 @@ class Mamba3StepKernel:
         else:
             self.stage_kv_row(m.B, tok.lane_t, hbc, tok.sB, cta)
             self.stage_kv_row(m.C, tok.lane_t, hbc, shared.sC, cta)
-        mXprev, prev = Xprev
-        self.stage_coefficients(m, (m.x, tok.lane_t), lambda dg: mXprev[prev + (cta.h, dg)].to(Float32), tok, shared,
-                                cta)
 
     @cute.jit
     def stage_coefficients(self, m: KernelArgs, X: tuple, xprev: Callable, tok: Token, shared: Shared, cta: Cta):
@@ -968,31 +1029,52 @@ class Mamba3StepKernel:
 
     # ------------------------------------------------------------------ rotary stages
     @cute.jit
-    def advance_angles(self, m: KernelArgs, tok: Token, shared: Shared, cta: Cta):
+    def advance_angles(self, m: KernelArgs, tok: Token, shared: Shared, cta: Cta, start: Optional[Callable] = None,
+                       store: Optional[Callable] = None):
         """Thread ``i < S``: angle ``i`` of the (lane, head) advanced by ``tanh(angle_proj) dt pi``
         in fixed point (:meth:`angle_units`), kept in ``sAng`` for the next token, its cos/sin
         to ``sCS``, and stored to ``angle_state[dst]`` when this token's state is stored. Angle
         ``i`` is read and written by thread ``i`` only, and one CTA owns the (lane, head)
-        (``tile_D >= D``), so an in-place row (dst = src) is race-free."""
+        (``tile_D >= D``), so an in-place row (dst = src) is race-free. Replay passes
+        ``start(i)``, token 0's angle before it (else ``angle_state[src]``), and ``store(i, q)``,
+        which stores the new angle where it goes (else the rule above)."""
 
         def advance(i):
             sAng, sCS = shared.sAng, shared.sCS  # stored under a runtime `if`: local names
             mAngle = m.angle_state
-            if const_expr(tok.t == 0):
+            q = Int64(0)
+            if const_expr(tok.t > 0):
+                q = sAng[i]
+            elif const_expr(start is None):
                 q = mAngle[cta.src, cta.h, i]
             else:
-                q = sAng[i]
+                q = start(i)
             w = cute.math.tanh(m.angle_proj[tok.lane_t + (cta.h, i)]) * tok.dt
             q = q + self.angle_units(w)
             sAng[i] = q
             c, s = self.turn_cos_sin(q)
             sCS[0, i] = c
             sCS[1, i] = s
-            if const_expr(self.store_each or tok.t == self.T - 1):
+            if const_expr(store is not None):
+                store(i, q)
+            elif const_expr(self.store_each or tok.t == self.T - 1):
                 if cta.dst_live:
                     mAngle[cta.dst, cta.h, i] = q
 
         self.for_thread_indices(self.S, cta.tidx, advance)
+
+    @cute.jit
+    def stored_angles(self, mAngle: cute.Tensor, lead: tuple, shared: Shared, cta: Cta):
+        """Thread ``i < S``: the cos/sin of a stored angle ``mAngle[lead][h, i]`` (a ring entry's) to
+        ``sCS``, for staging that token's B~ again."""
+
+        def turn(i):
+            sCS = shared.sCS  # stored under a runtime `if`: a local name
+            c, s = self.turn_cos_sin(mAngle[lead + (cta.h, i)])
+            sCS[0, i] = c
+            sCS[1, i] = s
+
+        self.for_thread_indices(self.S, cta.tidx, turn)
 
     def angle_units(self, w: Float32) -> Int64:
         """The fixed-point increment of ``w / 2`` turns (``w = tanh(angle_proj) dt``), in units of
@@ -1598,6 +1680,7 @@ def fake_arguments(spec: StepSpec) -> KernelArgs:
         ring_x=strided(xt, (pool, ring, heads, D)) if K else None,
         ring_coef=strided(Float32, (pool, ring, heads, 3)) if K else None,
         ring_length=strided(Int32, (pool, heads)) if K else None,
+        ring_angle=strided(Int64, (pool, ring, heads, S)) if K and S else None,
         null_slot=Int32(-1),
     )
 

@@ -88,9 +88,16 @@ def test_kernel_spec_refuses_what_the_kernel_does_not_take_by_name():
     assert replay_kernel_spec(call._replace(dst_state_batch_indices=moved), ring, K) == flagship_spec(
         replay_ring=K, has_dst=True)
     _refused(drafts._replace(dst_state_batch_indices=moved), ring, "dst_state_batch_indices with a verify step")
-    rotary = with_rotary({**call._asdict(), "state": rows["state"]}, 16, seed=4)
-    _refused(StepTensors(**rotary), new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16,
-                                             rope_angles=16), "replay_ring needs no rotary angle")
+    rotary = StepTensors(**with_rotary({**call._asdict(), "state": rows["state"]}, 16, seed=4))
+    rotary_ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16, rope_angles=16)
+    assert replay_kernel_spec(rotary, rotary_ring, K) == flagship_spec(replay_ring=K, rope_angles=16, has_bc_bias=True)
+    _refused(rotary, rotary_ring, "replay_from_checkpoint takes no rotary angle", from_checkpoint=True)
+    _refused(rotary, rotary_ring._replace(angle=rotary.angle_state.view(P, 1, H, 16).expand(-1, K - 1, -1, -1)),
+             "ring_angle: expected a tensor whose elements do not overlap")  # the kernel writes it
+    shared = torch.zeros(rotary_ring.angle.numel(), dtype=torch.int64)
+    _refused(rotary._replace(angle_state=shared[:P * H * 16].view(P, H, 16)),
+             rotary_ring._replace(angle=shared.view(rotary_ring.angle.shape)),
+             "ring_angle: expected memory disjoint from angle_state")
     _refused(call, ring, "K must be an int in", K=1)
     _refused(call, ring, "tile_D >= headdim", tile_D=32)
     assert replay_kernel_spec(call, ring, K) == flagship_spec(replay_ring=K)  # this ring checked and kept

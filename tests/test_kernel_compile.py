@@ -156,6 +156,9 @@ REPLAY = {
     "N32-D64-R8-replay-K3-fp32io-noout": StepSpec(
         32, 64, 8, "float32", "float32", "float32", "float32", pool=True, update_kv_state=True, has_outproj=False,
         replay_ring=3),
+    # the rotary flagship (the whole Mamba-3 decode state): ring entries keep B and the angle, a replayed
+    # token's B~ is staged again from them
+    "flagship-rotary-replay-K4": flagship_rotary_spec(replay_ring=4),
 }
 
 #: replay's verify steps (T draft tokens; the next step commits num_accepted_tokens of them)
@@ -165,6 +168,10 @@ REPLAY_VERIFY = {
     "N32-D64-R2-bf16state-replay-K2-verify-T2-noz": StepSpec(
         32, 64, 2, "bfloat16", pool=True, update_kv_state=True, has_z=False, replay_ring=2, tokens=2,
         num_accepted=True),
+    "flagship-rotary-replay-K4-verify-T4": flagship_rotary_spec(replay_ring=4, tokens=4, num_accepted=True),
+    "N32-D64-R2-fp16-replay-K2-verify-T3-rotary-perhead": StepSpec(
+        32, 64, 2, "float32", "float16", "float16", "float16", pool=True, update_kv_state=True, has_z=False,
+        replay_ring=2, tokens=3, num_accepted=True, rope_angles=8, has_bc_bias=True),
 }
 
 #: one-token replay steps with destinations (a lane whose destination is another row flushes into it)
@@ -174,6 +181,8 @@ REPLAY_DST = {
     "N32-D64-R2-bf16state-replay-K3-dst-from-checkpoint-noz": StepSpec(
         32, 64, 2, "bfloat16", pool=True, has_dst=True, update_kv_state=True, has_z=False, replay_ring=3,
         replay_from_checkpoint=True),
+    "N64-D32-R1-siso-pairwise-rope1-replay-K3-dst": ROTARY["N64-D32-R1-siso-pairwise-rope1"].replace(
+        has_dst=True, replay_ring=3),
 }
 
 #: replayed steps whose one-token default is one warp, at the two warps they get instead
@@ -269,7 +278,14 @@ def check_compiler_facts(spec: StepSpec, arch: str) -> None:
     # and the seed and offset of stochastic rounding, read once
     angles = -(-spec.rope_angles // lay.num_threads)
     seeds = 2 if spec.stochastic_rounding else 0
-    assert f.count("LDG", 64) == angles + seeds and f.count("STG", 64) == angles * writes, where
+    loads, stores = angles, angles * writes
+    if spec.replay_ring:  # each unrolled ring entry's stored angle; the current angle from the ring or angle_state
+        loads = angles * (spec.ring_entries + 2)
+        # one-token: the flush's angle_state or the append's entry; verify: the flush copies the last
+        # committed entry's angle to angle_state (one more load), each draft stores its entry's
+        stores = angles * (2 if spec.tokens == 1 else 1 + spec.tokens)
+        loads += angles * (spec.tokens > 1)
+    assert f.count("LDG", 64) == loads + seeds and f.count("STG", 64) == stores, where
     if spec.pool:
         # replay: the row's ring length is read before the branch (a count out of range is padding too)
         check_padding_guard(f.sass_text, where, loads=2 + spec.num_accepted + bool(spec.replay_ring))

@@ -31,15 +31,20 @@ from mamba3_step.bytes_model import replay_bytes
 from mamba3_step.ptx import analysis
 from mamba3_step.ptx_tier import run_step_ptx
 from mamba3_step.replay import new_ring, replay_step
+from mamba3_step.rotary import ANGLE_UNIT_RADIANS
 from mamba3_step.spec import StepSpec
 from mamba3_step.tensors import StepTensors
-from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_, row_tensors
+from mamba3_step.testing import INT64_MAX, INT64_MIN, bits_equal, lane_inputs, layer_weights, poison_, row_tensors
 from mamba3_step.verify import append_reference
 
 P, NULL = 8, 7
 #: padding values of every kind (negative, out of range, the null slot)
 PADDING = (-1, P, -(2**31), 2**31 - 1, NULL)
 RING_TENSORS = {"ring_B": "B", "ring_x": "x", "ring_coef": "coef", "ring_length": "length"}
+#: a ring's fields, the angles with rotary
+RING_FIELDS = ("B", "x", "coef", "length", "angle")
+#: the pools a flush writes (angle_state with rotary)
+POOLS = ("state", "Bstate", "Xstate", "angle_state")
 
 
 def _spec(name: str) -> StepSpec:
@@ -55,12 +60,49 @@ def _heads(spec: StepSpec) -> int:
     return 1 if spec.dstate * spec.headdim * spec.mimo >= 128 * 64 * 4 else 2
 
 
+def rotary_rows(spec: StepSpec, rows: int, H: int, g: torch.Generator) -> dict:
+    """With rotary, ``angle_state`` (rows, H, S): random angles over the whole turn; else nothing."""
+    S = spec.rope_angles
+    return {"angle_state": torch.randint(INT64_MIN, INT64_MAX, (rows, H, S), generator=g)} if S else {}
+
+
+def rotary_weights(spec: StepSpec, H: int, g: torch.Generator) -> dict:
+    """With B/C biases, ``B_bias``/``C_bias`` (R, H, N) fp32 around 1 (upstream's initial value)."""
+    if not spec.has_bc_bias:
+        return {}
+    shape = (spec.mimo, H, spec.dstate)
+    return {k: 1 + 0.3 * torch.randn(shape, generator=g) for k in ("B_bias", "C_bias")}
+
+
+def lane_with_rotary(spec: StepSpec, lane: dict, g: torch.Generator) -> dict:
+    """``lane`` with rotary's ``angle_proj`` (B, [T,] H, S) and, with B/C shared by the heads, B and C
+    of one head."""
+    if spec.rope_angles:
+        lead = lane["x"].shape[:-1]  # (B, [T,] H)
+        lane["angle_proj"] = 1.5 * torch.randn(lead + (spec.rope_angles,), generator=g)
+    if spec.shared_bc:
+        lane["B"], lane["C"] = lane["B"][..., :1, :].contiguous(), lane["C"][..., :1, :].contiguous()
+    return lane
+
+
+def rotary_arguments(pools: dict, lane: dict, weights: dict) -> dict:
+    """The rotary arguments of a test layer's call (None without rotary)."""
+    return dict(angle_state=pools.get("angle_state"), angle_proj=lane.get("angle_proj"),
+                B_bias=weights.get("B_bias"), C_bias=weights.get("C_bias"))
+
+
+def ring_snapshot(ring) -> dict:
+    """Copies of a ring's fields (:data:`RING_FIELDS`, those it has) as ``ring.<field>``."""
+    return {f"ring.{f}": getattr(ring, f).clone() for f in RING_FIELDS if getattr(ring, f) is not None}
+
+
 def join_request(layer, row: int) -> None:
     """A new request in ``row`` of a test layer (``spec``, ``H``, ``g``, ``io``, ``pools`` and ``rings``
     by kind): a fresh checkpoint in every copy of the pools, an empty ring in every ring."""
     s = layer.spec
     fresh = row_tensors(1, layer.H, s.headdim, s.dstate, s.mimo, state_dtype=s.state_dtype, generator=layer.g,
                         **layer.io)
+    fresh.update(rotary_rows(s, 1, layer.H, layer.g))
     for pools in layer.pools.values():
         for k, v in fresh.items():
             pools[k][row] = v[0]
@@ -78,28 +120,32 @@ class Layer:
         self.io = dict(kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype)
         rows = row_tensors(P, self.H, spec.headdim, spec.dstate, spec.mimo, state_dtype=spec.state_dtype,
                            generator=self.g, **self.io)
+        rows.update(rotary_rows(spec, P, self.H, self.g))
         self.weights = layer_weights(self.H, spec.headdim, spec.mimo, proj_dtype=spec.proj_dtype, has_z=spec.has_z,
                                      has_outproj=spec.has_outproj, generator=self.g)
+        self.weights.update(rotary_weights(spec, self.H, self.g))
         self.pools = {kind: {k: v.clone() for k, v in rows.items()} for kind in ("replay", "stepwise", "cpu")}
+        self.flushed = tuple(k for k in POOLS if k in rows)  # the rows a flush writes
         kv, xt = rows["Bstate"].dtype, rows["Xstate"].dtype
         shape = (P, spec.replay_ring, spec.mimo, self.H, spec.dstate, spec.headdim)
-        self.rings = {kind: new_ring(*shape, kv_dtype=kv, x_dtype=xt) for kind in ("replay", "cpu")}
+        self.rings = {kind: new_ring(*shape, kv_dtype=kv, x_dtype=xt, rope_angles=spec.rope_angles)
+                      for kind in ("replay", "cpu")}
         for ring in self.rings.values():  # entries past a row's length are never read
-            for t in (ring.B, ring.x, ring.coef):
-                poison_(t, seed=3)
+            for t in (ring.B, ring.x, ring.coef, ring.angle):
+                if t is not None:
+                    poison_(t, seed=3)
 
     def lane(self, B: int) -> dict:
         s = self.spec
         lane = lane_inputs(B, self.H, s.headdim, s.dstate, s.mimo, has_z=s.has_z, generator=self.g, **self.io)
-        if s.shared_bc:
-            lane["B"], lane["C"] = lane["B"][:, :, :1].contiguous(), lane["C"][:, :, :1].contiguous()
-        return lane
+        return lane_with_rotary(s, lane, self.g)
 
     def call(self, kind: str, lane: dict, index: torch.Tensor, out=None, dst=None) -> StepTensors:
         p, w = self.pools[kind], self.weights
         return StepTensors(p["state"], p["Bstate"], p["Xstate"], lane["A"], lane["B"], lane["C"], w["D"], lane["x"],
                            lane["dt"], lane["trap"], w["xproj"], outproj=w["outproj"], out=out, z=lane["z"],
-                           zproj=w["zproj"], state_batch_indices=index, dst_state_batch_indices=dst, null_slot_id=NULL)
+                           zproj=w["zproj"], state_batch_indices=index, dst_state_batch_indices=dst, null_slot_id=NULL,
+                           **rotary_arguments(p, lane, w))
 
     def out(self, B: int) -> torch.Tensor:
         s, x_dtype = self.spec, self.pools["replay"]["Xstate"].dtype
@@ -116,12 +162,12 @@ class Layer:
         run_step_ptx(self.spec, self.call("replay", lane, index, got, dst), ring=self.rings["replay"])
         run_step_ptx(_stepwise(self.spec), self.call("stepwise", lane, index, want, dst))
         replay_step(self.call("cpu", lane, index, None, dst), self.rings["cpu"], self.spec.replay_ring,
-                    exact_outputs=not self.spec.replay_from_checkpoint)
+                    exact_outputs=not self.spec.replay_from_checkpoint, rotate_pairwise=self.spec.rotate_pairwise)
         return got, want
 
     def snapshot(self) -> dict:
         held = {f"{k}": v.clone() for k, v in self.pools["replay"].items()}
-        held.update({f"ring.{f}": getattr(self.rings["replay"], f).clone() for f in ("B", "x", "coef", "length")})
+        held.update(ring_snapshot(self.rings["replay"]))
         return held
 
 
@@ -165,7 +211,7 @@ def test_replay_decode_is_bit_identical_to_the_executed_stepwise_kernel(name):
         for row in active:
             if int(layer.rings["replay"].length[row, 0]) == 0:  # flushed: the checkpoint is the current state
                 flushes[row] = flushes.get(row, 0) + 1
-                for k in ("state", "Bstate", "Xstate"):
+                for k in layer.flushed:
                     assert bits_equal(replay[k][row], stepwise[k][row]), f"{name} step {s}: row {row} {k} at a flush"
         check_ring_and_other_rows(layer, before, layer.snapshot(), set(active), f"{name} step {s}")
     assert max(flushes.values()) >= 2, f"{name}: the decode crossed fewer than two flushes of one row"
@@ -215,12 +261,12 @@ def test_replay_destinations_flush_into_another_row(name):
             elif to != row:
                 moved += 1
                 assert int(after["ring.length"][to, 0]) == 0, f"{name} step {s}: row {to}'s ring not emptied"
-                for k in ("state", "Bstate", "Xstate"):
+                for k in layer.flushed:
                     assert bits_equal(after[k][to], layer.pools["stepwise"][k][to]), f"{name} step {s}: row {to} {k}"
                 for k, v in before.items():
                     assert bits_equal(after[k][row], v[row]), f"{name} step {s}: source row {row} of {k} written"
             elif int(after["ring.length"][row, 0]) == 0:
-                for k in ("state", "Bstate", "Xstate"):
+                for k in layer.flushed:
                     assert bits_equal(after[k][row], layer.pools["stepwise"][k][row]), f"{name} step {s}: {k} flush"
         named = {r for row, to in zip(lanes, dst) if row in active for r in (row, to)}
         check_ring_and_other_rows(layer, before, after, named, f"{name} step {s}")
@@ -228,12 +274,23 @@ def test_replay_destinations_flush_into_another_row(name):
     assert moved >= 3 and padded == 1, (moved, padded)
 
 
+def ring_tensors(ring) -> dict:
+    """A ring's tensors by kernel argument name (``ring_angle`` with rotary)."""
+    named = {k: getattr(ring, f) for k, f in RING_TENSORS.items()}
+    if ring.angle is not None:
+        named["ring_angle"] = ring.angle
+    return named
+
+
 def check_ring_and_other_rows(layer, before: dict, after: dict, named: set, where: str) -> None:
     """The replay ring equals the CPU path's bit for bit, and every row outside ``named`` keeps every bit
     of every pool and ring (``before``/``after``: :meth:`Layer.snapshot`)."""
-    for f in ("B", "x", "coef", "length"):
-        assert bits_equal(getattr(layer.rings["replay"], f), getattr(layer.rings["cpu"], f)), \
-            f"{where}: ring.{f} differs from the CPU path's"
+    for f in RING_FIELDS:
+        got, cpu = getattr(layer.rings["replay"], f), getattr(layer.rings["cpu"], f)
+        if f == "angle" and got is not None:  # tanh: the kernel's and PyTorch's differ in the last bits
+            assert float((got - cpu).abs().max()) * ANGLE_UNIT_RADIANS < 1e-5, f"{where}: ring.angle (radians)"
+        elif got is not None:
+            assert bits_equal(got, cpu), f"{where}: ring.{f} differs from the CPU path's"
     for row in set(range(before["state"].shape[0])) - named:
         for k, v in before.items():
             assert bits_equal(after[k][row], v[row]), f"{where}: row {row} of {k} written"
@@ -280,8 +337,8 @@ def test_lanes_touch_exactly_their_rows_and_ring_entries(name):
     out = layer.out(len(lanes))
     tensors = layer.call("replay", layer.lane(len(lanes)), index, out)
     res = run_step_ptx(spec, tensors, ring=ring, record_shared=True)
-    rows = {k: tensors._asdict()[k] for k in ("state", "Bstate", "Xstate")}
-    rings = {k: getattr(ring, f) for k, f in RING_TENSORS.items()}
+    rows = {k: tensors._asdict()[k] for k in layer.flushed}
+    rings = ring_tensors(ring)
     for b, row in enumerate(lanes):
         touched = _touched(res, b)
         c = counts.get(row)
@@ -297,7 +354,8 @@ def test_lanes_touch_exactly_their_rows_and_ring_entries(name):
             continue
         flush = c == K - 1
         for k, t in rows.items():
-            assert _within(touched[False], t) == _span(t[row]), f"{name}: lane {b} reads row {row} of {k}"
+            read = _span(t[row]) if k != "angle_state" or c == 0 else set()  # else the last entry's angle
+            assert _within(touched[False], t) == read, f"{name}: lane {b} reads row {row} of {k}"
             assert _within(touched[True], t) == (_span(t[row]) if flush else set()), f"{name}: lane {b} writes {k}"
         for k, t in rings.items():
             if k == "ring_length":

@@ -26,8 +26,9 @@ import numpy as np
 import pytest
 import torch
 from test_kernel_compile import REPLAY_VERIFY, REPLAY_VERIFY_MIXED
-from test_ptx_replay import (RING_TENSORS, _heads, _is_positive_zero, _span, _touched, _within, check_ring_and_other_rows,
-                             join_request)
+from test_ptx_replay import (POOLS, RING_TENSORS, _heads, _is_positive_zero, _span, _touched, _within,
+                             check_ring_and_other_rows, join_request, lane_with_rotary, ring_snapshot, rotary_arguments,
+                             rotary_rows, rotary_weights)
 
 from mamba3_step.ptx import analysis
 from mamba3_step.ptx_tier import run_step_ptx
@@ -38,7 +39,6 @@ from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_,
 
 P, NULL = 9, 8
 PADDING = (-1, P, -(2**31), 2**31 - 1, NULL)
-POOLS = ("state", "Bstate", "Xstate")
 
 
 def _spec(name: str) -> StepSpec:
@@ -62,27 +62,33 @@ class Layer:
         self.io = dict(kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype)
         rows = row_tensors(P, self.H, spec.headdim, spec.dstate, spec.mimo, state_dtype=spec.state_dtype,
                            generator=self.g, **self.io)
+        rows.update(rotary_rows(spec, P, self.H, self.g))
         self.weights = layer_weights(self.H, spec.headdim, spec.mimo, proj_dtype=spec.proj_dtype, has_z=spec.has_z,
                                      has_outproj=spec.has_outproj, generator=self.g)
+        self.weights.update(rotary_weights(spec, self.H, self.g))
         self.pools = {kind: {k: v.clone() for k, v in rows.items()} for kind in ("replay", "cpu", "stepwise")}
+        self.flushed = tuple(k for k in POOLS if k in rows)  # the rows a flush writes
         shape = (P, self.K, spec.mimo, self.H, spec.dstate, spec.headdim)
         self.rings = {kind: new_ring(*shape, kv_dtype=rows["Bstate"].dtype, x_dtype=rows["Xstate"].dtype,
-                                     draft=self.T) for kind in ("replay", "cpu")}
+                                     draft=self.T, rope_angles=spec.rope_angles) for kind in ("replay", "cpu")}
         for ring in self.rings.values():  # entries past what a lane reads are never read
-            for t in (ring.B, ring.x, ring.coef):
-                poison_(t, seed=3)
+            for t in (ring.B, ring.x, ring.coef, ring.angle):
+                if t is not None:
+                    poison_(t, seed=3)
         self.pending = {}  # row -> its last round's drafts (lane inputs with a token axis)
 
     def lane(self, B: int, tokens) -> dict:
         s = self.spec
-        return lane_inputs(B, self.H, s.headdim, s.dstate, s.mimo, has_z=s.has_z, tokens=tokens, generator=self.g,
+        lane = lane_inputs(B, self.H, s.headdim, s.dstate, s.mimo, has_z=s.has_z, tokens=tokens, generator=self.g,
                            **self.io)
+        return lane_with_rotary(s, lane, self.g)
 
     def call(self, pools: dict, lane: dict, index: torch.Tensor, out=None) -> StepTensors:
         w = self.weights
         return StepTensors(pools["state"], pools["Bstate"], pools["Xstate"], lane["A"], lane["B"], lane["C"], w["D"],
                            lane["x"], lane["dt"], lane["trap"], w["xproj"], outproj=w["outproj"], out=out,
-                           z=lane["z"], zproj=w["zproj"], state_batch_indices=index, null_slot_id=NULL)
+                           z=lane["z"], zproj=w["zproj"], state_batch_indices=index, null_slot_id=NULL,
+                           **rotary_arguments(pools, lane, w))
 
     def out(self, B: int) -> torch.Tensor:
         s = self.spec
@@ -120,7 +126,7 @@ class Layer:
 
     def snapshot(self) -> dict:
         held = {k: v.clone() for k, v in self.pools["replay"].items()}
-        held.update({f"ring.{f}": getattr(self.rings["replay"], f).clone() for f in ("B", "x", "coef", "length")})
+        held.update(ring_snapshot(self.rings["replay"]))
         return held
 
 
@@ -195,7 +201,7 @@ def _verify_rounds(name: str, layer: Layer, specs: list, all_accepted) -> tuple:
         run_step_ptx(spec, layer.call(layer.pools["replay"], lane, index, got[:, 0] if one else got)
                      ._replace(num_accepted_tokens=acc), ring=layer.rings["replay"])
         replay_step(layer.call(layer.pools["cpu"], lane, index), layer.rings["cpu"], K, accepted=acc,
-                    exact_outputs=True)
+                    exact_outputs=True, rotate_pairwise=spec.rotate_pairwise)
         want = layer.drafts_stepwise(lane, index)
         for b, row in enumerate(lanes):
             if row not in active:
@@ -213,7 +219,7 @@ def _verify_rounds(name: str, layer: Layer, specs: list, all_accepted) -> tuple:
             if counts[row] >= (K - 1 if one else K):
                 flushes[row] = flushes.get(row, 0) + 1
                 assert int(layer.rings["replay"].length[row, 0]) == 0, f"{name} round {s}: row {row} not flushed"
-                for k in POOLS:
+                for k in layer.flushed:
                     assert bits_equal(replay[k][row], stepwise[k][row]), f"{name} round {s}: row {row} {k} at a flush"
         check_ring_and_other_rows(layer, before, layer.snapshot(), set(active), f"{name} round {s}")
     return flushes, beyond
@@ -234,7 +240,7 @@ def test_verify_lanes_touch_exactly_their_rows_and_ring_entries():
     out = layer.out(len(lanes))
     tensors = layer.call(layer.pools["replay"], layer.lane(len(lanes), T), index, out)
     res = run_step_ptx(spec, tensors._replace(num_accepted_tokens=accepted), ring=ring, record_shared=True)
-    rows = {k: getattr(tensors, k) for k in POOLS}
+    rows = {k: getattr(tensors, k) for k in layer.flushed}
     rings = {k: getattr(ring, f) for k, f in RING_TENSORS.items()}
     for b, row in enumerate(lanes):
         touched = _touched(res, b)

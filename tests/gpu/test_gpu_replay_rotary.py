@@ -1,0 +1,122 @@
+"""GPU suite for replay with the rotary angle (skipped without CUDA; docs/contract.md, "Replay").
+
+Written 2026-11-27, not yet run on a GPU; the PTX tier executes the same kernel code on the CPU
+(tests/test_ptx_replay.py and test_ptx_replay_verify.py, the ``rotary`` specialisations). A replay
+pool of the flagship rotary layer (S = 32 angles, B/C biases, B/C shared by the heads) against the
+stepwise rotary pool, on the real kernel:
+
+* ``decode_step`` and the CUDA-graph runner over 2K + 1 steps with a padding lane: every ``out`` bit
+  for bit, and each flushed row's state, Bstate, Xstate and angle;
+* verify rounds (``replay_draft = T``, a random number of each round's drafts accepted by the next):
+  the drafts' outs are the stepwise T-token kernel's bit for bit on the state after the accepted
+  tokens, and each flushed row equals the stepwise pool's.
+
+Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank, S angles, K flush
+length, T draft tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mamba3_step.testing import INT64_MAX, INT64_MIN, bits_equal, lane_inputs, layer_weights
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEV = "cuda"
+H, D, N, R, S = 4, 64, 128, 4, 32
+ROWS = ("state", "Bstate", "Xstate", "angle_state")
+
+
+def _weights(g: torch.Generator) -> dict:
+    w = layer_weights(H, D, R, generator=g, device=DEV)
+    w.update({k: (1 + 0.3 * torch.randn(R, H, N, generator=g)).to(DEV) for k in ("B_bias", "C_bias")})
+    return w
+
+
+def _lane(g: torch.Generator, n: int, tokens=None) -> dict:
+    """Lane inputs with B/C shared by the heads and angle_proj ``(n, [T,] H, S)``."""
+    lane = lane_inputs(n, H, D, N, R, tokens=tokens, generator=g, device=DEV)
+    lane["B"], lane["C"] = lane["B"][..., :1, :].contiguous(), lane["C"][..., :1, :].contiguous()
+    lead = (n,) if tokens is None else (n, tokens)
+    lane["angle_proj"] = (1.5 * torch.randn(*lead, H, S, generator=g)).to(DEV)
+    return lane
+
+
+def _pools(g: torch.Generator, replays: int, **replay):
+    """``replays`` replay pools and a stepwise one, five live slots with the same fresh rows and angles,
+    and the slots with a padding lane."""
+    from mamba3_step.serving import ReplayStatePool, StatePool
+
+    pools = [ReplayStatePool(1, 12, H, D, N, R, rope_angles=S, device=DEV, **replay) for _ in range(replays)]
+    stepwise = StatePool(1, 12, H, D, N, R, rope_angles=S, device=DEV)
+    slots = stepwise.alloc(5)
+    rows = slots.long().to(DEV)
+    fresh = torch.randn(5, H, D, N, generator=g).to(DEV)
+    angles = torch.randint(INT64_MIN, INT64_MAX, (5, H, S), generator=g).to(DEV)
+    for pool in (*pools, stepwise):
+        if pool is not stepwise:
+            assert torch.equal(pool.alloc(5), slots)
+        pool.state(0)[rows] = fresh
+        pool.angle_state(0)[rows] = angles
+    return pools, stepwise, slots, torch.cat([slots, torch.tensor([-1], dtype=torch.int32)]).to(DEV)
+
+
+def _check_flushed(replay, stepwise, slots: torch.Tensor, where: str) -> None:
+    for row in slots.tolist():
+        if int(replay.ring(0).length[row, 0]) == 0:
+            for k in ROWS:
+                assert bits_equal(getattr(replay, k)(0)[row], getattr(stepwise, k)(0)[row]), f"{where}: row {row} {k}"
+
+
+@pytest.mark.parametrize("K", [2, 4])
+def test_rotary_replay_pool_decode_and_graph_runner_match_the_stepwise_pool(K):
+    from mamba3_step.serving import CudaGraphStepRunner, decode_step
+
+    g = torch.Generator().manual_seed(40 + K)
+    w = _weights(g)
+    (eager, graphed), stepwise, slots, padded = _pools(g, 2, replay_ring=K)
+    runner = CudaGraphStepRunner(graphed, 0, buckets=(8,), shared_bc=True, **w)
+    flushed = 0
+    for step in range(2 * K + 1):
+        lane = _lane(g, 6)
+        want = decode_step(stepwise, 0, padded, **lane, **w)
+        got = decode_step(eager, 0, padded, **lane, **w)
+        got_graph = runner.step(padded, **lane)
+        torch.cuda.synchronize()
+        assert bits_equal(got, want) and bits_equal(got_graph, want), f"step {step}"
+        flushed += int((eager.ring(0).length[slots.long().to(DEV), 0] == 0).sum())
+        _check_flushed(eager, stepwise, slots, f"step {step}")
+        _check_flushed(graphed, stepwise, slots, f"step {step} (graph)")
+    assert flushed >= 2 * 5, "fewer than two flushes a row"
+
+
+@pytest.mark.parametrize("K, T", [(4, 4), (2, 2)])
+def test_rotary_verify_rounds_match_the_stepwise_kernel(K, T):
+    from mamba3_step.serving import StatePool, decode_step
+
+    g = torch.Generator().manual_seed(50 + K)
+    w = _weights(g)
+    (replay,), stepwise, slots, padded = _pools(g, 1, replay_ring=K, replay_draft=T)
+    scratch = StatePool(1, 12, H, D, N, R, rope_angles=S, device=DEV)
+    pending, accepted = None, torch.zeros(6, dtype=torch.int32, device=DEV)
+    for round_ in range(6):
+        if pending is not None:  # the stepwise pool steps each lane's accepted drafts, one token at a time
+            accepted = torch.randint(0, T + 1, (6,), generator=g, dtype=torch.int32).to(DEV)
+            accepted[-1] = 0
+            for j in range(T):
+                go = torch.where(accepted > j, padded, torch.full_like(padded, -1))
+                decode_step(stepwise, 0, go, **{k: v[:, j] for k, v in pending.items()}, **w)
+        lane = _lane(g, 6, tokens=T)
+        for mine, theirs in zip(scratch._pools(), stepwise._pools()):
+            mine.copy_(theirs)
+        want = decode_step(scratch, 0, padded, **lane, **w)
+        got = decode_step(replay, 0, padded, **lane, **w, num_accepted_tokens=accepted)
+        torch.cuda.synchronize()
+        assert bits_equal(got, want), f"round {round_}: the drafts' outs"
+        _check_flushed(replay, stepwise, slots, f"round {round_}")
+        pending = lane
