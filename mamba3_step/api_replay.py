@@ -44,9 +44,10 @@ def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Option
     :class:`~mamba3_step.replay.Ring`; ``accepted`` (B,) int32 first commits that many of each
     lane's pending drafts. On CUDA: the replay kernel (what it takes: :func:`replay_kernel_spec`),
     on the current stream, no allocation but ``out``, no synchronisation, so a CUDA graph can
-    capture it (the ring lengths move on the device); it takes destinations and the rotary angle. On
-    CPU: the CPU path, which also takes stochastic rounding and 8-bit states. Every ``out`` is
-    stepwise decoding's, bit for bit, on both; with ``from_checkpoint`` an
+    capture it (the ring lengths move on the device); it takes destinations, the rotary angle,
+    stochastic rounding and 8-bit states. On CPU: the CPU path. Every ``out`` is stepwise
+    decoding's, bit for bit, on both; with ``from_checkpoint`` (not with rotary or stochastic
+    rounding on CUDA) an
     append's ``out`` comes from the checkpoint and the ring instead (docs/design.md, "Replay": no state
     update; the step's accuracy rule), a flush's is still stepwise decoding's.
 
@@ -249,8 +250,9 @@ def _disjoint_from_step(spans: tuple, t: StepTensors) -> bool:
 
 
 def _written_ring(ring: Ring) -> dict:
-    """The ring tensors the kernel writes, by argument name (:data:`RING_FIELDS`; the angles with rotary)."""
-    values = (ring.B, ring.x, ring.coef, ring.length, ring.angle)
+    """The ring tensors the kernel writes, by argument name (:data:`RING_FIELDS`; the angles with rotary,
+    the draws' offsets and rows with stochastic rounding)."""
+    values = (ring.B, ring.x, ring.coef, ring.length, ring.angle, ring.offset, ring.drawn_for)
     return {name: value for name, value in zip(RING_FIELDS, values) if value is not None}
 
 

@@ -126,7 +126,7 @@ class Token(NamedTuple):
     beta: Any  # Float32: (1 - trap) dt alpha
     gamma: Any  # Float32: trap dt
     dt: Any  # Float32: dt (the rotary angle's rate)
-    rng: Any = None  # (k0, k1, o0, o1) Uint32: stochastic rounding's key and this token's offset words
+    rng: Any = None  # (k0, k1, o0, o1[, row]) Uint32: stochastic rounding's key, the token's offset words (and a replayed entry's recorded row)
 
 
 class RowGroup(NamedTuple):
@@ -454,7 +454,8 @@ class Mamba3StepKernel:
         lane_t = (cta.b, i)
         parity = (count + i) % 2
         tok = Token(i, lane_t, shared.sBB[parity, None, None], shared.sBB[1 - parity, None, None],
-                    *self.decay_coefficients(m, lane_t, h))
+                    *self.decay_coefficients(m, lane_t, h),
+                    rng=self.token_rng(cta.seed, i) if const_expr(self.stochastic) else None)
         if const_expr(self.S > 0):
             def store_angle(a, q):  # the draft's angle goes with its ring entry, uncommitted
                 mRingAngle = m.ring_angle
@@ -528,7 +529,8 @@ class Mamba3StepKernel:
         first); the state updated and rounded as a stepwise step stores it."""
         src, h = cta.src, cta.h
         tok = Token(j, None, shared.sBB[j % 2, None, None], shared.sBB[(j + 1) % 2, None, None],
-                    *self.decay(m.ring_coef[src, j, h, 0], m.ring_coef[src, j, h, 1], m.ring_coef[src, j, h, 2]))
+                    *self.decay(m.ring_coef[src, j, h, 0], m.ring_coef[src, j, h, 1], m.ring_coef[src, j, h, 2]),
+                    rng=self.ring_rng(m, j, cta) if const_expr(self.stochastic) else None)
         if const_expr(self.S > 0):  # B~ again: B, its bias, rotated by the entry's stored angle
             self.stored_angles(m.ring_angle, (src, j), shared, cta)
             cute.arch.barrier()
@@ -583,7 +585,8 @@ class Mamba3StepKernel:
         lane_t = (cta.b,)
         parity = count % 2
         tok = Token(0, lane_t, shared.sBB[parity, None, None], shared.sBB[1 - parity, None, None],
-                    *self.decay_coefficients(m, lane_t, h))
+                    *self.decay_coefficients(m, lane_t, h),
+                    rng=self.token_rng(cta.seed, 0) if const_expr(self.stochastic) else None)
         if const_expr(self.S > 0):
             def store_angle(a, q):  # a flush's angle is the new checkpoint's, an append's its entry's
                 mAngle, mRingAngle = m.angle_state, m.ring_angle
@@ -799,6 +802,10 @@ class Mamba3StepKernel:
             mCoef[dst, entry, h, 0] = m.A[tok.lane_t + (h,)]
             mCoef[dst, entry, h, 1] = m.dt[tok.lane_t + (h,)]
             mCoef[dst, entry, h, 2] = m.trap[tok.lane_t + (h,)]
+            if const_expr(self.stochastic):  # where the token drew: its offset, the row its state goes to
+                mOffset, mDrawnFor = m.ring_offset, m.ring_drawn_for
+                mOffset[dst, entry, h] = cta.seed[1] + Int64(tok.t)
+                mDrawnFor[dst, entry, h] = dst
 
     def lane_index(self, b: Int32, t) -> tuple:
         """The leading coordinates of lane ``b``, token ``t`` in a per-lane tensor: ``(b,)`` when the
@@ -1281,6 +1288,22 @@ class Mamba3StepKernel:
         return (Uint32(seed), Uint32(Uint64(seed) >> 32), Uint32(offset), Uint32(Uint64(offset) >> 32))
 
     @cute.jit
+    def ring_rng(self, m: KernelArgs, j: int, cta: Cta) -> tuple:
+        """``(k0, k1, o0, o1, row)``: a replayed ring entry's draws, as its step drew them: the seed's
+        words, the entry's recorded offset's, and the row it drew for."""
+        seed = cta.seed[0]
+        offset = m.ring_offset[cta.src, j, cta.h]
+        return (Uint32(seed), Uint32(Uint64(seed) >> 32), Uint32(offset), Uint32(Uint64(offset) >> 32),
+                m.ring_drawn_for[cta.src, j, cta.h])
+
+    def draw_row(self, tok: Token, cta: Cta):
+        """The row a token's draws are for: a replayed entry's recorded one, else the lane's
+        ``rand_rows`` entry (dense mode), else the row its state is stored to."""
+        if len(tok.rng) > 4:
+            return tok.rng[4]
+        return cta.dst if cta.seed[2] is None else cta.seed[2]
+
+    @cute.jit
     def store_rounded(self, tSrS: cute.Tensor, tSrNew: cute.Tensor, i: int, row: Int32, tok: Token, cta: Cta):
         """Register row ``i`` of the new state (fp32 ``tSrNew``) stochastically rounded into
         ``tSrS``: vector ``c`` holds the 8 elements ``n = 8 g ... 8 g + 7`` of ``g = c TPR + lane``,
@@ -1289,12 +1312,12 @@ class Mamba3StepKernel:
         word ``j`` holds the draws of elements ``2j`` (low half) and ``2j + 1`` (high half). A bf16
         pair is written as one word (:meth:`round_bf16_pair`)."""
         lay = self.layout
-        k0, k1, o0, o1 = tok.rng
+        k0, k1, o0, o1 = tok.rng[:4]
         d = cta.dtile * self.tile_D + row
         base = (Uint32(cta.h) * Uint32(self.D) + Uint32(d)) * Uint32(self.N // N_PER_CALL)
         tSrW = cute.recast_tensor(tSrS, Uint32) if const_expr(self.state_dtype is cutlass.BFloat16) else None
         for c in cutlass.range_constexpr(lay.CPT):
-            row_id = cta.dst if const_expr(cta.seed[2] is None) else cta.seed[2]
+            row_id = self.draw_row(tok, cta)
             words = self.philox((o0, o1, Uint32(row_id), base + Uint32(c * lay.TPR + cta.lane)), k0, k1)
             for j in cutlass.range_constexpr(lay.VN // 2):
                 if const_expr(tSrW is not None):
@@ -1351,10 +1374,10 @@ class Mamba3StepKernel:
         inv = Float32(cutlass.select_(odd, Float32(0.0), self.div_rn(q_max, safe)))
         scale = Float32(cutlass.select_(odd, Float32(0.0), self.div_rn(safe, q_max)))
         group.tSrScale[i] = Float32(cutlass.select_(bad, Float32(float("nan")), scale))
-        k0, k1, o0, o1 = tok.rng
+        k0, k1, o0, o1 = tok.rng[:4]
         d = cta.dtile * self.tile_D + group.rows[i]
         base = (Uint32(cta.h) * Uint32(self.D) + Uint32(d)) * Uint32(self.N // N_PER_CALL)
-        row_id = cta.dst if const_expr(cta.seed[2] is None) else cta.seed[2]
+        row_id = self.draw_row(tok, cta)
         int8 = const_expr(self.state_dtype is cutlass.Int8)
         tSrH = None if int8 else cute.recast_tensor(group.tSrS, Uint16)  # e4m3 codes in pairs
         for c in cutlass.range_constexpr(lay.CPT):
@@ -1681,6 +1704,8 @@ def fake_arguments(spec: StepSpec) -> KernelArgs:
         ring_coef=strided(Float32, (pool, ring, heads, 3)) if K else None,
         ring_length=strided(Int32, (pool, heads)) if K else None,
         ring_angle=strided(Int64, (pool, ring, heads, S)) if K and S else None,
+        ring_offset=strided(Int64, (pool, ring, heads)) if K and spec.stochastic_rounding else None,
+        ring_drawn_for=strided(Int32, (pool, ring, heads)) if K and spec.stochastic_rounding else None,
         null_slot=Int32(-1),
     )
 

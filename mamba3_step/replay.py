@@ -61,7 +61,8 @@ def _ring_tokens(ring: Ring, rows: Tensor, count: int) -> dict:
     tokens = {"A": coef[..., 0], "dt": coef[..., 1], "trap": coef[..., 2], "B": ring.B[rows, :count],
               "x": ring.x[rows, :count]}
     if ring.offset is not None:
-        tokens["offset"], tokens["drawn_for"] = ring.offset[rows, :count], ring.drawn_for[rows, :count]
+        # one value per (row, entry), held by every head: head 0's
+        tokens["offset"], tokens["drawn_for"] = ring.offset[rows, :count, 0], ring.drawn_for[rows, :count, 0]
     if ring.angle is not None:
         tokens["angle"] = ring.angle[rows, :count]
     return tokens
@@ -279,7 +280,8 @@ def _lane_writes(t: StepTensors, ring: Ring, K: int, ln: Tensor, rw: Tensor, m: 
                (ring.length, rw, torch.full_like(rw, m + 1 if one else m, dtype=torch.int32)[:, None])]
     for field in ("offset", "drawn_for", "angle"):
         if field in now:
-            writes.append((getattr(ring, field), at, now[field]))
+            value = now[field] if field == "angle" else now[field][..., None].expand(-1, -1, ring.length.shape[1])
+            writes.append((getattr(ring, field), at, value))
     return (outs[0] if one else torch.stack(outs, 1)), writes
 
 

@@ -32,8 +32,10 @@ class Ring(NamedTuple):
     x: Tensor  # (P, L, H, D), x's dtype
     coef: Tensor  # (P, L, H, 3) float32: the token's A, dt, trap
     length: Tensor  # (P, H) int32: committed tokens, one value per row (each head holds it: a kernel CTA owns one)
-    offset: Optional[Tensor] = None  # (P, L) int64, with stochastic rounding: the rand_seed offset it drew at
-    drawn_for: Optional[Tensor] = None  # (P, L) int32, with stochastic rounding: the row it drew for
+    # with stochastic rounding, the same at every head (each kernel CTA owns one head's: no CTA reads an entry
+    # another writes): the rand_seed offset the token drew at (int64), the row it drew for (int32)
+    offset: Optional[Tensor] = None  # (P, L, H) int64
+    drawn_for: Optional[Tensor] = None  # (P, L, H) int32
     angle: Optional[Tensor] = None  # (P, L, H, S) int64, with rotary: the angle after the token
 
 
@@ -52,8 +54,8 @@ def new_ring(rows: int, K: int, mimo: int, heads: int, dstate: int, headdim: int
                 torch.zeros(rows, L, heads, headdim, dtype=x_dtype, device=device),
                 torch.zeros(rows, L, heads, 3, dtype=torch.float32, device=device),
                 torch.zeros(rows, heads, dtype=torch.int32, device=device),
-                torch.zeros(rows, L, dtype=torch.int64, device=device) if stochastic else None,
-                torch.zeros(rows, L, dtype=torch.int32, device=device) if stochastic else None,
+                torch.zeros(rows, L, heads, dtype=torch.int64, device=device) if stochastic else None,
+                torch.zeros(rows, L, heads, dtype=torch.int32, device=device) if stochastic else None,
                 torch.zeros(rows, L, heads, rope_angles, dtype=torch.int64, device=device) if rope_angles else None)
 
 
@@ -100,8 +102,8 @@ def check_ring(t: StepTensors, ring: Ring, K: int) -> None:
         raise ValueError(f"replay_step: the ring holds {L} entries; K = {K} with {drafts}-token drafts needs "
                          f"{K - 1 + drafts} (new_ring(..., draft={drafts}))")
     S = 0 if t.angle_state is None else t.angle_state.shape[-1]
-    want = {"B": (P, L, R, H, N), "x": (P, L, H, D), "coef": (P, L, H, 3), "length": (P, H), "offset": (P, L),
-            "drawn_for": (P, L), "angle": (P, L, H, S)}
+    want = {"B": (P, L, R, H, N), "x": (P, L, H, D), "coef": (P, L, H, 3), "length": (P, H), "offset": (P, L, H),
+            "drawn_for": (P, L, H), "angle": (P, L, H, S)}
     dtypes = {"B": t.Bstate.dtype, "x": t.Xstate.dtype, "coef": torch.float32, "length": torch.int32,
               "offset": torch.int64, "drawn_for": torch.int32, "angle": torch.int64}
     optional = {"offset": t.rand_seed, "drawn_for": t.rand_seed, "angle": t.angle_state}

@@ -261,7 +261,7 @@ def mode_problem(spec: StepSpec) -> str | None:
 
 #: what a replay specialisation takes so far (docs/contract.md, "Replay"): the field and its required value
 _REPLAY_NEEDS = (("pool", True, "pool mode"), ("update_kv_state", True, "update_kv_state (Bstate/Xstate are the "
-                 "token before the ring)"), ("stochastic_rounding", False, "no stochastic rounding (the CPU path only)"))
+                 "token before the ring)"))
 
 
 def replay_problem(spec: StepSpec) -> str | None:
@@ -283,6 +283,9 @@ def replay_problem(spec: StepSpec) -> str | None:
         return "replay_ring with has_dst takes one-token steps (a verify step keeps its drafts in its row's ring)"
     if spec.tokens > 1 and spec.replay_from_checkpoint:
         return "replay_from_checkpoint takes one-token steps (a verify step's outputs come from the replayed state)"
+    if spec.stochastic_rounding and spec.replay_from_checkpoint:
+        return ("replay_from_checkpoint takes no stochastic rounding (the CPU path only: outputs from the replayed "
+                "state)")
     if spec.rope_angles and spec.replay_from_checkpoint:
         return "replay_from_checkpoint takes no rotary angle (the CPU path only: outputs from the replayed state)"
     if spec.num_accepted and spec.replay_from_checkpoint:

@@ -170,13 +170,15 @@ class KernelArgs(NamedTuple):
     ring_coef: Any  # (P, L, H, 3) fp32 with replay: the ring's A, dt, trap per entry, or None
     ring_length: Any  # (P, H) int32 with replay: committed entries per (row, head), or None
     ring_angle: Any  # (P, L, H, S) int64 with replay and rotary: the angle after each entry's token, or None
+    ring_offset: Any  # (P, L, H) int64 with replay and stochastic rounding: each entry's draw offset, or None
+    ring_drawn_for: Any  # (P, L, H) int32 with replay and stochastic rounding: the row each entry drew for, or None
     null_slot: Any  # int32: pool rows equal to it are padding (-1: none)
 
 
 #: the kernel's runtime argument names, in launch order (the last, ``null_slot``, is a scalar)
 KERNEL_ARGUMENT_NAMES = KernelArgs._fields
 #: the kernel arguments a replay step adds: the fields of its ring (mamba3_step.replay.Ring)
-RING_FIELDS = ("ring_B", "ring_x", "ring_coef", "ring_length", "ring_angle")
+RING_FIELDS = ("ring_B", "ring_x", "ring_coef", "ring_length", "ring_angle", "ring_offset", "ring_drawn_for")
 #: the kernel's tensors, picked from a call laid out like StepTensors
 _KERNEL_TENSORS = itemgetter(*(StepTensors._fields.index(name) for name in KERNEL_ARGUMENT_NAMES[:-1]
                                if name not in RING_FIELDS))
@@ -191,11 +193,13 @@ def kernel_arguments(tensors, ring=None) -> KernelArgs:
     names exactly the optional tensors its specialisation has (validation ties each flag of
     :class:`~mamba3_step.spec.StepSpec` to whether its tensor is given), so the absent ones are
     None here as they are in the compiled signature. Free of cutlass: launching a cached kernel
-    never imports the DSL. ``ring`` (a replay step): its ``B``, ``x``, ``coef``, ``length`` and
-    ``angle`` (None without rotary) fill the ring fields (:data:`RING_FIELDS`), else None.
+    never imports the DSL. ``ring`` (a replay step): its ``B``, ``x``, ``coef``, ``length``,
+    ``angle`` (None without rotary), ``offset`` and ``drawn_for`` (None without stochastic
+    rounding) fill the ring fields (:data:`RING_FIELDS`), else None.
     """
     null = tensors[_NULL]
-    rings = (None,) * len(RING_FIELDS) if ring is None else (ring.B, ring.x, ring.coef, ring.length, ring.angle)
+    rings = ((None,) * len(RING_FIELDS) if ring is None
+             else (ring.B, ring.x, ring.coef, ring.length, ring.angle, ring.offset, ring.drawn_for))
     return tuple.__new__(KernelArgs, _KERNEL_TENSORS(tensors) + rings + (-1 if null is None else int(null),))
 
 

@@ -98,6 +98,16 @@ def test_kernel_spec_refuses_what_the_kernel_does_not_take_by_name():
     _refused(rotary._replace(angle_state=shared[:P * H * 16].view(P, H, 16)),
              rotary_ring._replace(angle=shared.view(rotary_ring.angle.shape)),
              "ring_angle: expected memory disjoint from angle_state")
+    eight = row_tensors(P, H, D, N, R, state_dtype="int8", generator=g)  # 8-bit: always rounded stochastically
+    rounded = call._replace(state=eight["state"], state_scale=eight["state_scale"], rand_seed=torch.tensor([7, 3]))
+    rounded_ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16, stochastic=True)
+    assert replay_kernel_spec(rounded, rounded_ring, K) == flagship_spec(replay_ring=K, state_dtype="int8",
+                                                                          stochastic_rounding=True)
+    _refused(rounded, rounded_ring, "replay_from_checkpoint takes no stochastic rounding", from_checkpoint=True)
+    _refused(rounded, rounded_ring._replace(offset=rounded_ring.offset[:, :, :1].clone()), r"ring.offset must be "
+             r"torch.int64 of shape \(6, 3, 2\)")  # one per (row, entry, head): each kernel CTA owns its head's
+    _refused(rounded, rounded_ring._replace(drawn_for=rounded.state_batch_indices.view(1, 1, 2).expand(P, K - 1, -1)),
+             "ring_drawn_for: expected a tensor whose elements do not overlap")
     _refused(call, ring, "K must be an int in", K=1)
     _refused(call, ring, "tile_D >= headdim", tile_D=32)
     assert replay_kernel_spec(call, ring, K) == flagship_spec(replay_ring=K)  # this ring checked and kept

@@ -159,6 +159,10 @@ REPLAY = {
     # the rotary flagship (the whole Mamba-3 decode state): ring entries keep B and the angle, a replayed
     # token's B~ is staged again from them
     "flagship-rotary-replay-K4": flagship_rotary_spec(replay_ring=4),
+    # low-precision states: each replayed entry rounds with the draws its step made (its recorded offset
+    # and row); a 16-bit state rounded stochastically, and the 8-bit flagship a replay pool keeps
+    "flagship-bf16state-sr-replay-K4": flagship_spec(replay_ring=4, state_dtype="bfloat16", stochastic_rounding=True),
+    "flagship-int8state-replay-K2": flagship_spec(replay_ring=2, state_dtype="int8", stochastic_rounding=True),
 }
 
 #: replay's verify steps (T draft tokens; the next step commits num_accepted_tokens of them)
@@ -172,6 +176,11 @@ REPLAY_VERIFY = {
     "N32-D64-R2-fp16-replay-K2-verify-T3-rotary-perhead": StepSpec(
         32, 64, 2, "float32", "float16", "float16", "float16", pool=True, update_kv_state=True, has_z=False,
         replay_ring=2, tokens=3, num_accepted=True, rope_angles=8, has_bc_bias=True),
+    "flagship-fp8state-replay-K4-verify-T4": flagship_spec(replay_ring=4, tokens=4, num_accepted=True,
+                                                           state_dtype="float8_e4m3fn", stochastic_rounding=True),
+    "N32-D64-R2-fp16state-sr-replay-K2-verify-T2-noz": StepSpec(
+        32, 64, 2, "float16", pool=True, update_kv_state=True, has_z=False, replay_ring=2, tokens=2,
+        num_accepted=True, stochastic_rounding=True),
 }
 
 #: one-token replay steps with destinations (a lane whose destination is another row flushes into it)
@@ -183,6 +192,11 @@ REPLAY_DST = {
         replay_from_checkpoint=True),
     "N64-D32-R1-siso-pairwise-rope1-replay-K3-dst": ROTARY["N64-D32-R1-siso-pairwise-rope1"].replace(
         has_dst=True, replay_ring=3),
+    # a moved lane's ring entries replay with the draws of the row they were decoded in, its own token
+    # draws for the destination
+    "N32-D64-R2-bf16state-sr-replay-K3-dst-noz": StepSpec(
+        32, 64, 2, "bfloat16", pool=True, has_dst=True, update_kv_state=True, has_z=False, replay_ring=3,
+        stochastic_rounding=True),
 }
 
 #: replayed steps whose one-token default is one warp, at the two warps they get instead
@@ -285,6 +299,9 @@ def check_compiler_facts(spec: StepSpec, arch: str) -> None:
         # committed entry's angle to angle_state (one more load), each draft stores its entry's
         stores = angles * (2 if spec.tokens == 1 else 1 + spec.tokens)
         loads += angles * (spec.tokens > 1)
+        if spec.stochastic_rounding:  # each unrolled entry's recorded offset; each appended entry's, stored
+            seeds += spec.ring_entries
+            stores += spec.tokens
     assert f.count("LDG", 64) == loads + seeds and f.count("STG", 64) == stores, where
     if spec.pool:
         # replay: the row's ring length is read before the branch (a count out of range is padding too)

@@ -42,9 +42,11 @@ P, NULL = 8, 7
 PADDING = (-1, P, -(2**31), 2**31 - 1, NULL)
 RING_TENSORS = {"ring_B": "B", "ring_x": "x", "ring_coef": "coef", "ring_length": "length"}
 #: a ring's fields, the angles with rotary
-RING_FIELDS = ("B", "x", "coef", "length", "angle")
-#: the pools a flush writes (angle_state with rotary)
-POOLS = ("state", "Bstate", "Xstate", "angle_state")
+RING_FIELDS = ("B", "x", "coef", "length", "angle", "offset", "drawn_for")
+#: the pools a flush writes (angle_state with rotary, state_scale with an 8-bit state)
+POOLS = ("state", "Bstate", "Xstate", "angle_state", "state_scale")
+#: stochastic rounding's seed (each step draws a random offset)
+SEED = 0x5EED_0F_5EED
 
 
 def _spec(name: str) -> StepSpec:
@@ -75,8 +77,12 @@ def rotary_weights(spec: StepSpec, H: int, g: torch.Generator) -> dict:
 
 
 def lane_with_rotary(spec: StepSpec, lane: dict, g: torch.Generator) -> dict:
-    """``lane`` with rotary's ``angle_proj`` (B, [T,] H, S) and, with B/C shared by the heads, B and C
+    """``lane`` with rotary's ``angle_proj`` (B, [T,] H, S), with stochastic rounding a ``rand_seed``
+    at a random offset (near the int64 wrap now and then), and, with B/C shared by the heads, B and C
     of one head."""
+    if spec.stochastic_rounding:
+        offset = int(torch.randint(-(2**62), 2**62, (), generator=g)) * 2 + int(torch.randint(0, 2, (), generator=g))
+        lane["rand_seed"] = torch.tensor([SEED, offset], dtype=torch.int64)
     if spec.rope_angles:
         lead = lane["x"].shape[:-1]  # (B, [T,] H)
         lane["angle_proj"] = 1.5 * torch.randn(lead + (spec.rope_angles,), generator=g)
@@ -86,9 +92,10 @@ def lane_with_rotary(spec: StepSpec, lane: dict, g: torch.Generator) -> dict:
 
 
 def rotary_arguments(pools: dict, lane: dict, weights: dict) -> dict:
-    """The rotary arguments of a test layer's call (None without rotary)."""
+    """The rotary and rounding arguments of a test layer's call (None without them)."""
     return dict(angle_state=pools.get("angle_state"), angle_proj=lane.get("angle_proj"),
-                B_bias=weights.get("B_bias"), C_bias=weights.get("C_bias"))
+                B_bias=weights.get("B_bias"), C_bias=weights.get("C_bias"), rand_seed=lane.get("rand_seed"),
+                state_scale=pools.get("state_scale"))
 
 
 def ring_snapshot(ring) -> dict:
@@ -128,10 +135,10 @@ class Layer:
         self.flushed = tuple(k for k in POOLS if k in rows)  # the rows a flush writes
         kv, xt = rows["Bstate"].dtype, rows["Xstate"].dtype
         shape = (P, spec.replay_ring, spec.mimo, self.H, spec.dstate, spec.headdim)
-        self.rings = {kind: new_ring(*shape, kv_dtype=kv, x_dtype=xt, rope_angles=spec.rope_angles)
-                      for kind in ("replay", "cpu")}
+        self.rings = {kind: new_ring(*shape, kv_dtype=kv, x_dtype=xt, rope_angles=spec.rope_angles,
+                                     stochastic=spec.stochastic_rounding) for kind in ("replay", "cpu")}
         for ring in self.rings.values():  # entries past a row's length are never read
-            for t in (ring.B, ring.x, ring.coef, ring.angle):
+            for t in (ring.B, ring.x, ring.coef, ring.angle, ring.offset, ring.drawn_for):
                 if t is not None:
                     poison_(t, seed=3)
 

@@ -70,9 +70,10 @@ class Layer:
         self.flushed = tuple(k for k in POOLS if k in rows)  # the rows a flush writes
         shape = (P, self.K, spec.mimo, self.H, spec.dstate, spec.headdim)
         self.rings = {kind: new_ring(*shape, kv_dtype=rows["Bstate"].dtype, x_dtype=rows["Xstate"].dtype,
-                                     draft=self.T, rope_angles=spec.rope_angles) for kind in ("replay", "cpu")}
+                                     draft=self.T, rope_angles=spec.rope_angles, stochastic=spec.stochastic_rounding)
+                      for kind in ("replay", "cpu")}
         for ring in self.rings.values():  # entries past what a lane reads are never read
-            for t in (ring.B, ring.x, ring.coef, ring.angle):
+            for t in (ring.B, ring.x, ring.coef, ring.angle, ring.offset, ring.drawn_for):
                 if t is not None:
                     poison_(t, seed=3)
         self.pending = {}  # row -> its last round's drafts (lane inputs with a token axis)
@@ -111,7 +112,9 @@ class Layer:
             for b, row in enumerate(index):
                 if row >= 0:
                     for k, v in self.pending[row].items():
-                        if v is not None:
+                        if k == "rand_seed":  # token j drew at its round's offset + j
+                            lane[k] = v + torch.tensor([0, j])
+                        elif v is not None:
                             lane[k][b] = v[j]
             out = torch.empty(self.out(B)[:, 0].shape, dtype=self.out(1).dtype)
             run_step_ptx(one, self.call(self.pools["stepwise"], lane, torch.tensor(index, dtype=torch.int32), out))
@@ -208,8 +211,8 @@ def _verify_rounds(name: str, layer: Layer, specs: list, all_accepted) -> tuple:
                 assert _is_positive_zero(got[b]), f"{name} round {s}: padding lane {b} out"
                 continue
             assert bits_equal(got[b], want[b]), f"{name} round {s}: lane {b}'s drafts differ from the stepwise kernel's"
-            layer.pending[row] = {k: (None if v is None else (v[b][None] if one else v[b]).clone())
-                                  for k, v in lane.items()}
+            layer.pending[row] = {k: (None if v is None else v.clone() if k == "rand_seed" else
+                                      (v[b][None] if one else v[b]).clone()) for k, v in lane.items()}
         if one:  # the token is committed: stepwise decoding steps it now
             layer.commit_stepwise(lanes, [1 if row in active else 0 for row in lanes])
             for row in active:

@@ -1,15 +1,18 @@
-"""GPU suite for replay with the rotary angle (skipped without CUDA; docs/contract.md, "Replay").
+"""GPU suite for replay with Mamba-3's other per-request states: the rotary angle and 8-bit states
+with scales (skipped without CUDA; docs/contract.md, "Replay").
 
 Written 2026-11-27, not yet run on a GPU; the PTX tier executes the same kernel code on the CPU
-(tests/test_ptx_replay.py and test_ptx_replay_verify.py, the ``rotary`` specialisations). A replay
-pool of the flagship rotary layer (S = 32 angles, B/C biases, B/C shared by the heads) against the
-stepwise rotary pool, on the real kernel:
+(tests/test_ptx_replay.py and test_ptx_replay_verify.py: the rotary, stochastically rounded and
+8-bit specialisations). On the real kernel, against the stepwise pool of the same kind:
 
-* ``decode_step`` and the CUDA-graph runner over 2K + 1 steps with a padding lane: every ``out`` bit
-  for bit, and each flushed row's state, Bstate, Xstate and angle;
-* verify rounds (``replay_draft = T``, a random number of each round's drafts accepted by the next):
-  the drafts' outs are the stepwise T-token kernel's bit for bit on the state after the accepted
-  tokens, and each flushed row equals the stepwise pool's.
+* a replay pool of the flagship rotary layer (S = 32 angles, B/C biases, B/C shared by the heads):
+  ``decode_step`` and the CUDA-graph runner over 2K + 1 steps with a padding lane, every ``out`` bit
+  for bit, and each flushed row's state, Bstate, Xstate and angle; verify rounds (``replay_draft =
+  T``, a random number of each round's drafts accepted by the next): the drafts' outs are the
+  stepwise T-token kernel's bit for bit on the state after the accepted tokens;
+* an 8-bit replay pool (int8 and e4m3, stochastic rounding, ``rand_seed`` advancing every step):
+  ``decode_step`` and the graph runner, every ``out`` and each flushed row (its scales included) bit
+  for bit: each replayed token rounds with the draws its step made.
 
 Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank, S angles, K flush
 length, T draft tokens.
@@ -20,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mamba3_step.testing import INT64_MAX, INT64_MIN, bits_equal, lane_inputs, layer_weights
+from mamba3_step.testing import INT64_MAX, INT64_MIN, bits_equal, lane_inputs, layer_weights, row_tensors
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,7 +32,7 @@ pytestmark = [
 
 DEV = "cuda"
 H, D, N, R, S = 4, 64, 128, 4, 32
-ROWS = ("state", "Bstate", "Xstate", "angle_state")
+ROWS = ("state", "Bstate", "Xstate", "angle_state", "state_scale")
 
 
 def _weights(g: torch.Generator) -> dict:
@@ -70,7 +73,8 @@ def _check_flushed(replay, stepwise, slots: torch.Tensor, where: str) -> None:
     for row in slots.tolist():
         if int(replay.ring(0).length[row, 0]) == 0:
             for k in ROWS:
-                assert bits_equal(getattr(replay, k)(0)[row], getattr(stepwise, k)(0)[row]), f"{where}: row {row} {k}"
+                if getattr(replay, k)(0) is not None:
+                    assert bits_equal(getattr(replay, k)(0)[row], getattr(stepwise, k)(0)[row]), f"{where}: row {row} {k}"
 
 
 @pytest.mark.parametrize("K", [2, 4])
@@ -120,3 +124,33 @@ def test_rotary_verify_rounds_match_the_stepwise_kernel(K, T):
         assert bits_equal(got, want), f"round {round_}: the drafts' outs"
         _check_flushed(replay, stepwise, slots, f"round {round_}")
         pending = lane
+
+
+@pytest.mark.parametrize("K", [2, 4])
+@pytest.mark.parametrize("fmt", [torch.int8, torch.float8_e4m3fn])
+def test_8bit_replay_pool_decode_and_graph_runner_match_the_stepwise_pool(fmt, K):
+    from mamba3_step.serving import CudaGraphStepRunner, ReplayStatePool, StatePool, decode_step
+
+    g = torch.Generator().manual_seed(60 + K)
+    w = layer_weights(H, D, R, generator=g, device=DEV)
+    pools = [ReplayStatePool(1, 12, H, D, N, R, state_dtype=fmt, replay_ring=K, device=DEV) for _ in range(2)]
+    stepwise = StatePool(1, 12, H, D, N, R, state_dtype=fmt, device=DEV)
+    slots = stepwise.alloc(5)
+    fresh = row_tensors(5, H, D, N, R, state_dtype=str(fmt).split(".")[1], generator=g, device=DEV)
+    for pool in (*pools, stepwise):
+        if pool is not stepwise:
+            assert torch.equal(pool.alloc(5), slots)
+        pool.state(0)[slots.long().to(DEV)] = fresh["state"]
+        pool.state_scale(0)[slots.long().to(DEV)] = fresh["state_scale"]
+    seeds = [torch.tensor([20261127, 2**63 - 3], dtype=torch.int64, device=DEV) for _ in range(3)]  # wraps
+    runner = CudaGraphStepRunner(pools[1], 0, buckets=(8,), **w, stochastic_rounding=True, rand_seed=seeds[2])
+    padded = torch.cat([slots, torch.tensor([-1], dtype=torch.int32)]).to(DEV)
+    for step in range(2 * K + 1):
+        lane = lane_inputs(6, H, D, N, R, generator=g, device=DEV)
+        want = decode_step(stepwise, 0, padded, **lane, **w, stochastic_rounding=True, rand_seed=seeds[0])
+        got = decode_step(pools[0], 0, padded, **lane, **w, stochastic_rounding=True, rand_seed=seeds[1])
+        got_graph = runner.step(padded, **lane)
+        torch.cuda.synchronize()
+        assert bits_equal(got, want) and bits_equal(got_graph, want), f"step {step}"
+        _check_flushed(pools[0], stepwise, slots, f"step {step}")
+        _check_flushed(pools[1], stepwise, slots, f"step {step} (graph)")
