@@ -183,6 +183,12 @@ REPLAY_VERIFY = {
         num_accepted=True, stochastic_rounding=True),
 }
 
+#: the verify steps compiled and executed with --full-matrix only (the default run covers their code at
+#: smaller K, T or N: K = 8 by K = 4; rotary and 8-bit verify steps by the per-head fp16 rotary and the
+#: fp16 stochastically rounded T = 2 and 3 forms, and the flagship's one-token rotary and int8 forms)
+REPLAY_VERIFY_FULL = frozenset({"flagship-replay-K8-verify-T4", "flagship-rotary-replay-K4-verify-T4",
+                                "flagship-fp8state-replay-K4-verify-T4"})
+
 #: one-token replay steps with destinations (a lane whose destination is another row flushes into it)
 REPLAY_DST = {
     "N32-D64-R2-bf16state-replay-K3-dst-noz": StepSpec(
@@ -355,9 +361,9 @@ COMPILED_SETS = {"covering": COVERING, "multi-token": MULTI_TOKEN, "rotary": ROT
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-# K = 8 verify steps compile with --full-matrix, as their executed rounds run (K = 4 and 2 by default)
+# REPLAY_VERIFY_FULL compiles with --full-matrix, as their executed rounds run
 @pytest.mark.parametrize("spec", [pytest.param(spec, id=f"{kind}-{name}",
-                                               marks=[pytest.mark.full_matrix] if "K8-verify" in name else [])
+                                               marks=[pytest.mark.full_matrix] if name in REPLAY_VERIFY_FULL else [])
                                   for kind, specs in COMPILED_SETS.items() for name, spec in specs.items()])
 def test_compiles_with_clean_compiler_facts(spec, arch):
     check_compiler_facts(spec, arch)

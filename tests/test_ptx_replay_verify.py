@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_kernel_compile import REPLAY_VERIFY, REPLAY_VERIFY_MIXED
+from test_kernel_compile import REPLAY_VERIFY, REPLAY_VERIFY_FULL, REPLAY_VERIFY_MIXED
 from test_ptx_replay import (POOLS, RING_TENSORS, _heads, _is_positive_zero, _span, _touched, _within,
                              check_ring_and_other_rows, join_request, lane_with_rotary, ring_snapshot, rotary_arguments,
                              rotary_rows, rotary_weights)
@@ -133,7 +133,7 @@ class Layer:
         return held
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.full_matrix] if "K8" in n else [])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.full_matrix] if n in REPLAY_VERIFY_FULL else [])
                                   for n in REPLAY_VERIFY])
 def test_verify_rounds_are_bit_identical_to_the_executed_stepwise_kernel(name):
     spec = _spec(name)
