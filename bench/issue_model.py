@@ -1,6 +1,6 @@
 """Instructions per state byte, side by side with upstream, and the static issue model (no GPU).
 
-    python bench/issue_model.py [--out DIR] [--no-execute] [--tokens 2,4,8] [--replay 2,4,8]
+    python bench/issue_model.py [--out DIR] [--no-execute] [--tokens 2,4,8] [--replay 2,4,8] [--replay-states]
 
 Compiles the flagship as servers run it (pool mode with update_kv_state; N=128, D=64, R=4, fp32
 state, bf16 B/x/proj, z and outproj) for sm_90a and sm_100a, counts its SASS, executes its PTX
@@ -18,7 +18,10 @@ on the CPU (``--no-execute`` skips that), and prints
 4. the replay kernel (``--replay``, K values; docs/design.md, "Replay"): executed PTX
    warp-instructions per slab at each ring position, with outputs replayed (exact) and from the
    checkpoint, and the issue model averaged over positions (the counts
-   ``mamba3_step.issue_model.REPLAY_EXECUTED`` holds for bench/model_bench.py, checked equal).
+   ``mamba3_step.issue_model.REPLAY_EXECUTED`` holds for bench/model_bench.py, checked equal);
+5. with ``--replay-states``, the same for the flagship with the rotary angle, a stochastically
+   rounded bf16 state and an int8 state (replayed outputs; the counts
+   ``mamba3_step.issue_model.REPLAY_STATES_EXECUTED`` holds, checked equal).
 
 Writes ``issue_model.json`` and, with matplotlib, ``issue_model.png`` to ``bench/results/``.
 These are compiler facts and a model, not GPU measurements.
@@ -39,9 +42,12 @@ from mamba3_step.inspection import kernel_facts  # noqa: E402
 from mamba3_step.issue_model import (  # noqa: E402
     GPUS,
     REPLAY_EXECUTED,
+    REPLAY_STATES_EXECUTED,
     UPSTREAM,
     issue_model,
     replay_issue_model,
+    replay_states_issue_model,
+    replay_states_spec,
     slab_bytes,
 )
 from mamba3_step.spec import flagship_spec  # noqa: E402
@@ -144,6 +150,31 @@ REPLAY_TABLE = [("K", "K", ">d"), ("outputs", "append outputs", "<"), ("num_warp
     col for g in GPUS for col in ((f"ratio_{g}", f"{g} issue/mem", ">.2f"), (f"time_{g}", f"{g} time x", ">.3f"))]
 
 
+def replay_states_rows() -> list[dict]:
+    """Each :data:`REPLAY_STATES_EXECUTED` entry executed again (stepwise and per ring position) and
+    its issue model per GPU (``replay_states_issue_model``)."""
+    rows = []
+    for name, (_, K, stepwise_count, counts) in REPLAY_STATES_EXECUTED.items():
+        spec, _ = replay_states_spec(name)
+        stepwise = replay_instructions(spec.with_default_tiling())[0]
+        executed = replay_instructions(spec.replace(replay_ring=K).with_default_tiling())
+        row = {"states": name, "K": K, "stepwise": stepwise, "per_position": list(executed),
+               "matches": (stepwise, executed) == (stepwise_count, counts)}
+        for g, gpu in GPUS.items():
+            m = replay_states_issue_model(name, gpu)
+            row.update({"bytes": m["bytes"], "instructions": m["instructions"], f"step_{g}": m["stepwise_ratio"],
+                        f"ratio_{g}": m["ratio"], f"time_{g}": m["time"]})
+        rows.append(row)
+    return rows
+
+
+STATES_TABLE = [("states", "states", "<"), ("K", "K", ">d"), ("stepwise", "stepwise", ">,d"),
+                ("per_position", "replayed per ring position", "<"), ("bytes", "bytes x", ">.3f"),
+                ("instructions", "instr. x", ">.2f")] + [
+    col for g in GPUS for col in ((f"step_{g}", f"{g} stepwise issue/mem", ">.2f"), (f"ratio_{g}", f"{g} replay", ">.2f"),
+                                  (f"time_{g}", f"{g} time x", ">.2f"))]
+
+
 def plot(rows: list[dict], path) -> str | None:
     plt = _util.pyplot()
     if plt is None:
@@ -171,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-execute", action="store_true", help="static counts only (skip the PTX tier)")
     p.add_argument("--tokens", default="2,4,8", help="T values of the speculative step to model ('' for none)")
     p.add_argument("--replay", default="2,4,8", help="K values of the replay kernel to execute ('' for none)")
+    p.add_argument("--replay-states", action="store_true",
+                   help="also execute the replay kernel with rotary, stochastic rounding and an int8 state")
     args = p.parse_args(argv)
     try:
         tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
@@ -205,10 +238,20 @@ def main(argv: list[str] | None = None) -> int:
         if stale:
             print(f"  ! mamba3_step.issue_model.REPLAY_EXECUTED differs from this execution for {', '.join(stale)}: "
                   "update it")
+    states = replay_states_rows() if args.replay_states and not args.no_execute else []
+    if states:
+        print("\nreplay kernel with the other states, flagship, plain decode (outputs replayed, B = 256, H = 48): "
+              "executed PTX warp-instructions per slab, and the issue model averaged over the ring positions "
+              "(time relative to the same states' stepwise step)")
+        print(_util.format_table(states, STATES_TABLE))
+        stale = [r["states"] for r in states if not r["matches"]]
+        if stale:
+            print(f"  ! mamba3_step.issue_model.REPLAY_STATES_EXECUTED differs from this execution for "
+                  f"{', '.join(stale)}: update it")
     out = _util.results_dir(args.out)
     payload = {"what": "static SASS counts, executed PTX counts and a model; no GPU measurement",
                "environment": _util.environment(), "compiled": compiled, "model": rows, "tokens": spec_rows,
-               "replay": replay,
+               "replay": replay, "replay_states": states,
                "gpus": {k: vars(v) | {"clock_hz": v.clock_hz} for k, v in GPUS.items()}}
     print(f"\nwrote {_util.write_json(out / 'issue_model.json', payload)}")
     png = plot(rows, out / "issue_model.png")

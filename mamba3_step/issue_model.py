@@ -26,10 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .bytes_model import bytes_per_step, replay_bytes
-from .spec import StepSpec, flagship_spec
+from .spec import StepSpec, flagship_rotary_spec, flagship_spec
 
-__all__ = ["GPUS", "GPU", "ISSUE_PER_CLOCK", "REPLAY_EXECUTED", "UPSTREAM", "VERIFY_EXECUTED", "VERIFY_TOKENS",
-           "issue_model", "replay_issue_model", "replay_verify_issue_model", "slab_bytes"]
+__all__ = ["GPUS", "GPU", "ISSUE_PER_CLOCK", "REPLAY_EXECUTED", "REPLAY_STATES_EXECUTED", "UPSTREAM",
+           "VERIFY_EXECUTED", "VERIFY_TOKENS", "issue_model", "replay_issue_model", "replay_states_issue_model",
+           "replay_states_spec", "replay_verify_issue_model", "slab_bytes"]
 
 #: warp-instructions an SM can issue per clock (four schedulers, one each)
 ISSUE_PER_CLOCK = 4
@@ -136,3 +137,43 @@ def replay_issue_model(K: int, from_checkpoint: bool, gpu: GPU, batch: int = 256
     return {"ratio": replay["ratio"], "time": max(replay["issue_us"], replay["memory_us"]) / base,
             "instructions": sum(counts) / K / REPLAY_EXECUTED["stepwise"],
             "stepwise_ratio": stepwise["ratio"]}
+
+
+#: executed PTX warp-instructions per slab of the flagship with Mamba-3's other per-request states,
+#: stepwise and replayed (outputs replayed, each at its default tiling, sm_90a): ``name -> (the
+#: stepwise spec's changes to the flagship, K, the stepwise count, counts at ring positions
+#: 0..K-1)``. ``"rotary"`` is the rotary flagship (``flagship_rotary_spec``). Measured 2026-11-27 by
+#: the PTX execution tier (``python bench/issue_model.py --replay-states`` prints them;
+#: tests/test_issue_model.py re-executes them with --full-matrix).
+REPLAY_STATES_EXECUTED = {
+    "rotary": ({"rotary": True}, 4, 6559, (6898, 10207, 13591, 17006)),
+    "bf16 state, stochastic rounding": ({"state_dtype": "bfloat16", "stochastic_rounding": True}, 4, 11508,
+                                        (11493, 19917, 28405, 36877)),
+    "int8 state": ({"state_dtype": "int8", "stochastic_rounding": True}, 2, 14704, (15339, 27529)),
+    "int8 state, K = 4": ({"state_dtype": "int8", "stochastic_rounding": True}, 4, 14704,
+                          (15845, 27561, 39285, 51409)),
+}
+
+
+def replay_states_spec(name: str) -> tuple[StepSpec, int]:
+    """``(the stepwise spec, K)`` of a :data:`REPLAY_STATES_EXECUTED` entry."""
+    changes, K = dict(REPLAY_STATES_EXECUTED[name][0]), REPLAY_STATES_EXECUTED[name][1]
+    return (flagship_rotary_spec() if changes.pop("rotary", False) else flagship_spec(**changes)), K
+
+
+def replay_states_issue_model(name: str, gpu: GPU, batch: int = 256, heads: int = 48) -> dict:
+    """A :data:`REPLAY_STATES_EXECUTED` entry's replay step against its stepwise step on ``gpu``,
+    averaged over the ring positions: ``bytes`` and ``instructions`` (relative to the stepwise
+    step's), ``ratio`` and ``stepwise_ratio`` (issue / memory time), ``time`` (the larger of the
+    two, relative to the stepwise step's). The bytes are :func:`~mamba3_step.bytes_model.replay_bytes`'
+    for the state dtype; it leaves out the angle rows, an 8-bit state's scales and the ring's
+    angles and offsets (under 2% of a row's bytes for the fp32 flagship, under 4% for int8)."""
+    spec, K = replay_states_spec(name)
+    stepwise_count, counts = REPLAY_STATES_EXECUTED[name][2], REPLAY_STATES_EXECUTED[name][3]
+    step_bytes = slab_bytes(spec, batch, heads)
+    replayed_bytes = replay_bytes(spec, K, batch, heads)["total"] / (batch * heads)
+    stepwise = issue_model(stepwise_count, step_bytes, gpu)
+    replay = issue_model(sum(counts) / K, replayed_bytes, gpu)
+    return {"bytes": replayed_bytes / step_bytes, "instructions": sum(counts) / K / stepwise_count,
+            "ratio": replay["ratio"], "stepwise_ratio": stepwise["ratio"],
+            "time": max(replay["issue_us"], replay["memory_us"]) / max(stepwise["issue_us"], stepwise["memory_us"])}

@@ -325,7 +325,8 @@ def replay_instructions(spec: StepSpec, arch: str = "sm_90a", seed: int = 0) -> 
         ring = None
         if K:
             P, H, D, N = tensors.state.shape
-            ring = new_ring(P, K, spec.mimo, H, N, D, kv_dtype=tensors.Bstate.dtype, x_dtype=tensors.Xstate.dtype)
+            ring = new_ring(P, K, spec.mimo, H, N, D, kv_dtype=tensors.Bstate.dtype, x_dtype=tensors.Xstate.dtype,
+                            stochastic=spec.stochastic_rounding, rope_angles=spec.rope_angles)
             ring.length.fill_(position)
         t = tensors._replace(state=tensors.state.clone(), Bstate=tensors.Bstate.clone(),
                              Xstate=tensors.Xstate.clone()).with_out()
@@ -343,7 +344,8 @@ def verify_instructions(spec: StepSpec, committed: int, arch: str = "sm_90a", se
     tensors, _ = _inputs(base, 1, 1, seed, live_only=True)
     P, H, D, N = tensors.state.shape
     ring = new_ring(P, spec.replay_ring, spec.mimo, H, N, D, kv_dtype=tensors.Bstate.dtype,
-                    x_dtype=tensors.Xstate.dtype, draft=spec.ring_entries - (spec.replay_ring - 1))
+                    x_dtype=tensors.Xstate.dtype, draft=spec.ring_entries - (spec.replay_ring - 1),
+                    stochastic=spec.stochastic_rounding, rope_angles=spec.rope_angles)
     accepted = min(committed, T)
     ring.length.fill_(committed - accepted)
     t = tensors._replace(num_accepted_tokens=torch.full((1,), accepted, dtype=torch.int32)).with_out()

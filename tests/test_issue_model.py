@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from mamba3_step.bytes_model import bytes_per_step, replay_bytes
-from mamba3_step.issue_model import (GPUS, REPLAY_EXECUTED, UPSTREAM, VERIFY_EXECUTED, issue_model, replay_issue_model,
-                                     replay_verify_issue_model, slab_bytes)
+from mamba3_step.issue_model import (GPUS, REPLAY_EXECUTED, REPLAY_STATES_EXECUTED, UPSTREAM, VERIFY_EXECUTED,
+                                     issue_model, replay_issue_model, replay_states_spec, replay_verify_issue_model,
+                                     slab_bytes)
 from mamba3_step.spec import flagship_spec
 from mamba3_step.verify import replay_instructions, verify_instructions
 
@@ -89,3 +90,14 @@ def test_replay_issue_model_by_hand():
     assert m["ratio"] == pytest.approx(replay["ratio"])
     assert m["time"] == pytest.approx(max(replay["issue_us"], replay["memory_us"]) / stepwise["memory_us"])
     assert m["time"] == pytest.approx(replay_bytes(spec, 4, 256, 48)["total"] / bytes_per_step(spec, 256, 48)["total"])
+
+
+@pytest.mark.full_matrix
+@pytest.mark.parametrize("name", list(REPLAY_STATES_EXECUTED))
+def test_replay_states_counts_are_what_the_ptx_tier_executes(name):
+    """REPLAY_STATES_EXECUTED (docs/performance.md 3d: replay with rotary, stochastic rounding, int8)
+    holds the executed counts of today's kernel."""
+    spec, K = replay_states_spec(name)
+    _, _, stepwise, counts = REPLAY_STATES_EXECUTED[name]
+    assert replay_instructions(spec.with_default_tiling()) == (stepwise,)
+    assert replay_instructions(spec.replace(replay_ring=K).with_default_tiling()) == counts
