@@ -591,6 +591,8 @@ class Mamba3StepKernel:
             def store_angle(a, q):  # a flush's angle is the new checkpoint's, an append's its entry's
                 mAngle, mRingAngle = m.angle_state, m.ring_angle
                 if cta.dst_live:
+                    # the flush test again, not the one below: computed before the staging it stays
+                    # live across it (the N32 D64 R2 bf16 destination form then used 8 bytes of stack)
                     if self.flushes(count, cta):
                         mAngle[cta.dst, h, a] = q
                     else:
@@ -775,9 +777,9 @@ class Mamba3StepKernel:
     @cute.jit
     def append_ring(self, m: KernelArgs, entry: Int32, tok: Token, shared: Shared, cta: Cta):
         """Token ``tok`` as ring entry ``entry`` of row ``dst``: its B per head and x (from their staged
-        fp32 copies, which convert back exactly), and its A, dt, trap (thread 0)."""
+        fp32 copies, which convert back exactly; with rotary B from global memory, as received: the
+        staged copy is B~), and its A, dt, trap (thread 0); with stochastic rounding where it drew."""
         dst, h = cta.dst, cta.h
-
         hbc = 0 if const_expr(self.shared_bc) else h
 
         def store_b(i):  # i = r * N + n
@@ -1283,18 +1285,17 @@ class Mamba3StepKernel:
     @cute.jit
     def token_rng(self, seed_offset: tuple, t: int) -> tuple:
         """``(k0, k1, o0, o1)``: the seed's and token ``t``'s offset's (``offset + t``) 32-bit words."""
-        seed = seed_offset[0]
-        offset = seed_offset[1] + Int64(t)
-        return (Uint32(seed), Uint32(Uint64(seed) >> 32), Uint32(offset), Uint32(Uint64(offset) >> 32))
+        return self.rng_words(seed_offset[0], seed_offset[1] + Int64(t))
 
     @cute.jit
     def ring_rng(self, m: KernelArgs, j: int, cta: Cta) -> tuple:
         """``(k0, k1, o0, o1, row)``: a replayed ring entry's draws, as its step drew them: the seed's
         words, the entry's recorded offset's, and the row it drew for."""
-        seed = cta.seed[0]
-        offset = m.ring_offset[cta.src, j, cta.h]
-        return (Uint32(seed), Uint32(Uint64(seed) >> 32), Uint32(offset), Uint32(Uint64(offset) >> 32),
-                m.ring_drawn_for[cta.src, j, cta.h])
+        return self.rng_words(cta.seed[0], m.ring_offset[cta.src, j, cta.h]) + (m.ring_drawn_for[cta.src, j, cta.h],)
+
+    def rng_words(self, seed: Int64, offset: Int64) -> tuple:
+        """``(k0, k1, o0, o1)``: the 32-bit words of the seed (Philox's key) and of an offset."""
+        return (Uint32(seed), Uint32(Uint64(seed) >> 32), Uint32(offset), Uint32(Uint64(offset) >> 32))
 
     def draw_row(self, tok: Token, cta: Cta):
         """The row a token's draws are for: a replayed entry's recorded one, else the lane's
