@@ -188,6 +188,11 @@ REPLAY_VERIFY = {
 #: fp16 stochastically rounded T = 2 and 3 forms, and the flagship's one-token rotary and int8 forms)
 REPLAY_VERIFY_FULL = frozenset({"flagship-replay-K8-verify-T4", "flagship-rotary-replay-K4-verify-T4",
                                 "flagship-fp8state-replay-K4-verify-T4"})
+#: one-token replay steps executed with --full-matrix only (compiled in every run): K = 8
+#: from the checkpoint (K = 4 runs by default), and the bf16 flagship rounded stochastically (a replay
+#: pool keeps no 16-bit stochastic state; its code runs by default in the bf16 form with destinations
+#: and the fp16 verify step, the flagship's 8-bit form in the int8 one)
+REPLAY_FULL = frozenset({"flagship-replay-K8-from-checkpoint", "flagship-bf16state-sr-replay-K4"})
 
 #: one-token replay steps with destinations (a lane whose destination is another row flushes into it)
 REPLAY_DST = {

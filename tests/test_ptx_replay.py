@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import assert_accurate
-from test_kernel_compile import REPLAY, REPLAY_DST
+from test_kernel_compile import REPLAY, REPLAY_DST, REPLAY_FULL
 
 from mamba3_step.bytes_model import replay_bytes
 from mamba3_step.ptx import analysis
@@ -179,7 +179,7 @@ class Layer:
 
 
 # K = 8 from the checkpoint with --full-matrix: K = 8 (replayed) and from the checkpoint (K = 3, 4) run by default
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.full_matrix] if n.endswith("K8-from-checkpoint") else [])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.full_matrix] if n in REPLAY_FULL else [])
                                   for n in REPLAY])
 def test_replay_decode_is_bit_identical_to_the_executed_stepwise_kernel(name):
     spec = _spec(name)
@@ -330,7 +330,8 @@ def _within(addrs: set, t: torch.Tensor) -> set:
     return {a for a in addrs if start <= a < end}
 
 
-@pytest.mark.parametrize("name", list(REPLAY))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.full_matrix] if n in REPLAY_FULL else [])
+                                  for n in REPLAY])
 def test_lanes_touch_exactly_their_rows_and_ring_entries(name):
     spec = _spec(name)
     K = spec.replay_ring
