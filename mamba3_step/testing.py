@@ -35,8 +35,8 @@ from .contract import INT32_MAX, INT32_MIN, SCALED_STATE_DTYPES, as_torch_dtype,
 from .rounding import quantize_rows
 
 __all__ = ["INPUT_DTYPES", "LayerShape", "inputs_for", "with_rotary", "SPECULATIVE_PAD_KINDS", "bits", "bits_equal", "lane_inputs",
-           "layer_weights", "make_inputs", "padded_indices", "poison_", "poison_pool", "pool_rows", "row_tensors",
-           "speculative_indices", "step_indices"]
+           "layer_weights", "make_inputs", "padded_indices", "poison_", "poison_pool", "pool_rows", "rotary_angles",
+           "rotary_biases", "rotary_rates", "row_tensors", "speculative_indices", "step_indices"]
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK_ELEMENTS = 1 << 26  # values drawn on the host at once (a benchmark pool is GBs)
@@ -149,19 +149,33 @@ def with_rotary(inputs: dict, S: int, *, shared_bc: bool = False, bias: bool = T
     ``B_bias``/``C_bias`` (R, H, N) fp32 around 1 (upstream's initial value) unless ``bias`` is
     False; with ``shared_bc`` ``B``/``C`` keep only head 0 (a head axis of 1). A new dict."""
     g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
-    d = _Draw(g, inputs["x"].device)
+    device = inputs["x"].device
     rows, H = inputs["state"].shape[0], inputs["state"].shape[1]
     R, N = inputs["B"].shape[-3], inputs["B"].shape[-1]
-    lanes = inputs["x"].shape[:-2]  # (B,) or (B, T)
     out = dict(inputs)
-    out["angle_state"] = torch.randint(INT64_MIN, INT64_MAX, (rows, H, S), generator=g,
-                                       dtype=torch.int64).to(d.device)
-    out["angle_proj"] = d.normal(*lanes, H, S, scale=1.5)
-    out["B_bias"] = (1 + d.normal(R, H, N, scale=0.3)) if bias else None
-    out["C_bias"] = (1 + d.normal(R, H, N, scale=0.3)) if bias else None
+    out["angle_state"] = rotary_angles(rows, H, S, generator=g, device=device)
+    out["angle_proj"] = rotary_rates(inputs["x"].shape[:-2], H, S, generator=g, device=device)  # lanes (B[, T])
+    out.update(rotary_biases(R, H, N, generator=g, device=device) if bias else dict(B_bias=None, C_bias=None))
     if shared_bc:
         out["B"], out["C"] = inputs["B"][..., :1, :].clone(), inputs["C"][..., :1, :].clone()
     return out
+
+
+def rotary_angles(rows: int, H: int, S: int, *, generator=None, device="cpu") -> torch.Tensor:
+    """``angle_state`` rows (rows, H, S) int64: random angles over the whole turn."""
+    g = _Draw(generator, device).g
+    return torch.randint(INT64_MIN, INT64_MAX, (rows, H, S), generator=g, dtype=torch.int64).to(device)
+
+
+def rotary_rates(lanes: tuple, H: int, S: int, *, generator=None, device="cpu") -> torch.Tensor:
+    """``angle_proj`` (*lanes, H, S) fp32: N(0, 1.5^2), so tanh spans most of (-1, 1)."""
+    return _Draw(generator, device).normal(*lanes, H, S, scale=1.5)
+
+
+def rotary_biases(R: int, H: int, N: int, *, generator=None, device="cpu") -> dict:
+    """``B_bias`` and ``C_bias`` (R, H, N) fp32 around 1 (upstream's initial value)."""
+    d = _Draw(generator, device)
+    return dict(B_bias=1 + d.normal(R, H, N, scale=0.3), C_bias=1 + d.normal(R, H, N, scale=0.3))
 
 
 def inputs_for(spec, B: int, P: int | None = None, H: int = 2, seed: int = 0, device="cpu") -> dict:

@@ -34,7 +34,8 @@ from mamba3_step.replay import new_ring, replay_step
 from mamba3_step.rotary import ANGLE_UNIT_RADIANS
 from mamba3_step.spec import StepSpec
 from mamba3_step.tensors import StepTensors
-from mamba3_step.testing import INT64_MAX, INT64_MIN, bits_equal, lane_inputs, layer_weights, poison_, row_tensors
+from mamba3_step.testing import (bits_equal, lane_inputs, layer_weights, poison_, rotary_angles, rotary_biases,
+                                 rotary_rates, row_tensors)
 from mamba3_step.verify import append_reference
 
 P, NULL = 8, 7
@@ -63,17 +64,13 @@ def _heads(spec: StepSpec) -> int:
 
 
 def rotary_rows(spec: StepSpec, rows: int, H: int, g: torch.Generator) -> dict:
-    """With rotary, ``angle_state`` (rows, H, S): random angles over the whole turn; else nothing."""
-    S = spec.rope_angles
-    return {"angle_state": torch.randint(INT64_MIN, INT64_MAX, (rows, H, S), generator=g)} if S else {}
+    """With rotary, ``angle_state`` (rows, H, S); else nothing."""
+    return {"angle_state": rotary_angles(rows, H, spec.rope_angles, generator=g)} if spec.rope_angles else {}
 
 
 def rotary_weights(spec: StepSpec, H: int, g: torch.Generator) -> dict:
-    """With B/C biases, ``B_bias``/``C_bias`` (R, H, N) fp32 around 1 (upstream's initial value)."""
-    if not spec.has_bc_bias:
-        return {}
-    shape = (spec.mimo, H, spec.dstate)
-    return {k: 1 + 0.3 * torch.randn(shape, generator=g) for k in ("B_bias", "C_bias")}
+    """With B/C biases, ``B_bias``/``C_bias`` (R, H, N); else nothing."""
+    return rotary_biases(spec.mimo, H, spec.dstate, generator=g) if spec.has_bc_bias else {}
 
 
 def lane_with_rotary(spec: StepSpec, lane: dict, g: torch.Generator) -> dict:
@@ -84,8 +81,7 @@ def lane_with_rotary(spec: StepSpec, lane: dict, g: torch.Generator) -> dict:
         offset = int(torch.randint(-(2**62), 2**62, (), generator=g)) * 2 + int(torch.randint(0, 2, (), generator=g))
         lane["rand_seed"] = torch.tensor([SEED, offset], dtype=torch.int64)
     if spec.rope_angles:
-        lead = lane["x"].shape[:-1]  # (B, [T,] H)
-        lane["angle_proj"] = 1.5 * torch.randn(lead + (spec.rope_angles,), generator=g)
+        lane["angle_proj"] = rotary_rates(lane["x"].shape[:-2], lane["x"].shape[-2], spec.rope_angles, generator=g)
     if spec.shared_bc:
         lane["B"], lane["C"] = lane["B"][..., :1, :].contiguous(), lane["C"][..., :1, :].contiguous()
     return lane
@@ -178,7 +174,8 @@ class Layer:
         return held
 
 
-# K = 8 from the checkpoint with --full-matrix: K = 8 (replayed) and from the checkpoint (K = 3, 4) run by default
+# REPLAY_FULL with --full-matrix: K = 8 (replayed) and from the checkpoint (K = 3, 4) run by default, and the
+# stochastically rounded bf16 state with destinations
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.full_matrix] if n in REPLAY_FULL else [])
                                   for n in REPLAY])
 def test_replay_decode_is_bit_identical_to_the_executed_stepwise_kernel(name):

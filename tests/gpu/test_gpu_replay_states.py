@@ -23,7 +23,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mamba3_step.testing import INT64_MAX, INT64_MIN, bits_equal, lane_inputs, layer_weights, row_tensors
+from mamba3_step.testing import (bits_equal, lane_inputs, layer_weights, rotary_angles, rotary_biases, rotary_rates,
+                                 row_tensors)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,17 +37,14 @@ ROWS = ("state", "Bstate", "Xstate", "angle_state", "state_scale")
 
 
 def _weights(g: torch.Generator) -> dict:
-    w = layer_weights(H, D, R, generator=g, device=DEV)
-    w.update({k: (1 + 0.3 * torch.randn(R, H, N, generator=g)).to(DEV) for k in ("B_bias", "C_bias")})
-    return w
+    return {**layer_weights(H, D, R, generator=g, device=DEV), **rotary_biases(R, H, N, generator=g, device=DEV)}
 
 
 def _lane(g: torch.Generator, n: int, tokens=None) -> dict:
     """Lane inputs with B/C shared by the heads and angle_proj ``(n, [T,] H, S)``."""
     lane = lane_inputs(n, H, D, N, R, tokens=tokens, generator=g, device=DEV)
     lane["B"], lane["C"] = lane["B"][..., :1, :].contiguous(), lane["C"][..., :1, :].contiguous()
-    lead = (n,) if tokens is None else (n, tokens)
-    lane["angle_proj"] = (1.5 * torch.randn(*lead, H, S, generator=g)).to(DEV)
+    lane["angle_proj"] = rotary_rates((n,) if tokens is None else (n, tokens), H, S, generator=g, device=DEV)
     return lane
 
 
@@ -60,7 +58,7 @@ def _pools(g: torch.Generator, replays: int, **replay):
     slots = stepwise.alloc(5)
     rows = slots.long().to(DEV)
     fresh = torch.randn(5, H, D, N, generator=g).to(DEV)
-    angles = torch.randint(INT64_MIN, INT64_MAX, (5, H, S), generator=g).to(DEV)
+    angles = rotary_angles(5, H, S, generator=g, device=DEV)
     for pool in (*pools, stepwise):
         if pool is not stepwise:
             assert torch.equal(pool.alloc(5), slots)
