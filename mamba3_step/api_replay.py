@@ -24,7 +24,7 @@ from .replay import Ring, check_replay_arguments, check_ring, replay_step
 from .ring import check_accepted
 from .signature import OP_ORDER, StepOptions
 from .spec import MAX_TOKENS, StepSpec, replay_problem
-from .tensors import RING_FIELDS, StepTensors, kernel_arguments
+from .tensors import RING_FIELDS, StepTensors, kernel_arguments, ring_arguments
 from .tiling import tiling_problem
 from .validation import check_step_inputs_cached, checks
 from .validation.cache import tensor_signature
@@ -252,8 +252,7 @@ def _disjoint_from_step(spans: tuple, t: StepTensors) -> bool:
 def _written_ring(ring: Ring) -> dict:
     """The ring tensors the kernel writes, by argument name (:data:`RING_FIELDS`; the angles with rotary,
     the draws' offsets and rows with stochastic rounding)."""
-    values = (ring.B, ring.x, ring.coef, ring.length, ring.angle, ring.offset, ring.drawn_for)
-    return {name: value for name, value in zip(RING_FIELDS, values) if value is not None}
+    return {name: value for name, value in zip(RING_FIELDS, ring_arguments(ring)) if value is not None}
 
 
 def _check_ring_memory(t: StepTensors, ring: Ring) -> None:

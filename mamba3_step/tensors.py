@@ -20,7 +20,7 @@ import torch
 from .contract import new_out, out_shape
 
 __all__ = ["KERNEL_ARGUMENT_NAMES", "KernelArgs", "LANE_FIELDS", "RING_FIELDS", "ROW_FIELDS", "StepTensors", "TOKEN_FIELDS", "WEIGHT_FIELDS",
-           "kernel_arguments"]
+           "kernel_arguments", "ring_arguments"]
 
 Tensor = torch.Tensor
 
@@ -198,9 +198,14 @@ def kernel_arguments(tensors, ring=None) -> KernelArgs:
     rounding) fill the ring fields (:data:`RING_FIELDS`), else None.
     """
     null = tensors[_NULL]
-    rings = ((None,) * len(RING_FIELDS) if ring is None
-             else (ring.B, ring.x, ring.coef, ring.length, ring.angle, ring.offset, ring.drawn_for))
+    rings = (None,) * len(RING_FIELDS) if ring is None else ring_arguments(ring)
     return tuple.__new__(KernelArgs, _KERNEL_TENSORS(tensors) + rings + (-1 if null is None else int(null),))
+
+
+def ring_arguments(ring) -> tuple:
+    """A :class:`~mamba3_step.replay.Ring`'s tensors in :data:`RING_FIELDS` order (None where the ring
+    has no such field: angles without rotary, offsets and rows without stochastic rounding)."""
+    return (ring.B, ring.x, ring.coef, ring.length, ring.angle, ring.offset, ring.drawn_for)
 
 
 _NULL = StepTensors._fields.index("null_slot_id")

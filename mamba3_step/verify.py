@@ -198,12 +198,13 @@ def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) 
     stepwise = spec.replace(replay_ring=0, replay_from_checkpoint=False, num_accepted=False, replay_draft=0, tile_D=0,
                             num_warps=0).with_default_tiling()
     start, _ = _inputs(stepwise, batch, heads, seed)
-    rows_of = ("state", "Bstate", "Xstate") + (("angle_state",) if spec.rope_angles else ())  # what a flush writes
+    rows_of = tuple(k for k in ("state", "Bstate", "Xstate", "angle_state", "state_scale")  # what a flush writes
+                    if getattr(start, k) is not None)
     pools = {kind: {k: getattr(start, k).clone() for k in rows_of} for kind in ("r", "s")}
     P, H, D, N = start.state.shape
     ring = new_ring(P, K, spec.mimo, H, N, D, kv_dtype=start.Bstate.dtype, x_dtype=start.Xstate.dtype,
                     draft=spec.ring_entries - (K - 1),  # the room the step's specialisation replays
-                    rope_angles=spec.rope_angles)
+                    rope_angles=spec.rope_angles, stochastic=spec.stochastic_rounding)
     row = dict(err_out=0.0, budget_out=0.0, err_state=None, budget_state=None, parity=True, accurate=True)
     pending = set()  # rows whose last verify step's drafts the stepwise kernel has stepped
     for step in range(2 * K + 1):

@@ -126,3 +126,6 @@ def test_verify_cli_replay_flags(capsys):
     assert cli.main(["verify", "--config", "32,32,1", "--batch", "4", "--heads", "1", "--replay-ring", "2",
                      "--rope-angles", "4", "--bc-bias"]) == 0
     assert "rope4+bcbias+replay2" in capsys.readouterr().out
+    # and stochastic rounding: the ring keeps its draws (the same crash, found reading the change again)
+    assert cli.main(["verify", "--config", "32,32,1", "--batch", "4", "--heads", "1", "--replay-ring", "2",
+                     "--state-dtype", "bfloat16", "--stochastic-rounding"]) == 0
