@@ -11,6 +11,7 @@ from . import ops  # noqa: F401  registers torch.ops.mamba3_step.step (torch.com
 from . import ops_replay  # noqa: F401  registers torch.ops.mamba3_step.replay_step
 from .api import mamba3_step_fn
 from .api_replay import replay_step_fn
+from .materialize import materialize_fn
 from .contract import PAD_SLOT_ID
 from .ops import mamba3_step_op
 from .plan import StepPlan, StepPlanMismatch, plan_step
@@ -20,6 +21,7 @@ from .rotary import angle_from_radians, angle_to_radians
 from .spec import StepSpec, flagship_rotary_spec, flagship_spec
 
 __all__ = ["PAD_SLOT_ID", "ReplayStepPlan", "Ring", "StepPlan", "StepPlanMismatch", "StepSpec", "angle_from_radians", "angle_to_radians",
-           "flagship_rotary_spec", "flagship_spec", "mamba3_step_fn", "mamba3_step_op", "materialize", "new_ring",
+           "flagship_rotary_spec", "flagship_spec", "mamba3_step_fn", "mamba3_step_op", "materialize", "materialize_fn",
+           "new_ring",
            "plan_replay_step", "plan_step", "replay_step_fn"]
 __version__ = "0.1.0"

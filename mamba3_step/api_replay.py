@@ -30,7 +30,8 @@ from .validation import check_step_inputs_cached, checks
 from .validation.cache import tensor_signature
 from .validation.step import check_tiling_options
 
-__all__ = ["REPLAY_OP_ORDER", "check_accepted", "replay_kernel_spec", "replay_step_fn", "replay_through_op"]
+__all__ = ["REPLAY_OP_ORDER", "check_accepted", "checked_replay_spec", "replay_kernel_spec", "replay_step_fn",
+           "replay_through_op"]
 
 
 def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[torch.Tensor] = None,
@@ -129,16 +130,18 @@ def _kernel_spec(tensors: StepTensors, ring: Ring, K, accepted, rotate_pairwise,
     checked = _RING_CHECKS.get(key) if key is not None else None
     if checked is not None and _disjoint_from_step(checked.spans, read):
         return checked.spec
-    spec = _check_replay(step_spec, tensors, read, ring, K, from_checkpoint, tile_D, num_warps)
+    spec = checked_replay_spec(step_spec, tensors, read, ring, K, from_checkpoint, tile_D, num_warps)
     if key is not None:
         _remember(key, _CheckedRing(spec, _ring_spans(ring)))
     return spec
 
 
-def _check_replay(step_spec: StepSpec, tensors: StepTensors, read: StepTensors, ring: Ring, K, from_checkpoint,
-                  tile_D, num_warps) -> StepSpec:
-    """The ring's checks and the replay kernel's, after the step's: the specialisation, or the named error.
-    ``read``: ``tensors`` as the kernel reads them (with ``accepted``), which no ring byte may be."""
+def checked_replay_spec(step_spec: StepSpec, tensors: StepTensors, read: StepTensors, ring: Ring, K: int,
+                        from_checkpoint: bool = False, tile_D=None, num_warps=None) -> StepSpec:
+    """The ring's checks and the replay kernel's, after the step's (``step_spec``): the specialisation
+    with flush length ``K``, or the named error. ``read``: ``tensors`` as the kernel reads them (with
+    ``accepted``), which no ring byte may be. ``K`` is not range-checked here (``replay_step_fn``'s
+    is in [2, 16]; :mod:`mamba3_step.materialize`'s flush form is a verify step with ``K = 1``)."""
     check_ring(tensors, ring, K)
     _check_ring_memory(read, ring)
     tile_D, num_warps = check_tiling_options(tile_D, num_warps)
@@ -167,7 +170,7 @@ def _ring_draft(step_spec: StepSpec, ring: Ring, K: int) -> int:
 
 # --------------------------------------------------------------------------- checked rings
 # A server calls replay_kernel_spec with the same ring (same tensors, same addresses) every step;
-# only the lane inputs move. What _check_replay reads of the ring, beyond the step's own (cached)
+# only the lane inputs move. What checked_replay_spec reads of the ring, beyond the step's own (cached)
 # validation, is the ring tensors' metadata and addresses, K and the options, the step's
 # specialisation (which tensors the step names, T, S), the state's shape, whether x has a token
 # axis, and whether inference mode is on: all of it is the key below. The one check that also reads the lane inputs'
@@ -176,7 +179,7 @@ def _ring_draft(step_spec: StepSpec, ring: Ring, K: int) -> int:
 
 
 class _CheckedRing(NamedTuple):
-    spec: StepSpec  # the replay specialisation _check_replay returned
+    spec: StepSpec  # the replay specialisation checked_replay_spec returned
     spans: tuple  # the written ring tensors' byte spans [first, end), the empty ones left out
 
 
@@ -189,7 +192,7 @@ _KEY_OPTION_TYPES = (int, bool, type(None))
 
 
 def _ring_key(step_spec: StepSpec, t: StepTensors, ring, K, from_checkpoint, tile_D, num_warps):
-    """What :func:`_check_replay` reads besides the lane inputs' addresses, or None when the call is
+    """What :func:`checked_replay_spec` reads besides the lane inputs' addresses, or None when the call is
     not one to cache (not a :class:`Ring` of plain tensors, or a step on meta or fake tensors)."""
     if type(ring) is not Ring or type(t.x) is not torch.Tensor or t.x.is_meta:
         return None

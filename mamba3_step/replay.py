@@ -39,7 +39,8 @@ from .rounding import dequantize_rows
 from .ring import Ring, check_replay_arguments, check_replay_step, check_ring, new_ring
 from .tensors import StepTensors
 
-__all__ = ["Current", "Ring", "check_replay_arguments", "check_replay_step", "check_ring", "fork_row", "materialize",
+__all__ = ["Current", "Ring", "check_materialize", "check_replay_arguments", "check_replay_step", "check_ring",
+           "fork_row", "materialize",
            "new_ring", "output_from_checkpoint", "replay_step"]  # Ring, new_ring and the checks: mamba3_step.ring
 
 Tensor = torch.Tensor
@@ -334,6 +335,22 @@ def replay_step(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[
     return t.out
 
 
+def check_materialize(tensors: StepTensors, ring: Ring, rows, who: str) -> tuple:
+    """``(rows, lengths)`` (int64 tensors on the pools' device) of a materialize call (``who``), after
+    its checks: rows in ``[0, P)``, each row's length one value in ``[0, L]``, ``rand_seed`` given
+    with offsets (``ValueError`` naming them)."""
+    rows = torch.as_tensor(rows, dtype=torch.int64, device=tensors.state.device).reshape(-1)
+    P = tensors.state.shape[0]
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= P):
+        raise ValueError(f"{who}: rows must be in [0, {P}), got {rows.tolist()}")
+    length = _row_lengths(ring, rows, who)
+    if bool(((length < 0) | (length > ring.B.shape[1])).any()):
+        raise ValueError(f"{who}: ring.length must be in [0, {ring.B.shape[1]}], got {length.tolist()}")
+    if ring.offset is not None and tensors.rand_seed is None:
+        raise ValueError(f"{who}: a ring with offsets (stochastic rounding) needs tensors.rand_seed (its seed)")
+    return rows, length
+
+
 def materialize(tensors: StepTensors, ring: Ring, rows, *, rotate_pairwise: bool = False,
                 compute_dtype: torch.dtype = torch.float32) -> Current:
     """The current state of pool ``rows`` (a list or int tensor of real rows), a :class:`Current`: the
@@ -341,15 +358,7 @@ def materialize(tensors: StepTensors, ring: Ring, rows, *, rotate_pairwise: bool
     rounding, ``tensors.rand_seed``'s seed and each token's recorded offset), equal bit for bit to
     what stepwise decoding holds. Reads ``tensors``' rows, seed and weights (its per-lane inputs are
     not read); writes nothing."""
-    rows = torch.as_tensor(rows, dtype=torch.int64, device=tensors.state.device).reshape(-1)
-    P = tensors.state.shape[0]
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= P):
-        raise ValueError(f"materialize: rows must be in [0, {P}), got {rows.tolist()}")
-    length = _row_lengths(ring, rows, "materialize")
-    if bool(((length < 0) | (length > ring.B.shape[1])).any()):
-        raise ValueError(f"materialize: ring.length must be in [0, {ring.B.shape[1]}], got {length.tolist()}")
-    if ring.offset is not None and tensors.rand_seed is None:
-        raise ValueError("materialize: a ring with offsets (stochastic rounding) needs tensors.rand_seed (its seed)")
+    rows, length = check_materialize(tensors, ring, rows, "materialize")
     current = [None if v is None else v.clone() for v in _base(tensors, rows)]
     current.append(None if tensors.angle_state is None else tensors.angle_state[rows].clone())
     with torch.no_grad():

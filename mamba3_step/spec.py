@@ -64,7 +64,8 @@ class StepSpec:
         replay_ring: K, the flush length of a replay step (docs/contract.md, "Replay"): the
             state row is a checkpoint and the ring pools hold the tokens since; the kernel
             replays a row's committed ring tokens in registers, then this token, and writes
-            the state every K-th token (appending to the ring otherwise). 0: no replay.
+            the state every K-th token (appending to the ring otherwise). 0: no replay. 1, with
+            a verify step only: every committed entry flushed (materialize's flush form).
         replay_from_checkpoint: a replay step's appends compute ``out`` from the checkpoint and the
             ring (the design's algebra: no state update, the step's accuracy rule); else (the
             default) by replaying the state, bit for bit stepwise decoding's ``out``.
@@ -274,8 +275,9 @@ def replay_problem(spec: StepSpec) -> str | None:
         return "replay_draft needs replay_ring and num_accepted (a ring made for longer verify steps)"
     if K == 0:
         return "replay_from_checkpoint needs replay_ring > 0" if spec.replay_from_checkpoint else None
-    if isinstance(K, bool) or not isinstance(K, int) or not 2 <= K <= MAX_TOKENS:
-        return f"replay_ring (K) must be 0 or an int in [2, {MAX_TOKENS}], got {K!r}"
+    if isinstance(K, bool) or not isinstance(K, int) or not (2 <= K <= MAX_TOKENS or (K == 1 and spec.tokens > 1)):
+        return (f"replay_ring (K) must be 0, an int in [2, {MAX_TOKENS}], or 1 with a verify step (tokens > 1: "
+                f"materialize's flush form), got {K!r}")
     for field, value, what in _REPLAY_NEEDS:
         if getattr(spec, field) != value:
             return f"replay_ring needs {what}, got {field}={getattr(spec, field)!r}"

@@ -139,9 +139,9 @@ def test_a_repeated_ring_is_checked_once_and_its_addresses_every_call(monkeypatc
     g, rows, weights = _layer(5)
     ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16)
     index = torch.tensor([0, 1], dtype=torch.int32)
-    full, check = [], api_replay._check_replay
+    full, check = [], api_replay.checked_replay_spec
     monkeypatch.setattr(api_replay, "_RING_CHECKS", {})  # no entry of an earlier test at a reused address
-    monkeypatch.setattr(api_replay, "_check_replay", lambda *a: full.append(1) or check(*a))
+    monkeypatch.setattr(api_replay, "checked_replay_spec", lambda *a: full.append(1) or check(*a))
     specs = [replay_kernel_spec(_call(rows, lane_inputs(2, H, D, N, R, generator=g), weights, index), ring, K)
              for _ in range(3)]
     assert specs == [flagship_spec(replay_ring=K)] * 3 and len(full) == 1

@@ -36,7 +36,8 @@ LAYERS = [
     ["build"],  # the kernel's cutlass-free face: imports it lazily, on the first compile
     ["compile_cache"],
     ["launch"],
-    ["api", "plan", "api_replay"],  # plan: plan once, run many (StepPlan); api_replay: replay's entry point
+    ["api", "plan", "api_replay", "materialize"],  # plan: plan once, run many (StepPlan); api_replay: replay's entry
+    # point; materialize: a replay row's current state on any device (the kernel's flush form on CUDA)
     ["plan_replay"],  # plan once, run many, for replay (ReplayStepPlan): on the stepwise plan and replay's entry
     ["ops", "ops_replay", "serving"],
     ["inspection", "layer", "demo", "demo_speculative", "demo_replay", "ptx_tier", "verify"],  # layer: a Mamba-3 decode layer

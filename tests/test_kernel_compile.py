@@ -24,6 +24,7 @@ import pytest
 from mamba3_step.inspection import kernel_facts
 from mamba3_step.issue_model import GPUS, issue_model, slab_bytes
 from mamba3_step.kernel import compile_step_kernel
+from mamba3_step.materialize import flush_specs
 from mamba3_step.ptx_tier import ptx_kernel
 from mamba3_step.contract import (DTYPE_BYTES, KV_DTYPES, SCALED_STATE_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N,
                                   SUPPORTED_R)
@@ -230,6 +231,22 @@ REPLAY_VERIFY_MIXED = {
     "N32-D64-R2-bf16state-replay-K2-T1-accepted-noz": _SMALL_VERIFY.replace(tokens=1, replay_draft=3),
 }
 
+#: materialize_fn's flush form on CUDA (mamba3_step.materialize.flush_specs: a verify step with K = 1 and two
+#: zero drafts) for the pools users make: the flagship at K = 4 (fp32, rotary, bf16 verify rounds of T = 4),
+#: the int8 flagship at K = 2, and a ring of 31 entries (K = 16, T = 16: two launches, the second K = 16)
+MATERIALIZE = {
+    "flagship-flush-L3": flush_specs(flagship_spec(), 3)[0],
+    "flagship-rotary-flush-L3": flush_specs(flagship_rotary_spec(), 3)[0],
+    "flagship-bf16state-flush-L7": flush_specs(flagship_spec(state_dtype="bfloat16"), 7)[0],
+    "flagship-int8state-flush-L1": flush_specs(flagship_spec(state_dtype="int8", stochastic_rounding=True), 1)[0],
+    "flagship-flush-L31-first": flush_specs(flagship_spec(), 31)[0],
+    "flagship-flush-L31-second": flush_specs(flagship_spec(), 31)[1],
+}
+#: compiled with --full-matrix only: the default run compiles the fp32 and int8 forms (the rotary and bf16
+#: forms differ from them as the replay verify steps compiled by default do; the L = 31 ones unroll 31 entries)
+MATERIALIZE_FULL = frozenset({"flagship-rotary-flush-L3", "flagship-bf16state-flush-L7", "flagship-flush-L31-first",
+                              "flagship-flush-L31-second"})
+
 #: the covering set with T in {2, 4, 8} (T = 1 is COVERING itself)
 COVERING_TOKENS = {f"{name}-T{T}": with_tokens(spec, T) for name, spec in COVERING.items() for T in (2, 4, 8)}
 
@@ -362,13 +379,15 @@ def check_padding_guard(sass_text: str, where: str, loads: int = 2) -> None:
 #: the named sets every run compiles for both architectures, by the prefix of their test ids
 COMPILED_SETS = {"covering": COVERING, "multi-token": MULTI_TOKEN, "rotary": ROTARY, "stochastic": STOCHASTIC,
                  "eight-bit": EIGHT_BIT, "replay": REPLAY, "replay-verify": REPLAY_VERIFY,
-                 "replay-verify-mixed": REPLAY_VERIFY_MIXED, "replay-dst": REPLAY_DST, "replay-small": REPLAY_SMALL}
+                 "replay-verify-mixed": REPLAY_VERIFY_MIXED, "replay-dst": REPLAY_DST, "replay-small": REPLAY_SMALL,
+                 "materialize": MATERIALIZE}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-# REPLAY_VERIFY_FULL compiles with --full-matrix, as their executed rounds run
+# REPLAY_VERIFY_FULL compiles with --full-matrix, as their executed rounds run; so does MATERIALIZE_FULL
 @pytest.mark.parametrize("spec", [pytest.param(spec, id=f"{kind}-{name}",
-                                               marks=[pytest.mark.full_matrix] if name in REPLAY_VERIFY_FULL else [])
+                                               marks=[pytest.mark.full_matrix]
+                                               if name in REPLAY_VERIFY_FULL | MATERIALIZE_FULL else [])
                                   for kind, specs in COMPILED_SETS.items() for name, spec in specs.items()])
 def test_compiles_with_clean_compiler_facts(spec, arch):
     check_compiler_facts(spec, arch)

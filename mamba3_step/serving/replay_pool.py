@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..contract import SCALED_STATE_DTYPES, dtype_name, shown
-from ..replay import Current, Ring, materialize, new_ring
+from ..materialize import materialize_fn
+from ..replay import Current, Ring, new_ring
 from ..tensors import StepTensors
 from ..validation.step import check_weights
 from .pool import StatePool
@@ -59,16 +60,15 @@ class ReplayStatePool(StatePool):
     def materialize(self, layer: int, slots, *, xproj: torch.Tensor, D: torch.Tensor, zproj=None, outproj=None,
                     B_bias=None, C_bias=None, rand_seed=None, rotate_pairwise: bool = False) -> Current:
         """The current state of ``slots`` (allocated) in layer ``layer``: each row's checkpoint advanced by
-        its ring's committed tokens with the step's math and rounding (:func:`mamba3_step.replay.materialize`;
-        prefix caching, export): on CPU tensors bit for bit what stepwise decoding holds; on CUDA the same
-        math in PyTorch, within float32 rounding of the stepwise kernel's rows (bit for bit for a row with
-        an empty ring: its checkpoint). The layer's weights
+        its ring's committed tokens with the step's math and rounding (:func:`mamba3_step.materialize_fn`;
+        prefix caching, export): bit for bit what stepwise decoding holds, on CPU tensors the CPU path's,
+        on CUDA the stepwise kernel's (the replay kernel's flush form). The layer's weights
         (``xproj``, ``D``, ``zproj``/``outproj`` as the steps took them; ``B_bias``/``C_bias`` with rotary)
         and, with an 8-bit state, ``rand_seed`` (its seed) are what the steps used. Writes nothing.
 
         Raises TypeError/ValueError naming the argument: a weight that is not a strided tensor of the
         step's shape, dtype and device (the table's row for it), and what
-        :func:`~mamba3_step.replay.materialize` refuses; :class:`SlotError` for slots not allocated.
+        :func:`~mamba3_step.materialize_fn` refuses; :class:`SlotError` for slots not allocated.
         """
         with self._lock:
             rows = self._checked_allocated(slots, "slots", what="materialize")
@@ -77,7 +77,7 @@ class ReplayStatePool(StatePool):
                            rand_seed=rand_seed), dims, self.device, "(the layer's weights as the steps took them)")
         t = StepTensors(**self.layer_rows(layer), A=None, B=None, C=None, D=D, x=None, dt=None, trap=None,
                         xproj=xproj, zproj=zproj, outproj=outproj, B_bias=B_bias, C_bias=C_bias, rand_seed=rand_seed)
-        return materialize(t, self.ring(layer), rows, rotate_pairwise=rotate_pairwise)
+        return materialize_fn(t, self.ring(layer), rows, rotate_pairwise=rotate_pairwise)
 
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + f", replay_ring={self.replay_ring}, replay_draft={self.replay_draft})"

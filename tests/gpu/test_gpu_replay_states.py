@@ -7,12 +7,13 @@ Written 2026-11-27, not yet run on a GPU; the PTX tier executes the same kernel 
 
 * a replay pool of the flagship rotary layer (S = 32 angles, B/C biases, B/C shared by the heads):
   ``decode_step`` and the CUDA-graph runner over 2K + 1 steps with a padding lane, every ``out`` bit
-  for bit, and each flushed row's state, Bstate, Xstate and angle; verify rounds (``replay_draft =
+  for bit, and each flushed row's state, Bstate, Xstate and angle, and ``materialize`` of every row
+  (the replay kernel's flush form) at every step; verify rounds (``replay_draft =
   T``, a random number of each round's drafts accepted by the next): the drafts' outs are the
   stepwise T-token kernel's bit for bit on the state after the accepted tokens;
 * an 8-bit replay pool (int8 and e4m3, stochastic rounding, ``rand_seed`` advancing every step):
   ``decode_step`` and the graph runner, every ``out`` and each flushed row (its scales included) bit
-  for bit: each replayed token rounds with the draws its step made.
+  for bit: each replayed token rounds with the draws its step made; ``materialize`` likewise.
 
 Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank, S angles, K flush
 length, T draft tokens.
@@ -75,6 +76,17 @@ def _check_flushed(replay, stepwise, slots: torch.Tensor, where: str) -> None:
                     assert bits_equal(getattr(replay, k)(0)[row], getattr(stepwise, k)(0)[row]), f"{where}: row {row} {k}"
 
 
+def _check_materialized(replay, stepwise, slots: torch.Tensor, w: dict, where: str, rand_seed=None) -> None:
+    """``materialize`` (the replay kernel's flush form) of every live slot, mid-ring or not: each of
+    the row's pools bit for bit the stepwise pool's (its angle and scales included)."""
+    weights = {k: w.get(k) for k in ("xproj", "D", "zproj", "outproj", "B_bias", "C_bias")}
+    cur = replay.materialize(0, slots, **weights, rand_seed=rand_seed)._asdict()
+    rows = slots.long().to(DEV)
+    for k in ROWS:
+        if getattr(stepwise, k)(0) is not None:
+            assert bits_equal(cur[k], getattr(stepwise, k)(0)[rows]), f"{where}: materialized {k}"
+
+
 @pytest.mark.parametrize("K", [2, 4])
 def test_rotary_replay_pool_decode_and_graph_runner_match_the_stepwise_pool(K):
     from mamba3_step.serving import CudaGraphStepRunner, decode_step
@@ -94,6 +106,7 @@ def test_rotary_replay_pool_decode_and_graph_runner_match_the_stepwise_pool(K):
         flushed += int((eager.ring(0).length[slots.long().to(DEV), 0] == 0).sum())
         _check_flushed(eager, stepwise, slots, f"step {step}")
         _check_flushed(graphed, stepwise, slots, f"step {step} (graph)")
+        _check_materialized(eager, stepwise, slots, w, f"step {step}")
     assert flushed >= 2 * 5, "fewer than two flushes a row"
 
 
@@ -121,6 +134,7 @@ def test_rotary_verify_rounds_match_the_stepwise_kernel(K, T):
         torch.cuda.synchronize()
         assert bits_equal(got, want), f"round {round_}: the drafts' outs"
         _check_flushed(replay, stepwise, slots, f"round {round_}")
+        _check_materialized(replay, stepwise, slots, w, f"round {round_}")
         pending = lane
 
 
@@ -152,3 +166,4 @@ def test_8bit_replay_pool_decode_and_graph_runner_match_the_stepwise_pool(fmt, K
         assert bits_equal(got, want) and bits_equal(got_graph, want), f"step {step}"
         _check_flushed(pools[0], stepwise, slots, f"step {step}")
         _check_flushed(pools[1], stepwise, slots, f"step {step} (graph)")
+        _check_materialized(pools[0], stepwise, slots, w, f"step {step}", rand_seed=seeds[1])
