@@ -29,14 +29,11 @@ from .api_replay import checked_replay_spec
 from .launch import kernel_for
 from .replay import Current, Ring, check_materialize, materialize
 from .ring import check_replay_arguments, check_ring
-from .spec import MAX_TOKENS, StepSpec
+from .spec import FLUSH_DRAFTS, MAX_TOKENS, StepSpec, flush_groups
 from .tensors import StepTensors, kernel_arguments
 from .validation import check_step_inputs, checks
 
-__all__ = ["FLUSH_DRAFTS", "FlushLaunch", "flush_form", "flush_specs", "materialize_fn"]
-
-#: the drafts of the flush form's verify step (the fewest a verify step has)
-FLUSH_DRAFTS = 2
+__all__ = ["FlushLaunch", "flush_form", "materialize_fn"]
 
 
 class FlushLaunch(NamedTuple):
@@ -94,32 +91,11 @@ def _flush_form(tensors: StepTensors, ring: Ring, rows: torch.Tensor, length: to
     current = Current(*(None if t is None else t[rows].clone() for t in
                         (tensors.state, tensors.Bstate, tensors.Xstate, tensors.state_scale, tensors.angle_state)))
     L, launches = ring.B.shape[1], []
-    for first, last, K in _groups(L):
+    for first, last, K in flush_groups(L):
         pick = ((length >= first) & (length <= last)).nonzero().squeeze(1)
         if pick.numel():
             launches.append(_launch(tensors, ring, rows, current, pick, K, rotate_pairwise))
     return current, launches
-
-
-def flush_specs(spec: StepSpec, L: int) -> list:
-    """The flush form's specialisations for a replay pool whose steps are ``spec`` and whose rings
-    hold ``L`` entries (one launch group each, :func:`_groups`), at their default tiling: what
-    :func:`materialize_fn` compiles on CUDA."""
-    out = []
-    for _, _, K in _groups(L):
-        entries = max(FLUSH_DRAFTS, min(L, K - 1 + MAX_TOKENS))
-        room = entries - (K - 1)
-        out.append(spec.replace(tokens=FLUSH_DRAFTS, num_accepted=True, replay_ring=K,
-                                replay_draft=room if room > FLUSH_DRAFTS else 0, has_z=False, has_outproj=False,
-                                has_dst=False, dst_per_token=False, shared_bc=False, replay_from_checkpoint=False,
-                                padded_state_rows=False, tile_D=0, num_warps=0).with_default_tiling())
-    return out
-
-
-def _groups(L: int) -> list:
-    """``(first, last, K)``: the committed counts each launch takes and its flush length."""
-    most = min(L, MAX_TOKENS)
-    return [(1, most, 1)] + ([(MAX_TOKENS + 1, L, L - (MAX_TOKENS - 1))] if L > MAX_TOKENS else [])
 
 
 def _lanes(tensors: StepTensors, b: int) -> dict:

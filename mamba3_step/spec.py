@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from .contract import KV_DTYPES, PROJ_DTYPES, ROUNDED_STATE_DTYPES, SCALED_STATE_DTYPES, STATE_DTYPES, X_DTYPES
 from .tiling import default_tiling, shape_problem, tiling_problem
 
-__all__ = ["FLAGSHIP_HEADS", "MAX_TOKENS", "StepSpec", "complete_spec", "flagship_rotary_spec", "flagship_spec",
-           "mode_problem", "replay_problem", "rotary_problem"]
+__all__ = ["FLAGSHIP_HEADS", "FLUSH_DRAFTS", "MAX_TOKENS", "StepSpec", "complete_spec", "flagship_rotary_spec",
+           "flagship_spec", "flush_groups", "flush_specs", "mode_problem", "replay_problem", "rotary_problem"]
 
 
 @dataclass(frozen=True)
@@ -263,6 +263,32 @@ def mode_problem(spec: StepSpec) -> str | None:
 #: what a replay specialisation takes so far (docs/contract.md, "Replay"): the field and its required value
 _REPLAY_NEEDS = (("pool", True, "pool mode"), ("update_kv_state", True, "update_kv_state (Bstate/Xstate are the "
                  "token before the ring)"))
+
+
+#: the drafts of materialize's flush form (a verify step with K = 1; the fewest a verify step has)
+FLUSH_DRAFTS = 2
+
+
+def flush_specs(spec: StepSpec, L: int) -> list:
+    """The flush form's specialisations for a replay pool whose steps are ``spec`` and whose rings
+    hold ``L`` entries (one launch group each, :func:`flush_groups`), at their default tiling: what
+    :func:`mamba3_step.materialize_fn` compiles on CUDA (``precompile --materialize-ring L``)."""
+    out = []
+    for _, _, K in flush_groups(L):
+        entries = max(FLUSH_DRAFTS, min(L, K - 1 + MAX_TOKENS))
+        room = entries - (K - 1)
+        out.append(spec.replace(tokens=FLUSH_DRAFTS, num_accepted=True, replay_ring=K,
+                                replay_draft=room if room > FLUSH_DRAFTS else 0, has_z=False, has_outproj=False,
+                                has_dst=False, dst_per_token=False, shared_bc=False, replay_from_checkpoint=False,
+                                padded_state_rows=False, tile_D=0, num_warps=0).with_default_tiling())
+    return out
+
+
+def flush_groups(L: int) -> list:
+    """The flush form's launches for rings of ``L`` entries: ``(first, last, K)``, the committed counts
+    each takes and its flush length (a verify step replays at most ``K - 1 + 16`` entries)."""
+    most = min(L, MAX_TOKENS)
+    return [(1, most, 1)] + ([(MAX_TOKENS + 1, L, L - (MAX_TOKENS - 1))] if L > MAX_TOKENS else [])
 
 
 def replay_problem(spec: StepSpec) -> str | None:

@@ -15,7 +15,9 @@ new one) names them the same way, through :func:`add_spec_arguments` and
   ``--dst-per-token`` ((B, T) destinations) and ``--num-accepted`` ((B, K) sources picked by
   ``num_accepted_tokens``), the multi-token flags; ``--rope-angles S``, ``--rotate-pairwise``,
   ``--bc-bias``, ``--shared-bc``, the rotary flags; ``--stochastic-rounding`` (with a 16-bit
-  ``--state-dtype``);
+  ``--state-dtype``); ``--replay-ring K``, ``--replay-from-checkpoint``, ``--replay-draft T_MAX``,
+  the replay flags; ``--materialize-ring L``: ``materialize_fn``'s flush forms for a replay pool
+  whose rows the other flags name and whose rings hold L entries (``spec.flush_specs``);
 * ``--tile-d``, ``--num-warps``: the tiling (default: per configuration);
 * ``--arch``: the target (default: this machine's GPU, else sm_90a).
 
@@ -30,7 +32,7 @@ import itertools
 
 from .arch import DEFAULT_ARCH, check_arch, current_arch
 from .contract import KV_DTYPES, PROJ_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, X_DTYPES
-from .spec import StepSpec, flagship_spec, mode_problem
+from .spec import MAX_TOKENS, StepSpec, flagship_spec, flush_specs, mode_problem
 from .tiling import shape_problem, tiling_problem
 
 __all__ = ["CONFIG_HELP", "add_spec_arguments", "arch_from_args", "parse_spec_args", "spec_label",
@@ -147,6 +149,9 @@ def add_spec_arguments(parser: argparse.ArgumentParser, *, modes: bool = True, a
         g.add_argument("--replay-draft", type=int, default=0, metavar="T_MAX",
                        help="replay: a verify step on a ring made for T_MAX > T drafts (StepSpec.replay_draft; "
                             "needs --replay-ring and --num-accepted)")
+        g.add_argument("--materialize-ring", type=int, default=0, metavar="L",
+                       help="materialize_fn's flush forms for a replay pool with rings of L = K - 1 + T_MAX "
+                            "entries (1 to 31), instead of the step the other flags name")
     if arch:
         g.add_argument("--arch", default=None, help=f"target architecture, e.g. sm_90a, sm_100a "
                                                     f"(default: this machine's GPU, else {DEFAULT_ARCH})")
@@ -175,6 +180,10 @@ def specs_from_args(args: argparse.Namespace) -> list[StepSpec]:
             raise ValueError(f"--rope-angles: expected S >= 0, got {args.rope_angles}")
         if args.replay_from_checkpoint and args.replay_ring <= 0:
             raise ValueError("--replay-from-checkpoint needs --replay-ring K > 0")
+        if args.replay_ring != 0 and not 2 <= args.replay_ring <= MAX_TOKENS:
+            raise ValueError(f"--replay-ring: expected K = 0 or in [2, {MAX_TOKENS}], got {args.replay_ring} (K = 1 is "
+                             f"materialize's flush form: --materialize-ring L)")
+        _check_materialize_ring(args)
         changes.update(pool=args.mode == "pool", has_dst=args.dst or args.dst_per_token,
                        update_kv_state=not args.no_update_kv_state, has_z=not args.no_z,
                        has_outproj=not args.no_outproj, has_state_out=args.state_out, tokens=args.tokens,
@@ -184,11 +193,32 @@ def specs_from_args(args: argparse.Namespace) -> list[StepSpec]:
                        stochastic_rounding=args.stochastic_rounding, replay_ring=args.replay_ring,
                        replay_from_checkpoint=args.replay_from_checkpoint, replay_draft=args.replay_draft)
     specs = []
+    L = getattr(args, "materialize_ring", 0)
     for config in args.config or ["flagship"]:
         for spec in specs_for_config(config, **changes):
-            if spec not in specs:
-                specs.append(spec)
+            for named in flush_specs(spec, L) if L else [spec]:
+                if named not in specs:
+                    specs.append(named)
     return specs
+
+
+def _check_materialize_ring(args: argparse.Namespace) -> None:
+    """``--materialize-ring L``: L in [1, 2 * MAX_TOKENS - 1], with the flags of a replay pool's rows only
+    (the flush form sets the step's own: a pool-mode verify step with update_kv_state, default tiling)."""
+    L = args.materialize_ring
+    if L == 0:
+        return
+    if not 1 <= L <= 2 * MAX_TOKENS - 1:
+        raise ValueError(f"--materialize-ring: expected L = K - 1 + T_MAX in [1, {2 * MAX_TOKENS - 1}], got {L}")
+    clashes = [flag for flag, on in (("--replay-ring", args.replay_ring), ("--tokens", args.tokens > 1),
+                                     ("--num-accepted", args.num_accepted), ("--replay-draft", args.replay_draft),
+                                     ("--replay-from-checkpoint", args.replay_from_checkpoint),
+                                     ("--dst", args.dst or args.dst_per_token), ("--mode dense", args.mode != "pool"),
+                                     ("--no-update-kv-state", args.no_update_kv_state),
+                                     ("--tile-d", args.tile_d), ("--num-warps", args.num_warps)) if on]
+    if clashes:
+        raise ValueError(f"--materialize-ring names the flush forms, whose step flags and tiling are their own: "
+                         f"leave out {', '.join(clashes)}")
 
 
 def arch_from_args(args: argparse.Namespace) -> str:

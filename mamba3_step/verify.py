@@ -25,6 +25,10 @@ executed stepwise kernel instead: ``parity`` covers every ``out`` the contract m
 and every row at its flush, ``err_out`` appends from the checkpoint against float64. With
 ``--tokens T --num-accepted`` (verify steps) each step accepts every draft of the row's last one.
 
+``--materialize-ring L`` checks ``materialize_fn``'s flush forms instead
+(:mod:`mamba3_step.verify_flush`: rings built by the executed stepwise kernel, the flush form's rows
+equal to its rows bit for bit, no byte of the originals touched).
+
 The exit status is 1 when any row fails. :func:`executed_facts` gives the executed
 instruction mix, sectors per request, bank conflicts and bytes of one specialisation (also
 ``inspect --executed``).
@@ -53,6 +57,7 @@ from .serving import gather_dense_scatter
 from .spec import StepSpec
 from .specsets import add_spec_arguments, parse_spec_args, spec_label
 from .tensors import LANE_FIELDS, ROW_FIELDS, StepTensors
+from .verify_flush import flush_check
 from .testing import bits_equal, inputs_for, poison_, pool_rows, step_indices
 
 __all__ = ["HELP", "add_arguments", "append_reference", "executed_facts", "replay_instructions", "run", "tolerance",
@@ -168,8 +173,7 @@ def _parity(spec: StepSpec, batch: int, heads: int, seed: int) -> bool:
 
 
 def _races(result) -> int:
-    return (len(analysis.cta_races(result)) + len(analysis.intra_cta_races(result))
-            + len(analysis.intra_cta_races(result, shared=True)))
+    return analysis.race_count(result)
 
 
 def append_reference(t: StepTensors, base: tuple, ring: dict, row: int, b: int, cd) -> torch.Tensor:
@@ -264,14 +268,16 @@ def _step_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) ->
     return row
 
 
-def verify_spec(spec: StepSpec, arch: str = "sm_90a", batch: int = 8, heads: int = 3, seed: int = 0) -> dict:
-    """Compile, execute and check one specialisation (module docstring); returns its row."""
+def verify_spec(spec: StepSpec, arch: str = "sm_90a", batch: int = 8, heads: int = 3, seed: int = 0,
+                flush: bool = False) -> dict:
+    """Compile, execute and check one specialisation (module docstring); returns its row. ``flush``: a
+    flush form of materialize (:func:`mamba3_step.verify_flush.flush_check`)."""
     row = dict(label=spec_label(spec), spec=spec.as_dict(), arch=arch, batch=batch, heads=heads, fault=None)
     t0 = time.perf_counter()
     try:
         ptx_kernel(spec, arch)
         row["compile_seconds"] = round(time.perf_counter() - t0, 3)
-        check = _replay_check if spec.replay_ring else _step_check
+        check = flush_check if flush else _replay_check if spec.replay_ring else _step_check
         row.update(check(spec, arch, batch, heads, seed))
     except ptx.PTXError as e:
         row["fault"] = f"{type(e).__name__}: {e}"
@@ -407,9 +413,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for name, least, most in (("batch", 2, 4096), ("heads", 1, 256), ("seed", -(2**63), 2**63 - 1)):
         if not least <= getattr(args, name) <= most:  # the PTX tier runs every thread: keep it small
             parser.error(f"--{name} must be in [{least}, {most}], got {getattr(args, name)}")
+    flush = args.materialize_ring > 0
+    if flush and args.facts:
+        parser.error("--facts: the executed facts are a decode step's; --materialize-ring names flush forms")
     rows = []
     for spec in specs:
-        row = verify_spec(spec, arch, args.batch, args.heads, args.seed)
+        row = verify_spec(spec, arch, args.batch, args.heads, args.seed, flush=flush)
         if args.facts and row["ok"]:
             row["executed"] = executed_facts(spec, arch, seed=args.seed)
         rows.append(row)

@@ -118,10 +118,12 @@ CLI = {
     "demo": (("--steps", "--layers", "--slots", "--max-batch", "--heads", "--seed", "--spec-tokens",
               "--spec-rounds", "--buckets", "--device", "--tile-d", "--num-warps", "--config", "--state-dtype",
               "--kv-dtype", "--arch", "--tokens", "--mode"), ["--quiet"]),
+    # a valid run compiles: a small configuration keeps it short (the odd option, last, adds to it or replaces it)
     "inspect": (("--arch", "--config", "--tile-d", "--num-warps", "--tokens", "--mode", "--batch", "--heads",
-                 "--state-dtype", "--replay-ring", "--replay-draft"), ["--json"]),
+                 "--state-dtype", "--replay-ring", "--replay-draft", "--materialize-ring"),
+                ["--json", "--config", "32,32,1"]),
     "precompile": (("--arch", "--config", "--tile-d", "--num-warps", "--tokens", "--state-dtype", "--replay-ring",
-                    "--replay-draft"), ["--json"]),
+                    "--replay-draft", "--materialize-ring"), ["--json", "--config", "32,32,1"]),
     # a valid run compiles and executes a small specialisation's PTX: kept small by these flags (the odd one comes last)
     "verify": (("--arch", "--config", "--batch", "--heads", "--seed", "--tile-d", "--num-warps", "--rope-angles",
                 "--replay-ring"),

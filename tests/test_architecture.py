@@ -40,7 +40,8 @@ LAYERS = [
     # point; materialize: a replay row's current state on any device (the kernel's flush form on CUDA)
     ["plan_replay"],  # plan once, run many, for replay (ReplayStepPlan): on the stepwise plan and replay's entry
     ["ops", "ops_replay", "serving"],
-    ["inspection", "layer", "demo", "demo_speculative", "demo_replay", "ptx_tier", "verify"],  # layer: a Mamba-3 decode layer
+    # layer: a Mamba-3 decode layer; verify_flush: verify's check of materialize's flush forms
+    ["inspection", "layer", "demo", "demo_speculative", "demo_replay", "ptx_tier", "verify", "verify_flush"],
     ["cli", "__main__"],
 ]
 MAX_MODULE_LINES = 450

@@ -432,3 +432,32 @@ def test_replay_draft_flag_names_a_verify_step_on_a_ring_made_for_more_drafts(ca
                           (["--num-accepted", "--replay-draft", "2"], "replay_draft must be 0 or an int in (2, 16]")):
         assert cli.main(["inspect", "--replay-ring", "4", "--tokens", "2", *argv]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_materialize_ring_flag_names_the_flush_forms(capsys):
+    """--materialize-ring L: spec.flush_specs of each named pool spec (two for L > 16); --replay-ring 1
+    (the flush form's K) and the flags the flush form sets itself are refused by name."""
+    from mamba3_step.spec import flagship_spec, flush_specs
+
+    args = cli.build_parser().parse_args(["inspect", "--materialize-ring", "7", "--state-dtype", "bfloat16"])
+    assert specs_from_args(args) == flush_specs(flagship_spec(state_dtype="bfloat16"), 7)
+    (spec,) = specs_from_args(args)
+    assert (spec.replay_ring, spec.tokens, spec.num_accepted, spec.replay_draft, spec.ring_entries) == (1, 2, True, 7, 7)
+    args = cli.build_parser().parse_args(["inspect", "--materialize-ring", "31"])
+    assert [s.replay_ring for s in specs_from_args(args)] == [1, 16]
+    for argv, message in ((["--replay-ring", "1", "--tokens", "2", "--num-accepted"], "--replay-ring: expected K = 0"),
+                          (["--materialize-ring", "32"], "--materialize-ring: expected L = K - 1 + T_MAX in [1, 31]"),
+                          (["--materialize-ring", "3", "--replay-ring", "4", "--tokens", "2"],
+                           "leave out --replay-ring, --tokens"),
+                          (["--materialize-ring", "3", "--num-warps", "8"], "leave out --num-warps")):
+        assert cli.main(["inspect", *argv]) == 2
+        assert message in capsys.readouterr().err
+
+
+@needs_kernel
+def test_report_of_a_flush_form_says_its_bytes_are_not_a_steps():
+    from mamba3_step.spec import flagship_spec, flush_specs
+
+    report, facts = I.inspect_spec(flush_specs(flagship_spec(), 3)[0], "sm_90a", batch=8, heads=2)
+    assert report["bytes_per_step"] is None and facts.spill_bytes == 0
+    assert "not modelled: materialize's flush form" in I.format_report(report)

@@ -50,6 +50,7 @@ def test_replay_counts_are_what_the_ptx_tier_executes(K, from_checkpoint):
     assert replay_instructions(flagship_spec()) == (REPLAY_EXECUTED["stepwise"],)
 
 
+@pytest.mark.full_matrix  # 40 s of flagship T = 4 executions: model inputs, re-read after a kernel change
 def test_verify_counts_are_what_the_ptx_tier_executes():
     """VERIFY_EXECUTED (model_bench's replay verify table) holds today's verify step's executed count and
     the replay verify kernel's at K = 2 and 4 (4 committed tokens: a flush), re-executed here; K = 8's

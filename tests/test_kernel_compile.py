@@ -24,11 +24,10 @@ import pytest
 from mamba3_step.inspection import kernel_facts
 from mamba3_step.issue_model import GPUS, issue_model, slab_bytes
 from mamba3_step.kernel import compile_step_kernel
-from mamba3_step.materialize import flush_specs
 from mamba3_step.ptx_tier import ptx_kernel
 from mamba3_step.contract import (DTYPE_BYTES, KV_DTYPES, SCALED_STATE_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N,
                                   SUPPORTED_R)
-from mamba3_step.spec import StepSpec, flagship_rotary_spec, flagship_spec
+from mamba3_step.spec import StepSpec, flagship_rotary_spec, flagship_spec, flush_specs
 from mamba3_step.tiling import VERIFY_WARPS, default_tiling, thread_layout, tiling_problem
 
 ARCHS = ("sm_90a", "sm_100a")
@@ -189,7 +188,7 @@ REPLAY_VERIFY = {
 #: fp16 stochastically rounded T = 2 and 3 forms, and the flagship's one-token rotary and int8 forms)
 REPLAY_VERIFY_FULL = frozenset({"flagship-replay-K8-verify-T4", "flagship-rotary-replay-K4-verify-T4",
                                 "flagship-fp8state-replay-K4-verify-T4"})
-#: one-token replay steps executed with --full-matrix only (compiled in every run): K = 8
+#: one-token replay steps executed and compiled with --full-matrix only: K = 8
 #: from the checkpoint (K = 4 runs by default), and the bf16 flagship rounded stochastically (a replay
 #: pool keeps no 16-bit stochastic state; its code runs by default in the bf16 form with destinations
 #: and the fp16 verify step, the flagship's 8-bit form in the int8 one)
@@ -256,7 +255,7 @@ EXECUTED_ARCH = "sm_90a"
 EXECUTED = frozenset(s.with_default_tiling() for s in (*COVERING.values(), *MULTI_TOKEN.values(), *ROTARY.values(),
                                                        *STOCHASTIC.values(), *EIGHT_BIT.values(), *REPLAY.values(),
                                                        *REPLAY_VERIFY.values(), *REPLAY_VERIFY_MIXED.values(),
-                                                       *REPLAY_DST.values()))
+                                                       *REPLAY_DST.values(), *MATERIALIZE.values()))
 
 
 def _full_matrix():
@@ -383,18 +382,31 @@ COMPILED_SETS = {"covering": COVERING, "multi-token": MULTI_TOKEN, "rotary": ROT
                  "materialize": MATERIALIZE}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-# REPLAY_VERIFY_FULL compiles with --full-matrix, as their executed rounds run; so does MATERIALIZE_FULL
-@pytest.mark.parametrize("spec", [pytest.param(spec, id=f"{kind}-{name}",
-                                               marks=[pytest.mark.full_matrix]
-                                               if name in REPLAY_VERIFY_FULL | MATERIALIZE_FULL else [])
-                                  for kind, specs in COMPILED_SETS.items() for name, spec in specs.items()])
+#: compiled with --full-matrix only, on every target (their executed rounds run with it too) ...
+FULL_COMPILES = REPLAY_VERIFY_FULL | MATERIALIZE_FULL | REPLAY_FULL
+#: ... or on sm_100a only (on sm_90a it is the compile the PTX tier keeps, which the executions in the same
+#: process share): the largest shape's multi-token step (27 s a compile), the flagship's T = 6 and 8
+FULL_COMPILES_SM100 = {"N256-D128-R8-fp32-T4-dense", "flagship-T6-spec", "flagship-T8-spec"}
+
+
+def _compile_params() -> list:
+    params = []
+    for kind, specs in COMPILED_SETS.items():
+        for name, spec in specs.items():
+            for arch in ARCHS:
+                full = name in FULL_COMPILES or (arch == "sm_100a" and name in FULL_COMPILES_SM100)
+                params.append(pytest.param(spec, arch, id=f"{kind}-{name}-{arch}",
+                                           marks=[pytest.mark.full_matrix] if full else []))
+    return params
+
+
+@pytest.mark.parametrize("spec, arch", _compile_params())
 def test_compiles_with_clean_compiler_facts(spec, arch):
     check_compiler_facts(spec, arch)
 
 
 # The default run compiles the covering set's T = 2 and 4 forms for sm_90a; T = 8 and sm_100a with
-# --full-matrix (the flagship's T in {2, 3, 4, 6, 8} is compiled for both in every run: MULTI_TOKEN).
+# --full-matrix (the flagship's T in {2, 3, 4} is compiled for both in every run, 6 and 8 for sm_90a: MULTI_TOKEN).
 @pytest.mark.parametrize("arch", [ARCHS[0], pytest.param(ARCHS[1], marks=pytest.mark.full_matrix)])
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.full_matrix] if n.endswith("-T8") else [])
                                   for n in COVERING_TOKENS])

@@ -327,7 +327,12 @@ def _within(addrs: set, t: torch.Tensor) -> set:
     return {a for a in addrs if start <= a < end}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.full_matrix] if n in REPLAY_FULL else [])
+#: the touched-bytes test's --full-matrix names beyond REPLAY_FULL: R = 8 from the checkpoint (its code's
+#: lanes and entries are the flagship's from-checkpoint form's, which runs by default)
+TOUCHED_FULL = REPLAY_FULL | {"N32-D64-R8-replay-K3-bf16state-from-checkpoint-noout"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.full_matrix] if n in TOUCHED_FULL else [])
                                   for n in REPLAY])
 def test_lanes_touch_exactly_their_rows_and_ring_entries(name):
     spec = _spec(name)

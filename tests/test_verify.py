@@ -113,6 +113,29 @@ def test_verify_reports_a_wrong_replay_kernel(monkeypatch):
     assert not row["parity"] and not row["ok"]
 
 
+def test_verify_checks_materialize_flush_forms(capsys, monkeypatch):
+    """--materialize-ring L: rings built by the executed stepwise kernel (rotary angles and stochastic
+    draws recorded as a replay step records them), the flush form's rows equal to its rows bit for bit;
+    a flush form that loses one entry fails; --facts is refused."""
+    argv = ["verify", "--config", "32,32,1", "--batch", "4", "--heads", "1", "--materialize-ring", "3"]
+    assert cli.main([*argv, "--rope-angles", "4", "--bc-bias", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["ok"] and row["parity"] and row["padding_bytes"] == 0 and row["spec"]["replay_ring"] == 1
+    assert cli.main([*argv, "--state-dtype", "int8", "--stochastic-rounding"]) == 0
+    assert "replay1+draft3" in capsys.readouterr().out
+    assert cli.main([*argv, "--facts"]) == 2
+    from mamba3_step import verify_flush
+
+    real = verify_flush.flush_form
+
+    def short(t, ring, rows, **kw):  # the copies see one committed entry fewer
+        return real(t, ring._replace(length=(ring.length - 1).clamp(min=0)), rows, **kw)
+
+    monkeypatch.setattr(verify_flush, "flush_form", short)
+    assert cli.main([*argv, "--json"]) == 1
+    assert not json.loads(capsys.readouterr().out)["parity"]
+
+
 def test_verify_cli_replay_flags(capsys):
     assert cli.main(["verify", "--config", "32,32,1", "--batch", "4", "--heads", "1", "--replay-ring", "2"]) == 0
     assert "replay2" in capsys.readouterr().out

@@ -43,8 +43,7 @@ def inspect_spec(spec, arch: str = "sm_90a", batch: int = 256, heads: int = 48,
     ``spill_bytes`` (+ store/load split), ``smem_bytes`` (+ static/dynamic split),
     ``threads``, ``occupancy``, ``sass``, ``compile_seconds``, ``bytes_per_step`` (per
     tensor and ``total`` at ``batch`` lanes and ``heads`` heads, all lanes live; with replay the
-    average over its ring positions) and
-    ``batch``/``heads``.
+    average over its ring positions; None for materialize's flush form) and ``batch``/``heads``.
     """
     check_arch(arch)
     compile_seconds = None
@@ -75,8 +74,10 @@ def inspect_spec(spec, arch: str = "sm_90a", batch: int = 256, heads: int = 48,
         "compile_seconds": compile_seconds,
         "batch": batch,
         "heads": heads,
-        # a replay step's: averaged over its ring positions (bytes_model.replay_bytes)
-        "bytes_per_step": (replay_bytes(spec.replace(replay_ring=0, replay_from_checkpoint=False, replay_draft=0),
+        # a replay step's: averaged over its ring positions (bytes_model.replay_bytes); None for
+        # materialize's flush form (K = 1), which is no decode step
+        "bytes_per_step": (None if spec.replay_ring == 1 else
+                           replay_bytes(spec.replace(replay_ring=0, replay_from_checkpoint=False, replay_draft=0),
                                         spec.replay_ring, batch, heads) if spec.replay_ring
                            else bytes_per_step(spec, batch, heads)),
     }
@@ -134,6 +135,9 @@ def format_report(report: dict) -> str:
         for i in range(0, len(row), 6):
             lines.append(f"    {title + ':' if i == 0 else '':<8}" + "  ".join(row[i : i + 6]))
     bps = report["bytes_per_step"]
+    if bps is None:
+        lines.append("  bytes per step    not modelled: materialize's flush form (K = 1), not a decode step")
+        return "\n".join(lines)
     average = " averaged over ring positions" if s.get("replay_ring") else ""
     lines.append(f"  bytes per step    B={report['batch']} H={report['heads']} (all lanes live, modelled{average}):")
     for k, v in bps.items():

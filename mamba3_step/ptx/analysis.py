@@ -256,3 +256,9 @@ def _races_in(addr, width, cta, epoch, thread, write) -> list:
     ends = np.append(starts[1:], len(b))
     end_of = dict(zip(starts.tolist(), ends.tolist()))
     return [(int(b[s]), int(cta[s]), sorted(set(thread[s:end_of[int(s)]].tolist()))[:4]) for s in hits]
+
+
+def race_count(result: RunResult) -> int:
+    """The races of a run recorded with shared memory: between CTAs (global memory) and between the
+    threads of a CTA (global and shared memory), each list's first 10 at most."""
+    return len(cta_races(result)) + len(intra_cta_races(result)) + len(intra_cta_races(result, shared=True))
