@@ -385,8 +385,11 @@ COMPILED_SETS = {"covering": COVERING, "multi-token": MULTI_TOKEN, "rotary": ROT
 #: compiled with --full-matrix only, on every target (their executed rounds run with it too) ...
 FULL_COMPILES = REPLAY_VERIFY_FULL | MATERIALIZE_FULL | REPLAY_FULL
 #: ... or on sm_100a only (on sm_90a it is the compile the PTX tier keeps, which the executions in the same
-#: process share): the largest shape's multi-token step (27 s a compile), the flagship's T = 6 and 8
-FULL_COMPILES_SM100 = {"N256-D128-R8-fp32-T4-dense", "flagship-T6-spec", "flagship-T8-spec"}
+#: process share): the largest shape's multi-token step (27 s a compile), the flagship's T = 6 and 8,
+#: REPLAY_SMALL (kept for sm_90a's stack at one warp) and REPLAY_VERIFY_MIXED (the draft-room and
+#: one-token-commit variants of a small verify step, whose own form compiles for both by default)
+FULL_COMPILES_SM100 = {"N256-D128-R8-fp32-T4-dense", "flagship-T6-spec", "flagship-T8-spec", *REPLAY_SMALL,
+                       *REPLAY_VERIFY_MIXED}
 
 
 def _compile_params() -> list:
