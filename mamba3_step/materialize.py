@@ -25,15 +25,21 @@ from typing import NamedTuple
 import torch
 
 from .api import runs_kernel
+from .contract import KV_DTYPES, X_DTYPES
 from .api_replay import checked_replay_spec
 from .launch import kernel_for
 from .replay import Current, Ring, check_materialize, materialize
 from .ring import check_replay_arguments, check_ring
-from .spec import FLUSH_DRAFTS, MAX_TOKENS, StepSpec, flush_groups
+from .spec import FLUSH_DRAFTS, StepSpec, flush_entries, flush_groups
 from .tensors import StepTensors, kernel_arguments
 from .validation import check_step_inputs, checks
 
 __all__ = ["FlushLaunch", "flush_form", "materialize_fn"]
+
+
+#: the tensors of ``materialize_fn``'s bundle it reads: required, and optional ones
+_REQUIRED = ("state", "Bstate", "Xstate", "xproj", "D")
+_OPTIONAL = ("angle_state", "state_scale", "rand_seed", "B_bias", "C_bias")
 
 
 class FlushLaunch(NamedTuple):
@@ -80,8 +86,13 @@ def _checked(tensors: StepTensors, ring: Ring, rows, rotate_pairwise) -> tuple:
     """``(rows, lengths)`` after every check of a call, on both routes: the arguments' types, the rows
     and lengths (:func:`~mamba3_step.replay.check_materialize`), the pools, weights and ring."""
     check_replay_arguments(tensors, ring, 2, "materialize_fn")
-    for name in ("state", "Bstate", "Xstate", "xproj", "D"):
-        checks.check_is_tensor(name, getattr(tensors, name))
+    for name in _REQUIRED + _OPTIONAL:  # before the probe's lanes read their shapes and dtypes
+        checks.check_is_tensor(name, getattr(tensors, name), optional=name in _OPTIONAL)
+    for name, allowed in (("Bstate", KV_DTYPES), ("Xstate", X_DTYPES)):  # the lanes' dtypes
+        checks.check_dtype(name, getattr(tensors, name), allowed)
+    for name, letters in (("state", "P H D N"), ("xproj", "R H D"), ("angle_state", "P H S")):  # the lanes' shapes
+        if getattr(tensors, name) is not None:
+            checks.check_rank(name, getattr(tensors, name), letters)
     _check_rows_and_ring(tensors, ring, rotate_pairwise)
     return check_materialize(tensors, ring, rows, "materialize_fn")
 
@@ -143,7 +154,7 @@ def _launch(tensors: StepTensors, ring: Ring, rows: torch.Tensor, current: Curre
     """The launch for the rows at positions ``pick`` of ``rows`` (their copies: ``current``'s rows
     ``pick``), flush length ``K``: a ring copy of ``L' = max(2, min(L, K - 1 + 16))`` entries."""
     L = ring.B.shape[1]
-    entries = max(FLUSH_DRAFTS, min(L, K - 1 + MAX_TOKENS))
+    entries = flush_entries(L, K)
     kept = min(L, entries)
     copies = []
     for field, t in zip(Ring._fields, ring):

@@ -32,12 +32,13 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .contract import lane_is_live
+from .contract import lane_is_live, shown
 from .reference import epilogue, mamba3_step_reference, rotated_bc
 from .rotary import advance_angle
 from .rounding import dequantize_rows
 from .ring import Ring, check_replay_arguments, check_replay_step, check_ring, new_ring
 from .tensors import StepTensors
+from .validation import checks
 
 __all__ = ["Current", "Ring", "check_materialize", "check_replay_arguments", "check_replay_step", "check_ring",
            "fork_row", "materialize",
@@ -335,11 +336,26 @@ def replay_step(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[
     return t.out
 
 
+def _rows(rows, device) -> Tensor:
+    """``rows`` as an int64 vector on ``device``, or the named TypeError."""
+    if isinstance(rows, Tensor):
+        checks.check_is_tensor("rows", rows)
+        if rows.is_meta or rows.is_complex() or rows.is_floating_point() or rows.dtype == torch.bool or rows.dim() > 1:
+            raise TypeError(f"rows: expected an integer tensor of at most one dimension holding data, got "
+                            f"{rows.dtype} of shape {tuple(rows.shape)} on {rows.device}")
+        return rows.to(device=device, dtype=torch.int64).reshape(-1)
+    items = [rows] if isinstance(rows, int) else rows
+    if not isinstance(items, (list, tuple)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in items):
+        raise TypeError(f"rows: expected an int, a list or tuple of ints, or an integer tensor, got {shown(rows)}")
+    return torch.tensor(items, dtype=torch.int64, device=device).reshape(-1)
+
+
 def check_materialize(tensors: StepTensors, ring: Ring, rows, who: str) -> tuple:
     """``(rows, lengths)`` (int64 tensors on the pools' device) of a materialize call (``who``), after
     its checks: rows in ``[0, P)``, each row's length one value in ``[0, L]``, ``rand_seed`` given
-    with offsets (``ValueError`` naming them)."""
-    rows = torch.as_tensor(rows, dtype=torch.int64, device=tensors.state.device).reshape(-1)
+    with offsets (``ValueError`` naming them); ``rows`` an int, a sequence of ints or an integer tensor
+    of at most one dimension (``TypeError`` otherwise)."""
+    rows = _rows(rows, tensors.state.device)
     P = tensors.state.shape[0]
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= P):
         raise ValueError(f"{who}: rows must be in [0, {P}), got {rows.tolist()}")

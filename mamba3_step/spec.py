@@ -19,7 +19,7 @@ from .contract import KV_DTYPES, PROJ_DTYPES, ROUNDED_STATE_DTYPES, SCALED_STATE
 from .tiling import default_tiling, shape_problem, tiling_problem
 
 __all__ = ["FLAGSHIP_HEADS", "FLUSH_DRAFTS", "MAX_TOKENS", "StepSpec", "complete_spec", "flagship_rotary_spec",
-           "flagship_spec", "flush_groups", "flush_specs", "mode_problem", "replay_problem", "rotary_problem"]
+           "flagship_spec", "flush_entries", "flush_groups", "flush_specs", "mode_problem", "replay_problem", "rotary_problem"]
 
 
 @dataclass(frozen=True)
@@ -275,13 +275,18 @@ def flush_specs(spec: StepSpec, L: int) -> list:
     :func:`mamba3_step.materialize_fn` compiles on CUDA (``precompile --materialize-ring L``)."""
     out = []
     for _, _, K in flush_groups(L):
-        entries = max(FLUSH_DRAFTS, min(L, K - 1 + MAX_TOKENS))
-        room = entries - (K - 1)
+        room = flush_entries(L, K) - (K - 1)
         out.append(spec.replace(tokens=FLUSH_DRAFTS, num_accepted=True, replay_ring=K,
                                 replay_draft=room if room > FLUSH_DRAFTS else 0, has_z=False, has_outproj=False,
                                 has_dst=False, dst_per_token=False, shared_bc=False, replay_from_checkpoint=False,
                                 padded_state_rows=False, tile_D=0, num_warps=0).with_default_tiling())
     return out
+
+
+def flush_entries(L: int, K: int) -> int:
+    """The entries of the ring copy a flush launch of flush length ``K`` reads, for rings of ``L``:
+    room for the committed entries it takes and for its two drafts."""
+    return max(FLUSH_DRAFTS, min(L, K - 1 + MAX_TOKENS))
 
 
 def flush_groups(L: int) -> list:

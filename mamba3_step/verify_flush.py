@@ -22,7 +22,7 @@ from .materialize import flush_form
 from .ptx import analysis
 from .ptx_tier import run_step_ptx
 from .replay import Ring, new_ring
-from .spec import MAX_TOKENS, StepSpec
+from .spec import MAX_TOKENS, StepSpec, flush_groups
 from .tensors import StepTensors
 from .testing import inputs_for, poison_
 
@@ -37,8 +37,8 @@ def flush_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) ->
     L, K = spec.ring_entries, spec.replay_ring
     stepwise = spec.replace(replay_ring=0, tokens=1, num_accepted=False, replay_draft=0, tile_D=0,
                             num_warps=0).with_default_tiling()
-    lo = 1 if K == 1 else MAX_TOKENS + 1  # the counts this launch takes (flush_groups)
-    counts = [([0] + list(range(lo, L + 1)))[p % (L - lo + 2)] for p in range(batch)]
+    lo, hi = next((first, last) for first, last, k in flush_groups(L) if k == K)  # the counts it takes
+    counts = [([0] + list(range(lo, hi + 1)))[p % (hi - lo + 2)] for p in range(batch)]
     pools = inputs_for(stepwise, batch, batch, heads, seed)
     start = {k: pools[k].clone() for k in _ROWS if pools.get(k) is not None}
     weights = {k: pools.get(k) for k in ("D", "xproj", "B_bias", "C_bias")}

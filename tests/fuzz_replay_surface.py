@@ -1,7 +1,8 @@
 """The fuzz harness's replay surface (issue 23), run by ``tests/fuzz_surface_worker.py replay``.
 
 Hypothesis draws a replay entry point (``replay_step_fn``, ``replay_kernel_spec`` -- the replay
-kernel's validation, which runs on any device --, ``ReplayStepPlan.run``, ``decode_step`` and the
+kernel's validation, which runs on any device --, ``materialize_fn`` (its checks, then the CPU
+path), ``ReplayStepPlan.run``, ``decode_step`` and the
 graph runner's ``step`` (its CPU path) on a :class:`~mamba3_step.serving.ReplayStatePool`, and the
 pool's ``materialize``, ``reset``, ``copy`` and ``fork``, which move rings), one of its
 arguments (a field of the step's tensors, a field of the ring, ``accepted``, ``K``, an option, or
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from mamba3_step import api_replay, plan_replay_step, replay_step_fn
+from mamba3_step import api_replay, materialize_fn, plan_replay_step, replay_step_fn
 from mamba3_step.serving import CudaGraphStepRunner, ReplayStatePool, decode_step
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import lane_inputs, layer_weights, poison_pool
@@ -42,6 +43,8 @@ ENTRIES = {
     "decode_step": LANE + WEIGHTS + ("out", "state_batch_indices", "dst_state_batch_indices", "accepted", "tile_D",
                                      "num_warps"),
     "materialize": WEIGHTS + ("slots", "rotate_pairwise"),
+    "materialize_fn": ("state", "Bstate", "Xstate", "D", "xproj", "angle_state", "rand_seed") + RING_FIELDS
+    + ("tensors", "ring", "rows", "rotate_pairwise"),
     "runner": LANE + ("state_batch_indices", "dst_state_batch_indices", "accepted"),
     "reset": ("slots",),
     "copy": ("src", "dst"),
@@ -114,6 +117,9 @@ class ReplaySurface:
                                     dst_slots=t.dst_state_batch_indices, num_accepted_tokens=args["accepted"])
         if entry == "replay plan.run":
             return self.plans[tokens].run(t, ring, args["accepted"])
+        if entry == "materialize_fn":
+            return materialize_fn(t, ring, args.get("rows", self.mine[:2]),
+                                  rotate_pairwise=args.get("rotate_pairwise", False))
         fn = replay_step_fn if entry == "replay_step_fn" else api_replay.replay_kernel_spec
         return fn(t, ring, args.pop("K"), **args)
 
@@ -153,7 +159,7 @@ def replay_example(surface: ReplaySurface, arg: int, odd_value, judged) -> tuple
     entry = sorted(ENTRIES)[arg % len(ENTRIES)]
     names = ENTRIES[entry]
     name = names[arg // len(ENTRIES) % len(names)]
-    tokens = T if arg // 7919 % 2 and entry not in _POOL_METHODS else None
+    tokens = T if arg // 7919 % 2 and entry not in (*_POOL_METHODS, "materialize_fn") else None
     value = odd_value(_valid(surface, name, tokens))
     label = f"{entry} {name}" + (f" (verify step, T = {tokens})" if tokens else "")
     problem = judged(lambda: surface.call(entry, name, value, tokens), surface.snapshot, surface.unchanged)
@@ -168,6 +174,8 @@ def _valid(surface: ReplaySurface, name: str, tokens):
         return getattr(surface.pool.ring(0), name[len("ring."):])
     if name in ("state_batch_indices", "slots", "src", "dst"):
         return surface.slots
+    if name == "rows":
+        return torch.tensor(surface.mine[:2])
     if name == "accepted":
         return surface.accepted(T)
     if name in StepTensors._fields:

@@ -146,6 +146,13 @@ REFUSALS = {
                                     "xproj"),
     "no state tensor": (lambda t, ring: (t._replace(state=[1.0]), ring, [0]), TypeError, "state"),
     "no Ring": (lambda t, ring: (t, tuple(ring), [0]), TypeError, "ring must be a mamba3_step.Ring"),
+    "rows of floats": (lambda t, ring: (t, ring, torch.tensor([0.0, 1.0])), TypeError, "rows: expected an integer"),
+    "rows of another kind": (lambda t, ring: (t, ring, "0, 1"), TypeError, "rows: expected an int"),
+    "an angle_state of no angle axis": (lambda t, ring: (t._replace(angle_state=torch.zeros(5, 2, dtype=torch.int64)),
+                                                         ring, [0]), ValueError, "angle_state"),
+    "a quantized Xstate": (lambda t, ring: (t._replace(Xstate=torch.quantize_per_tensor(t.Xstate.float(), 0.1, 0,
+                                                                                        torch.qint8)), ring, [0]),
+                           TypeError, "Xstate"),
 }
 
 
