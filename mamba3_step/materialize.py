@@ -25,8 +25,8 @@ from typing import NamedTuple
 import torch
 
 from .api import runs_kernel
-from .contract import KV_DTYPES, X_DTYPES
 from .api_replay import checked_replay_spec
+from .contract import KV_DTYPES, X_DTYPES
 from .launch import kernel_for
 from .replay import Current, Ring, check_materialize, materialize
 from .ring import check_replay_arguments, check_ring
@@ -52,7 +52,7 @@ class FlushLaunch(NamedTuple):
 
 
 def materialize_fn(tensors: StepTensors, ring: Ring, rows, *, rotate_pairwise: bool = False) -> Current:
-    """The current state of pool ``rows`` (a list or int tensor of rows in ``[0, P)``), a
+    """The current state of pool ``rows`` (an int, ints, or an integer tensor; rows in ``[0, P)``), a
     :class:`~mamba3_step.replay.Current` of new tensors: each row's checkpoint advanced by its
     ring's committed entries. On CPU tensors :func:`mamba3_step.replay.materialize`; on CUDA the
     replay kernel's flush form (module docstring), equal bit for bit to what the stepwise kernel
@@ -99,6 +99,7 @@ def _checked(tensors: StepTensors, ring: Ring, rows, rotate_pairwise) -> tuple:
 
 def _flush_form(tensors: StepTensors, ring: Ring, rows: torch.Tensor, length: torch.Tensor,
                 rotate_pairwise: bool) -> tuple:
+    """:func:`flush_form` after its checks (``rows``, ``length``: int64 vectors)."""
     current = Current(*(None if t is None else t[rows].clone() for t in
                         (tensors.state, tensors.Bstate, tensors.Xstate, tensors.state_scale, tensors.angle_state)))
     L, launches = ring.B.shape[1], []
