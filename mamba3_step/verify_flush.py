@@ -8,8 +8,8 @@ appends it (B as received, x, A, dt, trap; with rotary the angle after the token
 stepwise kernel's ``angle_state`` then; with stochastic rounding the token's offset and its row).
 The rows hold every committed count the specialisation takes, and some none; the entries after a
 row's count are poisoned. ``parity``: the flush form's rows are the stepwise rows bit for bit, and
-the launches are the one specialisation checked. ``padding_bytes``: bytes of the pools or rings
-(the originals, registered around the launch) that the flush form touched (it works on copies).
+the launches are the one specialisation checked. ``padding_bytes``: the flush form's accesses to
+the original pools or rings (registered around the launch; it works on copies): 0 is the pass.
 
 Letters: P pool rows, H heads, D head dim, N state size, R MIMO rank, L ring entries.
 """
@@ -24,7 +24,7 @@ from .ptx_tier import run_step_ptx
 from .replay import Ring, new_ring
 from .spec import MAX_TOKENS, StepSpec, flush_groups
 from .tensors import StepTensors
-from .testing import inputs_for, poison_
+from .testing import bits_equal, inputs_for, poison_
 
 __all__ = ["flush_check"]
 
@@ -59,7 +59,7 @@ def flush_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) ->
         row["races"] += analysis.race_count(result)
     for k, v in current._asdict().items():
         if v is not None:
-            row["parity"] &= bool(torch.equal(v.view(torch.uint8), pools[k].view(torch.uint8)))
+            row["parity"] &= bits_equal(v, pools[k])
     return row
 
 
@@ -96,12 +96,13 @@ def _stepped_ring(stepwise: StepSpec, pools: dict, weights: dict, counts: list, 
 
 
 def _bytes_in(result, regions: dict) -> int:
-    """Bytes of ``regions``' tensors that the launch read or wrote."""
+    """The launch's accesses that touch any byte of ``regions``' tensors (counted as verify's
+    ``padding_bytes`` counts a padding lane's: 0 is the pass)."""
     log = result.log.arrays()
-    addrs = log["addr"].astype("int64")
+    addrs, widths = log["addr"].astype("int64"), log["width"]
     total = 0
     for t in regions.values():
         start = t.data_ptr()
         end = start + t.numel() * t.element_size()
-        total += int(((addrs >= start) & (addrs < end)).sum())
+        total += int(((addrs + widths > start) & (addrs < end)).sum())
     return total
