@@ -727,8 +727,8 @@ class Mamba3StepKernel:
     @cute.jit
     def contract_rows(self, group: RowGroup, operands: Optional[Operands], shared: Shared, cta: Cta) -> cute.Tensor:
         """The thread's partials of ``y[r, d] = sum_n s[d, n] C[r, n]`` over its own columns for one row
-        group of the loaded state, not updated (the checkpoint's term of an append); slots as
-        :meth:`update_rows`' ``tYrY``."""
+        group of the loaded state, not updated (the checkpoint's term of an append; an 8-bit row's sum
+        times its scale); slots as :meth:`update_rows`' ``tYrY``."""
         lay = self.layout
         sigma = cta.phi & (self.R - 1)
         tYrY = cute.make_rmem_tensor(cute.make_layout(lay.partials_per_group), Float32)
@@ -742,6 +742,8 @@ class Mamba3StepKernel:
                             y = y + s_ * operands.tOrC[r, e, c]
                         else:
                             y = y + s_ * shared.sC[r ^ sigma, self.column(c, e, cta.lane)]
+                if const_expr(self.scaled):  # an 8-bit checkpoint is q * scale: the row's scale once
+                    y = y * group.tSrScale[i]
                 tYrY[i * self.R + r] = y
         return tYrY
 

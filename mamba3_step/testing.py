@@ -181,7 +181,8 @@ def rotary_biases(R: int, H: int, N: int, *, generator=None, device="cpu") -> di
 def inputs_for(spec, B: int, P: int | None = None, H: int = 2, seed: int = 0, device="cpu") -> dict:
     """Fresh inputs of a call that ``spec`` (a :class:`~mamba3_step.spec.StepSpec`) compiles to:
     :func:`make_inputs` with its sizes, dtypes, optional tensors and token axis, its rotary tensors
-    (:func:`with_rotary`, seed ``seed + 1``) and, with stochastic rounding, a ``rand_seed``. No
+    (:func:`with_rotary`, seed ``seed + 1``), B and C with a head axis of 1 with ``shared_bc`` and,
+    with stochastic rounding, a ``rand_seed``. No
     indices (``P``: pool rows, None for dense mode)."""
     dtypes = dict(state_dtype=spec.state_dtype, kv_dtype=spec.kv_dtype, x_dtype=spec.x_dtype,
                   proj_dtype=spec.proj_dtype)
@@ -191,6 +192,8 @@ def inputs_for(spec, B: int, P: int | None = None, H: int = 2, seed: int = 0, de
     if spec.rope_angles:
         inputs = with_rotary(inputs, spec.rope_angles, shared_bc=spec.shared_bc, bias=spec.has_bc_bias,
                              seed=seed + 1)
+    elif spec.shared_bc:  # B and C of one head, read by every head (a head axis of 1)
+        inputs["B"], inputs["C"] = inputs["B"][..., :1, :].clone(), inputs["C"][..., :1, :].clone()
     if spec.stochastic_rounding:
         inputs["rand_seed"] = torch.tensor([seed * 7919 + 1, seed], dtype=torch.int64, device=device)
     return inputs

@@ -178,15 +178,16 @@ def _races(result) -> int:
 
 def append_reference(t: StepTensors, base: tuple, ring: dict, row: int, b: int, cd) -> torch.Tensor:
     """Lane ``b``'s ``out`` of an append from the checkpoint, in ``cd``: from row ``row``'s checkpoint
-    ``base`` (state, Bstate, Xstate as they were) and ``ring`` (the ring's ``B``, ``x``, ``coef``,
-    ``length`` as they were), then ``t``'s token (``mamba3_step.replay.output_from_checkpoint``)."""
+    ``base`` (state, Bstate, Xstate and, for an 8-bit state, state_scale as they were) and ``ring``
+    (the ring's ``B``, ``x``, ``coef``, ``length`` as they were), then ``t``'s token
+    (``mamba3_step.replay.output_from_checkpoint``)."""
     c, H = int(ring["length"][row, 0]), t.state.shape[1]
     coef = ring["coef"][row, :c]
     now = {f: getattr(t, f)[b][None] for f in ("A", "dt", "trap", "x")}
     now["B"] = t.B[b][None].expand(-1, -1, H, -1)
     past = {"A": coef[..., 0], "dt": coef[..., 1], "trap": coef[..., 2], "x": ring["x"][row, :c], "B": ring["B"][row, :c]}
     tokens = {f: torch.cat([past[f].to(v.dtype), v])[None] for f, v in now.items()}
-    rows = tuple(v[row:row + 1] for v in base) + (None,)
+    rows = tuple(v[row:row + 1] for v in base[:4]) + (None,) * (4 - len(base[:4]))
     z = None if t.z is None else t.z[b:b + 1]
     return output_from_checkpoint(t._replace(x=t.x[b:b + 1]), rows, tokens, t.C[b:b + 1], z, cd)[0]
 
@@ -224,7 +225,7 @@ def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) 
             mine = mine._replace(num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32))
         theirs = call._replace(**pools["s"], out=torch.empty_like(call.x))
         before = {f: getattr(ring, f).clone() for f in ("B", "x", "coef", "length")}
-        base = tuple(v.clone() for v in pools["r"].values())
+        base = tuple(pools["r"][k].clone() for k in ("state", "Bstate", "Xstate", "state_scale") if k in pools["r"])
         held = {k: v.clone() for k, v in pools["s"].items()}  # the state after the committed tokens
         result = run_step_ptx(spec, mine, arch=arch, ring=ring, record_shared=step == 2 * K, record=step == 2 * K)
         run_step_ptx(stepwise, theirs, arch=arch, record=False)

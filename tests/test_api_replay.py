@@ -103,7 +103,8 @@ def test_kernel_spec_refuses_what_the_kernel_does_not_take_by_name():
     rounded_ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16, stochastic=True)
     assert replay_kernel_spec(rounded, rounded_ring, K) == flagship_spec(replay_ring=K, state_dtype="int8",
                                                                           stochastic_rounding=True)
-    _refused(rounded, rounded_ring, "replay_from_checkpoint takes no stochastic rounding", from_checkpoint=True)
+    assert replay_kernel_spec(rounded, rounded_ring, K, from_checkpoint=True) == flagship_spec(
+        replay_ring=K, state_dtype="int8", stochastic_rounding=True, replay_from_checkpoint=True)
     _refused(rounded, rounded_ring._replace(offset=rounded_ring.offset[:, :, :1].clone()), r"ring.offset must be "
              r"torch.int64 of shape \(6, 3, 2\)")  # one per (row, entry, head): each kernel CTA owns its head's
     _refused(rounded, rounded_ring._replace(drawn_for=rounded.state_batch_indices.view(1, 1, 2).expand(P, K - 1, -1)),

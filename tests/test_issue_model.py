@@ -38,11 +38,12 @@ def test_upstream_constants_are_the_issue_figures():
     assert UPSTREAM["sm_100a"]["warp_instructions_per_slab"] == 7268
 
 
-@pytest.mark.parametrize("K", [2, 4])
+@pytest.mark.parametrize("K", [pytest.param(2, marks=pytest.mark.full_matrix), 4])
 @pytest.mark.parametrize("from_checkpoint", [False, True])
 def test_replay_counts_are_what_the_ptx_tier_executes(K, from_checkpoint):
     """REPLAY_EXECUTED (what bench/model_bench.py's replay issue table reads) holds the executed counts of
-    today's kernel: re-executed here for K = 2 and 4 (K = 8: bench/issue_model.py prints it)."""
+    today's kernel: re-executed here for K = 4, and K = 2 with --full-matrix (K = 8: bench/issue_model.py
+    prints it)."""
     spec = flagship_spec(replay_ring=K, replay_from_checkpoint=from_checkpoint)
     warps, counts = REPLAY_EXECUTED[(K, from_checkpoint)]
     assert spec.num_warps == warps

@@ -74,7 +74,7 @@ MULTI_TOKEN = {
     "N32-D128-R1-fp16state-T6-spec-noz-noout": StepSpec(
         32, 128, 1, "float16", "float32", "float16", "float32", tokens=6, has_z=False, has_outproj=False,
         update_kv_state=True, **_speculative()),
-    "N256-D128-R8-fp32-T4-dense": StepSpec(256, 128, 8, "float32", "float32", "bfloat16", "bfloat16", tokens=4),
+    "N256-D128-R8-fp32-T2-dense": StepSpec(256, 128, 8, "float32", "float32", "bfloat16", "bfloat16", tokens=2),
 }
 
 
@@ -163,6 +163,12 @@ REPLAY = {
     # and row); a 16-bit state rounded stochastically, and the 8-bit flagship a replay pool keeps
     "flagship-bf16state-sr-replay-K4": flagship_spec(replay_ring=4, state_dtype="bfloat16", stochastic_rounding=True),
     "flagship-int8state-replay-K2": flagship_spec(replay_ring=2, state_dtype="int8", stochastic_rounding=True),
+    # the same with outputs from the checkpoint: an append contracts the scaled 8-bit checkpoint, a flush
+    # rounds with the recorded draws
+    "flagship-int8state-replay-K2-from-checkpoint": flagship_spec(replay_ring=2, state_dtype="int8",
+                                                                  stochastic_rounding=True, replay_from_checkpoint=True),
+    "flagship-bf16state-sr-replay-K4-from-checkpoint": flagship_spec(
+        replay_ring=4, state_dtype="bfloat16", stochastic_rounding=True, replay_from_checkpoint=True),
 }
 
 #: replay's verify steps (T draft tokens; the next step commits num_accepted_tokens of them)
@@ -189,10 +195,12 @@ REPLAY_VERIFY = {
 REPLAY_VERIFY_FULL = frozenset({"flagship-replay-K8-verify-T4", "flagship-rotary-replay-K4-verify-T4",
                                 "flagship-fp8state-replay-K4-verify-T4"})
 #: one-token replay steps executed and compiled with --full-matrix only: K = 8
-#: from the checkpoint (K = 4 runs by default), and the bf16 flagship rounded stochastically (a replay
-#: pool keeps no 16-bit stochastic state; its code runs by default in the bf16 form with destinations
-#: and the fp16 verify step, the flagship's 8-bit form in the int8 one)
-REPLAY_FULL = frozenset({"flagship-replay-K8-from-checkpoint", "flagship-bf16state-sr-replay-K4"})
+#: from the checkpoint (K = 4 runs by default), the flagship at 8 warps (a row's bits do not depend on
+#: the warps: test_ptx_replay.py checks that by default), and the bf16 flagship rounded stochastically, replayed
+#: and from the checkpoint (a replay pool keeps no 16-bit stochastic state; its code runs by default in
+#: the bf16 form with destinations and the fp16 verify step, the flagship's 8-bit forms in the int8 ones)
+REPLAY_FULL = frozenset({"flagship-replay-K8-from-checkpoint", "flagship-bf16state-sr-replay-K4",
+                         "flagship-bf16state-sr-replay-K4-from-checkpoint", "flagship-replay-K4-8warps"})
 
 #: one-token replay steps with destinations (a lane whose destination is another row flushes into it)
 REPLAY_DST = {
@@ -385,19 +393,18 @@ COMPILED_SETS = {"covering": COVERING, "multi-token": MULTI_TOKEN, "rotary": ROT
 #: compiled with --full-matrix only, on every target (their executed rounds run with it too) ...
 FULL_COMPILES = REPLAY_VERIFY_FULL | MATERIALIZE_FULL | REPLAY_FULL
 #: ... or on sm_100a only (on sm_90a it is the compile the PTX tier keeps, which the executions in the same
-#: process share): the largest shape's multi-token step (27 s a compile), the flagship's T = 6 and 8,
-#: REPLAY_SMALL (kept for sm_90a's stack at one warp) and REPLAY_VERIFY_MIXED (the draft-room and
-#: one-token-commit variants of a small verify step, whose own form compiles for both by default)
-FULL_COMPILES_SM100 = {"N256-D128-R8-fp32-T4-dense", "flagship-T6-spec", "flagship-T8-spec", *REPLAY_SMALL,
-                       *REPLAY_VERIFY_MIXED}
+#: process share): on sm_100a the default run compiles the covering set (every supported value) and the
+#: feature sets' flagship default forms below; every other form is arch x feature cross product
+SM100_DEFAULT = frozenset({"flagship-T4-spec", "flagship-rotary", "flagship-bf16state-sr", "flagship-int8state",
+                           "flagship-fp8state", "flagship-replay-K4", "flagship-rotary-replay-K4",
+                           "flagship-int8state-replay-K2", "flagship-replay-K4-verify-T4", "flagship-flush-L3"})
 
 
 def _full_on_sm100(kind: str, name: str) -> bool:
-    """Whether ``name`` of set ``kind`` compiles for sm_100a with --full-matrix only: FULL_COMPILES_SM100,
-    and every shape but the flagship's outside the covering set (the default run compiles the covering
-    set, which holds every supported value, and every flagship form for sm_100a; the feature sets' other
-    shapes are there for sm_90a's PTX tier)."""
-    return name in FULL_COMPILES_SM100 or (kind != "covering" and not name.startswith("flagship"))
+    """Whether ``name`` of set ``kind`` compiles for sm_100a with --full-matrix only: everything outside
+    the covering set and :data:`SM100_DEFAULT` (the feature sets' other forms are there for sm_90a's PTX
+    tier, and sm_100a's PTX is sm_90a's: test_ptx_kernel.py)."""
+    return kind != "covering" and name not in SM100_DEFAULT
 
 
 def _compile_params() -> list:
@@ -416,10 +423,11 @@ def test_compiles_with_clean_compiler_facts(spec, arch):
     check_compiler_facts(spec, arch)
 
 
-# The default run compiles the covering set's T = 2 and 4 forms for sm_90a; T = 8 and sm_100a with
-# --full-matrix (the flagship's T in {2, 3, 4} is compiled for both in every run, 6 and 8 for sm_90a: MULTI_TOKEN).
+# The default run compiles the covering set's T = 4 forms for sm_90a; T = 2, 8 and sm_100a with
+# --full-matrix (the flagship's T in {2, 3, 4, 6, 8} is compiled for sm_90a in every run, T = 4 for sm_100a:
+# MULTI_TOKEN).
 @pytest.mark.parametrize("arch", [ARCHS[0], pytest.param(ARCHS[1], marks=pytest.mark.full_matrix)])
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.full_matrix] if n.endswith("-T8") else [])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n.endswith("-T4") else [pytest.mark.full_matrix])
                                   for n in COVERING_TOKENS])
 def test_covering_set_with_tokens_compiles_with_clean_compiler_facts(name, arch):
     check_compiler_facts(COVERING_TOKENS[name], arch)
@@ -610,9 +618,9 @@ def test_replay_verify_matrix_compiles_with_clean_compiler_facts(spec, arch):
     check_compiler_facts(spec, arch)
 
 
-#: replay with the other states at their default tiling, every N, D, R (one-token steps, outputs replayed):
-#: the rotary angle (fp32 state, S = N/4, biases) at K = 4, a bf16 state with stochastic rounding at K = 4,
-#: an int8 state at K = 2 (the forms docs/performance.md 3d prices)
+#: replay with the other states at their default tiling, every N, D, R (one-token steps, outputs replayed,
+#: and "-fc" from the checkpoint): the rotary angle (fp32 state, S = N/4, biases) at K = 4, a bf16 state
+#: with stochastic rounding at K = 4, an int8 state at K = 2 (the forms docs/performance.md 3d prices)
 REPLAY_STATES = {
     "rotary-K4": lambda N, D, R: StepSpec(N, D, R, "float32", pool=True, update_kv_state=True, replay_ring=4,
                                           rope_angles=N // 4, has_bc_bias=True),
@@ -620,13 +628,22 @@ REPLAY_STATES = {
                                            stochastic_rounding=True),
     "int8-K2": lambda N, D, R: StepSpec(N, D, R, "int8", pool=True, update_kv_state=True, replay_ring=2,
                                         stochastic_rounding=True),
+    "bf16-sr-K4-fc": lambda N, D, R: StepSpec(N, D, R, "bfloat16", pool=True, update_kv_state=True, replay_ring=4,
+                                              stochastic_rounding=True, replay_from_checkpoint=True),
+    "int8-K2-fc": lambda N, D, R: StepSpec(N, D, R, "int8", pool=True, update_kv_state=True, replay_ring=2,
+                                           stochastic_rounding=True, replay_from_checkpoint=True),
 }
 #: (form, N, D, R) of REPLAY_STATES that use stack at their default tiling, per arch (all 280 compiles run
 #: 2026-11-27; fp32 N = 256, D = 128 has no replay tiling, REPLAY_REFUSED): the 16-bit N = 256 D = 128 slab,
 #: as without rounding (REPLAY_SPILLS); N = 32 D = 32 R = 4 rotary on sm_100a at its two warps, as without
 #: rotary; int8 at R = 8 with N = 32 D = 64 (4 warps, 72 registers: 8 bytes) and on sm_90a N = 256 D = 64.
-_STATES_SPILLS_BOTH = {("bf16-sr-K4", 256, 128, R) for R in (2, 4, 8)} | {("int8-K2", 32, 64, 8)}
-REPLAY_STATES_SPILLS = {"sm_90a": _STATES_SPILLS_BOTH | {("int8-K2", 256, 64, 8)},
+#: From the checkpoint (the 192 compiles of the two "-fc" forms, 2026-11-28): bf16 at N = 256 D = 128 as
+#: replayed, and N = 128 D = 128 R = 1 (8-16 bytes) and on sm_90a R = 8 (24); int8 N = 256 D = 128 R = 2
+#: (40 bytes) and on sm_90a N = 32 D = 64 R = 8 (8). Not fixed.
+_STATES_SPILLS_BOTH = ({(form, 256, 128, R) for form in ("bf16-sr-K4", "bf16-sr-K4-fc") for R in (2, 4, 8)}
+                       | {("int8-K2", 32, 64, 8), ("bf16-sr-K4-fc", 128, 128, 1), ("int8-K2-fc", 256, 128, 2)})
+REPLAY_STATES_SPILLS = {"sm_90a": _STATES_SPILLS_BOTH | {("int8-K2", 256, 64, 8), ("bf16-sr-K4-fc", 128, 128, 8),
+                                                         ("int8-K2-fc", 32, 64, 8)},
                         "sm_100a": _STATES_SPILLS_BOTH | {("rotary-K4", 32, 32, 4)}}
 
 

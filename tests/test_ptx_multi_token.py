@@ -96,7 +96,7 @@ def test_executed_tokens_match_float64_and_the_cpu_path(name):
 
 #: (name, layout) pairs run with --full-matrix only: the largest shape (25 s an execution) in one layout
 #: by default
-FULL_LAYOUTS = {("N256-D128-R8-fp32-T4-dense", "shared")}
+FULL_LAYOUTS = {("N256-D128-R8-fp32-T2-dense", "shared")}
 
 
 @pytest.mark.parametrize("name, layout", [

@@ -204,7 +204,7 @@ def test_replay_decode_is_bit_identical_to_the_executed_stepwise_kernel(name):
             elif not spec.replay_from_checkpoint or int(before["ring.length"][row, 0]) == K - 1:
                 assert bits_equal(got[b], want[b]), f"{name} step {s}: lane {b} out differs from the stepwise kernel's"
             else:
-                base = tuple(before[k] for k in ("state", "Bstate", "Xstate"))
+                base = tuple(before[k] for k in ("state", "Bstate", "Xstate", "state_scale") if k in before)
                 ring = {f: before[f"ring.{f}"] for f in ("B", "x", "coef", "length")}
                 call = layer.call("replay", lane, index)
                 want64, torch32 = (append_reference(call, base, ring, row, b, cd) for cd in (torch.float64,

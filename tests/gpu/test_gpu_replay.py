@@ -7,7 +7,8 @@ Passed on an H200 (2026-11-27). The checks the PTX tier makes on the CPU
   ``replay_step_fn`` bit-identical to the stepwise kernel (``mamba3_step_fn``, pool mode with
   update_kv_state): every ``out`` (with ``from_checkpoint`` a flush's; an append's within the
   step's accuracy rule of the float64 recurrence) and every row at its flush; rows no lane reads
-  keep their bits;
+  keep their bits; likewise an 8-bit state (int8, e4m3) with outputs from the checkpoint (written
+  2026-11-28, not yet run on a GPU);
 * a replay step captured in a CUDA graph and replayed with new inputs equals eager, ring included
   (the ring lengths move on the device);
 * a replay ``StatePool`` (``replay_ring=K``; run on an H200, 2026-11-27): ``decode_step`` and the CUDA-graph
@@ -37,6 +38,7 @@ pytestmark = [
 
 DEV = "cuda"
 H, D, N, R = 4, 64, 128, 4
+EIGHT_BIT = ("int8", "float8_e4m3fn")
 PADDING = (-1, -(2**31), 2**31 - 1)
 
 
@@ -47,14 +49,17 @@ class Layer:
         self.w = layer_weights(H, D, R, generator=self.g, device=DEV)
         self.replay = {k: v.clone() for k, v in rows.items()}
         self.stepwise = {k: v.clone() for k, v in rows.items()}
-        self.ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16, device=DEV)
+        self.rounded = state_dtype in EIGHT_BIT  # an 8-bit state is always rounded stochastically
+        self.ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16, device=DEV,
+                             stochastic=self.rounded)
         self.P, self.K = P, K
 
-    def call(self, pools: dict, lane: dict, index: torch.Tensor, out=None) -> StepTensors:
+    def call(self, pools: dict, lane: dict, index: torch.Tensor, out=None, rand_seed=None) -> StepTensors:
         w = self.w
         return StepTensors(pools["state"], pools["Bstate"], pools["Xstate"], lane["A"], lane["B"], lane["C"], w["D"],
                            lane["x"], lane["dt"], lane["trap"], w["xproj"], outproj=w["outproj"], out=out, z=lane["z"],
-                           zproj=w["zproj"], state_batch_indices=index)
+                           zproj=w["zproj"], state_batch_indices=index, state_scale=pools.get("state_scale"),
+                           rand_seed=rand_seed)
 
     def lane(self, B: int) -> dict:
         return lane_inputs(B, H, D, N, R, generator=self.g, device=DEV)
@@ -81,18 +86,29 @@ def test_replay_decode_at_8_warps_matches_the_stepwise_kernel(B):
     _decode(B, 4, False, num_warps=8)
 
 
-def _decode(B: int, K: int, from_checkpoint: bool, num_warps=None):
+@pytest.mark.parametrize("K", [2, 4])
+@pytest.mark.parametrize("state_dtype", EIGHT_BIT)
+def test_8bit_replay_from_checkpoint_matches_the_stepwise_kernel(state_dtype, K):
+    """An 8-bit state with outputs from the checkpoint: appends within the contract (the scaled
+    checkpoint contracted), flushes and their rows (scales included) bit for bit the stepwise
+    kernel's, each replayed entry rounding with its step's draws."""
+    _decode(64, K, True, state_dtype=state_dtype)
+
+
+def _decode(B: int, K: int, from_checkpoint: bool, num_warps=None, state_dtype: str = "float32"):
     P = B + 3
-    layer = Layer(P, K, seed=B * 10 + K)
+    layer = Layer(P, K, seed=B * 10 + K, state_dtype=state_dtype)
     # every ring starts empty; the moving padding lanes skip rows' steps, so their positions stagger
     for step in range(2 * K + 1):
         index = _index(B, P, step)
         lane = layer.lane(B)
         before = {k: v.clone() for k, v in layer.replay.items()}
         ring = {f: getattr(layer.ring, f).clone() for f in ("B", "x", "coef", "length")}
-        got = replay_step_fn(layer.call(layer.replay, lane, index), layer.ring, K, from_checkpoint=from_checkpoint,
-                             num_warps=num_warps)
-        want = mamba3_step_fn(**layer.call(layer.stepwise, lane, index)._asdict(), update_kv_state=True)
+        seed = torch.tensor([20261128, 2**62 + 977 * step], dtype=torch.int64, device=DEV) if layer.rounded else None
+        got = replay_step_fn(layer.call(layer.replay, lane, index, rand_seed=seed), layer.ring, K,
+                             from_checkpoint=from_checkpoint, num_warps=num_warps)
+        want = mamba3_step_fn(**layer.call(layer.stepwise, lane, index, rand_seed=seed)._asdict(),
+                              update_kv_state=True, stochastic_rounding=layer.rounded)
         for b, row in enumerate(index.tolist()):
             if not 0 <= row < P:
                 assert torch.equal(got[b], torch.zeros_like(got[b])), f"padding lane {b}"
@@ -101,7 +117,7 @@ def _decode(B: int, K: int, from_checkpoint: bool, num_warps=None):
                 assert bits_equal(got[b], want[b]), f"step {step} lane {b}"
             else:
                 call = layer.call(layer.replay, lane, index)
-                base = tuple(before[k] for k in ("state", "Bstate", "Xstate"))
+                base = tuple(before[k] for k in ("state", "Bstate", "Xstate", "state_scale") if k in before)
                 want64, torch32 = (append_reference(call, base, ring, row, b, cd) for cd in (torch.float64,
                                                                                             torch.float32))
                 assert_accurate(f"step {step} lane {b}", got[b], want64, torch32.to(got.dtype),
