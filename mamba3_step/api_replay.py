@@ -47,7 +47,7 @@ def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Option
     on the current stream, no allocation but ``out``, no synchronisation, so a CUDA graph can
     capture it (the ring lengths move on the device); it takes destinations, the rotary angle,
     stochastic rounding and 8-bit states. On CPU: the CPU path. Every ``out`` is stepwise
-    decoding's, bit for bit, on both; with ``from_checkpoint`` (not with rotary on CUDA) an
+    decoding's, bit for bit, on both; with ``from_checkpoint`` an
     append's ``out`` comes from the checkpoint and the ring instead (docs/design.md, "Replay": no state
     update; the step's accuracy rule), a flush's is still stepwise decoding's.
 

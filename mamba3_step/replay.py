@@ -42,7 +42,7 @@ from .validation import checks
 
 __all__ = ["Current", "Ring", "check_materialize", "check_replay_arguments", "check_replay_step", "check_ring",
            "fork_row", "materialize",
-           "new_ring", "output_from_checkpoint", "replay_step"]  # Ring, new_ring and the checks: mamba3_step.ring
+           "new_ring", "output_from_checkpoint", "replay_step", "rotated_output_from_checkpoint"]  # Ring, new_ring and the checks: mamba3_step.ring
 
 Tensor = torch.Tensor
 
@@ -211,6 +211,15 @@ def output_from_checkpoint(t: StepTensors, base: tuple, tokens: dict, C: Tensor,
                 ys[r] = ys[r] + w[..., None] * acc
     xr = [xs[k] * xproj[r] for r in range(R)]
     return epilogue(ys, xr, t._replace(z=z), cd)
+
+
+def rotated_output_from_checkpoint(t: StepTensors, base: tuple, tokens: dict, C: Tensor, z: Optional[Tensor],
+                                   compute_dtype: torch.dtype = torch.float32, pairwise: bool = False) -> Tensor:
+    """:func:`output_from_checkpoint` of ``tokens`` as the ring keeps them (B as received): with rotary
+    (``tokens["angle"]``, (n, k, H, S), the angle after each token) each token's B~ and rounded B~,
+    and the last token's C~, first."""
+    C_k = _rotated_C(t, C, tokens, tokens["x"].shape[1] - 1, pairwise, compute_dtype)
+    return output_from_checkpoint(t, base, _rotated(t, tokens, pairwise, compute_dtype), C_k, z, compute_dtype)
 
 
 def _row_lengths(ring: Ring, rows: Tensor, who: str) -> Tensor:

@@ -316,8 +316,6 @@ def replay_problem(spec: StepSpec) -> str | None:
         return "replay_ring with has_dst takes one-token steps (a verify step keeps its drafts in its row's ring)"
     if spec.tokens > 1 and spec.replay_from_checkpoint:
         return "replay_from_checkpoint takes one-token steps (a verify step's outputs come from the replayed state)"
-    if spec.rope_angles and spec.replay_from_checkpoint:
-        return "replay_from_checkpoint takes no rotary angle (the CPU path only: outputs from the replayed state)"
     if spec.num_accepted and spec.replay_from_checkpoint:
         return "replay_from_checkpoint takes no num_accepted (a step committing drafts replays the state)"
     if spec.tile_D and spec.tile_D < spec.headdim:

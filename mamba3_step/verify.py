@@ -51,7 +51,7 @@ from .contract import source_rows
 from .ptx import analysis
 from .ptx_tier import ptx_kernel, ptx_step_fn, run_step_ptx
 from .reference import mamba3_step_reference
-from .replay import new_ring, output_from_checkpoint
+from .replay import new_ring, rotated_output_from_checkpoint
 from .rounding import dequantize_rows
 from .serving import gather_dense_scatter
 from .spec import StepSpec
@@ -176,20 +176,24 @@ def _races(result) -> int:
     return analysis.race_count(result)
 
 
-def append_reference(t: StepTensors, base: tuple, ring: dict, row: int, b: int, cd) -> torch.Tensor:
+def append_reference(t: StepTensors, base: tuple, ring: dict, row: int, b: int, cd, angle=None,
+                     pairwise: bool = False) -> torch.Tensor:
     """Lane ``b``'s ``out`` of an append from the checkpoint, in ``cd``: from row ``row``'s checkpoint
     ``base`` (state, Bstate, Xstate and, for an 8-bit state, state_scale as they were) and ``ring``
-    (the ring's ``B``, ``x``, ``coef``, ``length`` as they were), then ``t``'s token
-    (``mamba3_step.replay.output_from_checkpoint``)."""
+    (the ring's ``B``, ``x``, ``coef``, ``length`` and, with rotary, ``angle`` as they were), then
+    ``t``'s token, whose angle is ``angle`` (H, S) with rotary (the one the step stored with its
+    entry) (``mamba3_step.replay.rotated_output_from_checkpoint``)."""
     c, H = int(ring["length"][row, 0]), t.state.shape[1]
     coef = ring["coef"][row, :c]
     now = {f: getattr(t, f)[b][None] for f in ("A", "dt", "trap", "x")}
     now["B"] = t.B[b][None].expand(-1, -1, H, -1)
     past = {"A": coef[..., 0], "dt": coef[..., 1], "trap": coef[..., 2], "x": ring["x"][row, :c], "B": ring["B"][row, :c]}
+    if angle is not None:
+        now["angle"], past["angle"] = angle[None], ring["angle"][row, :c]
     tokens = {f: torch.cat([past[f].to(v.dtype), v])[None] for f, v in now.items()}
     rows = tuple(v[row:row + 1] for v in base[:4]) + (None,) * (4 - len(base[:4]))
     z = None if t.z is None else t.z[b:b + 1]
-    return output_from_checkpoint(t._replace(x=t.x[b:b + 1]), rows, tokens, t.C[b:b + 1], z, cd)[0]
+    return rotated_output_from_checkpoint(t._replace(x=t.x[b:b + 1]), rows, tokens, t.C[b:b + 1], z, cd, pairwise)
 
 
 def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) -> dict:
@@ -224,7 +228,8 @@ def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) 
         if spec.num_accepted:
             mine = mine._replace(num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32))
         theirs = call._replace(**pools["s"], out=torch.empty_like(call.x))
-        before = {f: getattr(ring, f).clone() for f in ("B", "x", "coef", "length")}
+        before = {f: getattr(ring, f).clone() for f in ("B", "x", "coef", "length", "angle")
+                  if getattr(ring, f) is not None}
         base = tuple(pools["r"][k].clone() for k in ("state", "Bstate", "Xstate", "state_scale") if k in pools["r"])
         held = {k: v.clone() for k, v in pools["s"].items()}  # the state after the committed tokens
         result = run_step_ptx(spec, mine, arch=arch, ring=ring, record_shared=step == 2 * K, record=step == 2 * K)
@@ -238,9 +243,10 @@ def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) 
             if T > 1 or not spec.replay_from_checkpoint or count == K - 1 or moved:
                 row["parity"] &= bits_equal(mine.out[b], theirs.out[b])
             else:
-                want64 = append_reference(call, base, before, r, b, torch.float64)
-                budget = (append_reference(call, base, before, r, b, torch.float32).to(mine.out.dtype).double()
-                          - want64).abs().max().item()
+                angle = None if ring.angle is None else ring.angle[r, count]  # the one the step stored
+                want64, torch32 = (append_reference(call, base, before, r, b, cd, angle, spec.rotate_pairwise)
+                                   for cd in (torch.float64, torch.float32))
+                budget = (torch32.to(mine.out.dtype).double() - want64).abs().max().item()
                 err = (mine.out[b].double() - want64).abs().max().item()
                 row["err_out"], row["budget_out"] = max(row["err_out"], err), max(row["budget_out"], budget)
                 row["accurate"] &= err <= tolerance(budget, want64.abs().max().item())

@@ -91,7 +91,8 @@ def test_kernel_spec_refuses_what_the_kernel_does_not_take_by_name():
     rotary = StepTensors(**with_rotary({**call._asdict(), "state": rows["state"]}, 16, seed=4))
     rotary_ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16, rope_angles=16)
     assert replay_kernel_spec(rotary, rotary_ring, K) == flagship_spec(replay_ring=K, rope_angles=16, has_bc_bias=True)
-    _refused(rotary, rotary_ring, "replay_from_checkpoint takes no rotary angle", from_checkpoint=True)
+    assert replay_kernel_spec(rotary, rotary_ring, K, from_checkpoint=True) == flagship_spec(
+        replay_ring=K, rope_angles=16, has_bc_bias=True, replay_from_checkpoint=True)
     _refused(rotary, rotary_ring._replace(angle=rotary.angle_state.view(P, 1, H, 16).expand(-1, K - 1, -1, -1)),
              "ring_angle: expected a tensor whose elements do not overlap")  # the kernel writes it
     shared = torch.zeros(rotary_ring.angle.numel(), dtype=torch.int64)

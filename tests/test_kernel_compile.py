@@ -169,6 +169,13 @@ REPLAY = {
                                                                   stochastic_rounding=True, replay_from_checkpoint=True),
     "flagship-bf16state-sr-replay-K4-from-checkpoint": flagship_spec(
         replay_ring=4, state_dtype="bfloat16", stochastic_rounding=True, replay_from_checkpoint=True),
+    # the rotary flagship from the checkpoint: each ring token's B~ staged again, its own update's and the
+    # next token's trapezoid term's (B~ rounded to bf16) weighted into one table
+    "flagship-rotary-replay-K4-from-checkpoint": flagship_rotary_spec(replay_ring=4, replay_from_checkpoint=True),
+    # per-head B/C, 16-bit B and fp32 x and out: the B~ rounding of the trapezoid term is visible in out
+    "N32-D64-R2-fp32io-bf16kv-replay-K3-rotary-perhead-from-checkpoint": StepSpec(
+        32, 64, 2, "float32", "bfloat16", "float32", "float32", pool=True, update_kv_state=True, has_z=False,
+        replay_ring=3, rope_angles=8, has_bc_bias=True, replay_from_checkpoint=True),
 }
 
 #: replay's verify steps (T draft tokens; the next step commits num_accepted_tokens of them)
@@ -211,6 +218,8 @@ REPLAY_DST = {
         replay_from_checkpoint=True),
     "N64-D32-R1-siso-pairwise-rope1-replay-K3-dst": ROTARY["N64-D32-R1-siso-pairwise-rope1"].replace(
         has_dst=True, replay_ring=3),
+    "N64-D32-R1-siso-pairwise-rope1-replay-K3-dst-from-checkpoint": ROTARY["N64-D32-R1-siso-pairwise-rope1"].replace(
+        has_dst=True, replay_ring=3, replay_from_checkpoint=True),
     # a moved lane's ring entries replay with the draws of the row they were decoded in, its own token
     # draws for the destination
     "N32-D64-R2-bf16state-sr-replay-K3-dst-noz": StepSpec(
@@ -632,6 +641,8 @@ REPLAY_STATES = {
                                               stochastic_rounding=True, replay_from_checkpoint=True),
     "int8-K2-fc": lambda N, D, R: StepSpec(N, D, R, "int8", pool=True, update_kv_state=True, replay_ring=2,
                                            stochastic_rounding=True, replay_from_checkpoint=True),
+    "rotary-K4-fc": lambda N, D, R: StepSpec(N, D, R, "float32", pool=True, update_kv_state=True, replay_ring=4,
+                                             rope_angles=N // 4, has_bc_bias=True, replay_from_checkpoint=True),
 }
 #: (form, N, D, R) of REPLAY_STATES that use stack at their default tiling, per arch (all 280 compiles run
 #: 2026-11-27; fp32 N = 256, D = 128 has no replay tiling, REPLAY_REFUSED): the 16-bit N = 256 D = 128 slab,
@@ -653,7 +664,7 @@ def _replay_states_params() -> list:
                          marks=[known] if (form, N, D, R) in REPLAY_STATES_SPILLS[arch] else [])
             for arch in ARCHS for form, make in REPLAY_STATES.items()
             for N, D, R in itertools.product(SUPPORTED_N, SUPPORTED_D, SUPPORTED_R)
-            if not (form == "rotary-K4" and (N, D, R, "float32") in REPLAY_REFUSED)]
+            if not (form.startswith("rotary-K4") and (N, D, R, "float32") in REPLAY_REFUSED)]
 
 
 @pytest.mark.full_matrix

@@ -204,13 +204,7 @@ def test_replay_decode_is_bit_identical_to_the_executed_stepwise_kernel(name):
             elif not spec.replay_from_checkpoint or int(before["ring.length"][row, 0]) == K - 1:
                 assert bits_equal(got[b], want[b]), f"{name} step {s}: lane {b} out differs from the stepwise kernel's"
             else:
-                base = tuple(before[k] for k in ("state", "Bstate", "Xstate", "state_scale") if k in before)
-                ring = {f: before[f"ring.{f}"] for f in ("B", "x", "coef", "length")}
-                call = layer.call("replay", lane, index)
-                want64, torch32 = (append_reference(call, base, ring, row, b, cd) for cd in (torch.float64,
-                                                                                            torch.float32))
-                assert_accurate(f"{name} step {s} lane {b}", got[b], want64, torch32.to(got.dtype),
-                                want64.abs().max().item())
+                check_append(layer, before, lane, index, b, row, got[b], f"{name} step {s} lane {b}")
         replay, stepwise = layer.pools["replay"], layer.pools["stepwise"]
         for row in active:
             if int(layer.rings["replay"].length[row, 0]) == 0:  # flushed: the checkpoint is the current state
@@ -228,8 +222,8 @@ def test_replay_destinations_flush_into_another_row(name):
     for bit the executed stepwise kernel's new state there, the destination's ring emptied, the
     source row and its ring untouched; a padding destination computes ``out`` and writes nothing;
     a destination equal to the source is an ordinary replay step. Every flushing lane's ``out``
-    (with ``replay_from_checkpoint``, every lane's out at a flush or a move) is the stepwise
-    kernel's bit for bit; the ring equals the CPU path's."""
+    (with ``replay_from_checkpoint``, every lane's out at a flush or a move; an append's within
+    the accuracy rule) is the stepwise kernel's bit for bit; the ring equals the CPU path's."""
     spec = _spec(name)
     K = spec.replay_ring
     layer = Layer(spec, seed=23)
@@ -250,7 +244,8 @@ def test_replay_destinations_flush_into_another_row(name):
             dst[b], padded = -1, padded + 1
         index, dst_t = torch.tensor(lanes, dtype=torch.int32), torch.tensor(dst, dtype=torch.int32)
         before = layer.snapshot()
-        got, want = layer.step(layer.lane(len(lanes)), index, dst_t)
+        lane = layer.lane(len(lanes))
+        got, want = layer.step(lane, index, dst_t)
         after = layer.snapshot()
         for b, (row, to) in enumerate(zip(lanes, dst)):
             if row not in active:
@@ -259,6 +254,8 @@ def test_replay_destinations_flush_into_another_row(name):
             flush = to != row or int(before["ring.length"][row, 0]) == K - 1
             if flush or not spec.replay_from_checkpoint:
                 assert bits_equal(got[b], want[b]), f"{name} step {s}: lane {b} out differs from the stepwise kernel's"
+            else:
+                check_append(layer, before, lane, index, b, row, got[b], f"{name} step {s} lane {b}")
             if to == -1:
                 for k, v in before.items():
                     assert bits_equal(after[k][row], v[row]), f"{name} step {s}: padding destination wrote {k}"
@@ -276,6 +273,20 @@ def test_replay_destinations_flush_into_another_row(name):
         check_ring_and_other_rows(layer, before, after, named, f"{name} step {s}")
         active = [to if to >= 0 else row for row, to in zip(lanes, dst) if row in active]
     assert moved >= 3 and padded == 1, (moved, padded)
+
+
+def check_append(layer, before: dict, lane: dict, index: torch.Tensor, b: int, row: int, got: torch.Tensor,
+                 where: str) -> None:
+    """Lane ``b``'s ``out`` of an append from the checkpoint (row ``row``; ``before``: the snapshot before
+    the step) within twice PyTorch-float32's error of the float64 algebra from the stored checkpoint;
+    with rotary the token's angle is the one the step stored with its entry."""
+    base = tuple(before[k] for k in ("state", "Bstate", "Xstate", "state_scale") if k in before)
+    ring = {f: before[f"ring.{f}"] for f in ("B", "x", "coef", "length", "angle") if f"ring.{f}" in before}
+    angle = None if "angle" not in ring else layer.rings["replay"].angle[row, int(ring["length"][row, 0])]
+    call = layer.call("replay", lane, index)
+    want64, torch32 = (append_reference(call, base, ring, row, b, cd, angle, layer.spec.rotate_pairwise)
+                       for cd in (torch.float64, torch.float32))
+    assert_accurate(where, got, want64, torch32.to(got.dtype), want64.abs().max().item())
 
 
 def ring_tensors(ring) -> dict:
