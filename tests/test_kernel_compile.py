@@ -205,9 +205,12 @@ REPLAY_VERIFY_FULL = frozenset({"flagship-replay-K8-verify-T4", "flagship-rotary
 #: from the checkpoint (K = 4 runs by default), the flagship at 8 warps (a row's bits do not depend on
 #: the warps: test_ptx_replay.py checks that by default), and the bf16 flagship rounded stochastically, replayed
 #: and from the checkpoint (a replay pool keeps no 16-bit stochastic state; its code runs by default in
-#: the bf16 form with destinations and the fp16 verify step, the flagship's 8-bit forms in the int8 ones)
+#: the bf16 form with destinations and the fp16 verify step, the flagship's 8-bit forms in the int8 ones),
+#: and R = 8 replayed with fp32 x and B (R = 8 runs by default from the checkpoint, fp32 x in the per-head
+#: rotary form from the checkpoint, whose flushes replay)
 REPLAY_FULL = frozenset({"flagship-replay-K8-from-checkpoint", "flagship-bf16state-sr-replay-K4",
-                         "flagship-bf16state-sr-replay-K4-from-checkpoint", "flagship-replay-K4-8warps"})
+                         "flagship-bf16state-sr-replay-K4-from-checkpoint", "flagship-replay-K4-8warps",
+                         "N32-D64-R8-replay-K3-fp32io-noout"})
 
 #: one-token replay steps with destinations (a lane whose destination is another row flushes into it)
 REPLAY_DST = {
@@ -346,7 +349,10 @@ def check_compiler_facts(spec: StepSpec, arch: str) -> None:
         if spec.stochastic_rounding:  # each unrolled entry's recorded offset; each appended entry's, stored
             seeds += spec.ring_entries
             stores += spec.tokens
-    assert f.count("LDG", 64) == loads + seeds and f.count("STG", 64) == stores, where
+    # from the checkpoint, an append reads its current angle (2 loads) and its ring tokens' stored ones
+    # (K - 2) besides the flush's; the compiler may share the current angle's loads between the two
+    shared = angles * spec.replay_ring if spec.replay_from_checkpoint and spec.rope_angles else 0
+    assert loads + seeds <= f.count("LDG", 64) <= loads + seeds + shared and f.count("STG", 64) == stores, where
     if spec.pool:
         # replay: the row's ring length is read before the branch (a count out of range is padding too)
         check_padding_guard(f.sass_text, where, loads=2 + spec.num_accepted + bool(spec.replay_ring))
@@ -650,12 +656,19 @@ REPLAY_STATES = {
 #: rotary; int8 at R = 8 with N = 32 D = 64 (4 warps, 72 registers: 8 bytes) and on sm_90a N = 256 D = 64.
 #: From the checkpoint (the 192 compiles of the two "-fc" forms, 2026-11-28): bf16 at N = 256 D = 128 as
 #: replayed, and N = 128 D = 128 R = 1 (8-16 bytes) and on sm_90a R = 8 (24); int8 N = 256 D = 128 R = 2
-#: (40 bytes) and on sm_90a N = 32 D = 64 R = 8 (8). Not fixed.
+#: (40 bytes) and on sm_90a N = 32 D = 64 R = 8 (8). Rotary from the checkpoint (88 compiles): 8 of 44
+#: shapes on each target, 8-88 bytes (each ring token's B~ staged again and two tables beside the
+#: state), among them N = 128 D = 64 R = 4 with per-head B/C on sm_100a (56 bytes; the flagship's
+#: shared B/C form is clean: 226 registers). Not fixed.
 _STATES_SPILLS_BOTH = ({(form, 256, 128, R) for form in ("bf16-sr-K4", "bf16-sr-K4-fc") for R in (2, 4, 8)}
-                       | {("int8-K2", 32, 64, 8), ("bf16-sr-K4-fc", 128, 128, 1), ("int8-K2-fc", 256, 128, 2)})
+                       | {("int8-K2", 32, 64, 8), ("bf16-sr-K4-fc", 128, 128, 1), ("int8-K2-fc", 256, 128, 2)}
+                       | {("rotary-K4-fc", *shape) for shape in ((32, 128, 2), (32, 128, 4), (64, 64, 4),
+                                                                 (128, 128, 8), (256, 64, 8))})
 REPLAY_STATES_SPILLS = {"sm_90a": _STATES_SPILLS_BOTH | {("int8-K2", 256, 64, 8), ("bf16-sr-K4-fc", 128, 128, 8),
-                                                         ("int8-K2-fc", 32, 64, 8)},
-                        "sm_100a": _STATES_SPILLS_BOTH | {("rotary-K4", 32, 32, 4)}}
+                                                         ("int8-K2-fc", 32, 64, 8)}
+                        | {("rotary-K4-fc", *shape) for shape in ((64, 32, 1), (64, 128, 4), (128, 128, 4))},
+                        "sm_100a": _STATES_SPILLS_BOTH | {("rotary-K4", 32, 32, 4)}
+                        | {("rotary-K4-fc", *shape) for shape in ((32, 32, 8), (128, 32, 4), (128, 64, 4))}}
 
 
 def _replay_states_params() -> list:

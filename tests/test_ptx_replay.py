@@ -174,8 +174,7 @@ class Layer:
         return held
 
 
-# REPLAY_FULL with --full-matrix: K = 8 (replayed) and from the checkpoint (K = 3, 4) run by default, and the
-# stochastically rounded bf16 state with destinations
+# REPLAY_FULL (test_kernel_compile.py says which and why) with --full-matrix only
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.full_matrix] if n in REPLAY_FULL else [])
                                   for n in REPLAY])
 def test_replay_decode_is_bit_identical_to_the_executed_stepwise_kernel(name):
@@ -391,7 +390,8 @@ def test_lanes_touch_exactly_their_rows_and_ring_entries(name):
     assert analysis.intra_cta_races(res, shared=True) == [], f"{name}: a shared-memory race inside a CTA"
 
 
-@pytest.mark.parametrize("name", ["flagship-replay-K4", "N32-D64-R8-replay-K3-fp32io-noout"])
+@pytest.mark.parametrize("name", ["flagship-replay-K4", pytest.param("N32-D64-R8-replay-K3-fp32io-noout",
+                                                                     marks=pytest.mark.full_matrix)])
 def test_executed_bytes_equal_the_bytes_model_at_every_ring_position(name):
     spec = _spec(name)
     K, B = spec.replay_ring, 3
