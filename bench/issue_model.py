@@ -47,6 +47,7 @@ from mamba3_step.issue_model import (  # noqa: E402
     issue_model,
     replay_issue_model,
     replay_states_issue_model,
+    replay_states_replay_spec,
     replay_states_spec,
     slab_bytes,
 )
@@ -157,7 +158,7 @@ def replay_states_rows() -> list[dict]:
     for name, (_, K, stepwise_count, counts) in REPLAY_STATES_EXECUTED.items():
         spec, _ = replay_states_spec(name)
         stepwise = replay_instructions(spec.with_default_tiling())[0]
-        executed = replay_instructions(spec.replace(replay_ring=K).with_default_tiling())
+        executed = replay_instructions(replay_states_replay_spec(name))
         row = {"states": name, "K": K, "stepwise": stepwise, "per_position": list(executed),
                "matches": (stepwise, executed) == (stepwise_count, counts)}
         for g, gpu in GPUS.items():
@@ -169,7 +170,7 @@ def replay_states_rows() -> list[dict]:
 
 
 STATES_TABLE = [("states", "states", "<"), ("K", "K", ">d"), ("stepwise", "stepwise", ">,d"),
-                ("per_position", "replayed per ring position", "<"), ("bytes", "bytes x", ">.3f"),
+                ("per_position", "replay per ring position", "<"), ("bytes", "bytes x", ">.3f"),
                 ("instructions", "instr. x", ">.2f")] + [
     col for g in GPUS for col in ((f"step_{g}", f"{g} stepwise issue/mem", ">.2f"), (f"ratio_{g}", f"{g} replay", ">.2f"),
                                   (f"time_{g}", f"{g} time x", ">.2f"))]
@@ -240,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                   "update it")
     states = replay_states_rows() if args.replay_states and not args.no_execute else []
     if states:
-        print("\nreplay kernel with the other states, flagship, plain decode (outputs replayed, B = 256, H = 48): "
+        print("\nreplay kernel with the other states, flagship, plain decode (outputs replayed or from the "
+              "checkpoint, B = 256, H = 48): "
               "executed PTX warp-instructions per slab, and the issue model averaged over the ring positions "
               "(time relative to the same states' stepwise step)")
         print(_util.format_table(states, STATES_TABLE))

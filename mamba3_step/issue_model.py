@@ -30,7 +30,7 @@ from .spec import StepSpec, flagship_rotary_spec, flagship_spec
 
 __all__ = ["GPUS", "GPU", "ISSUE_PER_CLOCK", "REPLAY_EXECUTED", "REPLAY_STATES_EXECUTED", "UPSTREAM",
            "VERIFY_EXECUTED", "VERIFY_TOKENS", "issue_model", "replay_issue_model", "replay_states_issue_model",
-           "replay_states_spec", "replay_verify_issue_model", "slab_bytes"]
+           "replay_states_replay_spec", "replay_states_spec", "replay_verify_issue_model", "slab_bytes"]
 
 #: warp-instructions an SM can issue per clock (four schedulers, one each)
 ISSUE_PER_CLOCK = 4
@@ -140,10 +140,11 @@ def replay_issue_model(K: int, from_checkpoint: bool, gpu: GPU, batch: int = 256
 
 
 #: executed PTX warp-instructions per slab of the flagship with Mamba-3's other per-request states,
-#: stepwise and replayed (outputs replayed, each at its default tiling, sm_90a): ``name -> (the
-#: stepwise spec's changes to the flagship, K, the stepwise count, counts at ring positions
-#: 0..K-1)``. ``"rotary"`` is the rotary flagship (``flagship_rotary_spec``). Measured 2026-11-27 by
-#: the PTX execution tier (``python bench/issue_model.py --replay-states`` prints them;
+#: stepwise and replayed (outputs replayed, or with ``"from_checkpoint"`` from the checkpoint, each at
+#: its default tiling, sm_90a): ``name -> (the stepwise spec's changes to the flagship, K, the
+#: stepwise count, counts at ring positions 0..K-1)``. ``"rotary"`` is the rotary flagship
+#: (``flagship_rotary_spec``). Measured 2026-11-27 (from the checkpoint 2026-11-28) by the PTX
+#: execution tier (``python bench/issue_model.py --replay-states`` prints them;
 #: tests/test_issue_model.py re-executes them with --full-matrix).
 REPLAY_STATES_EXECUTED = {
     "rotary": ({"rotary": True}, 4, 6559, (6898, 10207, 13591, 17006)),
@@ -152,13 +153,30 @@ REPLAY_STATES_EXECUTED = {
     "int8 state": ({"state_dtype": "int8", "stochastic_rounding": True}, 2, 14704, (15339, 27529)),
     "int8 state, K = 4": ({"state_dtype": "int8", "stochastic_rounding": True}, 4, 14704,
                           (15845, 27561, 39285, 51409)),
+    "rotary, from the checkpoint": ({"rotary": True, "from_checkpoint": True}, 4, 6559, (5469, 6696, 7911, 17306)),
+    "bf16 state, stochastic rounding, from the checkpoint": (
+        {"state_dtype": "bfloat16", "stochastic_rounding": True, "from_checkpoint": True}, 4, 11508,
+        (4870, 5564, 6247, 36885)),
+    "int8 state, from the checkpoint": ({"state_dtype": "int8", "stochastic_rounding": True, "from_checkpoint": True},
+                                        2, 14704, (5393, 27801)),
+    "int8 state, K = 4, from the checkpoint": (
+        {"state_dtype": "int8", "stochastic_rounding": True, "from_checkpoint": True}, 4, 14704,
+        (5542, 6236, 6919, 51701)),
 }
 
 
 def replay_states_spec(name: str) -> tuple[StepSpec, int]:
     """``(the stepwise spec, K)`` of a :data:`REPLAY_STATES_EXECUTED` entry."""
     changes, K = dict(REPLAY_STATES_EXECUTED[name][0]), REPLAY_STATES_EXECUTED[name][1]
+    changes.pop("from_checkpoint", None)
     return (flagship_rotary_spec() if changes.pop("rotary", False) else flagship_spec(**changes)), K
+
+
+def replay_states_replay_spec(name: str) -> StepSpec:
+    """The replay spec of a :data:`REPLAY_STATES_EXECUTED` entry, at its default tiling."""
+    spec, K = replay_states_spec(name)
+    fc = REPLAY_STATES_EXECUTED[name][0].get("from_checkpoint", False)
+    return spec.replace(replay_ring=K, replay_from_checkpoint=fc).with_default_tiling()
 
 
 def replay_states_issue_model(name: str, gpu: GPU, batch: int = 256, heads: int = 48) -> dict:

@@ -7,8 +7,8 @@ import pytest
 
 from mamba3_step.bytes_model import bytes_per_step, replay_bytes
 from mamba3_step.issue_model import (GPUS, REPLAY_EXECUTED, REPLAY_STATES_EXECUTED, UPSTREAM, VERIFY_EXECUTED,
-                                     issue_model, replay_issue_model, replay_states_spec, replay_verify_issue_model,
-                                     slab_bytes)
+                                     issue_model, replay_issue_model, replay_states_replay_spec, replay_states_spec,
+                                     replay_verify_issue_model, slab_bytes)
 from mamba3_step.spec import flagship_spec
 from mamba3_step.verify import replay_instructions, verify_instructions
 
@@ -99,7 +99,7 @@ def test_replay_issue_model_by_hand():
 def test_replay_states_counts_are_what_the_ptx_tier_executes(name):
     """REPLAY_STATES_EXECUTED (docs/performance.md 3d: replay with rotary, stochastic rounding, int8)
     holds the executed counts of today's kernel."""
-    spec, K = replay_states_spec(name)
+    spec, _ = replay_states_spec(name)
     _, _, stepwise, counts = REPLAY_STATES_EXECUTED[name]
     assert replay_instructions(spec.with_default_tiling()) == (stepwise,)
-    assert replay_instructions(spec.replace(replay_ring=K).with_default_tiling()) == counts
+    assert replay_instructions(replay_states_replay_spec(name)) == counts

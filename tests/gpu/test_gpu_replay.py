@@ -7,8 +7,8 @@ Passed on an H200 (2026-11-27). The checks the PTX tier makes on the CPU
   ``replay_step_fn`` bit-identical to the stepwise kernel (``mamba3_step_fn``, pool mode with
   update_kv_state): every ``out`` (with ``from_checkpoint`` a flush's; an append's within the
   step's accuracy rule of the float64 recurrence) and every row at its flush; rows no lane reads
-  keep their bits; likewise an 8-bit state (int8, e4m3) with outputs from the checkpoint (written
-  2026-11-28, not yet run on a GPU);
+  keep their bits; likewise an 8-bit state (int8, e4m3) with outputs from the checkpoint, and 32
+  rotary angles per head, replayed and from the checkpoint (written 2026-11-28, not yet run on a GPU);
 * a replay step captured in a CUDA graph and replayed with new inputs equals eager, ring included
   (the ring lengths move on the device);
 * a replay ``StatePool`` (``replay_ring=K``; run on an H200, 2026-11-27): ``decode_step`` and the CUDA-graph
@@ -28,7 +28,8 @@ from helpers import assert_accurate
 
 from mamba3_step import mamba3_step_fn, new_ring, replay_step_fn
 from mamba3_step.tensors import StepTensors
-from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, row_tensors
+from mamba3_step.testing import (bits_equal, lane_inputs, layer_weights, rotary_angles, rotary_biases, rotary_rates,
+                                 row_tensors)
 from mamba3_step.verify import append_reference
 
 pytestmark = [
@@ -43,26 +44,36 @@ PADDING = (-1, -(2**31), 2**31 - 1)
 
 
 class Layer:
-    def __init__(self, P: int, K: int, seed: int, state_dtype: str = "float32"):
+    """One layer's pools for the replay kernel and the stepwise kernel; ``S > 0``: with S rotary angles
+    per head (per-head B/C, biases)."""
+
+    def __init__(self, P: int, K: int, seed: int, state_dtype: str = "float32", S: int = 0):
         self.g = torch.Generator().manual_seed(seed)
         rows = row_tensors(P, H, D, N, R, state_dtype=state_dtype, generator=self.g, device=DEV)
         self.w = layer_weights(H, D, R, generator=self.g, device=DEV)
+        if S:
+            rows["angle_state"] = rotary_angles(P, H, S, generator=self.g, device=DEV)
+            self.w.update(rotary_biases(R, H, N, generator=self.g, device=DEV))
         self.replay = {k: v.clone() for k, v in rows.items()}
         self.stepwise = {k: v.clone() for k, v in rows.items()}
         self.rounded = state_dtype in EIGHT_BIT  # an 8-bit state is always rounded stochastically
         self.ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16, device=DEV,
-                             stochastic=self.rounded)
-        self.P, self.K = P, K
+                             stochastic=self.rounded, rope_angles=S)
+        self.P, self.K, self.S = P, K, S
 
     def call(self, pools: dict, lane: dict, index: torch.Tensor, out=None, rand_seed=None) -> StepTensors:
         w = self.w
         return StepTensors(pools["state"], pools["Bstate"], pools["Xstate"], lane["A"], lane["B"], lane["C"], w["D"],
                            lane["x"], lane["dt"], lane["trap"], w["xproj"], outproj=w["outproj"], out=out, z=lane["z"],
                            zproj=w["zproj"], state_batch_indices=index, state_scale=pools.get("state_scale"),
-                           rand_seed=rand_seed)
+                           rand_seed=rand_seed, angle_state=pools.get("angle_state"),
+                           angle_proj=lane.get("angle_proj"), B_bias=w.get("B_bias"), C_bias=w.get("C_bias"))
 
     def lane(self, B: int) -> dict:
-        return lane_inputs(B, H, D, N, R, generator=self.g, device=DEV)
+        lane = lane_inputs(B, H, D, N, R, generator=self.g, device=DEV)
+        if self.S:
+            lane["angle_proj"] = rotary_rates((B,), H, self.S, generator=self.g, device=DEV)
+        return lane
 
 
 def _index(B: int, P: int, step: int) -> torch.Tensor:
@@ -95,15 +106,25 @@ def test_8bit_replay_from_checkpoint_matches_the_stepwise_kernel(state_dtype, K)
     _decode(64, K, True, state_dtype=state_dtype)
 
 
-def _decode(B: int, K: int, from_checkpoint: bool, num_warps=None, state_dtype: str = "float32"):
+@pytest.mark.parametrize("from_checkpoint", [False, True])
+@pytest.mark.parametrize("K", [2, 4])
+def test_rotary_replay_matches_the_stepwise_kernel(K, from_checkpoint):
+    """With 32 rotary angles per head (per-head B/C, biases): replayed outputs bit for bit, appends
+    from the checkpoint within the contract (evaluated with the angles the kernel stored), flushed
+    rows (the angle included) bit for bit."""
+    _decode(64, K, from_checkpoint, S=32)
+
+
+def _decode(B: int, K: int, from_checkpoint: bool, num_warps=None, state_dtype: str = "float32", S: int = 0):
     P = B + 3
-    layer = Layer(P, K, seed=B * 10 + K, state_dtype=state_dtype)
+    layer = Layer(P, K, seed=B * 10 + K, state_dtype=state_dtype, S=S)
     # every ring starts empty; the moving padding lanes skip rows' steps, so their positions stagger
     for step in range(2 * K + 1):
         index = _index(B, P, step)
         lane = layer.lane(B)
         before = {k: v.clone() for k, v in layer.replay.items()}
-        ring = {f: getattr(layer.ring, f).clone() for f in ("B", "x", "coef", "length")}
+        ring = {f: getattr(layer.ring, f).clone() for f in ("B", "x", "coef", "length", "angle")
+                if getattr(layer.ring, f) is not None}
         seed = torch.tensor([20261128, 2**62 + 977 * step], dtype=torch.int64, device=DEV) if layer.rounded else None
         got = replay_step_fn(layer.call(layer.replay, lane, index, rand_seed=seed), layer.ring, K,
                              from_checkpoint=from_checkpoint, num_warps=num_warps)
@@ -118,8 +139,9 @@ def _decode(B: int, K: int, from_checkpoint: bool, num_warps=None, state_dtype: 
             else:
                 call = layer.call(layer.replay, lane, index)
                 base = tuple(before[k] for k in ("state", "Bstate", "Xstate", "state_scale") if k in before)
-                want64, torch32 = (append_reference(call, base, ring, row, b, cd) for cd in (torch.float64,
-                                                                                            torch.float32))
+                angle = layer.ring.angle[row, int(ring["length"][row, 0])] if S else None  # as the step stored it
+                want64, torch32 = (append_reference(call, base, ring, row, b, cd, angle)
+                                   for cd in (torch.float64, torch.float32))
                 assert_accurate(f"step {step} lane {b}", got[b], want64, torch32.to(got.dtype),
                                 want64.abs().max().item())
             if int(layer.ring.length[row, 0]) == 0:
@@ -354,7 +376,8 @@ def test_replay_destinations_flush_into_another_row(B, K):
         index, dst_t = (torch.tensor(v, dtype=torch.int32, device=DEV) for v in (rows, dst))
         lane = layer.lane(B)
         before = {k: v.clone() for k, v in layer.replay.items()}
-        ring = {f: getattr(layer.ring, f).clone() for f in ("B", "x", "coef", "length")}
+        ring = {f: getattr(layer.ring, f).clone() for f in ("B", "x", "coef", "length", "angle")
+                if getattr(layer.ring, f) is not None}
         got = replay_step_fn(layer.call(layer.replay, lane, index)._replace(dst_state_batch_indices=dst_t),
                              layer.ring, K)
         want = mamba3_step_fn(**layer.call(layer.stepwise, lane, index)._replace(
