@@ -644,7 +644,7 @@ class Mamba3StepKernel:
         (:meth:`token_weights`); then this token is appended to the ring. With rotary, B_j is token
         j's B~ (staged again from its ring entry and angle) in its own update and B~ rounded to the
         kv dtype in token j + 1's trapezoid term, so ``G_j`` carries the two weights
-        (:meth:`weighted_gram`); C is this token's C~. The state row is read only."""
+        (:meth:`gram`); C is this token's C~. The state row is read only."""
         src, h = cta.src, cta.h
         lane_t = (cta.b,)
         k = count + 1
@@ -698,13 +698,13 @@ class Mamba3StepKernel:
 
     @cute.jit
     def rotary_grams(self, m: KernelArgs, count: Int32, tok: Token, shared: Shared, cta: Cta):
-        """With rotary, the weighted tables ``sG[j]`` (:meth:`weighted_gram`) of token k (this one: its
+        """With rotary, the weighted tables ``sG[j]`` (:meth:`gram`) of token k (this one: its
         B~ staged in ``tok.sB``, its own update only), token 0 (Bstate, B~ as stored: the trapezoid
         term only) and ring tokens 1..count (B~ staged again from the entry's B, the bias and the
         entry's angle: both terms)."""
         src, h = cta.src, cta.h
         k = count + 1
-        self.weighted_gram(tok.sB, shared.sC, shared.sG[k, None, None], shared.sW[k], Float32(0.0), False, cta)
+        self.gram(tok.sB, shared.sC, shared.sG[k, None, None], cta, weights=(shared.sW[k], Float32(0.0)))
         for j in cutlass.range_constexpr(self.K - 1):
             if j <= count:
                 sBj = shared.sBB[j % 2, None, None]
@@ -717,11 +717,10 @@ class Mamba3StepKernel:
                     self.stage_rotated(m.ring_B, m.B_bias, (src, j - 1), h, sBj, shared.sCS, cta)
                 cute.arch.barrier()
                 if const_expr(j == 0):
-                    self.weighted_gram(sBj, shared.sC, shared.sG[0, None, None], Float32(0.0), shared.sWp[0], False,
-                                       cta)
+                    self.gram(sBj, shared.sC, shared.sG[0, None, None], cta, weights=(Float32(0.0), shared.sWp[0]))
                 else:
-                    self.weighted_gram(sBj, shared.sC, shared.sG[j, None, None], shared.sW[j], shared.sWp[j], True,
-                                       cta)
+                    self.gram(sBj, shared.sC, shared.sG[j, None, None], cta, weights=(shared.sW[j], shared.sWp[j]),
+                              both=True)
 
     @cute.jit
     def token_weights(self, m: KernelArgs, count: Int32, tok: Token, shared: Shared, cta: Cta):
@@ -761,33 +760,14 @@ class Mamba3StepKernel:
         sW[self.K] = suffix
 
     @cute.jit
-    def gram(self, sB: cute.Tensor, sC: cute.Tensor, sG: cute.Tensor, cta: Cta):
+    def gram(self, sB: cute.Tensor, sC: cute.Tensor, sG: cute.Tensor, cta: Cta, weights: Optional[tuple] = None,
+             both: bool = False):
         """``sG[r', r] = sum_n sB[r', n] sC[r, n]`` (R x R dot products of length N): warp ``w`` takes
-        pairs ``w, w + warps, ...``, its lanes stride over n, a butterfly sums them."""
-        warps = self.num_threads // 32
-        warp = cta.tidx // 32
-        lane = cta.tidx % 32
-        for q in cutlass.range_constexpr(-(-self.R * self.R // warps)):
-            pair = warp + q * warps
-            if pair < self.R * self.R:
-                rp = pair // self.R
-                r = pair - rp * self.R
-                acc = Float32(0.0)
-                for c in cutlass.range_constexpr(self.N // 32):  # every supported N is a multiple of 32
-                    n = lane + c * 32
-                    acc = acc + sB[rp, n] * sC[r, n]
-                for k in cutlass.range_constexpr(5):
-                    acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=16 >> k)
-                if lane == 0:
-                    sG[rp, r] = acc
-
-    @cute.jit
-    def weighted_gram(self, sB: cute.Tensor, sC: cute.Tensor, sG: cute.Tensor, w_own: Float32, w_prev: Float32,
-                      both: bool, cta: Cta):
-        """With rotary: ``sG[r', r] = w_own sB[r'] . sC[r] + w_prev round(sB[r']) . sC[r]``, ``round``
-        the kv dtype's (Bstate's, as the next token reads this one's B~); ``both`` (compile time):
-        whether ``sB`` needs both terms, else ``(w_own + w_prev) sB[r'] . sC[r]`` (one of the weights
-        zero, or nothing to round). Pairs over warps as :meth:`gram`."""
+        pairs ``w, w + warps, ...``, its lanes stride over n, a butterfly sums them. With rotary,
+        ``weights = (w_own, w_prev)``: ``sG[r', r] = w_own sB[r'] . sC[r] + w_prev round(sB[r']) . sC[r]``,
+        ``round`` the kv dtype's (as the next token reads this one's B~ from Bstate), both dot
+        products in one pass when ``both`` (compile time) and the kv dtype rounds, else
+        ``(w_own + w_prev) sB[r'] . sC[r]`` (one weight zero, or nothing to round)."""
         warps = self.num_threads // 32
         warp = cta.tidx // 32
         lane = cta.tidx % 32
@@ -797,23 +777,24 @@ class Mamba3StepKernel:
             if pair < self.R * self.R:
                 rp = pair // self.R
                 r = pair - rp * self.R
-                own = Float32(0.0)
+                acc = Float32(0.0)
                 prev = Float32(0.0)
-                for c in cutlass.range_constexpr(self.N // 32):
+                for c in cutlass.range_constexpr(self.N // 32):  # every supported N is a multiple of 32
                     n = lane + c * 32
-                    b = sB[rp, n]
-                    own = own + b * sC[r, n]
+                    acc = acc + sB[rp, n] * sC[r, n]
                     if const_expr(rounds):
-                        prev = prev + b.to(self.kv_dtype).to(Float32) * sC[r, n]
+                        prev = prev + sB[rp, n].to(self.kv_dtype).to(Float32) * sC[r, n]
                 for k in cutlass.range_constexpr(5):
-                    own = own + cute.arch.shuffle_sync_bfly(own, offset=16 >> k)
+                    acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=16 >> k)
                     if const_expr(rounds):
                         prev = prev + cute.arch.shuffle_sync_bfly(prev, offset=16 >> k)
                 if lane == 0:
-                    if const_expr(rounds):
-                        sG[rp, r] = w_own * own + w_prev * prev
+                    if const_expr(weights is None):
+                        sG[rp, r] = acc
+                    elif const_expr(rounds):
+                        sG[rp, r] = weights[0] * acc + weights[1] * prev
                     else:
-                        sG[rp, r] = (w_own + w_prev) * own
+                        sG[rp, r] = (weights[0] + weights[1]) * acc
 
     @cute.jit
     def contract_rows(self, group: RowGroup, operands: Optional[Operands], shared: Shared, cta: Cta) -> cute.Tensor:

@@ -40,9 +40,10 @@ from .ring import Ring, check_replay_arguments, check_replay_step, check_ring, n
 from .tensors import StepTensors
 from .validation import checks
 
+# Ring, new_ring and the checks: mamba3_step.ring
 __all__ = ["Current", "Ring", "check_materialize", "check_replay_arguments", "check_replay_step", "check_ring",
-           "fork_row", "materialize",
-           "new_ring", "output_from_checkpoint", "replay_step", "rotated_output_from_checkpoint"]  # Ring, new_ring and the checks: mamba3_step.ring
+           "fork_row", "materialize", "new_ring", "output_from_checkpoint", "replay_step",
+           "rotated_output_from_checkpoint"]
 
 Tensor = torch.Tensor
 

@@ -191,9 +191,10 @@ def append_reference(t: StepTensors, base: tuple, ring: dict, row: int, b: int, 
     if angle is not None:
         now["angle"], past["angle"] = angle[None], ring["angle"][row, :c]
     tokens = {f: torch.cat([past[f].to(v.dtype), v])[None] for f, v in now.items()}
-    rows = tuple(v[row:row + 1] for v in base[:4]) + (None,) * (4 - len(base[:4]))
+    rows = tuple(v[row:row + 1] for v in base) + (None,) * (4 - len(base))
     z = None if t.z is None else t.z[b:b + 1]
-    return rotated_output_from_checkpoint(t._replace(x=t.x[b:b + 1]), rows, tokens, t.C[b:b + 1], z, cd, pairwise)
+    return rotated_output_from_checkpoint(t._replace(x=t.x[b:b + 1]), rows, tokens, t.C[b:b + 1], z, cd,
+                                          pairwise)[0]
 
 
 def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) -> dict:
