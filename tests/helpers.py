@@ -45,7 +45,7 @@ from mamba3_step import mamba3_step_fn
 from mamba3_step.contract import lane_is_live, source_rows
 from mamba3_step.serving import gather_dense_scatter as _gather_dense_scatter
 from mamba3_step.tensors import StepTensors
-from mamba3_step.verify import tolerance
+from mamba3_step.verify import append_reference, tolerance
 from mamba3_step.testing import SPECULATIVE_PAD_KINDS, bits, bits_equal, make_inputs, poison_  # noqa: F401 (re-exported)
 
 PAD_KINDS = ("negative", "oob", "null")
@@ -307,6 +307,21 @@ def assert_accurate(where: str, got: torch.Tensor, want64: torch.Tensor, torch32
     if near_cpu:
         diff = (got.double() - torch32.double()).abs().max().item()
         assert diff <= tolerance(1.5 * budget, scale), f"{where}: differs from the CPU path by {diff:.3g}"
+
+
+def assert_append_accurate(where: str, got: torch.Tensor, call: StepTensors, rows: dict, ring: dict, row: int, b: int,
+                           angles=None, pairwise: bool = False) -> None:
+    """Lane ``b``'s ``out`` of a replay append from the checkpoint (row ``row``) within
+    :func:`assert_accurate` of the float64 algebra from the stored checkpoint
+    (:func:`mamba3_step.verify.append_reference`): ``rows`` the pools before the step (state,
+    Bstate, Xstate, state_scale where present), ``ring`` the ring's fields before it; with rotary
+    ``angles`` the ring's angles after it (the token's angle is the one the step stored with its
+    entry)."""
+    base = tuple(rows[k] for k in ("state", "Bstate", "Xstate", "state_scale") if k in rows)
+    angle = None if angles is None else angles[row, int(ring["length"][row, 0])]
+    want64, torch32 = (append_reference(call, base, ring, row, b, cd, angle, pairwise)
+                       for cd in (torch.float64, torch.float32))
+    assert_accurate(where, got, want64, torch32.to(got.dtype), want64.abs().max().item())
 
 
 @contextlib.contextmanager

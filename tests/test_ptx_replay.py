@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import assert_accurate
+from helpers import assert_append_accurate
 from test_kernel_compile import REPLAY, REPLAY_DST, REPLAY_FULL
 
 from mamba3_step.bytes_model import replay_bytes
@@ -36,7 +36,6 @@ from mamba3_step.spec import StepSpec
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import (bits_equal, lane_inputs, layer_weights, poison_, rotary_angles, rotary_biases,
                                  rotary_rates, row_tensors)
-from mamba3_step.verify import append_reference
 
 P, NULL = 8, 7
 #: padding values of every kind (negative, out of range, the null slot)
@@ -277,15 +276,10 @@ def test_replay_destinations_flush_into_another_row(name):
 def check_append(layer, before: dict, lane: dict, index: torch.Tensor, b: int, row: int, got: torch.Tensor,
                  where: str) -> None:
     """Lane ``b``'s ``out`` of an append from the checkpoint (row ``row``; ``before``: the snapshot before
-    the step) within twice PyTorch-float32's error of the float64 algebra from the stored checkpoint;
-    with rotary the token's angle is the one the step stored with its entry."""
-    base = tuple(before[k] for k in ("state", "Bstate", "Xstate", "state_scale") if k in before)
+    the step) within the contract's accuracy (helpers.assert_append_accurate)."""
     ring = {f: before[f"ring.{f}"] for f in ("B", "x", "coef", "length", "angle") if f"ring.{f}" in before}
-    angle = None if "angle" not in ring else layer.rings["replay"].angle[row, int(ring["length"][row, 0])]
-    call = layer.call("replay", lane, index)
-    want64, torch32 = (append_reference(call, base, ring, row, b, cd, angle, layer.spec.rotate_pairwise)
-                       for cd in (torch.float64, torch.float32))
-    assert_accurate(where, got, want64, torch32.to(got.dtype), want64.abs().max().item())
+    assert_append_accurate(where, got, layer.call("replay", lane, index), before, ring, row, b,
+                           layer.rings["replay"].angle, layer.spec.rotate_pairwise)
 
 
 def ring_tensors(ring) -> dict:

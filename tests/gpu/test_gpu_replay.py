@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_accurate
+from helpers import assert_append_accurate
 
 from mamba3_step import mamba3_step_fn, new_ring, replay_step_fn
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import (bits_equal, lane_inputs, layer_weights, rotary_angles, rotary_biases, rotary_rates,
                                  row_tensors)
-from mamba3_step.verify import append_reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -137,13 +136,8 @@ def _decode(B: int, K: int, from_checkpoint: bool, num_warps=None, state_dtype: 
             if not from_checkpoint or int(ring["length"][row, 0]) == K - 1:
                 assert bits_equal(got[b], want[b]), f"step {step} lane {b}"
             else:
-                call = layer.call(layer.replay, lane, index)
-                base = tuple(before[k] for k in ("state", "Bstate", "Xstate", "state_scale") if k in before)
-                angle = layer.ring.angle[row, int(ring["length"][row, 0])] if S else None  # as the step stored it
-                want64, torch32 = (append_reference(call, base, ring, row, b, cd, angle)
-                                   for cd in (torch.float64, torch.float32))
-                assert_accurate(f"step {step} lane {b}", got[b], want64, torch32.to(got.dtype),
-                                want64.abs().max().item())
+                assert_append_accurate(f"step {step} lane {b}", got[b], layer.call(layer.replay, lane, index), before,
+                                       ring, row, b, layer.ring.angle)
             if int(layer.ring.length[row, 0]) == 0:
                 for k in layer.replay:
                     assert bits_equal(layer.replay[k][row], layer.stepwise[k][row]), f"step {step} row {row} {k}"
