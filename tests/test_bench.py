@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from mamba3_step.bytes_model import bytes_per_step, replay_bytes
+from mamba3_step.issue_model import GPUS, replay_states_issue_model
 from mamba3_step.spec import flagship_spec
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
@@ -36,6 +37,7 @@ static_bench = _load("static_bench")
 gpu_bench = _load("gpu_bench")
 gpu_replay_bench = _load("gpu_replay_bench")
 gpu_replay_verify_bench = _load("gpu_replay_verify_bench")
+gpu_replay_states_bench = _load("gpu_replay_states_bench")
 gpu_replay_probe = _load("gpu_replay_probe")
 drift_bench = _load("drift_bench")
 
@@ -270,6 +272,38 @@ def test_gpu_replay_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(gpu_replay_bench.Layer, "replay",
                         lambda self, fc=False, w=None: original(self, fc, w).add_(0.0 if self.ring.length[0, 0] else 1e-3))
     assert "step 1: out differs" in gpu_replay_bench.check(2, 1, 2, "cpu", 4, True)  # the first flush, exact
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists")
+def test_gpu_replay_states_bench_without_cuda_says_so(tmp_path, capsys):
+    assert gpu_replay_states_bench.main(["--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == "no CUDA device: GPU replay-states benchmark not run"
+    assert not (tmp_path / "gpu_replay_states_bench.json").exists()
+
+
+def test_gpu_replay_states_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
+    """The replay-states benchmark on CPU tensors: its checks pass for the int8 form (and fail on a
+    corrupted replay step, with no timing), every step kind is timed, each row carries the issue
+    model's ratio of its REPLAY_STATES_EXECUTED entry."""
+    args = ["--device", "cpu", "--heads", "1", "--batches", "2", "--forms", "int8", "--no-graph",
+            "--out", str(tmp_path)]
+    assert gpu_replay_states_bench.main(args) == 0
+    rows = json.loads((tmp_path / "gpu_replay_states_bench.json").read_text())["rows"]
+    assert [(r["step"], r["outputs"]) for r in rows] == [
+        ("stepwise", None), ("replay", "replayed"), ("replay", "from checkpoint")]
+    assert rows[2]["modelled_h200"] == pytest.approx(replay_states_issue_model(
+        "int8 state, from the checkpoint", GPUS["H200"], 2, 1)["time"])
+    assert all(r["us_eager"] > 0 for r in rows)
+    original = gpu_replay_states_bench.Layer.replay
+    # a flush differing by one code's worth fails the exact check; an append 10% off fails the 5% rule
+    monkeypatch.setattr(gpu_replay_states_bench.Layer, "replay",
+                        lambda self, fc=False: original(self, fc).add_(0.0 if self.ring.length[0, 0] else 1e-3))
+    assert gpu_replay_states_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
+    assert "CORRECTNESS FAILURE" in capsys.readouterr().out
+    assert not (tmp_path / "bad" / "gpu_replay_states_bench.json").exists()
+    monkeypatch.setattr(gpu_replay_states_bench.Layer, "replay",
+                        lambda self, fc=False: original(self, fc).mul_(1.0 if not self.ring.length[0, 0] else 1.1))
+    assert "not within 5%" in gpu_replay_states_bench.check("int8 state", 2, 1, "cpu", True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists")

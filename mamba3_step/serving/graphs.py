@@ -254,7 +254,8 @@ class CudaGraphStepRunner:
         ``form`` (default: the plain T-less step, ``StepForm()``).
 
         During capture every slot is the pad id, so the warm-up and capture runs touch no
-        pool row. The warm-up runs outside the graph (it compiles the kernel).
+        pool row. The warm-up runs outside the graph (it compiles the kernel); ``rand_seed``'s
+        offset is as it was before the capture.
         """
         form = PLAIN if form is None else form
         if not isinstance(form, StepForm):
@@ -269,11 +270,17 @@ class CudaGraphStepRunner:
                 continue
             s = self._make_static(b, form)
             if self.use_cuda_graph:
+                # the warm-up is no step: the offset it advances goes back, so the runner draws what
+                # decode_step draws with the same seed (the capture itself only records the advance)
+                seed = self._weights["rand_seed"]
+                kept = seed.clone() if seed is not None else None
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     self._run(s)  # warm-up: compiles the kernel, all lanes padding
                 torch.cuda.current_stream().wait_stream(side)
+                if kept is not None:
+                    seed.copy_(kept)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.graph_pool):
                     self._run(s)

@@ -8,12 +8,12 @@ Passed on an H200 (2026-11-27). The checks the PTX tier makes on the CPU
   update_kv_state): every ``out`` (with ``from_checkpoint`` a flush's; an append's within the
   step's accuracy rule of the float64 recurrence) and every row at its flush; rows no lane reads
   keep their bits; likewise an 8-bit state (int8, e4m3) with outputs from the checkpoint, and 32
-  rotary angles per head, replayed and from the checkpoint (written 2026-11-28, not yet run on a GPU);
+  rotary angles per head, replayed and from the checkpoint (passed on an H200, 2026-11-28);
 * a replay step captured in a CUDA graph and replayed with new inputs equals eager, ring included
   (the ring lengths move on the device);
 * a replay ``StatePool`` (``replay_ring=K``; run on an H200, 2026-11-27): ``decode_step`` and the CUDA-graph
   runner give the stepwise pool's outs bit for bit, ``materialize`` its rows (PyTorch's math then,
-  within float32 rounding; bit for bit with the kernel's flush form since, not yet run on a GPU);
+  within float32 rounding; bit for bit with the kernel's flush form since, passed on an H200 2026-11-28);
 * verify rounds on a replay pool (``replay_draft=T``; run on an H200, 2026-11-27): the drafts' outs are the
   stepwise T-token kernel's bit for bit, the accepted tokens committed by ``num_accepted_tokens``.
 

@@ -1,7 +1,8 @@
 """GPU suite for replay with Mamba-3's other per-request states: the rotary angle and 8-bit states
 with scales (skipped without CUDA; docs/contract.md, "Replay").
 
-Written 2026-11-27, not yet run on a GPU; the PTX tier executes the same kernel code on the CPU
+Passed on an H200 (2026-11-28), after the run found that the graph runner's capture warm-up advanced
+``rand_seed`` (fixed in ``CudaGraphStepRunner.capture``); the PTX tier executes the same kernel code on the CPU
 (tests/test_ptx_replay.py and test_ptx_replay_verify.py: the rotary, stochastically rounded and
 8-bit specialisations). On the real kernel, against the stepwise pool of the same kind:
 

@@ -118,3 +118,38 @@ def test_graph_replay_with_an_advanced_offset_draws_fresh_bits():
         assert torch.equal(replayed.view(torch.int16), eager["state"].view(torch.int16)), offset
         results.append(replayed)
     assert not torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
+
+
+@pytest.mark.parametrize("state", ["bfloat16", "int8"])
+def test_graph_runner_draws_what_decode_step_draws(state):
+    """The runner's first capture runs a warm-up step: it must leave ``rand_seed``'s offset where it
+    was, or every captured step draws other bits than ``decode_step`` with the same seed (found on an
+    H200, 2026-11-28: the 8-bit replay pool's runner one offset ahead from the first capture)."""
+    from mamba3_step.serving import CudaGraphStepRunner, StatePool, decode_step
+    from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, row_tensors
+
+    H, D, N, R = SHAPE["H"], SHAPE["D"], SHAPE["N"], SHAPE["R"]
+    g = torch.Generator().manual_seed(70)
+    w = layer_weights(H, D, R, generator=g, device=DEV)
+    pools = [StatePool(1, 12, H, D, N, R, state_dtype=getattr(torch, state), device=DEV) for _ in range(2)]
+    slots = pools[0].alloc(5)
+    fresh = row_tensors(5, H, D, N, R, state_dtype=state, generator=g, device=DEV)
+    for pool in pools:
+        if pool is not pools[0]:
+            assert torch.equal(pool.alloc(5), slots)
+        for k in ("state", "state_scale"):
+            if getattr(pool, k)(0) is not None:
+                getattr(pool, k)(0)[slots.long().to(DEV)] = fresh[k]
+    seeds = [_seed(7) for _ in range(2)]
+    runner = CudaGraphStepRunner(pools[1], 0, buckets=(8,), **w, stochastic_rounding=True, rand_seed=seeds[1])
+    padded = torch.cat([slots, torch.tensor([-1], dtype=torch.int32)]).to(DEV)
+    for step in range(3):
+        lane = lane_inputs(6, H, D, N, R, generator=g, device=DEV)
+        want = decode_step(pools[0], 0, padded, **lane, **w, stochastic_rounding=True, rand_seed=seeds[0])
+        got = runner.step(padded, **lane)
+        torch.cuda.synchronize()
+        assert torch.equal(seeds[0], seeds[1]), f"step {step}: the offsets parted"
+        assert bits_equal(got, want), f"step {step}: out"
+        for k in ("state", "state_scale"):
+            if getattr(pools[0], k)(0) is not None:
+                assert bits_equal(getattr(pools[1], k)(0), getattr(pools[0], k)(0)), f"step {step}: {k}"
