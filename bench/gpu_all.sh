@@ -6,6 +6,8 @@
 # workers, gpu_bench.py 33 s (4 batches), the verify benchmark 89 s (K = 4, 8), the replay
 # benchmark about 70 s for K = 2, 4 at two batches. With every default the whole script is close
 # to the gpu-kit's 540 s limit: give it GPUKIT_LIMIT_S=590, or run the parts separately.
+# Not in it: bench/gpu_replay_states_bench.py (replay with rotary, stochastic rounding and int8 states; on an
+# H200 2026-11-28 75-95 s a form, docs/measured/2026-11-28-h200/): run it separately.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p bench/results
