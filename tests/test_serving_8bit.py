@@ -316,6 +316,23 @@ def test_runner_on_an_8bit_pool_equals_decode_step(fmt):
     assert runner.captured_buckets == (4, 8)
 
 
+def test_a_capture_warm_up_leaves_the_seed_and_the_rows():
+    """A capture runs one warm-up step (every lane padding) before the graph; with stochastic
+    rounding it must leave ``rand_seed``'s offset where it was, or every captured step draws one
+    offset ahead of ``decode_step`` (found on an H200, 2026-11-28; on CPU the runner captures
+    nothing, so the warm-up is called here directly)."""
+    pool = scaled_pool("int8", L=1, P=6, seed=23, reserve_null_slot=True)
+    before = snapshot(pool)
+    _, w = lanes_and_weights(1, seed=24)
+    seed = seed_tensor()
+    runner = CudaGraphStepRunner(pool, 0, buckets=(4,), **w, stochastic_rounding=True, rand_seed=seed)
+    runner.capture()
+    kept = seed.clone()
+    runner._warm_up(runner.buffers(4))
+    assert seed.tolist() == kept.tolist()
+    assert_rows(pool, 0, before[0], "warm-up")
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_runner_on_an_8bit_pool_refuses_a_step_without_stochastic_rounding(fmt):
     pool = scaled_pool(fmt, L=1, P=6, seed=20)

@@ -270,22 +270,30 @@ class CudaGraphStepRunner:
                 continue
             s = self._make_static(b, form)
             if self.use_cuda_graph:
-                # the warm-up is no step: the offset it advances goes back, so the runner draws what
-                # decode_step draws with the same seed (the capture itself only records the advance)
-                seed = self._weights["rand_seed"]
-                kept = seed.clone() if seed is not None else None
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    self._run(s)  # warm-up: compiles the kernel, all lanes padding
-                torch.cuda.current_stream().wait_stream(side)
-                if kept is not None:
-                    seed.copy_(kept)
+                self._warm_up(s)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.graph_pool):
                     self._run(s)
                 self._graphs[(b, form)] = g
             self._static[(b, form)] = s
+
+    def _warm_up(self, s: dict[str, torch.Tensor]) -> None:
+        """One step of ``s`` (every lane padding) outside any graph, before its capture: it compiles the
+        kernel. It is no step of the decode: the ``rand_seed`` offset it advances goes back, so the
+        runner draws what ``decode_step`` draws with the same seed (a capture only records the advance).
+        On CUDA it runs on a side stream, as graph capture asks."""
+        seed = self._weights["rand_seed"]
+        kept = seed.clone() if seed is not None else None
+        if self.pool.device.type == "cuda":
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._run(s)
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            self._run(s)
+        if kept is not None:
+            seed.copy_(kept)
 
     @property
     def captured(self) -> tuple[tuple[int, StepForm], ...]:
