@@ -294,6 +294,7 @@ def test_gpu_replay_states_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
     assert rows[2]["modelled_h200"] == pytest.approx(replay_states_issue_model(
         "int8 state, from the checkpoint", GPUS["H200"], 2, 1)["time"])
     assert all(r["us_eager"] > 0 for r in rows)
+    assert [r["time_x"] for r in rows] == pytest.approx([r["us_eager"] / rows[0]["us_eager"] for r in rows])
     original = gpu_replay_states_bench.Layer.replay
     # a flush differing by one code's worth fails the exact check; an append 10% off fails the 5% rule
     monkeypatch.setattr(gpu_replay_states_bench.Layer, "replay",
