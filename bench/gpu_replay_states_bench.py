@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _util  # noqa: E402  (also puts the repository on sys.path)
@@ -144,6 +146,32 @@ COLUMNS = [("form", "form", "<"), ("batch", "B", ">d"), ("step", "step", "<"), (
            ("time_x", "time x", ">.2f"),
            ("us_eager", "eager us", ">.1f"), ("speedup_eager", "eager speed-up", ">.2f"),
            ("us_graph", "graph us", ">.1f"), ("speedup_graph", "graph speed-up", ">.2f")]
+
+
+#: the H200 run whose printed tables ``measured_times`` reads by default (the fifth, 2026-11-28: its
+#: time limits stopped two of the three calls before they wrote their JSON, so the logs are the record)
+MEASURED_LOGS = tuple(sorted((_util.REPO / "docs" / "measured" / "2026-11-28-h200").glob("states_bench*.log")))
+_TABLE_ROW = re.compile(r"^(?P<form>\S.*?)\s+(?P<batch>\d+)\s+(?P<step>stepwise|replay)\s+(?:-|\d+)\s+"
+                        r"(?P<outputs>-|replayed|from checkpoint)\s+(?P<numbers>[\d.\s]+)$")
+
+
+def measured_times(paths=MEASURED_LOGS, batch: int = 256) -> dict:
+    """``{REPLAY_STATES_EXECUTED entry: replay graph time / its stepwise step's}`` at ``batch``, read from
+    this benchmark's printed tables in ``paths`` (a table's graph microseconds: the second number from
+    the end; tables without graph timing are skipped); empty when none is there."""
+    stepwise, replay = {}, {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            m = _TABLE_ROW.match(line.strip())
+            numbers = m["numbers"].split() if m else []
+            if not m or int(m["batch"]) != batch or len(numbers) < 5:
+                continue
+            if m["step"] == "stepwise":
+                stepwise[m["form"]] = float(numbers[-2])
+            else:
+                name = m["form"] + (", from the checkpoint" if m["outputs"] == "from checkpoint" else "")
+                replay[name] = (m["form"], float(numbers[-2]))
+    return {name: us / stepwise[form] for name, (form, us) in replay.items() if form in stepwise}
 
 
 def main(argv: list[str] | None = None) -> int:

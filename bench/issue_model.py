@@ -37,6 +37,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _util  # noqa: E402  (also puts the repository on sys.path)
 
+from gpu_replay_states_bench import measured_times as measured_states_times  # noqa: E402
 from mamba3_step.build import compile_kernel  # noqa: E402
 from mamba3_step.inspection import kernel_facts  # noqa: E402
 from mamba3_step.issue_model import (  # noqa: E402
@@ -152,15 +153,17 @@ REPLAY_TABLE = [("K", "K", ">d"), ("outputs", "append outputs", "<"), ("num_warp
 
 
 def replay_states_rows() -> list[dict]:
-    """Each :data:`REPLAY_STATES_EXECUTED` entry executed again (stepwise and per ring position) and
-    its issue model per GPU (``replay_states_issue_model``)."""
+    """Each :data:`REPLAY_STATES_EXECUTED` entry executed again (stepwise and per ring position), its
+    issue model per GPU (``replay_states_issue_model``) and, where an H200 timed it, the measured time
+    over the stepwise step's (``gpu_replay_states_bench.measured_times``)."""
+    measured = measured_states_times()
     rows = []
     for name, (_, K, stepwise_count, counts) in REPLAY_STATES_EXECUTED.items():
         spec, _ = replay_states_spec(name)
         stepwise = replay_instructions(spec.with_default_tiling())[0]
         executed = replay_instructions(replay_states_replay_spec(name))
         row = {"states": name, "K": K, "stepwise": stepwise, "per_position": list(executed),
-               "matches": (stepwise, executed) == (stepwise_count, counts)}
+               "matches": (stepwise, executed) == (stepwise_count, counts), "measured_H200": measured.get(name)}
         for g, gpu in GPUS.items():
             m = replay_states_issue_model(name, gpu)
             row.update({"bytes": m["bytes"], "instructions": m["instructions"], f"step_{g}": m["stepwise_ratio"],
@@ -173,7 +176,8 @@ STATES_TABLE = [("states", "states", "<"), ("K", "K", ">d"), ("stepwise", "stepw
                 ("per_position", "replay per ring position", "<"), ("bytes", "bytes x", ">.3f"),
                 ("instructions", "instr. x", ">.2f")] + [
     col for g in GPUS for col in ((f"step_{g}", f"{g} stepwise issue/mem", ">.2f"), (f"ratio_{g}", f"{g} replay", ">.2f"),
-                                  (f"time_{g}", f"{g} time x", ">.2f"))]
+                                  (f"time_{g}", f"{g} time x", ">.2f"))] + [
+    ("measured_H200", "H200 measured x", ">.2f")]
 
 
 def plot(rows: list[dict], path) -> str | None:
@@ -244,14 +248,16 @@ def main(argv: list[str] | None = None) -> int:
         print("\nreplay kernel with the other states, flagship, plain decode (outputs replayed or from the "
               "checkpoint, B = 256, H = 48): "
               "executed PTX warp-instructions per slab, and the issue model averaged over the ring positions "
-              "(time relative to the same states' stepwise step)")
+              "(time relative to the same states' stepwise step; 'H200 measured x' is not a model: "
+              "bench/gpu_replay_states_bench.py, docs/measured/2026-11-28-h200/)")
         print(_util.format_table(states, STATES_TABLE))
         stale = [r["states"] for r in states if not r["matches"]]
         if stale:
             print(f"  ! mamba3_step.issue_model.REPLAY_STATES_EXECUTED differs from this execution for "
                   f"{', '.join(stale)}: update it")
     out = _util.results_dir(args.out)
-    payload = {"what": "static SASS counts, executed PTX counts and a model; no GPU measurement",
+    payload = {"what": "static SASS counts, executed PTX counts and a model; the replay-states rows' "
+               "measured_H200 is a GPU measurement (the rest is not)",
                "environment": _util.environment(), "compiled": compiled, "model": rows, "tokens": spec_rows,
                "replay": replay, "replay_states": states,
                "gpus": {k: vars(v) | {"clock_hz": v.clock_hz} for k, v in GPUS.items()}}

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mamba3_step.bytes_model import bytes_per_step, replay_bytes
-from mamba3_step.issue_model import GPUS, replay_states_issue_model
+from mamba3_step.issue_model import GPUS, REPLAY_STATES_EXECUTED, replay_states_issue_model
 from mamba3_step.spec import flagship_spec
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
@@ -305,6 +305,23 @@ def test_gpu_replay_states_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(gpu_replay_states_bench.Layer, "replay",
                         lambda self, fc=False: original(self, fc).mul_(1.0 if not self.ring.length[0, 0] else 1.1))
     assert "not within 5%" in gpu_replay_states_bench.check("int8 state", 2, 1, "cpu", True)
+
+
+def test_gpu_replay_states_measured_times_read_the_h200_logs(tmp_path):
+    """The fifth H200 run's tables (docs/measured/2026-11-28-h200/) give every REPLAY_STATES_EXECUTED
+    entry a measured time over its stepwise step's, graph replay at B = 256; a table with the later
+    'time x' column reads the same, one without graph timing gives nothing."""
+    got = gpu_replay_states_bench.measured_times()
+    assert set(got) == set(REPLAY_STATES_EXECUTED)
+    assert got["rotary"] == pytest.approx(395.1 / 246.9)
+    assert got["int8 state, K = 4, from the checkpoint"] == pytest.approx(646.1 / 244.4)
+    log = tmp_path / "states_bench.log"
+    log.write_text("rotary  256  stepwise  -  -  1.00  1.00  247.8  1.00  200.0  1.00\n"
+                   "rotary  256  replay    4  replayed  0.79  1.60  396.3  0.63  300.0  0.62\n"
+                   "rotary  64   replay    4  replayed  0.79  1.60  96.3  0.63  90.0  0.62\n"
+                   "int8 state  256  stepwise  -  -  1.00  1.00  245.2  1.00\n"
+                   "int8 state  256  replay    2  replayed  1.46  1.90  464.0  0.53\n")
+    assert gpu_replay_states_bench.measured_times([log]) == {"rotary": pytest.approx(1.5)}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists")
