@@ -159,11 +159,20 @@ class StepSpec:
                                            lean=_rounding_lean(self),
                                            replay=self.replay_ring > 0,
                                            from_checkpoint=self.replay_from_checkpoint,
-                                           verify=self.replay_ring > 0 and self.tokens > 1)
+                                           verify=self.replay_ring > 0 and self.tokens > 1,
+                                           states=_other_states(self))
         return self.replace(
             tile_D=self.tile_D or tile_D,
             num_warps=self.num_warps or num_warps,
         )
+
+
+def _other_states(spec: StepSpec) -> str:
+    """tiling.default_tiling's ``states``: ``"rotary"`` (the angle with per-head B/C), ``"sr"``
+    (stochastic rounding), or ``""``."""
+    if spec.rope_angles and not spec.shared_bc:
+        return "rotary"
+    return "sr" if spec.stochastic_rounding else ""
 
 
 def _rounding_lean(spec: StepSpec):

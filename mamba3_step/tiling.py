@@ -135,7 +135,7 @@ def launch_grid(batch, heads, headdim: int, tile_D: int) -> tuple:
 
 def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, tokens: int = 1,
                    whole_head: bool = True, lean: bool | str = False, replay: bool = False,
-                   verify: bool = False, from_checkpoint: bool = False) -> tuple[int, int]:
+                   verify: bool = False, from_checkpoint: bool = False, states: str = "") -> tuple[int, int]:
     """Per-configuration default ``(tile_D, num_warps)``.
 
     ``tile_D = headdim``: one CTA owns a whole (lane, head), which is what makes
@@ -165,9 +165,13 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
     (K = 2 and 4, B = 256; docs/performance.md, 3d); above :data:`CHECKPOINT_REPLAY_MAX_MIMO` they
     keep the K-token default (``from_checkpoint``). Where that default is one warp, a replay step takes
     two when they fit the tile (:data:`REPLAY_MIN_WARPS`); a replayed verify step (``verify``: T
-    drafts) takes at least the warps :data:`VERIFY_WARPS` lists for its shape.
+    drafts) takes at least the warps :data:`VERIFY_WARPS` lists for its shape, and a step with outputs
+    from the checkpoint and the other ``states`` (``"rotary"``: the angle with per-head B/C; ``"sr"``:
+    stochastic rounding) the warps :data:`CHECKPOINT_STATES_WARPS` lists.
     """
     tile_D = headdim
+    if from_checkpoint and (dstate, headdim, mimo, state_dtype, states) in CHECKPOINT_STATES_WARPS:
+        return tile_D, CHECKPOINT_STATES_WARPS[(dstate, headdim, mimo, state_dtype, states)]
     if replay and (not from_checkpoint or mimo <= CHECKPOINT_REPLAY_MAX_MIMO):
         # a replay step: the one-token default where it still keeps the state across the tokens
         num_warps = _replay_warps(dstate, tile_D, state_dtype, mimo, tokens, lean)
@@ -228,6 +232,29 @@ VERIFY_WARPS = {
     **{(64, 64, 8, sd): 4 for sd in ("float32", "bfloat16", "float16")},
     **{(64, 128, 8, sd): 8 for sd in ("float32", "bfloat16", "float16")},
     (128, 64, 2, "float16"): 8,
+}
+
+
+#: warps of steps with outputs from the checkpoint and the other states, by (N, D, R, state dtype, states:
+#: ``"rotary"`` the angle with per-head B/C, ``"sr"`` stochastic rounding), where the default used stack:
+#: the fewest at which the one-token step (rotary and bf16 at K = 4, int8 at K = 2) compiled with none on
+#: both sm_90a and sm_100a (a sweep at 2, 4, 8 and 16 warps of every such shape that spilled, 2026-11-28;
+#: at their default 8-200 bytes, the append's re-staged B~ or rounded operands beside the R x R tables).
+#: No warp count was clean for bf16 N = 128 D = 128 R = 8 on sm_90a, int8 N = 256 D = 128 R = 2, rotary
+#: N = 128 D = 128 R = 4 (sm_90a) and R = 8, rotary N = 256 D = 64 R = 8 (8-88 bytes at 8 warps; 16 has no
+#: layout): they keep their defaults (tests/test_kernel_compile.py's REPLAY_STATES_SPILLS). The flagship's
+#: rotary layer (B/C shared by the heads) is clean at its default and not listed.
+CHECKPOINT_STATES_WARPS = {
+    (32, 32, 8, "float32", "rotary"): 2,
+    (32, 128, 2, "float32", "rotary"): 8,
+    (32, 128, 4, "float32", "rotary"): 4,
+    (64, 32, 1, "float32", "rotary"): 4,
+    (64, 64, 4, "float32", "rotary"): 4,
+    (64, 128, 4, "float32", "rotary"): 8,
+    (128, 32, 4, "float32", "rotary"): 4,
+    (128, 64, 4, "float32", "rotary"): 8,
+    (32, 64, 8, "int8", "sr"): 2,
+    (128, 128, 1, "bfloat16", "sr"): 16,
 }
 
 

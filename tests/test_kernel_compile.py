@@ -28,7 +28,7 @@ from mamba3_step.ptx_tier import ptx_kernel
 from mamba3_step.contract import (DTYPE_BYTES, KV_DTYPES, SCALED_STATE_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N,
                                   SUPPORTED_R)
 from mamba3_step.spec import StepSpec, flagship_rotary_spec, flagship_spec, flush_specs
-from mamba3_step.tiling import VERIFY_WARPS, default_tiling, thread_layout, tiling_problem
+from mamba3_step.tiling import CHECKPOINT_STATES_WARPS, VERIFY_WARPS, default_tiling, thread_layout, tiling_problem
 
 ARCHS = ("sm_90a", "sm_100a")
 
@@ -654,21 +654,17 @@ REPLAY_STATES = {
 #: 2026-11-27; fp32 N = 256, D = 128 has no replay tiling, REPLAY_REFUSED): the 16-bit N = 256 D = 128 slab,
 #: as without rounding (REPLAY_SPILLS); N = 32 D = 32 R = 4 rotary on sm_100a at its two warps, as without
 #: rotary; int8 at R = 8 with N = 32 D = 64 (4 warps, 72 registers: 8 bytes) and on sm_90a N = 256 D = 64.
-#: From the checkpoint (the 192 compiles of the two "-fc" forms, 2026-11-28): bf16 at N = 256 D = 128 as
-#: replayed, and N = 128 D = 128 R = 1 (8-16 bytes) and on sm_90a R = 8 (24); int8 N = 256 D = 128 R = 2
-#: (40 bytes) and on sm_90a N = 32 D = 64 R = 8 (8). Rotary from the checkpoint (88 compiles): 8 of 44
-#: shapes on each target, 8-88 bytes (each ring token's B~ staged again and two tables beside the
-#: state), among them N = 128 D = 64 R = 4 with per-head B/C on sm_100a (56 bytes; the flagship's
-#: shared B/C form is clean: 226 registers). Not fixed.
+#: From the checkpoint (the "-fc" forms, 2026-11-28): 28 shape/target pairs used stack at the first
+#: default, 22 besides the 16-bit N = 256 D = 128 slab; tiling.CHECKPOINT_STATES_WARPS gives 10 shapes the
+#: warps at which both targets are clean (14 pairs), and these remain, no warp count clean (8-88 bytes at 8 warps, no layout at 16): bf16 at N = 256 D = 128 as
+#: replayed and on sm_90a N = 128 D = 128 R = 8; int8 N = 256 D = 128 R = 2; rotary N = 128 D = 128 R = 8,
+#: N = 256 D = 64 R = 8 and on sm_90a N = 128 D = 128 R = 4. Not fixed.
 _STATES_SPILLS_BOTH = ({(form, 256, 128, R) for form in ("bf16-sr-K4", "bf16-sr-K4-fc") for R in (2, 4, 8)}
-                       | {("int8-K2", 32, 64, 8), ("bf16-sr-K4-fc", 128, 128, 1), ("int8-K2-fc", 256, 128, 2)}
-                       | {("rotary-K4-fc", *shape) for shape in ((32, 128, 2), (32, 128, 4), (64, 64, 4),
-                                                                 (128, 128, 8), (256, 64, 8))})
+                       | {("int8-K2", 32, 64, 8), ("int8-K2-fc", 256, 128, 2)}
+                       | {("rotary-K4-fc", *shape) for shape in ((128, 128, 8), (256, 64, 8))})
 REPLAY_STATES_SPILLS = {"sm_90a": _STATES_SPILLS_BOTH | {("int8-K2", 256, 64, 8), ("bf16-sr-K4-fc", 128, 128, 8),
-                                                         ("int8-K2-fc", 32, 64, 8)}
-                        | {("rotary-K4-fc", *shape) for shape in ((64, 32, 1), (64, 128, 4), (128, 128, 4))},
-                        "sm_100a": _STATES_SPILLS_BOTH | {("rotary-K4", 32, 32, 4)}
-                        | {("rotary-K4-fc", *shape) for shape in ((32, 32, 8), (128, 32, 4), (128, 64, 4))}}
+                                                         ("rotary-K4-fc", 128, 128, 4)},
+                        "sm_100a": _STATES_SPILLS_BOTH | {("rotary-K4", 32, 32, 4)}}
 
 
 def _replay_states_params() -> list:
@@ -694,6 +690,17 @@ def test_verify_steps_take_the_warps_of_their_table():
         assert spec.with_default_tiling().num_warps == warps, (N, D, R, sd)
         assert spec.replace(tokens=1, num_accepted=False).with_default_tiling().num_warps < warps, (N, D, R, sd)
     assert flagship_spec(replay_ring=4, tokens=4, num_accepted=True).num_warps == 4
+
+
+def test_checkpoint_steps_with_other_states_take_the_warps_of_their_table():
+    """CHECKPOINT_STATES_WARPS's shapes: the form with outputs from the checkpoint gets the listed warps,
+    and the flagship's rotary layer (B/C shared by the heads) keeps its four."""
+    forms = {"rotary": "rotary-K4", ("sr", "int8"): "int8-K2", ("sr", "bfloat16"): "bf16-sr-K4"}
+    for (N, D, R, sd, states), warps in CHECKPOINT_STATES_WARPS.items():
+        form = forms["rotary"] if states == "rotary" else forms[(states, sd)]
+        assert REPLAY_STATES[form + "-fc"](N, D, R).with_default_tiling().num_warps == warps, (N, D, R, sd, states)
+        assert REPLAY_STATES[form](N, D, R).state_dtype == sd
+    assert flagship_rotary_spec(replay_ring=4, replay_from_checkpoint=True).with_default_tiling().num_warps == 4
 
 
 def test_replayed_steps_take_two_warps_where_the_one_token_default_is_one():
