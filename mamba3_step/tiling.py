@@ -175,6 +175,7 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
     if replay and (not from_checkpoint or mimo <= CHECKPOINT_REPLAY_MAX_MIMO):
         # a replay step: the one-token default where it still keeps the state across the tokens
         num_warps = _replay_warps(dstate, tile_D, state_dtype, mimo, tokens, lean)
+        num_warps = max(num_warps, REPLAY_WARPS.get((dstate, headdim, mimo, state_dtype), 0))
         if verify:
             num_warps = max(num_warps, VERIFY_WARPS.get((dstate, headdim, mimo, state_dtype), 0))
         if thread_layout(dstate, tile_D, num_warps, state_dtype, mimo, tokens).preload:
@@ -201,11 +202,17 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
 #: specialisations (plain, destinations, T = 4 verify; every N, D, R, 16- and 32-bit state) whose
 #: default was one warp compile clean on sm_90a but N=32 D=64 R=8 fp16's verify step (304 bytes;
 #: :data:`VERIFY_WARPS` gives it four), and on sm_100a but that step (320) and N=32 D=32 R=4 fp32
-#: plain (8 bytes at 80 registers; clean at one warp and at four: REPLAY_SPILLS in
-#: tests/test_kernel_compile.py).
+#: plain (8 bytes at 80 registers; clean at one warp and at four, which it takes: :data:`REPLAY_WARPS`).
 #: The outputs keep their bits: a row's reduction is laid out by N and the state's width
 #: (``ThreadLayout`` VN, TPR, CPT), not by warps (the PTX tier's replay tests compare them).
 REPLAY_MIN_WARPS = 2
+
+
+#: replay steps' warps, by (N, D, R, state dtype), where :data:`REPLAY_MIN_WARPS` made the default use
+#: stack: N = 32 D = 32 R = 4 fp32 at two warps used 8 bytes on sm_100a at 80 registers, with and
+#: without the rotary angle (clean at one warp, and at four, 64 registers: a sweep at 1-16 warps,
+#: 2026-11-28; sm_90a is clean at both).
+REPLAY_WARPS = {(32, 32, 4, "float32"): 4}
 
 
 #: the largest MIMO rank at which a step with outputs from the checkpoint takes the replayed default

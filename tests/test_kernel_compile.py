@@ -572,7 +572,8 @@ def test_in_place_matrix_compiles_with_clean_compiler_facts(spec, arch):
 #: checkpoint 8 bytes each on sm_100a. Since replayed steps take two warps where the one-token default
 #: gave one (tiling.REPLAY_MIN_WARPS; the 108 such shapes of plain, destination and verify steps
 #: recompiled on both targets), N=64 D=32 R=4 fp32 is clean, and N=32 D=32 R=4 fp32 replayed uses 8
-#: bytes on sm_100a (80 registers at 2 warps; clean at 1 and 4), the one shape the rule made worse.
+#: bytes on sm_100a (80 registers at 2 warps; clean at 1 and 4), the one shape the rule made worse: it
+#: takes 4 since 2026-11-28 (tiling.REPLAY_WARPS).
 #: Outputs from the checkpoint take the replayed tiling up to R = 4 since 2026-11-27
 #: (tiling.CHECKPOINT_REPLAY_MAX_MIMO; all 280 from-checkpoint compiles rerun): the list is unchanged.
 REPLAY_SPILLS = {
@@ -580,7 +581,7 @@ REPLAY_SPILLS = {
                *((128, 128, 8, sd, True) for sd in UNSCALED), *((256, 64, 8, sd, True) for sd in ("bfloat16", "float16")),
                (256, 128, 2, "float16", True), *((256, 128, R, sd, True) for R in (4, 8) for sd in ("bfloat16", "float16"))},
     "sm_100a": {(256, 128, 4, "float16", False), *((256, 128, 8, sd, False) for sd in ("bfloat16", "float16")),
-                (32, 32, 4, "float32", False), (32, 32, 1, "bfloat16", True), (256, 32, 8, "float16", True),
+                (32, 32, 1, "bfloat16", True), (256, 32, 8, "float16", True),
                 *((128, 128, 8, sd, True) for sd in UNSCALED),
                 *((256, 64, 8, sd, True) for sd in ("bfloat16", "float16")),
                 *((256, 128, R, sd, True) for R in (2, 4, 8) for sd in ("bfloat16", "float16"))},
@@ -653,7 +654,7 @@ REPLAY_STATES = {
 #: (form, N, D, R) of REPLAY_STATES that use stack at their default tiling, per arch (all 280 compiles run
 #: 2026-11-27; fp32 N = 256, D = 128 has no replay tiling, REPLAY_REFUSED): the 16-bit N = 256 D = 128 slab,
 #: as without rounding (REPLAY_SPILLS); N = 32 D = 32 R = 4 rotary on sm_100a at its two warps, as without
-#: rotary; int8 at R = 8 with N = 32 D = 64 (4 warps, 72 registers: 8 bytes) and on sm_90a N = 256 D = 64.
+#: rotary (4 warps since 2026-11-28, tiling.REPLAY_WARPS: clean); int8 at R = 8 with N = 32 D = 64 (4 warps, 72 registers: 8 bytes) and on sm_90a N = 256 D = 64.
 #: From the checkpoint (the "-fc" forms, 2026-11-28): 28 shape/target pairs used stack at the first
 #: default, 22 besides the 16-bit N = 256 D = 128 slab; tiling.CHECKPOINT_STATES_WARPS gives 10 shapes the
 #: warps at which both targets are clean (14 pairs), and these remain, no warp count clean (8-88 bytes at 8 warps, no layout at 16): bf16 at N = 256 D = 128 as
@@ -664,7 +665,7 @@ _STATES_SPILLS_BOTH = ({(form, 256, 128, R) for form in ("bf16-sr-K4", "bf16-sr-
                        | {("rotary-K4-fc", *shape) for shape in ((128, 128, 8), (256, 64, 8))})
 REPLAY_STATES_SPILLS = {"sm_90a": _STATES_SPILLS_BOTH | {("int8-K2", 256, 64, 8), ("bf16-sr-K4-fc", 128, 128, 8),
                                                          ("rotary-K4-fc", 128, 128, 4)},
-                        "sm_100a": _STATES_SPILLS_BOTH | {("rotary-K4", 32, 32, 4)}}
+                        "sm_100a": _STATES_SPILLS_BOTH}
 
 
 def _replay_states_params() -> list:
