@@ -24,6 +24,16 @@ def results_dir(path: str | os.PathLike | None = None) -> Path:
     return out
 
 
+def add_gpu_bench_arguments(parser, batches: str, heads: int) -> None:
+    """The arguments the GPU replay benchmarks share: ``--batches`` (default ``batches``), ``--heads``,
+    ``--device`` (``cpu``: a smoke test of the plumbing), ``--no-graph`` and ``--out``."""
+    parser.add_argument("--batches", default=batches, help=f"batch sizes (default {batches})")
+    parser.add_argument("--heads", type=int, default=heads, help=f"H (default {heads})")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of the plumbing")
+    parser.add_argument("--no-graph", action="store_true", help="eager timing only")
+    parser.add_argument("--out", default=None, help="output folder (default bench/results)")
+
+
 def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     """A fixed-width text table.
 

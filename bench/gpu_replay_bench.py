@@ -144,15 +144,11 @@ COLUMNS = [("batch", "B", ">d"), ("step", "step", "<"), ("outputs", "append outp
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", default="1,64,256", help="batch sizes (default 1,64,256)")
-    p.add_argument("--heads", type=int, default=FLAGSHIP_HEADS, help="H (default 48)")
+    _util.add_gpu_bench_arguments(p, "1,64,256", FLAGSHIP_HEADS)
     p.add_argument("--ks", default="2,4,8", help="flush lengths K (default 2,4,8)")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of the plumbing")
     p.add_argument("--replay-warps", default="", help="also time the replayed step at these warps a CTA (e.g. 8)")
     p.add_argument("--checkpoint-warps", default="",
                    help="also time the step with outputs from the checkpoint at these warps a CTA (e.g. 4)")
-    p.add_argument("--no-graph", action="store_true", help="eager timing only")
-    p.add_argument("--out", default=None, help="output folder (default bench/results)")
     args = p.parse_args(argv)
     try:
         batches = [int(v) for v in args.batches.split(",")]

@@ -176,12 +176,8 @@ def measured_times(paths=MEASURED_LOGS, batch: int = 256) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", default="256", help="batch sizes (default 256)")
-    p.add_argument("--heads", type=int, default=FLAGSHIP_HEADS, help="H (default 48)")
+    _util.add_gpu_bench_arguments(p, "256", FLAGSHIP_HEADS)
     p.add_argument("--forms", default=",".join(FORMS), help=f"which forms (default {','.join(FORMS)})")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of the plumbing")
-    p.add_argument("--no-graph", action="store_true", help="eager timing only")
-    p.add_argument("--out", default=None, help="output folder (default bench/results)")
     args = p.parse_args(argv)
     try:
         batches = [int(v) for v in args.batches.split(",")]

@@ -142,14 +142,10 @@ COLUMNS = [("batch", "B", ">d"), ("tokens", "T", ">d"), ("step", "step", "<"), (
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", default="1,64,256", help="batch sizes (default 1,64,256)")
-    p.add_argument("--heads", type=int, default=FLAGSHIP_HEADS, help="H (default 48)")
+    _util.add_gpu_bench_arguments(p, "1,64,256", FLAGSHIP_HEADS)
     p.add_argument("--ks", default="2,4,8",
                    help="flush lengths K (default 2,4,8: K = 2, the plain step's measured winner, too)")
     p.add_argument("--tokens", type=int, default=4, help="draft tokens T a lane (default 4)")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of the plumbing")
-    p.add_argument("--no-graph", action="store_true", help="eager timing only")
-    p.add_argument("--out", default=None, help="output folder (default bench/results)")
     args = p.parse_args(argv)
     try:
         batches = [int(v) for v in args.batches.split(",")]

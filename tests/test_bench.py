@@ -232,17 +232,13 @@ def test_static_bench_plan_and_delta_arithmetic():
 
 # ----------------------------------------------------------------------------- GPU benchmark, CPU parts
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists")
-def test_gpu_bench_without_cuda_says_so(tmp_path, capsys):
-    assert gpu_bench.main(["--out", str(tmp_path)]) == 0
-    assert capsys.readouterr().out.strip() == "no CUDA device: GPU benchmark not run"
-    assert not (tmp_path / "gpu_bench.json").exists()
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists")
-def test_gpu_replay_bench_without_cuda_says_so(tmp_path, capsys):
-    assert gpu_replay_bench.main(["--out", str(tmp_path)]) == 0
-    assert capsys.readouterr().out.strip() == "no CUDA device: GPU replay benchmark not run"
-    assert not (tmp_path / "gpu_replay_bench.json").exists()
+@pytest.mark.parametrize("bench, what", [("gpu_bench", "GPU benchmark"), ("gpu_replay_bench", "GPU replay benchmark"),
+                                         ("gpu_replay_verify_bench", "GPU replay verify benchmark"),
+                                         ("gpu_replay_states_bench", "GPU replay-states benchmark")])
+def test_gpu_benchmarks_without_cuda_say_so(bench, what, tmp_path, capsys):
+    assert globals()[bench].main(["--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == f"no CUDA device: {what} not run"
+    assert not (tmp_path / f"{bench}.json").exists()
 
 
 def test_gpu_replay_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
@@ -272,13 +268,6 @@ def test_gpu_replay_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(gpu_replay_bench.Layer, "replay",
                         lambda self, fc=False, w=None: original(self, fc, w).add_(0.0 if self.ring.length[0, 0] else 1e-3))
     assert "step 1: out differs" in gpu_replay_bench.check(2, 1, 2, "cpu", 4, True)  # the first flush, exact
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists")
-def test_gpu_replay_states_bench_without_cuda_says_so(tmp_path, capsys):
-    assert gpu_replay_states_bench.main(["--out", str(tmp_path)]) == 0
-    assert capsys.readouterr().out.strip() == "no CUDA device: GPU replay-states benchmark not run"
-    assert not (tmp_path / "gpu_replay_states_bench.json").exists()
 
 
 def test_gpu_replay_states_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
@@ -322,13 +311,6 @@ def test_gpu_replay_states_measured_times_read_the_h200_logs(tmp_path):
                    "int8 state  256  stepwise  -  -  1.00  1.00  245.2  1.00\n"
                    "int8 state  256  replay    2  replayed  1.46  1.90  464.0  0.53\n")
     assert gpu_replay_states_bench.measured_times([log]) == {"rotary": pytest.approx(1.5)}
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists")
-def test_gpu_replay_verify_bench_without_cuda_says_so(tmp_path, capsys):
-    assert gpu_replay_verify_bench.main(["--out", str(tmp_path)]) == 0
-    assert capsys.readouterr().out.strip() == "no CUDA device: GPU replay verify benchmark not run"
-    assert not (tmp_path / "gpu_replay_verify_bench.json").exists()
 
 
 def test_gpu_replay_verify_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
