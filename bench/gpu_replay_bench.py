@@ -1,7 +1,7 @@
 """GPU benchmark of replay: the replay kernel against the stepwise kernel, measured.
 
     python bench/gpu_replay_bench.py [--batches 1,64,256] [--heads 48] [--ks 2,4,8] [--replay-warps 8]
-                                     [--checkpoint-warps 4] [--out DIR] [--no-graph]
+                                     [--checkpoint-warps 4] [--min-ctas 3] [--out DIR] [--no-graph]
 
 Without a CUDA device it prints "no CUDA device: GPU replay benchmark not run" and exits 0
 (``--device cpu`` runs the plumbing on the CPU path: a smoke test, not a benchmark).
@@ -23,7 +23,10 @@ mode with update_kv_state), for every batch size:
    ``--checkpoint-warps 4`` adds the step with outputs from the checkpoint at 4 warps a CTA, checked
    first (every flush's ``out`` and rows bit-identical to the stepwise kernel's, every append's ``out``
    within 2% of it): 184 registers and 2 CTAs = 8 warps per SM on sm_90a, against its 8-warp
-   default's 149 registers and one CTA of 8 warps.
+   default's 149 registers and one CTA of 8 warps. ``--min-ctas 3`` adds, per K, the replayed step at
+   a launch bound of 3 CTAs an SM (column ``CTAs bound``; ``StepSpec.min_ctas_per_sm``), checked bit
+   for bit first: at K = 4, 168 registers and 56 bytes of stack on sm_90a against 194 registers and
+   2 CTAs without it (docs/performance.md, 3d).
 
 Reports microseconds per step, the speed-up over the stepwise step, and the bytes model's ratio
 (``mamba3_step.bytes_model.replay_bytes``) beside it; ``gpu_replay_bench.json`` in
@@ -44,9 +47,11 @@ import torch  # noqa: E402
 from gpu_bench import Timer, add_speedups, eager_and_graph_us  # noqa: E402
 
 from mamba3_step import mamba3_step_fn, new_ring, replay_step_fn  # noqa: E402
+from mamba3_step.api_replay import replay_kernel_spec  # noqa: E402
 from mamba3_step.bytes_model import bytes_per_step, replay_bytes  # noqa: E402
 from mamba3_step.spec import FLAGSHIP_HEADS, flagship_spec  # noqa: E402
-from mamba3_step.tensors import StepTensors  # noqa: E402
+from mamba3_step.launch import kernel_for  # noqa: E402
+from mamba3_step.tensors import StepTensors, kernel_arguments  # noqa: E402
 from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, row_tensors  # noqa: E402
 
 NO_CUDA_MESSAGE = "no CUDA device: GPU replay benchmark not run"
@@ -80,8 +85,8 @@ class Layer:
         :meth:`stepwise` reads through its identity index."""
         return mamba3_step_fn(**self.call()._replace(state_batch_indices=None)._asdict(), update_kv_state=True)
 
-    def replay(self, from_checkpoint: bool = False, num_warps: int | None = None):
-        return replay_step_fn(self.call(), self.ring, self.K, from_checkpoint=from_checkpoint, num_warps=num_warps)
+    def replay(self, from_checkpoint: bool = False, num_warps: int | None = None, min_ctas: int = 0):
+        return bounded_replay(self.call(), self.ring, self.K, from_checkpoint, num_warps, min_ctas)
 
     def stagger(self) -> "Layer":
         """Row r's ring at position r % K, so that a step costs the average over positions."""
@@ -90,20 +95,35 @@ class Layer:
         return self
 
 
+def bounded_replay(tensors: StepTensors, ring, K: int, from_checkpoint: bool = False, num_warps: int | None = None,
+                   min_ctas: int = 0):
+    """``replay_step_fn``, or with ``min_ctas`` on CUDA the same launch at that launch bound
+    (``StepSpec.min_ctas_per_sm``: an experiment's knob, no public option, so launched here as
+    ``replay_step_fn`` launches; on the CPU path there is no bound to set)."""
+    if not min_ctas or not tensors.x.is_cuda:
+        return replay_step_fn(tensors, ring, K, from_checkpoint=from_checkpoint, num_warps=num_warps)
+    spec = replay_kernel_spec(tensors, ring, K, from_checkpoint=from_checkpoint, num_warps=num_warps)
+    t = tensors.with_out()
+    kernel_for(spec.replace(min_ctas_per_sm=min_ctas), t.x)(*kernel_arguments(t.one_token_squeezed(), ring))
+    return t.out
+
+
 def check(batch: int, heads: int, K: int, device, num_warps: int | None = None,
-          from_checkpoint: bool = False) -> str | None:
-    """What differs between a replay decode (at ``num_warps`` warps a CTA, else the default) and a
-    stepwise decode of 2K + 1 steps, or None: every ``out`` bit for bit with outputs replayed; from the
-    checkpoint, a flush's ``out`` bit for bit and an append's within 2% (a different rounding)."""
+          from_checkpoint: bool = False, min_ctas: int = 0) -> str | None:
+    """What differs between a replay decode (at ``num_warps`` warps a CTA, else the default; at the
+    launch bound ``min_ctas``, else none) and a stepwise decode of 2K + 1 steps, or None: every ``out``
+    bit for bit with outputs replayed; from the checkpoint, a flush's ``out`` bit for bit and an
+    append's within 2% (a different rounding)."""
     a, b = Layer(batch, heads, K, device, seed=batch), Layer(batch, heads, K, device, seed=batch)
     g = torch.Generator().manual_seed(K)
-    what = f"B={batch} K={K} warps={num_warps or 'default'}" + (" from the checkpoint" if from_checkpoint else "")
+    what = (f"B={batch} K={K} warps={num_warps or 'default'}" + (" from the checkpoint" if from_checkpoint else "")
+            + (f" at {min_ctas} CTAs an SM" if min_ctas else ""))
     for step in range(2 * K + 1):
         fresh = lane_inputs(batch, heads, D, N, R, generator=g, device=device)
         for layer in (a, b):
             for k, v in fresh.items():
                 layer.lane[k].copy_(v)
-        got, want = a.replay(from_checkpoint, num_warps).clone(), b.stepwise()
+        got, want = a.replay(from_checkpoint, num_warps, min_ctas).clone(), b.stepwise()
         flushed = int(a.ring.length[0, 0]) == 0
         exact = flushed or not from_checkpoint
         if not (bits_equal(got, want) if exact else torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)):
@@ -114,23 +134,27 @@ def check(batch: int, heads: int, K: int, device, num_warps: int | None = None,
 
 
 def bench(batch: int, heads: int, Ks, device, graphs: bool, target_s: float, replay_warps=(),
-          checkpoint_warps=()) -> list[dict]:
+          checkpoint_warps=(), min_ctas=()) -> list[dict]:
     """Timed rows: the stepwise step, then per K replayed and from the checkpoint at the default tiling,
     replayed at each of ``replay_warps`` warps a CTA and from the checkpoint at each of
-    ``checkpoint_warps`` (``num_warps`` set in those rows only)."""
+    ``checkpoint_warps`` (``num_warps`` set in those rows only), replayed at each launch bound of
+    ``min_ctas`` (``min_ctas`` set in those rows only)."""
     timer = Timer(device)
     spec = flagship_spec()
     base_bytes = bytes_per_step(spec, batch, heads)["total"]
-    runs = [("stepwise", 1, False, None)] + [(f"replay K={K}", K, fc, None) for K in Ks for fc in (False, True)]
-    runs += [(f"replay K={K}", K, False, w) for K in Ks for w in replay_warps]
-    runs += [(f"replay K={K}", K, True, w) for K in Ks for w in checkpoint_warps]
+    runs = [("stepwise", 1, False, None, None)] + [(f"replay K={K}", K, fc, None, None) for K in Ks
+                                                     for fc in (False, True)]
+    runs += [(f"replay K={K}", K, False, w, None) for K in Ks for w in replay_warps]
+    runs += [(f"replay K={K}", K, True, w, None) for K in Ks for w in checkpoint_warps]
+    runs += [(f"replay K={K}", K, False, None, m) for K in Ks for m in min_ctas]
     rows = []
-    for name, K, fc, warps in runs:
+    for name, K, fc, warps, bound in runs:
         layer = Layer(batch, heads, max(K, 2), device, seed=1).stagger()
-        fn = layer.stepwise if name == "stepwise" else (lambda layer=layer, fc=fc, w=warps: layer.replay(fc, w))
+        fn = layer.stepwise if name == "stepwise" else (
+            lambda layer=layer, fc=fc, w=warps, m=bound: layer.replay(fc, w, m or 0))
         row = {"batch": batch, "heads": heads, "step": name, "K": K if name != "stepwise" else None,
                "outputs": None if name == "stepwise" else ("from checkpoint" if fc else "replayed"),
-               "num_warps": warps,
+               "num_warps": warps, "min_ctas": bound,
                "bytes_ratio": 1.0 if name == "stepwise" else replay_bytes(spec, K, batch, heads)["total"] / base_bytes,
                **eager_and_graph_us(timer, fn, graphs, target_s)}
         rows.append(row)
@@ -138,6 +162,7 @@ def bench(batch: int, heads: int, Ks, device, graphs: bool, target_s: float, rep
 
 
 COLUMNS = [("batch", "B", ">d"), ("step", "step", "<"), ("outputs", "append outputs", "<"), ("num_warps", "warps", ">d"),
+           ("min_ctas", "CTAs bound", ">d"),
            ("bytes_ratio", "bytes x", ">.3f"), ("us_eager", "eager us", ">.1f"), ("speedup_eager", "eager speed-up", ">.2f"),
            ("us_graph", "graph us", ">.1f"), ("speedup_graph", "graph speed-up", ">.2f")]
 
@@ -149,30 +174,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replay-warps", default="", help="also time the replayed step at these warps a CTA (e.g. 8)")
     p.add_argument("--checkpoint-warps", default="",
                    help="also time the step with outputs from the checkpoint at these warps a CTA (e.g. 4)")
+    p.add_argument("--min-ctas", default="",
+                   help="also time the replayed step at these launch bounds, CTAs an SM "
+                        "(e.g. 3; StepSpec.min_ctas_per_sm)")
     args = p.parse_args(argv)
     try:
         batches = [int(v) for v in args.batches.split(",")]
         Ks = [int(v) for v in args.ks.split(",")]
         replay_warps = [int(v) for v in args.replay_warps.split(",") if v]
         checkpoint_warps = [int(v) for v in args.checkpoint_warps.split(",") if v]
+        min_ctas = [int(v) for v in args.min_ctas.split(",") if v]
     except ValueError:
-        p.error(f"--batches/--ks/--replay-warps/--checkpoint-warps: expected comma-separated ints, got "
-                f"{args.batches!r} / {args.ks!r} / {args.replay_warps!r} / {args.checkpoint_warps!r}")
+        p.error(f"--batches/--ks/--replay-warps/--checkpoint-warps/--min-ctas: expected comma-separated ints, got "
+                f"{args.batches!r} / {args.ks!r} / {args.replay_warps!r} / {args.checkpoint_warps!r} / "
+                f"{args.min_ctas!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print(NO_CUDA_MESSAGE)
         return 0
     target_s = 0.05 if args.device == "cpu" else 0.2
     for batch in batches:
-        checks = [(K, w, False) for K in Ks for w in [None, *replay_warps]]
-        checks += [(K, w, True) for K in Ks for w in checkpoint_warps]
-        for K, warps, fc in checks:
-            problem = check(batch, args.heads, K, args.device, warps, fc)
+        checks = [(K, w, False, 0) for K in Ks for w in [None, *replay_warps]]
+        checks += [(K, w, True, 0) for K in Ks for w in checkpoint_warps]
+        checks += [(K, None, False, m) for K in Ks for m in min_ctas]
+        for K, warps, fc, bound in checks:
+            problem = check(batch, args.heads, K, args.device, warps, fc, bound)
             if problem:
                 print(f"CORRECTNESS FAILURE, no timing: {problem}")
                 return 1
     rows = [r for batch in batches
             for r in bench(batch, args.heads, Ks, args.device, not args.no_graph, target_s, replay_warps,
-                           checkpoint_warps)]
+                           checkpoint_warps, min_ctas)]
     print(f"replay vs stepwise, flagship, H={args.heads}, {args.device} (measured; bytes x: the model's ratio)")
     print(_util.format_table(rows, [c for c in COLUMNS if any(c[0] in r for r in rows)]))
     out = _util.results_dir(args.out)

@@ -1,7 +1,7 @@
 """GPU benchmark of replay with Mamba-3's other per-request states, measured against the stepwise step.
 
     python bench/gpu_replay_states_bench.py [--batches 256] [--heads 48] [--forms rotary,bf16-sr,int8,int8-K4]
-                                            [--out DIR] [--no-graph]
+                                            [--min-ctas 3] [--out DIR] [--no-graph]
 
 Without a CUDA device it prints "no CUDA device: GPU replay-states benchmark not run" and exits 0
 (``--device cpu`` runs the plumbing on the CPU path: a smoke test, not a benchmark).
@@ -21,7 +21,8 @@ K = 4. For each form and batch size, in pool mode with one row per lane:
    every step, as ``decode_step`` advances it. If anything differs it prints what and exits 1.
 2. Timing with CUDA events, eager and CUDA-graph replay: the stepwise step, then replay with outputs
    replayed and from the checkpoint, rows' rings staggered (row r at position r % K) so that a step
-   costs the average over positions.
+   costs the average over positions. ``--min-ctas 3`` adds the replayed step at a launch bound of 3
+   CTAs an SM (``StepSpec.min_ctas_per_sm``; outputs "replayed, 3 CTAs"), checked bit for bit first.
 
 Prints microseconds per step, the speed-up over the stepwise step, the time over the stepwise
 step's (``time x``: CUDA graph when timed, else eager) and beside it the issue model's predicted
@@ -43,8 +44,9 @@ import _util  # noqa: E402  (also puts the repository on sys.path)
 import torch  # noqa: E402
 
 from gpu_bench import Timer, add_speedups, eager_and_graph_us  # noqa: E402
+from gpu_replay_bench import bounded_replay  # noqa: E402
 
-from mamba3_step import mamba3_step_fn, new_ring, replay_step_fn  # noqa: E402
+from mamba3_step import mamba3_step_fn, new_ring  # noqa: E402
 from mamba3_step.issue_model import (GPUS, REPLAY_STATES_EXECUTED, replay_states_issue_model,  # noqa: E402
                                      replay_states_spec)
 from mamba3_step.spec import FLAGSHIP_HEADS  # noqa: E402
@@ -81,8 +83,8 @@ class Layer:
         return mamba3_step_fn(**self.t._asdict(), update_kv_state=True,
                               stochastic_rounding=self.spec.stochastic_rounding)
 
-    def replay(self, from_checkpoint: bool = False):
-        return replay_step_fn(self.t, self.ring, self.K, from_checkpoint=from_checkpoint)
+    def replay(self, from_checkpoint: bool = False, min_ctas: int = 0):
+        return bounded_replay(self.t, self.ring, self.K, from_checkpoint, min_ctas=min_ctas)
 
     def advance(self) -> None:
         """The seed's offset moves on one token, as ``decode_step`` moves it."""
@@ -96,17 +98,19 @@ class Layer:
         return self
 
 
-def check(entry: str, batch: int, heads: int, device, from_checkpoint: bool) -> str | None:
-    """What differs between a replay decode and a stepwise decode of 2K + 1 steps, or None (module doc)."""
+def check(entry: str, batch: int, heads: int, device, from_checkpoint: bool, min_ctas: int = 0) -> str | None:
+    """What differs between a replay decode (at the launch bound ``min_ctas``, else none) and a stepwise
+    decode of 2K + 1 steps, or None (module doc)."""
     a, b = Layer(entry, batch, heads, device, seed=batch), Layer(entry, batch, heads, device, seed=batch)
-    what = f"{entry}, B={batch}" + (", from the checkpoint" if from_checkpoint else "")
+    what = (f"{entry}, B={batch}" + (", from the checkpoint" if from_checkpoint else "")
+            + (f", at {min_ctas} CTAs an SM" if min_ctas else ""))
     for step in range(2 * a.K + 1):
         fresh = inputs_for(a.spec, batch, batch, H=heads, seed=1000 + step, device=device)
         for layer in (a, b):
             for k in LANE_FIELDS:
                 if getattr(layer.t, k) is not None:
                     getattr(layer.t, k).copy_(fresh[k])
-        got, want = a.replay(from_checkpoint).clone(), b.stepwise()
+        got, want = a.replay(from_checkpoint, min_ctas).clone(), b.stepwise()
         a.advance(), b.advance()
         flushed = int(a.ring.length[0, 0]) == 0
         if flushed or not from_checkpoint:
@@ -119,20 +123,23 @@ def check(entry: str, batch: int, heads: int, device, from_checkpoint: bool) -> 
     return None
 
 
-def bench(entry: str, batch: int, heads: int, device, graphs: bool, target_s: float) -> list[dict]:
-    """Timed rows: the stepwise step, replay with outputs replayed, from the checkpoint."""
+def bench(entry: str, batch: int, heads: int, device, graphs: bool, target_s: float, min_ctas=()) -> list[dict]:
+    """Timed rows: the stepwise step, replay with outputs replayed, from the checkpoint, and replayed at
+    each launch bound of ``min_ctas`` (outputs "replayed, 3 CTAs")."""
     timer = Timer(device)
     rows = []
-    for name, fc in (("stepwise", None), ("replay", False), ("replay", True)):
+    runs = [("stepwise", None, 0), ("replay", False, 0), ("replay", True, 0)] + [("replay", False, m) for m in min_ctas]
+    for name, fc, bound in runs:
         layer = Layer(entry, batch, heads, device, seed=1).stagger()
         model_entry = entry + (", from the checkpoint" if fc else "")
         if name == "stepwise":
             fn, modelled = layer.stepwise, 1.0
         else:
-            fn = (lambda layer=layer, fc=fc: layer.replay(fc))
+            fn = (lambda layer=layer, fc=fc, m=bound: layer.replay(fc, m))
             modelled = replay_states_issue_model(model_entry, GPUS["H200"], batch, heads)["time"]
+        outputs = None if fc is None else ("from checkpoint" if fc else "replayed")
         rows.append({"form": entry, "batch": batch, "heads": heads, "step": name, "K": None if fc is None else layer.K,
-                     "outputs": None if fc is None else ("from checkpoint" if fc else "replayed"),
+                     "outputs": f"{outputs}, {bound} CTAs" if bound else outputs,
                      "modelled_h200": modelled, **eager_and_graph_us(timer, fn, graphs, target_s)})
     rows = add_speedups(rows)
     kind = "us_graph" if "us_graph" in rows[0] else "us_eager"
@@ -178,11 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     _util.add_gpu_bench_arguments(p, "256", FLAGSHIP_HEADS)
     p.add_argument("--forms", default=",".join(FORMS), help=f"which forms (default {','.join(FORMS)})")
+    p.add_argument("--min-ctas", default="",
+                   help="also time the replayed step at these launch bounds, CTAs an SM "
+                        "(e.g. 3; StepSpec.min_ctas_per_sm)")
     args = p.parse_args(argv)
     try:
         batches = [int(v) for v in args.batches.split(",")]
+        min_ctas = [int(v) for v in args.min_ctas.split(",") if v]
     except ValueError:
-        p.error(f"--batches: expected comma-separated ints, got {args.batches!r}")
+        p.error(f"--batches/--min-ctas: expected comma-separated ints, got {args.batches!r} / {args.min_ctas!r}")
     unknown = [f for f in args.forms.split(",") if f not in FORMS]
     if unknown:
         p.error(f"--forms: expected some of {','.join(FORMS)}, got {unknown}")
@@ -194,14 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for entry in entries:
         for batch in batches:
-            for fc in (False, True):
-                problem = check(entry, batch, args.heads, args.device, fc)
+            for fc, bound in [(False, 0), (True, 0)] + [(False, m) for m in min_ctas]:
+                problem = check(entry, batch, args.heads, args.device, fc, bound)
                 if problem:
                     print(f"CORRECTNESS FAILURE, no timing: {problem}")
                     return 1
             rows += bench(entry, batch, args.heads, args.device, not args.no_graph,
-                          0.05 if args.device == "cpu" else 0.2)
-            print(_util.format_table(rows[-3:], [c for c in COLUMNS if any(c[0] in r for r in rows)]), flush=True)
+                          0.05 if args.device == "cpu" else 0.2, min_ctas)
+            print(_util.format_table(rows[-3 - len(min_ctas):], [c for c in COLUMNS if any(c[0] in r for r in rows)]),
+                  flush=True)
     print(f"replay with the other states vs stepwise, flagship, H={args.heads}, {args.device} (measured; "
           f"model time x: the issue model's ratio for H200)")
     print(_util.format_table(rows, [c for c in COLUMNS if any(c[0] in r for r in rows)]))

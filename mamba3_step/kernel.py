@@ -247,11 +247,17 @@ class Mamba3StepKernel:
     __call__ = cute.jit(preprocess=False)(_flat_call(KERNEL_ARGUMENT_NAMES))
 
     def launch(self, m: KernelArgs, stream):
-        """Launch :meth:`kernel` on ``m`` (traced inside ``__call__``)."""
+        """Launch :meth:`kernel` on ``m`` (traced inside ``__call__``). With ``min_ctas_per_sm`` the
+        launch bound goes with it, and the device's default shared-memory carveout (-1) so that
+        compiling asks no device."""
+        bound = {}
+        if self.spec.min_ctas_per_sm:
+            bound = dict(min_blocks_per_mp=self.spec.min_ctas_per_sm, preferred_smem_carveout=-1)
         self.kernel(m).launch(
             grid=launch_grid(m.x.shape[0], m.xproj.shape[1], self.D, self.tile_D),
             block=(self.num_threads, 1, 1),
             stream=stream,
+            **bound,
         )
 
     # ------------------------------------------------------------------ device side

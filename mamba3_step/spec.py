@@ -80,6 +80,11 @@ class StepSpec:
             compile-time N: a thread's state rows are then one address plus immediate offsets,
             not one 64-bit address per row kept from the loads to the stores (docs/design.md,
             "Packed state rows"). Derived from the tensors by validation, never passed.
+        min_ctas_per_sm: an experiment's launch bound: the compiler keeps registers for this many
+            CTAs per SM (the launch's ``min_blocks_per_mp``, PTX ``.minnctapersm``), spilling if it
+            must; 0, the default, leaves the choice to it. NVVM compiles the kernel under the bound
+            (other PTX, not only the directive), so the PTX tier executes such a specialisation like
+            any other. Not a public option: an experiment's (docs/performance.md, 3d).
     """
 
     dstate: int
@@ -110,6 +115,7 @@ class StepSpec:
     replay_from_checkpoint: bool = False
     replay_draft: int = 0
     padded_state_rows: bool = False
+    min_ctas_per_sm: int = 0
 
     @property
     def ring_entries(self) -> int:
@@ -208,7 +214,8 @@ def flagship_spec(**changes) -> StepSpec:
 #: fields a key names only when they are not at their default (added after keys were on disk)
 _KEY_OMITTED_AT_DEFAULT = frozenset({"rope_angles", "rotate_pairwise", "has_bc_bias", "shared_bc",
                                      "stochastic_rounding", "has_rand_rows", "replay_ring",
-                                     "replay_from_checkpoint", "replay_draft", "padded_state_rows"})
+                                     "replay_from_checkpoint", "replay_draft", "padded_state_rows",
+                                     "min_ctas_per_sm"})
 
 
 def flagship_rotary_spec(**changes) -> StepSpec:

@@ -121,6 +121,8 @@ def add_spec_arguments(parser: argparse.ArgumentParser, *, modes: bool = True, a
                        help=f"{field} for every config (default: the config's, else the flagship's)")
     g.add_argument("--tile-d", type=int, default=0, help="rows of D per CTA (default: per config)")
     g.add_argument("--num-warps", type=int, default=0, help="warps per CTA (default: per config)")
+    g.add_argument("--min-ctas", type=int, default=0,
+                   help="launch bound: CTAs per SM the compiler keeps registers for (an experiment's; default: none)")
     if modes:
         g.add_argument("--mode", choices=("pool", "dense"), default="pool",
                        help="pool mode (state_batch_indices given; default) or dense mode")
@@ -164,7 +166,7 @@ def specs_from_args(args: argparse.Namespace) -> list[StepSpec]:
     passes it to ``parser.error``.
     """
     changes = {field: getattr(args, field) for field, _ in _DTYPE_FIELDS if getattr(args, field) is not None}
-    changes.update(tile_D=args.tile_d, num_warps=args.num_warps)
+    changes.update(tile_D=args.tile_d, num_warps=args.num_warps, min_ctas_per_sm=args.min_ctas)
     if hasattr(args, "mode"):
         if args.dst and args.mode != "pool":
             raise ValueError("--dst needs --mode pool (dst_state_batch_indices exist in pool mode only)")

@@ -295,6 +295,11 @@ def _default_warps(dstate: int, tile_D: int, state_dtype: str, tokens: int, lean
     return num_warps
 
 
+#: the largest launch bound StepSpec.min_ctas_per_sm takes (an experiment's knob; 8 CTAs of 4 warps
+#: would leave 64 registers a thread)
+MAX_MIN_CTAS_PER_SM = 8
+
+
 def tiling_problem(spec) -> str | None:
     """Why ``spec``'s (tile_D, num_warps) cannot be compiled, or None when it can.
 
@@ -303,6 +308,8 @@ def tiling_problem(spec) -> str | None:
     """
     if spec.num_warps not in ALLOWED_NUM_WARPS:
         return f"num_warps must be one of {ALLOWED_NUM_WARPS}, got {spec.num_warps}"
+    if not 0 <= spec.min_ctas_per_sm <= MAX_MIN_CTAS_PER_SM:
+        return f"min_ctas_per_sm must be in [0, {MAX_MIN_CTAS_PER_SM}], got {spec.min_ctas_per_sm}"
     if spec.tile_D <= 0 or spec.tile_D & (spec.tile_D - 1) or spec.headdim % spec.tile_D:
         return (
             f"tile_D must be a power of two dividing headdim={spec.headdim}, got {spec.tile_D}"

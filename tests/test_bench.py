@@ -245,28 +245,32 @@ def test_gpu_replay_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
     """The replay benchmark on CPU tensors: its correctness check passes (and fails on a corrupted
     replay step, with no timing), every step kind is timed, the bytes ratio is the model's."""
     args = ["--device", "cpu", "--heads", "1", "--batches", "2", "--ks", "2", "--replay-warps", "8",
-            "--checkpoint-warps", "4", "--no-graph", "--out", str(tmp_path)]
+            "--checkpoint-warps", "4", "--min-ctas", "3", "--no-graph", "--out", str(tmp_path)]
     assert gpu_replay_bench.main(args) == 0
     assert "replay K=2" in capsys.readouterr().out
     rows = json.loads((tmp_path / "gpu_replay_bench.json").read_text())["rows"]
-    assert [(r["step"], r["outputs"], r["num_warps"]) for r in rows] == [
-        ("stepwise", None, None), ("replay K=2", "replayed", None), ("replay K=2", "from checkpoint", None),
-        ("replay K=2", "replayed", 8), ("replay K=2", "from checkpoint", 4)]
+    assert [(r["step"], r["outputs"], r["num_warps"], r["min_ctas"]) for r in rows] == [
+        ("stepwise", None, None, None), ("replay K=2", "replayed", None, None),
+        ("replay K=2", "from checkpoint", None, None), ("replay K=2", "replayed", 8, None),
+        ("replay K=2", "from checkpoint", 4, None), ("replay K=2", "replayed", None, 3)]
     assert rows[1]["bytes_ratio"] == pytest.approx(replay_bytes(flagship_spec(), 2, 2, 1)["total"]
                                                    / bytes_per_step(flagship_spec(), 2, 1)["total"])
     assert all(r["us_eager"] > 0 for r in rows)
     original = gpu_replay_bench.Layer.replay
-    monkeypatch.setattr(gpu_replay_bench.Layer, "replay", lambda self, fc=False, w=None: original(self, fc, w).add_(1.0))
+    monkeypatch.setattr(gpu_replay_bench.Layer, "replay",
+                        lambda self, fc=False, w=None, m=0: original(self, fc, w, m).add_(1.0))
     assert gpu_replay_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
     assert "CORRECTNESS FAILURE" in capsys.readouterr().out
     assert not (tmp_path / "bad" / "gpu_replay_bench.json").exists()
     # from the checkpoint an append's out is checked within 2% of the stepwise kernel's, a flush's bit for bit
     monkeypatch.setattr(gpu_replay_bench.Layer, "replay", original)
     assert gpu_replay_bench.check(2, 1, 2, "cpu", 4, True) is None
-    monkeypatch.setattr(gpu_replay_bench.Layer, "replay", lambda self, fc=False, w=None: original(self, fc, w).mul_(1.05))
+    monkeypatch.setattr(gpu_replay_bench.Layer, "replay",
+                        lambda self, fc=False, w=None, m=0: original(self, fc, w, m).mul_(1.05))
     assert "out differs" in gpu_replay_bench.check(2, 1, 2, "cpu", 4, True)
     monkeypatch.setattr(gpu_replay_bench.Layer, "replay",
-                        lambda self, fc=False, w=None: original(self, fc, w).add_(0.0 if self.ring.length[0, 0] else 1e-3))
+                        lambda self, fc=False, w=None, m=0:
+                        original(self, fc, w, m).add_(0.0 if self.ring.length[0, 0] else 1e-3))
     assert "step 1: out differs" in gpu_replay_bench.check(2, 1, 2, "cpu", 4, True)  # the first flush, exact
 
 
@@ -274,12 +278,12 @@ def test_gpu_replay_states_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
     """The replay-states benchmark on CPU tensors: its checks pass for the int8 form (and fail on a
     corrupted replay step, with no timing), every step kind is timed, each row carries the issue
     model's ratio of its REPLAY_STATES_EXECUTED entry."""
-    args = ["--device", "cpu", "--heads", "1", "--batches", "2", "--forms", "int8", "--no-graph",
+    args = ["--device", "cpu", "--heads", "1", "--batches", "2", "--forms", "int8", "--min-ctas", "3", "--no-graph",
             "--out", str(tmp_path)]
     assert gpu_replay_states_bench.main(args) == 0
     rows = json.loads((tmp_path / "gpu_replay_states_bench.json").read_text())["rows"]
     assert [(r["step"], r["outputs"]) for r in rows] == [
-        ("stepwise", None), ("replay", "replayed"), ("replay", "from checkpoint")]
+        ("stepwise", None), ("replay", "replayed"), ("replay", "from checkpoint"), ("replay", "replayed, 3 CTAs")]
     assert rows[2]["modelled_h200"] == pytest.approx(replay_states_issue_model(
         "int8 state, from the checkpoint", GPUS["H200"], 2, 1)["time"])
     assert all(r["us_eager"] > 0 for r in rows)
@@ -287,12 +291,13 @@ def test_gpu_replay_states_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
     original = gpu_replay_states_bench.Layer.replay
     # a flush differing by one code's worth fails the exact check; an append 10% off fails the 5% rule
     monkeypatch.setattr(gpu_replay_states_bench.Layer, "replay",
-                        lambda self, fc=False: original(self, fc).add_(0.0 if self.ring.length[0, 0] else 1e-3))
+                        lambda self, fc=False, m=0: original(self, fc, m).add_(0.0 if self.ring.length[0, 0] else 1e-3))
     assert gpu_replay_states_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
     assert "CORRECTNESS FAILURE" in capsys.readouterr().out
     assert not (tmp_path / "bad" / "gpu_replay_states_bench.json").exists()
     monkeypatch.setattr(gpu_replay_states_bench.Layer, "replay",
-                        lambda self, fc=False: original(self, fc).mul_(1.0 if not self.ring.length[0, 0] else 1.1))
+                        lambda self, fc=False, m=0:
+                        original(self, fc, m).mul_(1.0 if not self.ring.length[0, 0] else 1.1))
     assert "not within 5%" in gpu_replay_states_bench.check("int8 state", 2, 1, "cpu", True)
 
 
@@ -308,6 +313,7 @@ def test_gpu_replay_states_measured_times_read_the_h200_logs(tmp_path):
     log.write_text("rotary  256  stepwise  -  -  1.00  1.00  247.8  1.00  200.0  1.00\n"
                    "rotary  256  replay    4  replayed  0.79  1.60  396.3  0.63  300.0  0.62\n"
                    "rotary  64   replay    4  replayed  0.79  1.60  96.3  0.63  90.0  0.62\n"
+                   "rotary  256  replay    4  replayed, 3 CTAs  0.79  1.20  296.3  0.83  240.0  0.82\n"
                    "int8 state  256  stepwise  -  -  1.00  1.00  245.2  1.00\n"
                    "int8 state  256  replay    2  replayed  1.46  1.90  464.0  0.53\n")
     assert gpu_replay_states_bench.measured_times([log]) == {"rotary": pytest.approx(1.5)}

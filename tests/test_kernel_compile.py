@@ -320,13 +320,15 @@ def facts_for(spec: StepSpec, arch: str):
     return _CACHE[key]
 
 
-def check_compiler_facts(spec: StepSpec, arch: str) -> None:
+def check_compiler_facts(spec: StepSpec, arch: str, stack: int = 0) -> None:
+    """``spec``'s compiler facts for ``arch``: ``stack`` bytes of stack (0: and no spill), a launchable
+    register count, the state's and the angles' exact load and store counts."""
     spec = spec.with_default_tiling()
     f = facts_for(spec, arch)
     lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo, spec.carried_tokens)
     where = f"{spec.key()} @ {arch}"
-    assert f.stack_bytes == 0, f"{where}: {f.stack_bytes} stack bytes"
-    assert f.spill_bytes == 0, f"{where}: {f.spill_bytes} spill bytes"
+    assert f.stack_bytes == stack, f"{where}: {f.stack_bytes} stack bytes"
+    assert (f.spill_bytes == 0) == (stack == 0), f"{where}: {f.spill_bytes} spill bytes"
     assert f.threads == lay.num_threads, where
     assert f.registers * f.threads <= 65536 and f.registers <= 255, f"{where}: {f.registers} registers"
     # The state is the only 16-byte global traffic: one LDG.128 per vector a thread owns, and one
@@ -712,6 +714,37 @@ def test_replayed_steps_take_two_warps_where_the_one_token_default_is_one():
         assert stepwise.num_warps == 1, name
         assert spec.with_default_tiling().num_warps == 2, name
     assert flagship_spec(replay_ring=4).num_warps == flagship_spec().num_warps == 4  # the flagship is unchanged
+
+
+#: replay with a launch bound of 3 CTAs per SM (StepSpec.min_ctas_per_sm, an experiment's knob: the
+#: stepwise step's residency, which replay needed to pay on the H200; docs/performance.md 3d): the rotary
+#: layer at K = 2 and fp32 at K = 4, 194 registers (2 CTAs) without it. The PTX tier executes them
+#: (tests/test_ptx_replay.py); the stack each uses under the bound, by arch (2026-11-28), is asserted exactly.
+LAUNCH_BOUND = {
+    "flagship-rotary-replay-K2-3ctas": flagship_rotary_spec(replay_ring=2, min_ctas_per_sm=3),
+    "flagship-replay-K4-3ctas": flagship_spec(replay_ring=4, min_ctas_per_sm=3),
+}
+LAUNCH_BOUND_STACK = {"flagship-rotary-replay-K2-3ctas": {"sm_90a": 48, "sm_100a": 40},
+                      "flagship-replay-K4-3ctas": {"sm_90a": 56, "sm_100a": 48}}
+#: the launch-bound forms compiled and executed with --full-matrix only (the default run: the rotary one on sm_90a)
+LAUNCH_BOUND_FULL = frozenset({"flagship-replay-K4-3ctas"})
+
+
+@pytest.mark.parametrize("arch", [ARCHS[0], pytest.param(ARCHS[1], marks=pytest.mark.full_matrix)])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.full_matrix] if n in LAUNCH_BOUND_FULL else [])
+                                  for n in LAUNCH_BOUND])
+def test_a_launch_bound_gives_three_ctas_at_its_recorded_stack(name, arch):
+    spec = LAUNCH_BOUND[name].with_default_tiling()
+    check_compiler_facts(spec, arch, stack=LAUNCH_BOUND_STACK[name][arch])
+    assert facts_for(spec, arch).occupancy(arch)["ctas_per_sm"] == 3
+    assert facts_for(spec.replace(min_ctas_per_sm=0), arch).occupancy(arch)["ctas_per_sm"] == 2  # without it
+
+
+def test_a_launch_bound_is_refused_out_of_range_and_named_in_the_key():
+    spec = flagship_spec(replay_ring=4).with_default_tiling()
+    assert "min_ctas_per_sm" not in spec.key() and "min_ctas_per_sm=3" in spec.replace(min_ctas_per_sm=3).key()
+    assert "min_ctas_per_sm must be in [0, 8]" in tiling_problem(spec.replace(min_ctas_per_sm=9))
+    assert tiling_problem(spec.replace(min_ctas_per_sm=3)) is None
 
 
 def test_replay_k2_flagship_keeps_the_stepwise_residency():

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import assert_append_accurate
-from test_kernel_compile import REPLAY, REPLAY_DST, REPLAY_FULL
+from test_kernel_compile import LAUNCH_BOUND, LAUNCH_BOUND_FULL, REPLAY, REPLAY_DST, REPLAY_FULL
 
 from mamba3_step.bytes_model import replay_bytes
 from mamba3_step.ptx import analysis
@@ -50,12 +50,12 @@ SEED = 0x5EED_0F_5EED
 
 
 def _spec(name: str) -> StepSpec:
-    return {**REPLAY, **REPLAY_DST}[name].with_default_tiling()
+    return {**REPLAY, **REPLAY_DST, **LAUNCH_BOUND}[name].with_default_tiling()
 
 
 def _stepwise(spec: StepSpec) -> StepSpec:
     """The stepwise specialisation a server runs without replay: the same flags, its default tiling."""
-    return spec.replace(replay_ring=0, tile_D=0, num_warps=0).with_default_tiling()
+    return spec.replace(replay_ring=0, tile_D=0, num_warps=0, min_ctas_per_sm=0).with_default_tiling()
 
 
 def _heads(spec: StepSpec) -> int:
@@ -174,8 +174,8 @@ class Layer:
 
 
 # REPLAY_FULL (test_kernel_compile.py says which and why) with --full-matrix only
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.full_matrix] if n in REPLAY_FULL else [])
-                                  for n in REPLAY])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.full_matrix] if n in REPLAY_FULL | LAUNCH_BOUND_FULL
+                                                else []) for n in {**REPLAY, **LAUNCH_BOUND}])
 def test_replay_decode_is_bit_identical_to_the_executed_stepwise_kernel(name):
     spec = _spec(name)
     K = spec.replay_ring

@@ -96,7 +96,7 @@ def format_report(report: dict) -> str:
     mode = "pool" if s["pool"] else "dense"
     flags = [k for k in ("has_dst", "dst_per_token", "num_accepted", "update_kv_state", "has_z", "has_outproj",
                          "has_state_out", "shared_bc", "stochastic_rounding", "replay_from_checkpoint") if s.get(k)]
-    for key in ("tokens", "rope_angles", "replay_ring", "replay_draft"):  # the counts, where they are not the default
+    for key in ("tokens", "rope_angles", "replay_ring", "replay_draft", "min_ctas_per_sm"):  # counts not at the default
         if s.get(key, 0) > (key == "tokens"):
             flags.insert(0, f"{key}={s[key]}")
     lines = [
