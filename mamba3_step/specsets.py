@@ -99,7 +99,8 @@ def spec_label(spec: StepSpec) -> str:
                              ("sr", spec.stochastic_rounding), ("rand_rows", spec.has_rand_rows),
                              (f"replay{spec.replay_ring}", spec.replay_ring > 0),
                              ("fromCheckpoint", spec.replay_from_checkpoint),
-                             (f"draft{spec.replay_draft}", spec.replay_draft > 0)) if on]
+                             (f"draft{spec.replay_draft}", spec.replay_draft > 0),
+                             (f"{spec.min_ctas_per_sm}ctas", spec.min_ctas_per_sm > 0)) if on]
     tokens = f"T{spec.tokens} " if spec.tokens > 1 else ""
     return (f"N{spec.dstate} D{spec.headdim} R{spec.mimo} {spec.state_dtype}/{spec.kv_dtype}/"
             f"{spec.x_dtype}/{spec.proj_dtype} tD{spec.tile_D} w{spec.num_warps} {tokens}"
