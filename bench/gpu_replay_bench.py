@@ -108,6 +108,13 @@ def bounded_replay(tensors: StepTensors, ring, K: int, from_checkpoint: bool = F
     return t.out
 
 
+def add_min_ctas_argument(parser) -> None:
+    """``--min-ctas``: the launch bounds at which a benchmark also times the replayed step (:func:`bounded_replay`)."""
+    parser.add_argument("--min-ctas", default="",
+                        help="also time the replayed step at these launch bounds, CTAs an SM "
+                             "(e.g. 3; StepSpec.min_ctas_per_sm)")
+
+
 def check(batch: int, heads: int, K: int, device, num_warps: int | None = None,
           from_checkpoint: bool = False, min_ctas: int = 0) -> str | None:
     """What differs between a replay decode (at ``num_warps`` warps a CTA, else the default; at the
@@ -174,9 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replay-warps", default="", help="also time the replayed step at these warps a CTA (e.g. 8)")
     p.add_argument("--checkpoint-warps", default="",
                    help="also time the step with outputs from the checkpoint at these warps a CTA (e.g. 4)")
-    p.add_argument("--min-ctas", default="",
-                   help="also time the replayed step at these launch bounds, CTAs an SM "
-                        "(e.g. 3; StepSpec.min_ctas_per_sm)")
+    add_min_ctas_argument(p)
     args = p.parse_args(argv)
     try:
         batches = [int(v) for v in args.batches.split(",")]

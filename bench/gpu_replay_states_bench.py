@@ -44,7 +44,7 @@ import _util  # noqa: E402  (also puts the repository on sys.path)
 import torch  # noqa: E402
 
 from gpu_bench import Timer, add_speedups, eager_and_graph_us  # noqa: E402
-from gpu_replay_bench import bounded_replay  # noqa: E402
+from gpu_replay_bench import add_min_ctas_argument, bounded_replay  # noqa: E402
 
 from mamba3_step import mamba3_step_fn, new_ring  # noqa: E402
 from mamba3_step.issue_model import (GPUS, REPLAY_STATES_EXECUTED, replay_states_issue_model,  # noqa: E402
@@ -185,9 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     _util.add_gpu_bench_arguments(p, "256", FLAGSHIP_HEADS)
     p.add_argument("--forms", default=",".join(FORMS), help=f"which forms (default {','.join(FORMS)})")
-    p.add_argument("--min-ctas", default="",
-                   help="also time the replayed step at these launch bounds, CTAs an SM "
-                        "(e.g. 3; StepSpec.min_ctas_per_sm)")
+    add_min_ctas_argument(p)
     args = p.parse_args(argv)
     try:
         batches = [int(v) for v in args.batches.split(",")]
