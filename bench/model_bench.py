@@ -33,8 +33,8 @@ from mamba3_step.bytes_model import (  # noqa: E402
 )
 from mamba3_step.spec import FLAGSHIP_HEADS, flagship_rotary_spec, flagship_spec  # noqa: E402
 from mamba3_step.issue_model import GPUS as ISSUE_GPUS  # noqa: E402
-from mamba3_step.issue_model import (REPLAY_EXECUTED, VERIFY_EXECUTED, VERIFY_TOKENS, replay_issue_model,  # noqa: E402
-                                     replay_verify_issue_model)
+from mamba3_step.issue_model import (REPLAY_EXECUTED, VERIFY_EXECUTED, VERIFY_FROM_STATE_EXECUTED,  # noqa: E402
+                                     VERIFY_TOKENS, replay_issue_model, replay_verify_issue_model)
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 GPUS = tuple(HBM_BANDWIDTH)  # H100, H200, GH200
@@ -319,12 +319,14 @@ def measured_replay_times(path=MEASURED_REPLAY, batch: int = 256, tiling: dict |
             if r["K"] is not None and r.get("num_warps") == tiling.get(r["outputs"] == "from checkpoint")}
 
 
-def measured_verify_times(path=MEASURED_VERIFY, batch: int = 256) -> dict:
+def measured_verify_times(path=MEASURED_VERIFY, batch: int = 256, from_checkpoint: bool = False) -> dict:
     """``{K: replay verify graph time / today's verify graph time}`` at ``batch`` from a
-    ``gpu_replay_verify_bench.py`` JSON; empty when the file is absent."""
+    ``gpu_replay_verify_bench.py`` JSON, for the drafts' output form ``from_checkpoint`` (rows from
+    before that option are replayed ones); empty when the file is absent."""
     rows = _graph_rows(path, batch)
     base = next((r["us_graph"] for r in rows if r["K"] is None), None)
-    return {} if base is None else {r["K"]: r["us_graph"] / base for r in rows if r["K"] is not None}
+    return {} if base is None else {r["K"]: r["us_graph"] / base for r in rows
+                                    if r["K"] is not None and r.get("from_checkpoint", False) == from_checkpoint}
 
 
 def _graph_rows(path, batch: int) -> list[dict]:
@@ -367,31 +369,36 @@ REPLAY_ISSUE_COLUMNS = [("K", "K", ">d"), ("outputs", "append outputs", "<"), ("
 REPLAY_VERIFY_NOTE = ("issue model of the replay kernel's T = 4 verify steps (B = 256), every draft accepted by "
                       "the next step, against today's verify step (a destination row per draft): executed PTX "
                       "warp-instructions per slab at the committed-token counts the steady state visits "
-                      "(mamba3_step.issue_model.VERIFY_EXECUTED, from the PTX tier), the bytes model's verify bytes; "
+                      "(mamba3_step.issue_model.VERIFY_EXECUTED, from the PTX tier; 'from the checkpoint': the "
+                      "drafts' outputs by the algebra, VERIFY_FROM_STATE_EXECUTED), the bytes model's verify bytes; "
                       "time = the larger of issue and memory time, relative to today's. A model; 'H200 measured x' is "
                       "not: bench/gpu_replay_verify_bench.py's graph-replay time over today's on an H200, "
                       "both timed in the same run ('run': docs/measured/2026-11-27-h200-run<run>/)")
 
 
 def replay_verify_rows(batch: int = 256, heads: int = FLAGSHIP_HEADS) -> list[dict]:
-    """Per K of :data:`VERIFY_EXECUTED`: instructions relative to today's verify step, and per GPU the
-    issue/memory ratio and the modelled time relative to today's (``replay_verify_issue_model``)."""
+    """Per K of :data:`VERIFY_EXECUTED` and of :data:`VERIFY_FROM_STATE_EXECUTED` (the drafts' outputs
+    from the checkpoint): instructions relative to today's verify step, and per GPU the issue/memory
+    ratio and the modelled time relative to today's (``replay_verify_issue_model``)."""
     rows = []
-    measured = {K: (run, x) for run, path in MEASURED_VERIFY_RUNS.items()
-                for K, x in measured_verify_times(path, batch).items()}
-    for K in (k for k in VERIFY_EXECUTED if k != "today"):
-        row = {"K": K, "tokens": VERIFY_TOKENS, "per_step": list(VERIFY_EXECUTED[K].values())}
-        for name, gpu in ISSUE_GPUS.items():
-            m = replay_verify_issue_model(K, gpu, batch, heads)
-            row.update({"instructions": m["instructions"], f"ratio_{name}": m["ratio"], f"time_{name}": m["time"],
-                        f"today_ratio_{name}": m["today_ratio"]})
-        if K in measured:
-            row["measured_run"], row["measured_time_H200"] = measured[K]
-        rows.append(row)
+    measured = {(K, fc): (run, x) for run, path in MEASURED_VERIFY_RUNS.items() for fc in (False, True)
+                for K, x in measured_verify_times(path, batch, fc).items()}
+    for fc, table in ((False, VERIFY_EXECUTED), (True, VERIFY_FROM_STATE_EXECUTED)):
+        for K in (k for k in table if k != "today"):
+            row = {"K": K, "tokens": VERIFY_TOKENS, "outputs": "from the checkpoint" if fc else "replayed",
+                   "per_step": list(table[K].values())}
+            for name, gpu in ISSUE_GPUS.items():
+                m = replay_verify_issue_model(K, gpu, batch, heads, from_checkpoint=fc)
+                row.update({"instructions": m["instructions"], f"ratio_{name}": m["ratio"], f"time_{name}": m["time"],
+                            f"today_ratio_{name}": m["today_ratio"]})
+            if (K, fc) in measured:
+                row["measured_run"], row["measured_time_H200"] = measured[(K, fc)]
+            rows.append(row)
     return rows
 
 
-REPLAY_VERIFY_COLUMNS = [("K", "K", ">d"), ("tokens", "T", ">d"), ("instructions", "instr. x", ">.2f")] + [
+REPLAY_VERIFY_COLUMNS = [("K", "K", ">d"), ("tokens", "T", ">d"), ("outputs", "draft outputs", "<"),
+                         ("instructions", "instr. x", ">.2f")] + [
     col for g in ("H100", "H200", "B200") for col in ((f"ratio_{g}", f"{g} issue/mem", ">.2f"),
                                                       (f"time_{g}", f"{g} time x", ">.3f"))] + [
     ("measured_time_H200", "H200 measured x", ">.3f"), ("measured_run", "run", ">d")]

@@ -47,9 +47,10 @@ def replay_step_fn(tensors: StepTensors, ring: Ring, K: int, *, accepted: Option
     on the current stream, no allocation but ``out``, no synchronisation, so a CUDA graph can
     capture it (the ring lengths move on the device); it takes destinations, the rotary angle,
     stochastic rounding and 8-bit states. On CPU: the CPU path. Every ``out`` is stepwise
-    decoding's, bit for bit, on both; with ``from_checkpoint`` an
-    append's ``out`` comes from the checkpoint and the ring instead (docs/design.md, "Replay": no state
-    update; the step's accuracy rule), a flush's is still stepwise decoding's.
+    decoding's, bit for bit, on both; with ``from_checkpoint`` an append's ``out`` comes from the
+    checkpoint and the ring instead (docs/design.md, "Replay": no state update; the step's accuracy
+    rule), a flush's is still stepwise decoding's, and a verify step's drafts (no rotary on CUDA)
+    come from the checkpoint (a flush's, or the row's) and the ring tokens since, none stepped.
 
     Raises:
         TypeError, ValueError: invalid inputs, naming the argument; on CUDA also what the replay

@@ -29,8 +29,9 @@ from .bytes_model import bytes_per_step, replay_bytes
 from .spec import StepSpec, flagship_rotary_spec, flagship_spec
 
 __all__ = ["GPUS", "GPU", "ISSUE_PER_CLOCK", "REPLAY_EXECUTED", "REPLAY_STATES_EXECUTED", "UPSTREAM",
-           "VERIFY_EXECUTED", "VERIFY_TOKENS", "issue_model", "replay_issue_model", "replay_states_issue_model",
-           "replay_states_replay_spec", "replay_states_spec", "replay_verify_issue_model", "slab_bytes"]
+           "VERIFY_EXECUTED", "VERIFY_FROM_STATE_EXECUTED", "VERIFY_TOKENS", "issue_model", "replay_issue_model",
+           "replay_states_issue_model", "replay_states_replay_spec", "replay_states_spec", "replay_verify_issue_model",
+           "slab_bytes"]
 
 #: warp-instructions an SM can issue per clock (four schedulers, one each)
 ISSUE_PER_CLOCK = 4
@@ -106,17 +107,22 @@ REPLAY_EXECUTED = {
 #: a flush; K = 8: 4, then 8 with a flush). Measured by the PTX execution tier
 #: (``mamba3_step.verify.verify_instructions``; tests/test_issue_model.py re-executes K = 2, 4 and today's).
 VERIFY_EXECUTED = {"today": 25362, 2: {4: 33053}, 4: {4: 33069}, 8: {4: 32947, 8: 44901}}
+#: the same with ``replay_from_checkpoint``: no draft stepped, their outputs by the algebra from the checkpoint
+#: (a flush's, the committed tokens replayed; else the row's, the committed tokens in the sums; 2026-11-28)
+VERIFY_FROM_STATE_EXECUTED = {2: {4: 25697}, 4: {4: 25830}, 8: {4: 16382, 8: 38361}}
 VERIFY_TOKENS = 4
 
 
-def replay_verify_issue_model(K: int, gpu: GPU, batch: int = 256, heads: int = 48) -> dict:
+def replay_verify_issue_model(K: int, gpu: GPU, batch: int = 256, heads: int = 48,
+                              from_checkpoint: bool = False) -> dict:
     """The flagship's T = 4 replay verify step against today's verify step on ``gpu``, every draft
     accepted, averaged over the steady state's steps: ``ratio`` (issue / memory time), ``time`` (the
     larger of the two, relative to today's), ``instructions`` (relative to today's) and
-    ``today_ratio``, from :data:`VERIFY_EXECUTED` and :func:`mamba3_step.bytes_model.replay_bytes`."""
+    ``today_ratio``, from :data:`VERIFY_EXECUTED` (with ``from_checkpoint``
+    :data:`VERIFY_FROM_STATE_EXECUTED`) and :func:`mamba3_step.bytes_model.replay_bytes`."""
     today = flagship_spec(tokens=VERIFY_TOKENS, has_dst=True, dst_per_token=True, num_accepted=True)
     base = issue_model(VERIFY_EXECUTED["today"], slab_bytes(today, batch, heads), gpu)
-    counts = VERIFY_EXECUTED[K]
+    counts = (VERIFY_FROM_STATE_EXECUTED if from_checkpoint else VERIFY_EXECUTED)[K]
     per_step = sum(counts.values()) / len(counts)
     replay = issue_model(per_step, replay_bytes(today, K, batch, heads)["total"] / (batch * heads), gpu)
     return {"ratio": replay["ratio"], "time": max(replay["issue_us"], replay["memory_us"])

@@ -62,6 +62,7 @@ cache's key (:func:`mamba3_step.build.kernel_sources`).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple, Optional
 
 import cutlass
@@ -114,6 +115,23 @@ class Shared(NamedTuple):
     sG: Any = None  # (K, R, R): B_j . C per token j since the checkpoint (replay's checkpoint outputs only)
     sW: Any = None  # (K + 1,): the tokens' weights w_j and the decay product P (replay's checkpoint outputs only)
     sWp: Any = None  # (K,): with rotary, w_j's trapezoid part (token j's B~ rounded, as token j + 1 reads it)
+    drafts: Any = None  # Drafts: a verify step's tokens, staged at once (replay's checkpoint outputs with T > 1)
+
+
+class Drafts(NamedTuple):
+    """A verify step's tokens staged together for the drafts' outputs from the checkpoint
+    (``replay_from_checkpoint`` with T > 1), fp32, by slot: slot 0 the token before the ring
+    (Bstate/Xstate's, or after a flush the last committed token's), slots 1..K-1 the committed ring
+    tokens the algebra reads (none after a flush), slots K..K+T-1 the drafts. The B and C rows are
+    padded to N + 4 words, so the rows a quarter-warp reads at one column fall in different banks."""
+
+    sB: Any  # (K + T, R, N): each slot's B
+    sC: Any  # (T, R, N): each draft's C
+    sX: Any  # (K + T, tile_D): each slot's x
+    sXr: Any  # (T, R, tile_D): each draft's x * xproj (the epilogue's skip term)
+    sY: Any  # (T, R, tile_D): each draft's y, the checkpoint's term, then all of it
+    sG: Any  # (pairs, R, R): per draft i and token j <= ring + i + 1, w_ij B_j . C_i (pairs in (i, j) order)
+    sW: Any  # (T, K + T + 1): w of draft i's token in each slot, and at K + T the decay product P_i
 
 
 class Token(NamedTuple):
@@ -222,6 +240,13 @@ class Mamba3StepKernel:
         self.L = spec.ring_entries  # the most committed ring entries a step replays
         #: replay's appends compute out from the checkpoint and the ring (else by replaying the state)
         self.algebra = self.K > 0 and spec.replay_from_checkpoint
+        #: a verify step's drafts take out from the checkpoint by the algebra (else they are stepped)
+        self.draft_algebra = self.algebra and self.T > 1
+        #: the drafts' token slots (Drafts), the most (draft i, token j) pairs of their tables (i + 2 tokens
+        #: after a flush, up to K + i + 1 with K - 1 committed), and their B/C rows' padded words
+        self.slots = self.K + self.T
+        self.draft_pairs = self.T * (self.K + 1) + self.T * (self.T - 1) // 2
+        self.draft_row = self.N + 4
         #: an 8-bit state with a scale per (row, head, d) (docs/contract.md, "8-bit states")
         self.scaled = spec.state_dtype in SCALED_STATE_DTYPES
         #: a 16-bit state's 16-byte vector is one Philox call's 8 elements, an 8-bit one's two calls' 16
@@ -327,13 +352,30 @@ class Mamba3StepKernel:
             if const_expr(self.S) else None,
             sG=smem.allocate_tensor(Float32, cute.make_layout((self.K, self.R, self.R), stride=(self.R * self.R,
                                                                                                self.R, 1)), 16)
-            if const_expr(self.algebra) else None,
+            if const_expr(self.algebra and self.T == 1) else None,
             # K + 1 words, padded to whole 16-byte vectors: the compiler reads them four at a time
             sW=smem.allocate_tensor(Float32, cute.make_layout(-(-(self.K + 1) // 4) * 4), 16)
-            if const_expr(self.algebra) else None,
+            if const_expr(self.algebra and self.T == 1) else None,
             sWp=smem.allocate_tensor(Float32, cute.make_layout(-(-self.K // 4) * 4), 16)
-            if const_expr(self.algebra and self.S > 0) else None,
+            if const_expr(self.algebra and self.T == 1 and self.S > 0) else None,
+            drafts=self.allocate_drafts(smem) if const_expr(self.draft_algebra) else None,
         )
+
+    def allocate_drafts(self, smem) -> Drafts:
+        """The :class:`Drafts` buffers of a verify step with outputs from the checkpoint, 16-byte aligned."""
+        T, R, N, tD, w = self.T, self.R, self.N, self.tile_D, self.draft_row
+
+        def rows(tokens):  # (tokens, R, N), rows padded to w words
+            return smem.allocate_tensor(Float32, cute.make_layout((tokens, R, N), stride=(R * w, w, 1)), 16)
+
+        def per_token(tokens, inner):  # (tokens, *inner), row-major
+            shape = (tokens,) + inner
+            stride = tuple(math.prod(shape[k + 1:]) for k in range(len(shape)))
+            return smem.allocate_tensor(Float32, cute.make_layout(shape, stride=stride), 16)
+
+        return Drafts(sB=rows(self.slots), sC=rows(T), sX=per_token(self.slots, (tD,)), sXr=per_token(T, (R, tD)),
+                      sY=per_token(T, (R, tD)), sG=per_token(self.draft_pairs, (R, R)),
+                      sW=per_token(T, (self.slots + 1,)))
 
     def state_target(self, m: KernelArgs):
         """Where the new state goes: ``state_out`` in dense mode with it, else the state itself."""
@@ -431,27 +473,42 @@ class Mamba3StepKernel:
     @cute.jit
     def verify_state(self, m: KernelArgs, count: Int32, cta: Cta, shared: Shared, groups: list):
         """A verify step: the ``count`` committed ring tokens replayed in registers
-        (:meth:`ring_token`); with ``count >= K`` a flush: the state, and the last committed token's
-        B and x as Bstate/Xstate, stored to the row as its new checkpoint, the ring emptied. Then the
-        T drafts (:meth:`draft_token`), each writing its ``out`` and its uncommitted ring entry after
+        (:meth:`ring_token`); with ``count >= K`` a flush (:meth:`store_checkpoint`). Then the T
+        drafts (:meth:`draft_token`), each writing its ``out`` and its uncommitted ring entry after
         the committed ones. The ring's length becomes the committed count (0 after a flush): a draft
-        the next step does not accept is never replayed."""
-        self.replay_committed(m, count, cta, shared, groups)
+        the next step does not accept is never replayed. With ``replay_from_checkpoint`` only a flush
+        replays, and the drafts' outputs come from the checkpoint (the flush's, or the row's) and the
+        ring tokens since by the algebra (:meth:`drafts_from_checkpoint`): no draft is stepped."""
         flush = count >= self.K
+        if const_expr(self.draft_algebra):
+            if flush:  # the count passed on opaque: the tokens stay conditional (see replay_tokens)
+                self.replay_committed(m, inline_ptx(Int32, "mov.b32 $0, $1;", "=r,r", count), cta, shared, groups)
+                self.store_checkpoint(m, count, flush, cta, shared, groups)
+        else:
+            self.replay_committed(m, count, cta, shared, groups)
+            self.store_checkpoint(m, count, flush, cta, shared, groups)
+        first = cutlass.select_(flush, Int32(0), count)  # the drafts' first ring entry
+        if const_expr(self.draft_algebra):
+            self.drafts_from_checkpoint(m, count, first, cta, shared, groups)
+        else:
+            for i in cutlass.range_constexpr(self.T):
+                cute.arch.barrier()  # the flush's stores, or draft i - 1, are done with the shared buffers
+                self.draft_token(m, i, count, first, cta, shared, groups)
+        if cta.dst_live:
+            if cta.tidx == 0:
+                mLength = m.ring_length
+                mLength[cta.dst, cta.h] = first
+
+    @cute.jit
+    def store_checkpoint(self, m: KernelArgs, count: Int32, flush: Boolean, cta: Cta, shared: Shared, groups: list):
+        """A verify step's flush (``flush``): the replayed state, and the last committed token's B
+        and x as Bstate/Xstate, stored to the row as its new checkpoint (with rotary its angle)."""
         if cta.dst_live & flush:
             for g in cutlass.range_constexpr(self.layout.row_groups):
                 self.store_state(groups[g], m, cta)
             self.store_kv_state(m, shared.sBB[(count + 1) % 2, None, None], shared.sX, cta)
             if const_expr(self.S > 0):  # the checkpoint's angle: the last committed entry's
                 self.for_thread_indices(self.S, cta.tidx, lambda a: self.store_angle_state(m, count, cta, a))
-        first = cutlass.select_(flush, Int32(0), count)  # the drafts' first ring entry
-        for i in cutlass.range_constexpr(self.T):
-            cute.arch.barrier()  # the flush's stores, or draft i - 1, are done with the shared buffers
-            self.draft_token(m, i, count, first, cta, shared, groups)
-        if cta.dst_live:
-            if cta.tidx == 0:
-                mLength = m.ring_length
-                mLength[cta.dst, cta.h] = first
 
     @cute.jit
     def draft_token(self, m: KernelArgs, i: int, count: Int32, first: Int32, cta: Cta, shared: Shared,
@@ -488,6 +545,225 @@ class Mamba3StepKernel:
             self.reduce_rows(tYrY, shared.sY, cta, g)
         cute.arch.barrier()
         self.epilogue(m, tok, shared, cta)
+
+    @cute.jit
+    def drafts_from_checkpoint(self, m: KernelArgs, count: Int32, ring: Int32, cta: Cta, shared: Shared,
+                               groups: list):
+        """The T drafts' outputs from the checkpoint in registers (the flush's new one, or the row's
+        as loaded) and the ``ring`` committed ring tokens since (``count`` without a flush, else 0),
+        by the algebra (docs/design.md, "Replay"): for draft i (token ``k = ring + i + 1``; token 0
+        the one before the ring)::
+
+            y_i[r, d] = P_i sum_n s[d, n] C_i[r, n] + sum_{j <= k} sum_r' xr_j[r', d] w_ij B_j[r'] . C_i[r]
+
+        In order: every token staged (:meth:`stage_drafts`); per draft the checkpoint's contraction
+        with its C (:meth:`contract_rows`) and its ring entry ``ring + i``; the tables
+        (:meth:`draft_grams`); the terms (:meth:`combine_drafts`); each draft's epilogue. Nothing is
+        stepped; the state row is written only by a flush."""
+        dr = shared.drafts
+        self.stage_drafts(m, count, ring, cta, shared)
+        cute.arch.barrier()  # the staged tokens, and every read of the ring entries the drafts overwrite
+        for i in cutlass.range_constexpr(self.T):
+            tok = self.draft_of(i, cta, dr)
+            view = shared._replace(sC=dr.sC[i, None, None], sX=dr.sX[self.K + i, None])
+            operands = self.load_operands(tok, view, cta)  # C only: the B operands are never read
+            for g in cutlass.range_constexpr(self.layout.row_groups):
+                self.reduce_rows(self.contract_rows(groups[g], operands, view, cta), dr.sY[i, None, None], cta, g)
+            if cta.dst_live:
+                self.append_ring(m, ring + i, tok, view, cta)
+        self.draft_grams(dr, ring, cta)
+        cute.arch.barrier()
+        self.combine_drafts(m, dr, ring, cta)
+        cute.arch.barrier()
+        for i in cutlass.range_constexpr(self.T):
+            self.epilogue(m, self.draft_of(i, cta, dr), shared._replace(sY=dr.sY[i, None, None],
+                                                                        sXr=dr.sXr[i, None, None]), cta)
+
+    def draft_of(self, i: int, cta: Cta, dr: Drafts) -> Token:
+        """Draft ``i`` as a :class:`Token` for the stages that take one (its B staged in ``dr``; its
+        decays are in ``dr.sW``)."""
+        s = self.K + i
+        return Token(i, (cta.b, i), dr.sB[s, None, None], dr.sB[s - 1, None, None], None, None, None, None)
+
+    def draft_slot(self, j, ring):
+        """The :class:`Drafts` slot of token ``j`` of a draft's sum (0 the one before the ring, then
+        the ``ring`` committed tokens, then the drafts)."""
+        return cutlass.select_(j <= ring, j, j + (self.K - 1) - ring)
+
+    def draft_pair(self, i, ring):
+        """Draft ``i``'s first pair: the drafts before it have ``ring + 2``, ``ring + 3``, ... tokens."""
+        return i * (ring + 2) + ((i * (i - 1)) >> 1)
+
+    @cute.jit
+    def stage_drafts(self, m: KernelArgs, count: Int32, ring: Int32, cta: Cta, shared: Shared):
+        """The :class:`Drafts` buffers: slot 0 (Bstate/Xstate's row, or after a flush the last committed
+        entry's), the ``ring`` committed entries, each draft's B, C, x and x * xproj; thread 0 the
+        weights (:meth:`draft_weights`)."""
+        dr = shared.drafts
+        src, h = cta.src, cta.h
+        hbc = 0 if const_expr(self.shared_bc) else h
+        flushed = ring < count  # the token before the ring is the last committed one
+
+        def before_b(i):  # i = r * N + n
+            sB = dr.sB  # stored under a runtime `if`: a local name (see for_thread_indices)
+            r = i // self.N
+            n = i - r * self.N
+            v = Float32(0.0)
+            if flushed:
+                v = m.ring_B[src, count - 1, r, h, n].to(Float32)
+            else:
+                v = m.Bstate[src, r, h, n].to(Float32)
+            sB[0, r, n] = v
+
+        self.for_thread_indices(self.R * self.N, cta.tidx, before_b)
+        for s in cutlass.range_constexpr(1, self.K):
+            if s <= ring:
+                self.stage_kv_row(m.ring_B, (src, s - 1), h, dr.sB[s, None, None], cta)
+        for i in cutlass.range_constexpr(self.T):
+            self.stage_kv_row(m.B, (cta.b, i), hbc, dr.sB[self.K + i, None, None], cta)
+            self.stage_kv_row(m.C, (cta.b, i), hbc, dr.sC[i, None, None], cta)
+        for s in cutlass.range_constexpr(self.slots):
+            if const_expr(s == 0 or s >= self.K):
+                self.stage_slot_x(m, s, count, flushed, cta, dr)
+            else:
+                if s <= ring:
+                    self.stage_slot_x(m, s, count, flushed, cta, dr)
+        if cta.tidx == 0:
+            self.draft_weights(m, ring, cta, dr)
+
+    @cute.jit
+    def stage_slot_x(self, m: KernelArgs, s: int, count: Int32, flushed: Boolean, cta: Cta, dr: Drafts):
+        """Slot ``s``'s x to ``dr.sX`` (and a draft's x * xproj to ``dr.sXr``)."""
+        src, h = cta.src, cta.h
+        d0 = cta.dtile * self.tile_D
+
+        def stage(d):
+            sX, sXr = dr.sX, dr.sXr  # stored under a runtime `if`: local names (see for_thread_indices)
+            x = Float32(0.0)
+            if const_expr(s == 0):
+                if flushed:
+                    x = m.ring_x[src, count - 1, h, d0 + d].to(Float32)
+                else:
+                    x = m.Xstate[src, h, d0 + d].to(Float32)
+            elif const_expr(s < self.K):
+                x = m.ring_x[src, s - 1, h, d0 + d].to(Float32)
+            else:
+                x = m.x[cta.b, s - self.K, h, d0 + d].to(Float32)
+                for r in cutlass.range_constexpr(self.R):
+                    sXr[s - self.K, r, d] = x * m.xproj[r, h, d0 + d].to(Float32)
+            sX[s, d] = x
+
+        self.for_thread_indices(self.tile_D, cta.tidx, stage)
+
+    @cute.jit
+    def draft_weights(self, m: KernelArgs, ring: Int32, cta: Cta, dr: Drafts):
+        """One thread: per draft i (token ``k = ring + i + 1``) ``sW[i, slot(j)] = gamma_j a_{j+1}..a_k +
+        beta_{j+1} a_{j+2}..a_k`` for its tokens j = 0..k (no gamma term for token 0) and
+        ``sW[i, K + T] = P_i = a_1..a_k``; the ring tokens' decays from ``ring_coef``, the drafts'
+        from the step's inputs. Suffix products from token k down, as the CPU path."""
+        sW = dr.sW
+        src, h = cta.src, cta.h
+        decays = [None]  # by slot; slot 0 has none
+        for s in cutlass.range_constexpr(1, self.K):
+            alpha, beta, gamma = Float32(1.0), Float32(0.0), Float32(0.0)
+            if s <= ring:
+                alpha, beta, gamma = self.decay(m.ring_coef[src, s - 1, h, 0], m.ring_coef[src, s - 1, h, 1],
+                                                m.ring_coef[src, s - 1, h, 2])[:3]
+            decays.append((alpha, beta, gamma))
+        for i in cutlass.range_constexpr(self.T):
+            decays.append(self.decay_coefficients(m, (cta.b, i), h)[:3])
+        for i in cutlass.range_constexpr(self.T):
+            suffix = Float32(1.0)  # a_{j+1} .. a_k
+            suffix_next = Float32(1.0)  # a_{j+2} .. a_k
+            beta_next = Float32(0.0)  # beta_{j+1}; none past k
+            for q in cutlass.range_constexpr(i + 1):  # the drafts, the last first
+                alpha, beta, gamma = decays[self.K + i - q]
+                sW[i, self.K + i - q] = gamma * suffix + beta_next * suffix_next
+                suffix_next = suffix
+                suffix = suffix * alpha
+                beta_next = beta
+            for q in cutlass.range_constexpr(self.K - 1):  # the ring tokens, the last first
+                s = self.K - 1 - q
+                if s <= ring:
+                    alpha, beta, gamma = decays[s]
+                    sW[i, s] = gamma * suffix + beta_next * suffix_next
+                    suffix_next = suffix
+                    suffix = suffix * alpha
+                    beta_next = beta
+            sW[i, 0] = beta_next * suffix_next
+            sW[i, self.slots] = suffix
+
+    @cute.jit
+    def draft_grams(self, dr: Drafts, ring: Int32, cta: Cta):
+        """``sG[p, r', r] = w_ij B_j[r'] . C_i[r]`` for every pair ``p`` of draft i and its token j
+        (:meth:`draft_pair`, :meth:`draft_slot`), one entry a thread: four running sums over the
+        columns (16-byte shared loads), summed in pairs."""
+        R2 = self.R * self.R
+        total = (self.T * (ring + 2) + self.T * (self.T - 1) // 2) * R2
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+
+        def entry(e):  # e = p * R^2 + r' * R + r
+            sG = dr.sG  # stored under a runtime `if`: a local name (see for_thread_indices)
+            if e < total:
+                p = e // R2
+                q = e - p * R2
+                rp = q // self.R
+                r = q - rp * self.R
+                i = Int32(0)
+                for t in cutlass.range_constexpr(1, self.T):  # the draft: how many drafts' pairs lie before p
+                    i = i + cutlass.select_(p >= self.draft_pair(t, ring), Int32(1), Int32(0))
+                slot = self.draft_slot(p - self.draft_pair(i, ring), ring)
+                tB = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+                tC = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+                acc = [Float32(0.0)] * 4
+                for c in cutlass.range_constexpr(self.N // 4):
+                    cute.copy(atom, cute.local_tile(dr.sB[slot, rp, None], (4,), (c,)), tB)
+                    cute.copy(atom, cute.local_tile(dr.sC[i, r, None], (4,), (c,)), tC)
+                    for k in cutlass.range_constexpr(4):
+                        acc[k] = acc[k] + tB[k] * tC[k]
+                sG[p, rp, r] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) * dr.sW[i, slot]
+
+        self.for_thread_indices(self.draft_pairs * R2, cta.tidx, entry)
+
+    @cute.jit
+    def combine_drafts(self, m: KernelArgs, dr: Drafts, ring: Int32, cta: Cta):
+        """Per row d (a thread each) and draft i: ``sY[i, r, d] = P_i sY[i, r, d] + sum_j sum_r' x_j[d]
+        xproj[r', d] sG[p(i, j), r', r]``, tokens in order."""
+        T, R, K = self.T, self.R, self.K
+        h = cta.h
+        d0 = cta.dtile * self.tile_D
+
+        def combine(d):
+            sY = dr.sY  # stored under a runtime `if`: a local name (see for_thread_indices)
+            xp = []
+            for rp in cutlass.range_constexpr(R):
+                xp.append(m.xproj[rp, h, d0 + d].to(Float32))
+            acc = cute.make_rmem_tensor(cute.make_layout(R), Float32)
+            for i in cutlass.range_constexpr(T):
+                first = self.draft_pair(i, ring)
+                for r in cutlass.range_constexpr(R):
+                    acc[r] = dr.sW[i, self.slots] * sY[i, r, d]
+                for s in cutlass.range_constexpr(K + i + 1):  # slot 0, the ring's (those held), the drafts'
+                    if const_expr(s == 0):
+                        self.add_token(dr, acc, s, first, d, xp)
+                    elif const_expr(s < K):
+                        if s <= ring:
+                            self.add_token(dr, acc, s, first + s, d, xp)
+                    else:
+                        self.add_token(dr, acc, s, first + ring + 1 + (s - K), d, xp)
+                for r in cutlass.range_constexpr(R):
+                    sY[i, r, d] = acc[r]
+
+        self.for_thread_indices(self.tile_D, cta.tidx, combine)
+
+    @cute.jit
+    def add_token(self, dr: Drafts, acc: cute.Tensor, s: int, p, d, xp: list):
+        """``acc[r] += sum_r' x_s[d] xproj[r', d] sG[p, r', r]``: the token in slot ``s``, pair ``p``."""
+        x = dr.sX[s, d]
+        for rp in cutlass.range_constexpr(self.R):
+            xr = x * xp[rp]
+            for r in cutlass.range_constexpr(self.R):
+                acc[r] = acc[r] + xr * dr.sG[p, rp, r]
 
     @cute.jit
     def x_before_drafts(self, m: KernelArgs, count: Int32, cta: Cta, dg: Int32) -> Float32:

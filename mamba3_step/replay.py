@@ -2,7 +2,7 @@
 
 docs/design.md, "Replay", has the design and the model that picks K; docs/contract.md, "Replay",
 the rules. The kernel's replay specialisation (``StepSpec.replay_ring``: one-token plain steps and
-verify steps, outputs from the replayed state) is held to this module with ``exact_outputs=True``.
+verify steps; outputs replayed, or from the checkpoint) is held to this module.
 
 Letters (docs/contract.md): P pool rows, B lanes, T draft tokens, H heads, D head dim, N state
 size, R MIMO rank; K the flush length, L = K - 1 + draft the ring's entries.
@@ -19,8 +19,9 @@ committed tokens:
   with the step's math and storage rounding (the T-token CPU path: T one-token steps bit for bit);
   the new checkpoint, this token's B/x as ``Bstate``/``Xstate``, ``length = 0``; the stepwise ``out``.
 * T draft tokens (verify): if ``m >= K`` the committed tokens are flushed first; each draft's
-  ``out`` from the checkpoint, the committed tokens and the drafts before it; the drafts go to the
-  entries after the committed ones, uncommitted (``length = m``): rollback is not accepting them.
+  ``out`` from the checkpoint (the flush's new one, if it flushed), the committed tokens since and
+  the drafts before it (with ``exact_outputs`` the replayed state's); the drafts go to the entries
+  after the committed ones, uncommitted (``length = m``): rollback is not accepting them.
 
 The rotary angle, destination rows, stochastic rounding and 8-bit states follow docs/contract.md,
 "Replay". Padding lanes write zeros to ``out`` and touch no row of any pool.

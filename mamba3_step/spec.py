@@ -67,8 +67,10 @@ class StepSpec:
             the state every K-th token (appending to the ring otherwise). 0: no replay. 1, with
             a verify step only: every committed entry flushed (materialize's flush form).
         replay_from_checkpoint: a replay step's appends compute ``out`` from the checkpoint and the
-            ring (the design's algebra: no state update, the step's accuracy rule); else (the
-            default) by replaying the state, bit for bit stepwise decoding's ``out``.
+            ring (the design's algebra: no state update, the step's accuracy rule), and a verify
+            step's drafts from the checkpoint (a flush's, or the row's), the ring tokens since and
+            the drafts before; else
+            (the default) by replaying the state, bit for bit stepwise decoding's ``out``.
         replay_draft: with ``replay_ring`` and ``num_accepted``, the draft room ``T_max`` of a ring
             made for longer steps than this one needs (its entries ``L = K - 1 + T_max``; a verify
             step needs ``T``, a one-token step none): the kernel replays up to ``L`` committed
@@ -330,10 +332,12 @@ def replay_problem(spec: StepSpec) -> str | None:
             return f"replay_ring needs {what}, got {field}={getattr(spec, field)!r}"
     if spec.has_dst and spec.tokens > 1:
         return "replay_ring with has_dst takes one-token steps (a verify step keeps its drafts in its row's ring)"
-    if spec.tokens > 1 and spec.replay_from_checkpoint:
-        return "replay_from_checkpoint takes one-token steps (a verify step's outputs come from the replayed state)"
-    if spec.num_accepted and spec.replay_from_checkpoint:
-        return "replay_from_checkpoint takes no num_accepted (a step committing drafts replays the state)"
+    if spec.tokens > 1 and spec.replay_from_checkpoint and spec.rope_angles:
+        return ("replay_from_checkpoint with a verify step (tokens > 1) takes no rope_angles (the drafts' outputs "
+                "from the checkpoint are built without rotary)")
+    if spec.num_accepted and spec.replay_from_checkpoint and spec.tokens == 1:
+        return ("replay_from_checkpoint takes no num_accepted with one token (a step committing drafts replays the "
+                "state)")
     if spec.tile_D and spec.tile_D < spec.headdim:
         return "replay_ring needs tile_D >= headdim (one CTA per (lane, head) owns its ring entry and length)"
     return None

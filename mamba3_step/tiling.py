@@ -167,9 +167,12 @@ def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, token
     two when they fit the tile (:data:`REPLAY_MIN_WARPS`); a replayed verify step (``verify``: T
     drafts) takes at least the warps :data:`VERIFY_WARPS` lists for its shape, and a step with outputs
     from the checkpoint and the other ``states`` (``"rotary"``: the angle with per-head B/C; ``"sr"``:
-    stochastic rounding) the warps :data:`CHECKPOINT_STATES_WARPS` lists.
+    stochastic rounding) the warps :data:`CHECKPOINT_STATES_WARPS` lists, a verify step with its drafts
+    from the checkpoint those :data:`CHECKPOINT_VERIFY_WARPS` lists.
     """
     tile_D = headdim
+    if verify and from_checkpoint and (dstate, headdim, mimo, state_dtype) in CHECKPOINT_VERIFY_WARPS:
+        return tile_D, CHECKPOINT_VERIFY_WARPS[(dstate, headdim, mimo, state_dtype)]
     if from_checkpoint and (dstate, headdim, mimo, state_dtype, states) in CHECKPOINT_STATES_WARPS:
         return tile_D, CHECKPOINT_STATES_WARPS[(dstate, headdim, mimo, state_dtype, states)]
     if replay and (not from_checkpoint or mimo <= CHECKPOINT_REPLAY_MAX_MIMO):
@@ -264,6 +267,25 @@ CHECKPOINT_STATES_WARPS = {
     (128, 64, 4, "float32", "rotary"): 8,
     (32, 64, 8, "int8", "sr"): 2,
     (128, 128, 1, "bfloat16", "sr"): 16,
+}
+
+
+#: warps of verify steps with the drafts' outputs from the checkpoint, by (N, D, R, state dtype), where
+#: the default used stack: the fewest at which the K = 4, T = 4 step compiled with none on both sm_90a and
+#: sm_100a (every N, D, R and unscaled state dtype at its default, 280 compiles, 2026-11-28: 11 used 8-264
+#: bytes; each such shape then at 2, 4, 8 and 16 warps). Besides that sweep: the int8 flagship (8 bytes on
+#: sm_90a at 4 warps) and N = 32 D = 64 R = 2 bf16 (8 bytes at 2 warps with K = 2, T = 3; clean at K = 4,
+#: T = 4). N = 256 D = 64 R = 1 fp16 is clean at 4 warps only at 254 registers and takes 16 (94). Left:
+#: N = 256 D = 64 R = 1 fp32 on sm_90a (8 bytes at 8 warps, the only count with a layout) and N = 256
+#: D = 128 R = 8 with a 16-bit state (160-264 bytes at 8 warps, as the replayed verify step):
+#: tests/test_kernel_compile.py's CHECKPOINT_VERIFY_SPILLS. Their speed at these warps is not measured.
+CHECKPOINT_VERIFY_WARPS = {
+    (32, 32, 1, "float32"): 4,
+    (32, 64, 2, "bfloat16"): 4,
+    (128, 64, 1, "float16"): 8,
+    (128, 64, 2, "float32"): 8,
+    (128, 64, 4, "int8"): 8,
+    (256, 64, 1, "float16"): 16,
 }
 
 

@@ -51,7 +51,8 @@ from .contract import source_rows
 from .ptx import analysis
 from .ptx_tier import ptx_kernel, ptx_step_fn, run_step_ptx
 from .reference import mamba3_step_reference
-from .replay import new_ring, rotated_output_from_checkpoint
+from .replay import new_ring
+from .replay_reference import append_reference, draft_references
 from .rounding import dequantize_rows
 from .serving import gather_dense_scatter
 from .spec import StepSpec
@@ -176,34 +177,14 @@ def _races(result) -> int:
     return analysis.race_count(result)
 
 
-def append_reference(t: StepTensors, base: tuple, ring: dict, row: int, b: int, cd, angle=None,
-                     pairwise: bool = False) -> torch.Tensor:
-    """Lane ``b``'s ``out`` of an append from the checkpoint, in ``cd``: from row ``row``'s checkpoint
-    ``base`` (state, Bstate, Xstate and, for an 8-bit state, state_scale as they were) and ``ring``
-    (the ring's ``B``, ``x``, ``coef``, ``length`` and, with rotary, ``angle`` as they were), then
-    ``t``'s token, whose angle is ``angle`` (H, S) with rotary (the one the step stored with its
-    entry) (``mamba3_step.replay.rotated_output_from_checkpoint``)."""
-    c, H = int(ring["length"][row, 0]), t.state.shape[1]
-    coef = ring["coef"][row, :c]
-    now = {f: getattr(t, f)[b][None] for f in ("A", "dt", "trap", "x")}
-    now["B"] = t.B[b][None].expand(-1, -1, H, -1)
-    past = {"A": coef[..., 0], "dt": coef[..., 1], "trap": coef[..., 2], "x": ring["x"][row, :c], "B": ring["B"][row, :c]}
-    if angle is not None:
-        now["angle"], past["angle"] = angle[None], ring["angle"][row, :c]
-    tokens = {f: torch.cat([past[f].to(v.dtype), v])[None] for f, v in now.items()}
-    rows = tuple(v[row:row + 1] for v in base) + (None,) * (4 - len(base))
-    z = None if t.z is None else t.z[b:b + 1]
-    return rotated_output_from_checkpoint(t._replace(x=t.x[b:b + 1]), rows, tokens, t.C[b:b + 1], z, cd,
-                                          pairwise)[0]
-
-
 def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) -> dict:
     """A replay specialisation over 2K + 1 executed steps (fresh inputs and padding each step) against
     the executed stepwise kernel on pools that start equal: ``parity``, the outs the contract makes
     bit-identical (all, or with ``replay_from_checkpoint`` a flush's) and every row at its flush;
     ``err_out``/``budget_out``, appends from the checkpoint against float64; padding bytes and races
     of the last step. A verify specialisation (T drafts) accepts every draft of a row's last step,
-    and the stepwise T-token kernel steps them all: the same drafts, the same states."""
+    and the stepwise T-token kernel steps them all: the same drafts, the same states (with
+    ``replay_from_checkpoint`` the drafts' outputs against the float64 algebra from the checkpoint)."""
     K, T = spec.replay_ring, spec.tokens
     stepwise = spec.replace(replay_ring=0, replay_from_checkpoint=False, num_accepted=False, replay_draft=0, tile_D=0,
                             num_warps=0).with_default_tiling()
@@ -241,16 +222,17 @@ def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) 
                 continue
             count = int(before["length"][r, 0]) + accepted[b]
             moved = dsts[b] != r  # a destination elsewhere: the lane flushes there (or, padding, writes nothing)
-            if T > 1 or not spec.replay_from_checkpoint or count == K - 1 or moved:
+            if T > 1 and spec.replay_from_checkpoint:  # the drafts from the checkpoint (a flush's: stepwise's)
+                now = tuple(held[k] for k in ("state", "Bstate", "Xstate", "state_scale") if k in held)
+                since = (now, 0) if count >= K else (base, count)
+                _account(row, mine.out[b], *(draft_references(call, since[0], before, since[1], r, b, cd)
+                                             for cd in _PRECISIONS))
+            elif T > 1 or not spec.replay_from_checkpoint or count == K - 1 or moved:
                 row["parity"] &= bits_equal(mine.out[b], theirs.out[b])
             else:
                 angle = None if ring.angle is None else ring.angle[r, count]  # the one the step stored
-                want64, torch32 = (append_reference(call, base, before, r, b, cd, angle, spec.rotate_pairwise)
-                                   for cd in (torch.float64, torch.float32))
-                budget = (torch32.to(mine.out.dtype).double() - want64).abs().max().item()
-                err = (mine.out[b].double() - want64).abs().max().item()
-                row["err_out"], row["budget_out"] = max(row["err_out"], err), max(row["budget_out"], budget)
-                row["accurate"] &= err <= tolerance(budget, want64.abs().max().item())
+                _account(row, mine.out[b], *(append_reference(call, base, before, r, b, cd, angle, spec.rotate_pairwise)
+                                             for cd in _PRECISIONS))
             if T > 1 and count >= K:  # a verify step's flush: the state after the committed tokens
                 row["parity"] &= all(bits_equal(pools["r"][k][r], held[k][r]) for k in pools["r"])
             elif moved and kinds[b] == "live":  # the destination holds the state after this token
@@ -261,6 +243,19 @@ def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) 
     row["padding_bytes"] = _padding_bytes(result, mine, kinds)
     row["races"] = _races(result)
     return row
+
+
+#: a reference's precision, and PyTorch's float32 for the budget
+_PRECISIONS = (torch.float64, torch.float32)
+
+
+def _account(row: dict, got: torch.Tensor, want64: torch.Tensor, torch32: torch.Tensor) -> None:
+    """An output from the checkpoint against its float64 reference: ``row``'s worst error and budget
+    so far, and whether it is within :func:`tolerance`."""
+    budget = (torch32.to(got.dtype).double() - want64).abs().max().item()
+    err = (got.double() - want64).abs().max().item()
+    row["err_out"], row["budget_out"] = max(row["err_out"], err), max(row["budget_out"], budget)
+    row["accurate"] &= err <= tolerance(budget, want64.abs().max().item())
 
 
 def _step_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) -> dict:

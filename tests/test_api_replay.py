@@ -76,7 +76,8 @@ def test_kernel_spec_refuses_what_the_kernel_does_not_take_by_name():
     assert replay_kernel_spec(call, ring, K, accepted=accepted) == flagship_spec(replay_ring=K, num_accepted=True,
                                                                                   replay_draft=2)  # the ring's room
     drafts = _call(rows, lane_inputs(2, H, D, N, R, tokens=2, generator=g), weights, index)
-    _refused(drafts, ring, "replay_from_checkpoint takes one-token steps", from_checkpoint=True)
+    assert replay_kernel_spec(drafts, ring, K, accepted=accepted, from_checkpoint=True) == flagship_spec(
+        replay_ring=K, tokens=2, num_accepted=True, replay_from_checkpoint=True)  # the drafts from the state
     _refused(drafts, ring, r"^accepted: expected dtype int32, got int64", accepted=accepted.long())
     _refused(drafts, ring, r"^accepted: expected shape \(B\) = \(2,\), got \(3,\)", accepted=torch.zeros(3, dtype=torch.int32))
     _refused(drafts, ring, r"^accepted: expected innermost stride 1", accepted=torch.zeros(4, dtype=torch.int32)[::2])
@@ -93,6 +94,11 @@ def test_kernel_spec_refuses_what_the_kernel_does_not_take_by_name():
     assert replay_kernel_spec(rotary, rotary_ring, K) == flagship_spec(replay_ring=K, rope_angles=16, has_bc_bias=True)
     assert replay_kernel_spec(rotary, rotary_ring, K, from_checkpoint=True) == flagship_spec(
         replay_ring=K, rope_angles=16, has_bc_bias=True, replay_from_checkpoint=True)
+    rotary_drafts = StepTensors(**with_rotary({**drafts._asdict(), "state": rows["state"]}, 16, seed=5))
+    draft_ring = new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16, rope_angles=16, draft=2)
+    assert replay_kernel_spec(rotary_drafts, draft_ring, K) == flagship_spec(replay_ring=K, tokens=2, rope_angles=16,
+                                                                             has_bc_bias=True)
+    _refused(rotary_drafts, draft_ring, "verify step .* takes no rope_angles", from_checkpoint=True)
     _refused(rotary, rotary_ring._replace(angle=rotary.angle_state.view(P, 1, H, 16).expand(-1, K - 1, -1, -1)),
              "ring_angle: expected a tensor whose elements do not overlap")  # the kernel writes it
     shared = torch.zeros(rotary_ring.angle.numel(), dtype=torch.int64)

@@ -325,10 +325,11 @@ def test_gpu_replay_verify_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
     args = ["--device", "cpu", "--heads", "1", "--batches", "2", "--ks", "2,4", "--tokens", "2", "--no-graph",
             "--out", str(tmp_path)]
     assert gpu_replay_verify_bench.main(args) == 0
-    assert "replay K=4" in capsys.readouterr().out
+    assert "replay K=4 from the checkpoint" in capsys.readouterr().out
     rows = json.loads((tmp_path / "gpu_replay_verify_bench.json").read_text())["rows"]
-    assert [(r["step"], r["K"], r["tokens"]) for r in rows] == [("stepwise", None, 2), ("replay K=2", 2, 2),
-                                                                ("replay K=4", 4, 2)]
+    assert [(r["step"], r["K"], r["tokens"], r["from_checkpoint"]) for r in rows] == [
+        ("stepwise", None, 2, False), ("replay K=2", 2, 2, False), ("replay K=4", 4, 2, False),
+        ("replay K=2 from the checkpoint", 2, 2, True), ("replay K=4 from the checkpoint", 4, 2, True)]
     today = flagship_spec(tokens=2, has_dst=True, dst_per_token=True, num_accepted=True)
     assert rows[2]["bytes_ratio"] == pytest.approx(replay_bytes(today, 4, 2, 1)["total"]
                                                    / bytes_per_step(today, 2, 1)["total"])
@@ -338,6 +339,11 @@ def test_gpu_replay_verify_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
     assert gpu_replay_verify_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
     assert "CORRECTNESS FAILURE" in capsys.readouterr().out
     assert not (tmp_path / "bad" / "gpu_replay_verify_bench.json").exists()
+    # the outputs from the checkpoint: a sanity bound, which a 2% error fails
+    monkeypatch.setattr(gpu_replay_verify_bench.Layer, "replay",
+                        lambda self: original(self).mul_(1.0 if not self.from_checkpoint else 1.02))
+    assert gpu_replay_verify_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
+    assert gpu_replay_verify_bench.main(args[:-2] + ["--outputs", "replayed", "--out", str(tmp_path / "ok")]) == 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists")
@@ -673,7 +679,15 @@ def test_model_bench_sets_the_measured_verify_times_beside_the_model(tmp_path):
         measured.update({K: (run, us[K] / us[None]) for K in us if K})
     assert sorted(measured) == [2, 4, 8] and measured[2][0] == measured[4][0] == 4 and measured[8][0] == 2
     rows = model_bench.replay_verify_rows()
-    assert [r["K"] for r in rows] == [2, 4, 8]
-    assert [(r["measured_run"], r["measured_time_H200"]) for r in rows] == [
+    assert [(r["K"], r["outputs"]) for r in rows] == [(K, form) for form in ("replayed", "from the checkpoint")
+                                                      for K in (2, 4, 8)]
+    assert [(r["measured_run"], r["measured_time_H200"]) for r in rows[:3]] == [
         (measured[K][0], pytest.approx(measured[K][1])) for K in (2, 4, 8)]
+    assert not any("measured_run" in r for r in rows[3:])  # no GPU has timed the drafts from the checkpoint
+    fc = tmp_path / "fc.json"  # a run that times both forms: each row takes its own form's time
+    fc.write_text(json.dumps({"rows": [{"batch": 256, "K": None, "us_graph": 100.0},
+                                       {"batch": 256, "K": 4, "from_checkpoint": False, "us_graph": 90.0},
+                                       {"batch": 256, "K": 4, "from_checkpoint": True, "us_graph": 60.0}]}))
+    assert model_bench.measured_verify_times(fc) == {4: pytest.approx(0.9)}
+    assert model_bench.measured_verify_times(fc, from_checkpoint=True) == {4: pytest.approx(0.6)}
     assert model_bench.measured_verify_times(tmp_path / "absent.json") == {}

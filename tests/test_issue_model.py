@@ -7,8 +7,9 @@ import pytest
 
 from mamba3_step.bytes_model import bytes_per_step, replay_bytes
 from mamba3_step.issue_model import (GPUS, REPLAY_EXECUTED, REPLAY_STATES_EXECUTED, UPSTREAM, VERIFY_EXECUTED,
-                                     issue_model, replay_issue_model, replay_states_replay_spec, replay_states_spec,
-                                     replay_verify_issue_model, slab_bytes)
+                                     VERIFY_FROM_STATE_EXECUTED, issue_model, replay_issue_model,
+                                     replay_states_replay_spec, replay_states_spec, replay_verify_issue_model,
+                                     slab_bytes)
 from mamba3_step.spec import flagship_spec
 from mamba3_step.verify import replay_instructions, verify_instructions
 
@@ -55,12 +56,17 @@ def test_replay_counts_are_what_the_ptx_tier_executes(K, from_checkpoint):
 def test_verify_counts_are_what_the_ptx_tier_executes():
     """VERIFY_EXECUTED (model_bench's replay verify table) holds today's verify step's executed count and
     the replay verify kernel's at K = 2 and 4 (4 committed tokens: a flush), re-executed here; K = 8's
-    are printed by the same function (verify_instructions)."""
+    are printed by the same function (verify_instructions). VERIFY_FROM_STATE_EXECUTED the same with the
+    drafts' outputs from the checkpoint, at K = 2, 4 and 8 (4 committed tokens: a flush at K = 2 and 4,
+    the committed tokens in the sums at K = 8)."""
     today = flagship_spec(tokens=4, has_dst=True, dst_per_token=True, num_accepted=True)
     assert replay_instructions(today) == (VERIFY_EXECUTED["today"],)
     for K in (2, 4):
         spec = flagship_spec(replay_ring=K, tokens=4, num_accepted=True)
         assert verify_instructions(spec, 4) == VERIFY_EXECUTED[K][4]
+    for K in (2, 4, 8):
+        spec = flagship_spec(replay_ring=K, tokens=4, num_accepted=True, replay_from_checkpoint=True)
+        assert verify_instructions(spec, 4) == VERIFY_FROM_STATE_EXECUTED[K][4]
 
 
 def test_replay_verify_issue_model_by_hand():
@@ -78,6 +84,15 @@ def test_replay_verify_issue_model_by_hand():
     assert (round(m["ratio"], 2), round(m["time"], 2), round(m["instructions"], 2)) == (1.79, 0.69, 1.53)
     k4 = replay_verify_issue_model(4, gpu)
     assert (round(k4["ratio"], 2), round(k4["time"], 2), round(k4["today_ratio"], 2)) == (1.26, 0.59, 0.45)
+    # the drafts' outputs from the checkpoint: the issue's T = 4 targets (at most 0.45x today's bytes and
+    # 0.5x its modelled H100 time) both met at K = 8, the time at K = 4 too
+    fc8 = replay_verify_issue_model(8, gpu, from_checkpoint=True)
+    counts = VERIFY_FROM_STATE_EXECUTED[8]
+    replay = issue_model((counts[4] + counts[8]) / 2, replay_bytes(today, 8, 256, 48)["total"] / (256 * 48), gpu)
+    assert fc8["time"] == pytest.approx(max(replay["issue_us"], replay["memory_us"]) / max(base["issue_us"],
+                                                                                          base["memory_us"]))
+    assert (round(fc8["ratio"], 2), round(fc8["time"], 3), round(fc8["instructions"], 2)) == (1.26, 0.488, 1.08)
+    assert round(replay_verify_issue_model(4, gpu, from_checkpoint=True)["time"], 3) == 0.468
 
 
 def test_replay_issue_model_by_hand():

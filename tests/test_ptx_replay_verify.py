@@ -7,10 +7,12 @@ docs/contract.md, "Replay").
    the previous round's drafts accepted (0: all rolled back): every draft's ``out`` is the executed
    stepwise T-token kernel's, bit for bit, on the state stepwise decoding holds after the accepted
    tokens (committed by the executed one-token stepwise kernel), so the state replayed from the
-   checkpoint and the committed ring is that state; after a flush the checkpoint, Bstate and Xstate
-   equal it bit for bit; the ring equals the CPU path's bit for bit; rows no lane reads keep every
-   bit of every pool and ring.
-2. A live lane at committed count ``c`` (its ring length plus ``accepted``) reads exactly its rows,
+   checkpoint and the committed ring is that state (with ``replay_from_checkpoint``: within the
+   accuracy rule of the float64 algebra from the checkpoint, and so is the CPU path's); after a
+   flush the checkpoint, Bstate and Xstate equal it bit for bit; the ring equals the CPU path's bit
+   for bit; rows no lane reads keep every bit of every pool and ring.
+2. A live lane at committed count ``c`` (its ring length plus ``accepted``; drafts stepped or from
+   the checkpoint) reads exactly its rows,
    ring entries ``[0, c)``, its length and its ``accepted``, and writes its three rows and entries
    ``[0, T)`` (a flush, ``c >= K``) or entries ``[c, c + T)``, and its length. Padding lanes, and
    lanes whose length or ``accepted`` is out of range, write +0.0 to every token's ``out`` and no
@@ -25,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import assert_accurate
 from test_kernel_compile import REPLAY_VERIFY, REPLAY_VERIFY_FULL, REPLAY_VERIFY_MIXED
 from test_ptx_replay import (POOLS, RING_TENSORS, _heads, _is_positive_zero, _span, _touched, _within,
                              check_ring_and_other_rows, join_request, lane_with_rotary, ring_snapshot, rotary_arguments,
@@ -33,6 +36,7 @@ from test_ptx_replay import (POOLS, RING_TENSORS, _heads, _is_positive_zero, _sp
 from mamba3_step.ptx import analysis
 from mamba3_step.ptx_tier import run_step_ptx
 from mamba3_step.replay import new_ring, replay_step
+from mamba3_step.replay_reference import draft_references
 from mamba3_step.spec import StepSpec
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_, row_tensors
@@ -203,14 +207,18 @@ def _verify_rounds(name: str, layer: Layer, specs: list, all_accepted) -> tuple:
         acc = torch.tensor(accepted, dtype=torch.int32)
         run_step_ptx(spec, layer.call(layer.pools["replay"], lane, index, got[:, 0] if one else got)
                      ._replace(num_accepted_tokens=acc), ring=layer.rings["replay"])
-        replay_step(layer.call(layer.pools["cpu"], lane, index), layer.rings["cpu"], K, accepted=acc,
-                    exact_outputs=True, rotate_pairwise=spec.rotate_pairwise)
+        cpu = replay_step(layer.call(layer.pools["cpu"], lane, index), layer.rings["cpu"], K, accepted=acc,
+                          exact_outputs=not spec.replay_from_checkpoint, rotate_pairwise=spec.rotate_pairwise)
         want = layer.drafts_stepwise(lane, index)
         for b, row in enumerate(lanes):
             if row not in active:
                 assert _is_positive_zero(got[b]), f"{name} round {s}: padding lane {b} out"
                 continue
-            assert bits_equal(got[b], want[b]), f"{name} round {s}: lane {b}'s drafts differ from the stepwise kernel's"
+            if spec.replay_from_checkpoint and not one:
+                check_drafts(layer, before, lane, index, b, row, counts[row], got[b], cpu[b],
+                             f"{name} round {s} lane {b}")
+            else:
+                assert bits_equal(got[b], want[b]), f"{name} round {s}: lane {b}'s drafts differ from the stepwise's"
             layer.pending[row] = {k: (None if v is None else v.clone() if k == "rand_seed" else
                                       (v[b][None] if one else v[b]).clone()) for k, v in lane.items()}
         if one:  # the token is committed: stepwise decoding steps it now
@@ -228,8 +236,26 @@ def _verify_rounds(name: str, layer: Layer, specs: list, all_accepted) -> tuple:
     return flushes, beyond
 
 
-def test_verify_lanes_touch_exactly_their_rows_and_ring_entries():
-    spec = _spec("flagship-replay-K4-verify-T4")
+def check_drafts(layer: Layer, before: dict, lane: dict, index: torch.Tensor, b: int, row: int, count: int,
+                 got: torch.Tensor, cpu: torch.Tensor, where: str) -> None:
+    """Lane ``b``'s drafts' ``out`` of a verify step with outputs from the checkpoint (row ``row``,
+    ``count`` committed tokens; ``before``: the snapshot before the step) within the contract's
+    accuracy of the float64 algebra, and the CPU path's too: from the row's checkpoint and its
+    ``count`` ring tokens, or after a flush from the state stepwise decoding holds after them (the
+    stepwise pools, before the drafts), which the flush wrote."""
+    flushed = count >= layer.K
+    pools, since = (layer.pools["stepwise"], 0) if flushed else (before, count)
+    base = tuple(pools[k] for k in ("state", "Bstate", "Xstate", "state_scale") if k in pools)
+    ring = {f: before[f"ring.{f}"] for f in ("B", "x", "coef")}
+    call = layer.call(layer.pools["stepwise"], lane, index)
+    want64, torch32 = (draft_references(call, base, ring, since, row, b, cd) for cd in (torch.float64, torch.float32))
+    assert_accurate(where, got, want64, torch32.to(got.dtype), want64.abs().max().item())
+    assert_accurate(where + " (CPU path)", cpu, want64, torch32.to(got.dtype), want64.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["flagship-replay-K4-verify-T4", "flagship-replay-K4-verify-T4-from-checkpoint"])
+def test_verify_lanes_touch_exactly_their_rows_and_ring_entries(name):
+    spec = _spec(name)
     layer = Layer(spec, seed=5)
     K, T = layer.K, layer.T
     ring = layer.rings["replay"]

@@ -15,7 +15,9 @@ Passed on an H200 (2026-11-27). The checks the PTX tier makes on the CPU
   runner give the stepwise pool's outs bit for bit, ``materialize`` its rows (PyTorch's math then,
   within float32 rounding; bit for bit with the kernel's flush form since, passed on an H200 2026-11-28);
 * verify rounds on a replay pool (``replay_draft=T``; run on an H200, 2026-11-27): the drafts' outs are the
-  stepwise T-token kernel's bit for bit, the accepted tokens committed by ``num_accepted_tokens``.
+  stepwise T-token kernel's bit for bit, the accepted tokens committed by ``num_accepted_tokens``;
+* verify steps with the drafts' outputs from the checkpoint (written 2026-11-28, not yet run on a GPU):
+  rows and ring bit-identical to the replayed verify step's, the outs within the accuracy rule.
 
 Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank, K flush length.
 """
@@ -24,9 +26,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_append_accurate
+from helpers import assert_accurate, assert_append_accurate
 
 from mamba3_step import mamba3_step_fn, new_ring, replay_step_fn
+from mamba3_step.replay_reference import draft_references
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import (bits_equal, lane_inputs, layer_weights, rotary_angles, rotary_biases, rotary_rates,
                                  row_tensors)
@@ -311,6 +314,52 @@ def test_verify_rounds_on_a_replay_pool_match_the_stepwise_kernel(K, T):
         _check_materialized(replay, pools.stepwise, pools.slots, pools.w, f"step {step}")
         pending = lane
     assert flushed >= 2, flushed
+
+
+@pytest.mark.parametrize("K", [4, 8])
+def test_verify_drafts_from_the_checkpoint(K):
+    """Verify steps with ``from_checkpoint=True`` (no draft stepped) against the replayed verify step on
+    a twin layer (stepwise decoding's drafts, bit for bit: the tests above), random drafts accepted,
+    padding lanes of every kind: every row and the whole ring bit-identical between the two (a flush
+    replays the same), every draft's ``out`` within the accuracy rule of the float64 algebra (on the
+    CPU) from the checkpoint it read: the flush's, or the row's and its committed ring tokens."""
+    T, P, B = 4, 24, 20
+    layer, twin = Layer(P, K, seed=40 + K), Layer(P, K, seed=40 + K)
+    rings = [new_ring(P, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16, draft=T, device=DEV)
+             for _ in range(2)]
+    g = torch.Generator().manual_seed(K)
+    flushes = appends = 0
+    for step in range(2 * K + 2):
+        lane = lane_inputs(B, H, D, N, R, tokens=T, generator=g, device=DEV)
+        index = _index(B, P, step)
+        acc = torch.randint(0, T + 1, (B,), generator=g, dtype=torch.int32).to(DEV) if step else None
+        before = {k: v.cpu().clone() for k, v in (*layer.replay.items(), *((f"ring.{f}", getattr(rings[0], f))
+                                                                              for f in ("B", "x", "coef", "length")))}
+        got = replay_step_fn(layer.call(layer.replay, lane, index), rings[0], K, accepted=acc, from_checkpoint=True)
+        want = replay_step_fn(twin.call(twin.replay, lane, index), rings[1], K, accepted=acc)
+        torch.cuda.synchronize()
+        for k in layer.replay:
+            assert bits_equal(layer.replay[k], twin.replay[k]), f"step {step}: {k}"
+        for f in ("B", "x", "coef", "length"):
+            assert bits_equal(getattr(rings[0], f), getattr(rings[1], f)), f"step {step}: ring.{f}"
+        cpu = layer.call({k: v.cpu() for k, v in layer.replay.items()}, {k: v.cpu() for k, v in lane.items()},
+                         index.cpu())._replace(**{k: v.cpu() for k, v in layer.w.items()})
+        for b, row in enumerate(index.tolist()):
+            if not 0 <= row < P:
+                assert got[b].eq(0).all(), f"step {step}: padding lane {b}"
+                continue
+            count = int(before["ring.length"][row, 0]) + (int(acc[b]) if acc is not None else 0)
+            flushed = count >= K
+            flushes, appends = flushes + flushed, appends + (not flushed and count > 0)
+            pools = {k: v.cpu() for k, v in layer.replay.items()} if flushed else before
+            base = tuple(pools[k] for k in ("state", "Bstate", "Xstate"))
+            ring = {f: before[f"ring.{f}"] for f in ("B", "x", "coef")}
+            want64, torch32 = (draft_references(cpu, base, ring, 0 if flushed else count, row, b, cd)
+                               for cd in (torch.float64, torch.float32))
+            assert_accurate(f"step {step} lane {b}", got[b].cpu(), want64, torch32.to(got.dtype),
+                            want64.abs().max().item())
+        assert not bits_equal(got, want), "the drafts from the checkpoint equal the stepped ones bit for bit"
+    assert flushes >= 4 and appends >= 4, (flushes, appends)
 
 
 @pytest.mark.parametrize("K", [2, 4])
