@@ -69,8 +69,8 @@ class StepSpec:
         replay_from_checkpoint: a replay step's appends compute ``out`` from the checkpoint and the
             ring (the design's algebra: no state update, the step's accuracy rule), and a verify
             step's drafts from the checkpoint (a flush's, or the row's), the ring tokens since and
-            the drafts before; else
-            (the default) by replaying the state, bit for bit stepwise decoding's ``out``.
+            the drafts before; else (the default) by replaying the state, bit for bit stepwise
+            decoding's ``out``.
         replay_draft: with ``replay_ring`` and ``num_accepted``, the draft room ``T_max`` of a ring
             made for longer steps than this one needs (its entries ``L = K - 1 + T_max``; a verify
             step needs ``T``, a one-token step none): the kernel replays up to ``L`` committed
