@@ -25,10 +25,9 @@ def append_reference(t: StepTensors, base: tuple, ring: dict, row: int, b: int, 
     ``t``'s token, whose angle is ``angle`` (H, S) with rotary (the one the step stored with its
     entry) (``mamba3_step.replay.rotated_output_from_checkpoint``)."""
     c, H = int(ring["length"][row, 0]), t.state.shape[1]
-    coef = ring["coef"][row, :c]
     now = {f: getattr(t, f)[b][None] for f in ("A", "dt", "trap", "x")}
     now["B"] = t.B[b][None].expand(-1, -1, H, -1)
-    past = {"A": coef[..., 0], "dt": coef[..., 1], "trap": coef[..., 2], "x": ring["x"][row, :c], "B": ring["B"][row, :c]}
+    past = _ring_tokens(ring, row, c)
     if angle is not None:
         now["angle"], past["angle"] = angle[None], ring["angle"][row, :c]
     tokens = {f: torch.cat([past[f].to(v.dtype), v])[None] for f, v in now.items()}
@@ -47,9 +46,7 @@ def draft_references(t: StepTensors, base: tuple, ring: dict, count: int, row: i
     no rotary)."""
     H = t.state.shape[1]
     rows = tuple(v[row:row + 1] for v in base) + (None,) * (4 - len(base))
-    coef = ring["coef"][row:row + 1, :count]
-    past = {"A": coef[..., 0], "dt": coef[..., 1], "trap": coef[..., 2], "x": ring["x"][row:row + 1, :count],
-            "B": ring["B"][row:row + 1, :count]}
+    past = {f: v[None] for f, v in _ring_tokens(ring, row, count).items()}
     drafts = {f: getattr(t, f)[b:b + 1] for f in ("A", "dt", "trap", "x")}
     drafts["B"] = t.B[b:b + 1].expand(-1, -1, -1, H, -1)
     outs = []
@@ -58,3 +55,11 @@ def draft_references(t: StepTensors, base: tuple, ring: dict, count: int, row: i
         tokens = {f: torch.cat([past[f].to(v.dtype), v[:, :i + 1]], 1) for f, v in drafts.items()}
         outs.append(output_from_checkpoint(t._replace(x=t.x[b:b + 1, i]), rows, tokens, t.C[b:b + 1, i], z, cd)[0])
     return torch.stack(outs)
+
+
+def _ring_tokens(ring: dict, row: int, count: int) -> dict:
+    """Row ``row``'s first ``count`` ring tokens (``ring``: its ``B``, ``x``, ``coef``) as token inputs
+    (``A``, ``dt``, ``trap``, ``x``, ``B``, each with the token axis first)."""
+    coef = ring["coef"][row, :count]
+    return {"A": coef[..., 0], "dt": coef[..., 1], "trap": coef[..., 2], "x": ring["x"][row, :count],
+            "B": ring["B"][row, :count]}

@@ -637,17 +637,21 @@ REPLAY_VERIFY_SPILLS = {"sm_90a": _VERIFY_SPILLS_BOTH,
                         "sm_100a": _VERIFY_SPILLS_BOTH | {(256, 128, 2, "float16")}}
 
 
-def _replay_verify_params() -> list:
-    known = pytest.mark.xfail(strict=True, reason="uses stack at its default tiling (REPLAY_VERIFY_SPILLS, not fixed)")
+def _verify_matrix_params(spills: dict, spills_name: str, from_checkpoint: bool = False) -> list:
+    """Every shape's K = 4, T = 4 verify step (the drafts stepped, or ``from_checkpoint``) on each target,
+    the pairs in ``spills`` (named ``spills_name``) strict xfails."""
+    known = pytest.mark.xfail(strict=True, reason=f"uses stack at its default tiling ({spills_name}, not fixed)")
+    suffix = "-fc" if from_checkpoint else ""
     return [pytest.param(StepSpec(N, D, R, sd, pool=True, update_kv_state=True, replay_ring=4, tokens=4,
-                                  num_accepted=True), arch, id=f"N{N}-D{D}-R{R}-{sd}-replay-K4-verify-T4-{arch}",
-                         marks=[known] if (N, D, R, sd) in REPLAY_VERIFY_SPILLS[arch] else [])
+                                  num_accepted=True, replay_from_checkpoint=from_checkpoint), arch,
+                         id=f"N{N}-D{D}-R{R}-{sd}-replay-K4-verify-T4{suffix}-{arch}",
+                         marks=[known] if (N, D, R, sd) in spills[arch] else [])
             for arch in ARCHS for N, D, R, sd in itertools.product(SUPPORTED_N, SUPPORTED_D, SUPPORTED_R, UNSCALED)
             if (N, D, R, sd) not in REPLAY_REFUSED]
 
 
 @pytest.mark.full_matrix
-@pytest.mark.parametrize("spec,arch", _replay_verify_params())
+@pytest.mark.parametrize("spec,arch", _verify_matrix_params(REPLAY_VERIFY_SPILLS, "REPLAY_VERIFY_SPILLS"))
 def test_replay_verify_matrix_compiles_with_clean_compiler_facts(spec, arch):
     check_compiler_facts(spec, arch)
 
@@ -662,18 +666,9 @@ CHECKPOINT_VERIFY_SPILLS = {"sm_90a": _CHECKPOINT_VERIFY_BOTH | {(256, 64, 1, "f
                             "sm_100a": _CHECKPOINT_VERIFY_BOTH}
 
 
-def _checkpoint_verify_params() -> list:
-    known = pytest.mark.xfail(strict=True, reason="uses stack at its default tiling (CHECKPOINT_VERIFY_SPILLS)")
-    return [pytest.param(StepSpec(N, D, R, sd, pool=True, update_kv_state=True, replay_ring=4, tokens=4,
-                                  num_accepted=True, replay_from_checkpoint=True), arch,
-                         id=f"N{N}-D{D}-R{R}-{sd}-replay-K4-verify-T4-fc-{arch}",
-                         marks=[known] if (N, D, R, sd) in CHECKPOINT_VERIFY_SPILLS[arch] else [])
-            for arch in ARCHS for N, D, R, sd in itertools.product(SUPPORTED_N, SUPPORTED_D, SUPPORTED_R, UNSCALED)
-            if (N, D, R, sd) not in REPLAY_REFUSED]
-
-
 @pytest.mark.full_matrix
-@pytest.mark.parametrize("spec,arch", _checkpoint_verify_params())
+@pytest.mark.parametrize("spec,arch", _verify_matrix_params(CHECKPOINT_VERIFY_SPILLS, "CHECKPOINT_VERIFY_SPILLS",
+                                                            from_checkpoint=True))
 def test_checkpoint_verify_matrix_compiles_with_clean_compiler_facts(spec, arch):
     check_compiler_facts(spec, arch)
 
