@@ -32,7 +32,7 @@ Regimes:
   an 8-bit step.
 
 Also prints each format's modelled bytes per decode step at the flagship (H=48, D=64, N=128, R=4,
-B=256, pool mode with update_kv_state; ``mamba3_step.bytes_model``; the 8-bit formats add the scale
+B=256, pool mode with update_kv_state; ``mamba3_step.tools.bytes_model``; the 8-bit formats add the scale
 pool, read and written like the state). Writes ``drift_bench.json`` (and ``drift_bench.png`` with
 matplotlib) to ``bench/results/`` (or ``--out``).
 """
@@ -51,7 +51,7 @@ import _util  # noqa: E402  (also puts the repository on sys.path)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from mamba3_step.bytes_model import bytes_per_step  # noqa: E402
+from mamba3_step.tools.bytes_model import bytes_per_step  # noqa: E402
 from mamba3_step.reference import step_math  # noqa: E402
 from mamba3_step.rounding import dequantize_rows, quantize_rows, state_bits, stochastic_round  # noqa: E402
 from mamba3_step.spec import flagship_spec  # noqa: E402

@@ -28,7 +28,7 @@ padded D stride (N + 4): that compiles the kernel reading the stride at run time
 pool ran before packed state rows, so one run times the two side by side on the same GPU (checked
 first: bit for bit pool mode's results, the padding untouched).
 
-Reports microseconds per step, GB/s (the bytes of ``mamba3_step.bytes_model`` -- compulsory
+Reports microseconds per step, GB/s (the bytes of ``mamba3_step.tools.bytes_model`` -- compulsory
 bytes of the mode -- divided by the measured time) and percent of the copy bandwidth, as a
 table, ``gpu_bench.json`` and ``gpu_bench.png`` in ``bench/results/`` (or ``--out``).
 Designed to finish in well under 5 minutes on one H100 (a guard stops timing at 270 s).
@@ -57,13 +57,10 @@ import _util  # noqa: E402  (also puts the repository on sys.path)
 
 import torch  # noqa: E402
 
-from gpu_checks import (  # noqa: E402,F401  (the checks and inputs; re-exported for the tests)
-    GraphUnavailable, capture, check_batch, dense_step, gather_scatter_step, make_lanes, make_pool, make_shared,
-    padded_copy, pool_step, within_reference,
-)
+from gpu_checks import (GraphUnavailable, capture, check_batch, dense_step, gather_scatter_step, make_lanes, make_pool, make_shared, padded_copy, pool_step, within_reference)
 
 from mamba3_step import mamba3_step_fn  # noqa: E402
-from mamba3_step.bytes_model import bytes_per_step  # noqa: E402
+from mamba3_step.tools.bytes_model import bytes_per_step  # noqa: E402
 from mamba3_step.reference import mamba3_step_reference  # noqa: E402
 from mamba3_step.spec import FLAGSHIP_HEADS, flagship_spec  # noqa: E402
 from mamba3_step.testing import bits_equal  # noqa: E402,F401
@@ -373,7 +370,7 @@ def run(args, step_fn=None, reference_fn=None) -> dict:
                             padded=padded, dense_rows=args.dense_rows)
     env["seconds"] = round(time.perf_counter() - t_start, 1)
     return {
-        "what": "measured on a GPU (CUDA events); GB/s use the compulsory bytes of mamba3_step.bytes_model",
+        "what": "measured on a GPU (CUDA events); GB/s use the compulsory bytes of mamba3_step.tools.bytes_model",
         "environment": env,
         "spec": spec.as_dict(),
         "copy_bandwidth_bytes_per_s": copy_bps,

@@ -29,7 +29,7 @@ mode with update_kv_state), for every batch size:
    2 CTAs without it (docs/performance.md, 3d).
 
 Reports microseconds per step, the speed-up over the stepwise step, and the bytes model's ratio
-(``mamba3_step.bytes_model.replay_bytes``) beside it; ``gpu_replay_bench.json`` in
+(``mamba3_step.tools.bytes_model.replay_bytes``) beside it; ``gpu_replay_bench.json`` in
 ``bench/results/`` (or ``--out``).
 """
 
@@ -48,7 +48,7 @@ from gpu_bench import Timer, add_speedups, eager_and_graph_us  # noqa: E402
 
 from mamba3_step import mamba3_step_fn, new_ring, replay_step_fn  # noqa: E402
 from mamba3_step.api_replay import replay_kernel_spec  # noqa: E402
-from mamba3_step.bytes_model import bytes_per_step, replay_bytes  # noqa: E402
+from mamba3_step.tools.bytes_model import bytes_per_step, replay_bytes  # noqa: E402
 from mamba3_step.spec import FLAGSHIP_HEADS, flagship_spec  # noqa: E402
 from mamba3_step.launch import kernel_for  # noqa: E402
 from mamba3_step.tensors import StepTensors, kernel_arguments  # noqa: E402

@@ -7,7 +7,7 @@ Without a CUDA device it prints "no CUDA device: GPU replay-states benchmark not
 (``--device cpu`` runs the plumbing on the CPU path: a smoke test, not a benchmark).
 
 The forms are those whose cost ``bench/issue_model.py --replay-states`` models from executed
-instruction counts (``mamba3_step.issue_model.REPLAY_STATES_EXECUTED``, docs/performance.md 3d): the
+instruction counts (``mamba3_step.tools.issue_model.REPLAY_STATES_EXECUTED``, docs/performance.md 3d): the
 flagship rotary layer (S = 32 angles, B/C biases, B/C shared by the heads) at K = 4, a bf16 state
 with stochastic rounding at K = 4, an int8 state (stochastic rounding, per-row scales) at K = 2 and
 K = 4. For each form and batch size, in pool mode with one row per lane:
@@ -47,8 +47,7 @@ from gpu_bench import Timer, add_speedups, eager_and_graph_us  # noqa: E402
 from gpu_replay_bench import add_min_ctas_argument, bounded_replay  # noqa: E402
 
 from mamba3_step import mamba3_step_fn, new_ring  # noqa: E402
-from mamba3_step.issue_model import (GPUS, REPLAY_STATES_EXECUTED, replay_states_issue_model,  # noqa: E402
-                                     replay_states_spec)
+from mamba3_step.tools.issue_model import GPUS, REPLAY_STATES_EXECUTED, replay_states_issue_model, replay_states_spec
 from mamba3_step.spec import FLAGSHIP_HEADS  # noqa: E402
 from mamba3_step.tensors import StepTensors  # noqa: E402
 from mamba3_step.testing import bits_equal, inputs_for  # noqa: E402

@@ -32,7 +32,7 @@ right: the stepwise step reads row T - 1, replay commits T tokens).
    server's would.
 
 Reports microseconds per step, the speed-up over the stepwise step and the bytes model's ratio
-(``mamba3_step.bytes_model``) beside it; ``gpu_replay_verify_bench.json`` in ``bench/results/`` (or
+(``mamba3_step.tools.bytes_model``) beside it; ``gpu_replay_verify_bench.json`` in ``bench/results/`` (or
 ``--out``).
 """
 
@@ -50,7 +50,7 @@ import torch  # noqa: E402
 from gpu_bench import Timer, add_speedups, eager_and_graph_us  # noqa: E402
 
 from mamba3_step import mamba3_step_fn, new_ring, replay_step_fn  # noqa: E402
-from mamba3_step.bytes_model import bytes_per_step, replay_bytes  # noqa: E402
+from mamba3_step.tools.bytes_model import bytes_per_step, replay_bytes  # noqa: E402
 from mamba3_step.spec import FLAGSHIP_HEADS, flagship_spec  # noqa: E402
 from mamba3_step.tensors import StepTensors  # noqa: E402
 from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, row_tensors  # noqa: E402

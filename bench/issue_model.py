@@ -8,9 +8,9 @@ on the CPU (``--no-execute`` skips that), and prints
 
 1. the comparison table of issue #11: SASS instructions per thread, threads per CTA,
    warp-instructions per (64 x 128) state slab and registers, upstream's dense kernel as a
-   stated constant (``mamba3_step.issue_model.UPSTREAM``, with its source) next to this
+   stated constant (``mamba3_step.tools.issue_model.UPSTREAM``, with its source) next to this
    project's kernel;
-2. the issue model (``mamba3_step.issue_model``): per SM and slab, issue time vs memory time on
+2. the issue model (``mamba3_step.tools.issue_model``): per SM and slab, issue time vs memory time on
    H100, H200 and B200 datasheet figures, from static SASS counts and from executed PTX counts;
 3. the same model for the speculative verify step (``--tokens``: T tokens, (B, K) sources, a row
    per token): per slab the state is read once and written T times, and T tokens' instructions
@@ -18,10 +18,10 @@ on the CPU (``--no-execute`` skips that), and prints
 4. the replay kernel (``--replay``, K values; docs/design.md, "Replay"): executed PTX
    warp-instructions per slab at each ring position, with outputs replayed (exact) and from the
    checkpoint, and the issue model averaged over positions (the counts
-   ``mamba3_step.issue_model.REPLAY_EXECUTED`` holds for bench/model_bench.py, checked equal);
+   ``mamba3_step.tools.issue_model.REPLAY_EXECUTED`` holds for bench/model_bench.py, checked equal);
 5. with ``--replay-states``, the same for the flagship with the rotary angle, a stochastically
    rounded bf16 state and an int8 state (replayed outputs; the counts
-   ``mamba3_step.issue_model.REPLAY_STATES_EXECUTED`` holds, checked equal).
+   ``mamba3_step.tools.issue_model.REPLAY_STATES_EXECUTED`` holds, checked equal).
 
 Writes ``issue_model.json`` and, with matplotlib, ``issue_model.png`` to ``bench/results/``.
 These are compiler facts and a model, not GPU measurements.
@@ -39,21 +39,10 @@ import _util  # noqa: E402  (also puts the repository on sys.path)
 
 from gpu_replay_states_bench import measured_times as measured_states_times  # noqa: E402
 from mamba3_step.build import compile_kernel  # noqa: E402
-from mamba3_step.inspection import kernel_facts  # noqa: E402
-from mamba3_step.issue_model import (  # noqa: E402
-    GPUS,
-    REPLAY_EXECUTED,
-    REPLAY_STATES_EXECUTED,
-    UPSTREAM,
-    issue_model,
-    replay_issue_model,
-    replay_states_issue_model,
-    replay_states_replay_spec,
-    replay_states_spec,
-    slab_bytes,
-)
+from mamba3_step.tools.inspection import kernel_facts  # noqa: E402
+from mamba3_step.tools.issue_model import (GPUS, REPLAY_EXECUTED, REPLAY_STATES_EXECUTED, UPSTREAM, issue_model, replay_issue_model, replay_states_issue_model, replay_states_replay_spec, replay_states_spec, slab_bytes)
 from mamba3_step.spec import flagship_spec  # noqa: E402
-from mamba3_step.verify import executed_facts, replay_instructions  # noqa: E402
+from mamba3_step.tools.verify.step import executed_facts, replay_instructions  # noqa: E402
 
 ARCHS = ("sm_90a", "sm_100a")
 
@@ -127,7 +116,7 @@ MODEL = [("gpu", "GPU", "<"), ("count", "instructions", "<"), ("warp_instruction
 
 def replay_rows(Ks) -> list[dict]:
     """Executed counts per ring position of the flagship replay kernel, both output modes, and the
-    issue model per GPU averaged over the positions (``mamba3_step.issue_model.replay_issue_model``)."""
+    issue model per GPU averaged over the positions (``mamba3_step.tools.issue_model.replay_issue_model``)."""
     rows = []
     stepwise = replay_instructions(flagship_spec())[0]
     for from_checkpoint in (False, True):
@@ -241,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_util.format_table(replay, [c for c in REPLAY_TABLE if any(c[0] in r for r in replay)]))
         stale = [f"K={r['K']} {r['outputs']}" for r in replay if not r["matches_REPLAY_EXECUTED"]]
         if stale:
-            print(f"  ! mamba3_step.issue_model.REPLAY_EXECUTED differs from this execution for {', '.join(stale)}: "
+            print(f"  ! mamba3_step.tools.issue_model.REPLAY_EXECUTED differs from this execution for {', '.join(stale)}: "
                   "update it")
     states = replay_states_rows() if args.replay_states and not args.no_execute else []
     if states:
@@ -253,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_util.format_table(states, STATES_TABLE))
         stale = [r["states"] for r in states if not r["matches"]]
         if stale:
-            print(f"  ! mamba3_step.issue_model.REPLAY_STATES_EXECUTED differs from this execution for "
+            print(f"  ! mamba3_step.tools.issue_model.REPLAY_STATES_EXECUTED differs from this execution for "
                   f"{', '.join(stale)}: update it")
     out = _util.results_dir(args.out)
     payload = {"what": "static SASS counts, executed PTX counts and a model; the replay-states rows' "

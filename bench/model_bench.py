@@ -8,7 +8,7 @@ pools a gather and a scatter).
 
 Prints a table per configuration, the T-token table and the rotary tables (totals, per stage,
 the model's assumptions), writes ``model_bench.json`` and
-``model_bench.png`` to ``bench/results/`` (or ``--out``). Every number here is *modelled* (``mamba3_step.bytes_model``:
+``model_bench.png`` to ``bench/results/`` (or ``--out``). Every number here is *modelled* (``mamba3_step.tools.bytes_model``:
 compulsory bytes / peak HBM bandwidth), not measured; ``bench/gpu_bench.py`` measures.
 """
 
@@ -23,18 +23,10 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _util  # noqa: E402  (also puts the repository on sys.path)
 
-from mamba3_step.bytes_model import (  # noqa: E402
-    HBM_BANDWIDTH,
-    MODES,
-    bytes_per_step,
-    replay_bytes,
-    token_saving,
-    upstream_pipeline_bytes,
-)
+from mamba3_step.tools.bytes_model import (HBM_BANDWIDTH, MODES, bytes_per_step, replay_bytes, token_saving, upstream_pipeline_bytes)
 from mamba3_step.spec import FLAGSHIP_HEADS, flagship_rotary_spec, flagship_spec  # noqa: E402
-from mamba3_step.issue_model import GPUS as ISSUE_GPUS  # noqa: E402
-from mamba3_step.issue_model import (REPLAY_EXECUTED, VERIFY_EXECUTED, VERIFY_FROM_STATE_EXECUTED,  # noqa: E402
-                                     VERIFY_TOKENS, replay_issue_model, replay_verify_issue_model)
+from mamba3_step.tools.issue_model import GPUS as ISSUE_GPUS  # noqa: E402
+from mamba3_step.tools.issue_model import (REPLAY_EXECUTED, VERIFY_EXECUTED, VERIFY_FROM_STATE_EXECUTED, VERIFY_TOKENS, replay_issue_model, replay_verify_issue_model)
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 GPUS = tuple(HBM_BANDWIDTH)  # H100, H200, GH200
@@ -274,7 +266,7 @@ REPLAY_NOTE = ("replay (docs/design.md, 'Replay'): bytes averaged over ring posi
                "state write). The time ratio is the bytes ratio while the step stays memory-bound: the issue "
                "table below says where it does")
 REPLAY_ISSUE_NOTE = ("issue model of the replay kernel (plain decode, B = 256): executed PTX warp-instructions per "
-                     "slab at each ring position (mamba3_step.issue_model.REPLAY_EXECUTED, from the PTX tier) "
+                     "slab at each ring position (mamba3_step.tools.issue_model.REPLAY_EXECUTED, from the PTX tier) "
                      "averaged over positions, against the bytes above; time = the larger of issue and memory "
                      "time, relative to the stepwise step's. A model; 'H200 run N x' is not: the replay kernel's "
                      "graph-replay time over the stepwise step's on one H200 (2026-11-27; docs/measured/). Run 1 "
@@ -340,7 +332,7 @@ def _graph_rows(path, batch: int) -> list[dict]:
 def replay_issue_rows(batch: int = 256, heads: int = FLAGSHIP_HEADS) -> list[dict]:
     """Per K and output mode: executed instructions relative to the stepwise step, and per GPU the
     issue/memory ratio and the modelled time relative to the stepwise step
-    (``mamba3_step.issue_model.replay_issue_model``)."""
+    (``mamba3_step.tools.issue_model.replay_issue_model``)."""
     rows = []
     measured = {run: measured_replay_times(path, batch, MEASURED_REPLAY_TILING.get(run))
                 for run, path in MEASURED_REPLAY_RUNS.items()}
@@ -369,7 +361,7 @@ REPLAY_ISSUE_COLUMNS = [("K", "K", ">d"), ("outputs", "append outputs", "<"), ("
 REPLAY_VERIFY_NOTE = ("issue model of the replay kernel's T = 4 verify steps (B = 256), every draft accepted by "
                       "the next step, against today's verify step (a destination row per draft): executed PTX "
                       "warp-instructions per slab at the committed-token counts the steady state visits "
-                      "(mamba3_step.issue_model.VERIFY_EXECUTED, from the PTX tier; 'from the checkpoint': the "
+                      "(mamba3_step.tools.issue_model.VERIFY_EXECUTED, from the PTX tier; 'from the checkpoint': the "
                       "drafts' outputs by the algebra, VERIFY_FROM_STATE_EXECUTED), the bytes model's verify bytes; "
                       "time = the larger of issue and memory time, relative to today's. A model; 'H200 measured x' is "
                       "not: bench/gpu_replay_verify_bench.py's graph-replay time over today's on an H200, "
@@ -462,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  - {REPLAY_VERIFY_NOTE}")
     out = _util.results_dir(args.out)
     payload = {
-        "what": "modelled, not measured: compulsory HBM bytes per decode step (mamba3_step.bytes_model) "
+        "what": "modelled, not measured: compulsory HBM bytes per decode step (mamba3_step.tools.bytes_model) "
                 "divided by peak HBM bandwidth",
         "environment": _util.environment(),
         "hbm_bandwidth_bytes_per_s": HBM_BANDWIDTH,

@@ -5,7 +5,7 @@ counts -- and pool mode's extra instructions over dense mode.
     python bench/static_bench.py [--arch sm_90a] [--out DIR] [--quick]
 
 Compiles each specialisation with ``mamba3_step.kernel.compile_step_kernel`` (about 1-2 s
-each), reads the cubin with ``mamba3_step.inspection.kernel_facts``, prints a table and
+each), reads the cubin with ``mamba3_step.tools.inspection.kernel_facts``, prints a table and
 writes ``static_bench.json`` to ``bench/results/`` (or ``--out``). These are compiler
 facts (static instruction counts, not executed counts); nothing runs on a GPU.
 """
@@ -55,7 +55,7 @@ def plan(quick: bool = False) -> list[tuple[str, str, object]]:
 
 def measure(specs, arch: str) -> list[dict]:
     """Compile each spec and collect its facts; a failure is recorded in ``error``."""
-    from mamba3_step.inspection import kernel_facts, theoretical_occupancy
+    from mamba3_step.tools.inspection import kernel_facts, theoretical_occupancy
     from mamba3_step.kernel import compile_step_kernel
 
     rows = []

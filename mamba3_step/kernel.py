@@ -50,7 +50,7 @@ shared buffer and its x is re-read from ``x``; the state (and B/x) is stored aft
 with a (B, T) destination, else once after the last.
 
 Without a GPU the compiled kernel is verified by executing its PTX on the CPU
-(:mod:`mamba3_step.ptx_tier`, docs/ptx-tier.md).
+(:mod:`mamba3_step.tools.ptx_tier`, docs/ptx-tier.md).
 
 Where this module sits (docs/design.md, "Architecture"): it imports cutlass, so only the build
 layer (:mod:`mamba3_step.build`) imports it, on the first compile. Launching goes through

@@ -35,7 +35,8 @@ from hypothesis import HealthCheck, assume, given, seed, settings
 from hypothesis import strategies as st
 
 import mamba3_step.ops  # noqa: F401  (registers the op)
-from mamba3_step import cli, mamba3_step_fn, mamba3_step_op, plan_step
+from mamba3_step.tools import cli
+from mamba3_step import mamba3_step_fn, mamba3_step_op, plan_step
 from mamba3_step.serving import CudaGraphStepRunner, PoolExhaustedError, StatePool, decode_step
 from mamba3_step.testing import lane_inputs, layer_weights, poison_pool
 

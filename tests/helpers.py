@@ -45,8 +45,8 @@ from mamba3_step import mamba3_step_fn
 from mamba3_step.contract import lane_is_live, source_rows
 from mamba3_step.serving import gather_dense_scatter as _gather_dense_scatter
 from mamba3_step.tensors import StepTensors
-from mamba3_step.replay_reference import append_reference
-from mamba3_step.verify import tolerance
+from mamba3_step.tools.replay_reference import append_reference
+from mamba3_step.tools.verify.step import tolerance
 from mamba3_step.testing import SPECULATIVE_PAD_KINDS, bits, bits_equal, make_inputs, poison_  # noqa: F401 (re-exported)
 
 PAD_KINDS = ("negative", "oob", "null")
@@ -299,7 +299,7 @@ def check_pool_parity(
 
 def assert_accurate(where: str, got: torch.Tensor, want64: torch.Tensor, torch32: torch.Tensor, scale: float,
                     *, near_cpu: bool = False) -> None:
-    """``got`` within :func:`mamba3_step.verify.tolerance` of the float64 ``want64``: at most twice
+    """``got`` within :func:`mamba3_step.tools.verify.tolerance` of the float64 ``want64``: at most twice
     the error of ``torch32`` (PyTorch float32 on the same inputs) plus 1e-6 of ``scale``; with
     ``near_cpu`` also within three times that error of ``torch32`` itself."""
     budget = (torch32.double() - want64).abs().max().item()
@@ -314,7 +314,7 @@ def assert_append_accurate(where: str, got: torch.Tensor, call: StepTensors, row
                            angles=None, pairwise: bool = False) -> None:
     """Lane ``b``'s ``out`` of a replay append from the checkpoint (row ``row``) within
     :func:`assert_accurate` of the float64 algebra from the stored checkpoint
-    (:func:`mamba3_step.replay_reference.append_reference`): ``rows`` the pools before the step (state,
+    (:func:`mamba3_step.tools.replay_reference.append_reference`): ``rows`` the pools before the step (state,
     Bstate, Xstate, state_scale where present), ``ring`` the ring's fields before it; with rotary
     ``angles`` the ring's angles after it (the token's angle is the one the step stored with its
     entry)."""

@@ -4,7 +4,7 @@ The expected values here never use numpy floating point or the executor's numeri
 results are Python ``Fraction``s rounded by :func:`round_binary` (a direct transcription of
 IEEE-754 rounding onto a p-bit significand grid), bit patterns come from ``struct``, and
 integer results from Python's unbounded ints reduced modulo 2**w. A bug in
-``mamba3_step.ptx.numerics`` therefore cannot make its own test pass.
+``ptx_executor.numerics`` therefore cannot make its own test pass.
 
 :func:`run_lanes` wraps a PTX body into a kernel whose thread ``i`` loads word ``i`` of
 inputs ``a``, ``b``, ``c`` into ``%r1``/``%r2``/``%r3`` (or ``%rd1``.. for 64-bit), runs the
@@ -20,7 +20,7 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from mamba3_step import ptx
+import ptx_executor as ptx
 
 HEADER = """.version 8.8
 .target sm_90a

@@ -4,7 +4,8 @@
     python tests/ptx_hashes.py --compare before.txt after.txt
 
 The first form collects the suite (``pytest --collect-only``; the default run's tests, with
-``--full-matrix`` the big matrices' after them), takes every (specialisation, architecture) a test names (its ``spec`` parameter, or
+``--full-matrix`` the big matrices' after them, in an order that spreads every prefix over the code
+paths, so a partial list already covers them; ``--resume`` appends to a partial list), takes every (specialisation, architecture) a test names (its ``spec`` parameter, or
 a ``name`` of the tables ``tests/conftest.py`` resolves; ``arch`` defaults to sm_90a), compiles
 each once with the PTX kept, and writes one line per specialisation: ``sha256 key@arch``. The
 kernel's entry name is replaced by ``ENTRY`` before hashing: the DSL spells the kernel's module
@@ -65,6 +66,35 @@ class _Collector:
                 self.specs[f"{key}@{arch}"] = (spec, arch)
 
 
+#: the key fields that size a specialisation rather than choose its code paths
+_SIZE_FIELDS = ("dstate", "headdim", "mimo", "state_dtype", "kv_dtype", "x_dtype", "proj_dtype", "tile_D", "num_warps")
+
+
+def _paths_of(label: str) -> str:
+    """``label`` without its size fields: the code paths the specialisation takes, and its arch."""
+    key, arch = label.rsplit("@", 1)
+    kept = [f for f in key.split("-") if f.split("=")[0] not in _SIZE_FIELDS]
+    return "-".join(kept) + "@" + arch
+
+
+def stratified(labels: list[str]) -> list[str]:
+    """``labels`` reordered so that any prefix spreads over the code paths: round robin over the
+    groups of :func:`_paths_of`, each group in a fixed pseudo-random order."""
+    groups: dict[str, list[str]] = {}
+    for label in labels:
+        groups.setdefault(_paths_of(label), []).append(label)
+    rounds = []
+    for g in sorted(groups):
+        members = sorted(groups[g], key=lambda s: hashlib.sha256(s.encode()).hexdigest())
+        rounds.append(members)
+    out = []
+    while any(rounds):
+        for members in rounds:
+            if members:
+                out.append(members.pop(0))
+    return out
+
+
 def collect(full_matrix: bool) -> dict[str, tuple]:
     import pytest
 
@@ -116,15 +146,22 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--full-matrix", action="store_true")
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--resume", action="store_true", help="keep --out's lines and hash only the others")
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
     a = ap.parse_args(argv)
     if a.compare:
         return compare(*a.compare)
     if a.out is None:
         ap.error("--out is required (or --compare)")
-    specs = list(collect(a.full_matrix).items())  # the default run's first, in collection order
-    print(f"{len(specs)} specialisations", flush=True)
-    with ProcessPoolExecutor(max_workers=a.jobs) as pool, open(a.out, "w") as out:
+    found = collect(a.full_matrix)
+    default = collect(False)
+    order = list(default) + stratified([k for k in found if k not in default])  # the default run's first
+    done = set()
+    if a.resume and a.out.exists():
+        done = {line.split()[1] for line in a.out.read_text().splitlines() if line.strip()}
+    specs = [(k, found[k]) for k in order if k not in done]
+    print(f"{len(found)} specialisations, {len(done)} already listed", flush=True)
+    with ProcessPoolExecutor(max_workers=a.jobs) as pool, open(a.out, "a" if a.resume else "w") as out:
         for i, (label, digest) in enumerate(pool.map(_hash_one, specs, chunksize=1)):
             out.write(f"{digest} {label}\n")
             out.flush()

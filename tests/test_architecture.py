@@ -10,9 +10,11 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import ptx_executor
 from mamba3_step import sources
 
 #: function-local imports the package is allowed: (module, imported module) -> why it is lazy
@@ -27,11 +29,11 @@ ALLOWED_LOCAL_IMPORTS = {
 #: the layers, bottom to top (docs/design.md); a module may import only from its own layer or below
 LAYERS = [
     ["contract"],
-    # ptx: the PTX executor, numpy only; rounding: the state's random bits and low-precision stores
-    ["tiling", "tensors", "signature", "arch", "sources", "testing", "ptx", "rotary", "rounding"],
+    # rounding: the state's random bits and low-precision stores
+    ["tiling", "tensors", "signature", "arch", "sources", "testing", "rotary", "rounding"],
     ["spec"],
     # ring: replay's ring (layout, allocation, argument checks); replay: its CPU path
-    ["reference", "validation", "bytes_model", "issue_model", "specsets", "ring", "replay", "replay_reference"],
+    ["reference", "validation", "specsets", "ring", "replay"],
     ["kernel"],
     ["build"],  # the kernel's cutlass-free face: imports it lazily, on the first compile
     ["compile_cache"],
@@ -40,9 +42,11 @@ LAYERS = [
     # point; materialize: a replay row's current state on any device (the kernel's flush form on CUDA)
     ["plan_replay"],  # plan once, run many, for replay (ReplayStepPlan): on the stepwise plan and replay's entry
     ["ops", "ops_replay", "serving"],
-    # layer: a Mamba-3 decode layer; verify_flush: verify's check of materialize's flush forms
-    ["inspection", "layer", "demo", "demo_speculative", "demo_replay", "ptx_tier", "verify", "verify_flush"],
-    ["cli", "__main__"],
+    ["layer"],  # a Mamba-3 decode layer
+    # the tools (cli, demo, verify, inspection, precompile, the PTX tier, the models): above the whole runtime,
+    # and never loaded by `import mamba3_step`
+    ["tools"],
+    ["__main__"],
 ]
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 80
@@ -166,9 +170,35 @@ def test_long_modules_are_still_long():
 
 def test_importing_the_package_and_its_commands_loads_no_cutlass():
     """Only a compile imports the DSL: the API, the launcher, the cache and the CLI do not."""
-    code = ("import sys, mamba3_step, mamba3_step.launch, mamba3_step.cli, mamba3_step.serving; "
+    code = ("import sys, mamba3_step, mamba3_step.launch, mamba3_step.tools.cli, mamba3_step.serving; "
             "print('cutlass' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
 
+
+
+def test_importing_the_package_loads_no_tool_and_no_ptx_executor():
+    """The runtime stands without its tools: ``import mamba3_step`` (and the serving layer, the layer and
+    the launcher) loads no module of ``mamba3_step.tools`` and none of the PTX executor."""
+    code = ("import sys, mamba3_step, mamba3_step.serving, mamba3_step.layer, mamba3_step.launch; "
+            "print(sorted(m for m in sys.modules if m.startswith(('mamba3_step.tools', 'ptx_executor'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_ptx_executor_imports_nothing_of_the_runtime():
+    """The PTX executor is its own package: it reads PTX and runs it, knowing nothing of the step."""
+    root = Path(ptx_executor.__file__).resolve().parent
+    files = sorted(root.rglob("*.py"))
+    assert len(files) > 5, files
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            for name in names:
+                assert name.split(".")[0] != sources.PACKAGE, f"{path.name}:{node.lineno} imports {name}"

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from mamba3_step.bytes_model import bytes_per_step, replay_bytes
-from mamba3_step.issue_model import GPUS, REPLAY_STATES_EXECUTED, replay_states_issue_model
+from mamba3_step.tools.bytes_model import bytes_per_step, replay_bytes
+from mamba3_step.tools.issue_model import GPUS, REPLAY_STATES_EXECUTED, replay_states_issue_model
 from mamba3_step.spec import flagship_spec
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
@@ -190,7 +190,7 @@ def test_format_table_alignment():
 # ----------------------------------------------------------------------------- static comparison
 def _kernel_and_nvdisasm():
     try:
-        from mamba3_step.inspection import find_nvdisasm
+        from mamba3_step.tools.inspection import find_nvdisasm
         from mamba3_step.kernel import compile_step_kernel  # noqa: F401
     except Exception:
         return False
@@ -199,7 +199,7 @@ def _kernel_and_nvdisasm():
 
 @pytest.mark.skipif(not _kernel_and_nvdisasm(), reason="kernel or nvdisasm unavailable")
 def test_static_bench_two_modes(capsys):
-    from mamba3_step.inspection import count_sass
+    from mamba3_step.tools.inspection import count_sass
 
     specs = [("flagship", "dense", flagship_spec(pool=False, update_kv_state=False)),
              ("flagship", "pool", flagship_spec(update_kv_state=False))]
@@ -624,7 +624,7 @@ def test_drift_bench_plot(tmp_path):
 
 def test_model_bench_replay_table(tmp_path, capsys):
     """The replay table: stepwise and each K's bytes from bytes_model, plain and T = 4 verify steps."""
-    from mamba3_step.bytes_model import bytes_per_step, replay_bytes
+    from mamba3_step.tools.bytes_model import bytes_per_step, replay_bytes
     from mamba3_step.spec import flagship_spec
     assert model_bench.main(["--out", str(tmp_path), "--no-plot"]) == 0
     assert "replay, flagship" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""mamba3_step.bytes_model against independent counts: explicit arithmetic for the flagship,
+"""mamba3_step.tools.bytes_model against independent counts: explicit arithmetic for the flagship,
 and for every other configuration the sizes of the tensors a step touches, built on the
 ``meta`` device with the shapes of docs/contract.md and summed with ``Tensor.nbytes``; for
 rotary steps also the bytes the kernel's PTX touched when executed on the CPU (PTX tier), and
@@ -12,19 +12,9 @@ import pytest
 import torch
 
 from mamba3_step.api import prepare_step
-from mamba3_step.bytes_model import (
-    HBM_BANDWIDTH,
-    MODES,
-    bc_load_bytes,
-    bytes_per_step,
-    predicted_seconds,
-    predicted_speedup,
-    replay_bytes,
-    token_saving,
-    upstream_pipeline_bytes,
-)
-from mamba3_step.ptx import analysis
-from mamba3_step.ptx_tier import run_step_ptx
+from mamba3_step.tools.bytes_model import (HBM_BANDWIDTH, MODES, bc_load_bytes, bytes_per_step, predicted_seconds, predicted_speedup, replay_bytes, token_saving, upstream_pipeline_bytes)
+from ptx_executor import analysis
+from mamba3_step.tools.ptx_tier import run_step_ptx
 from mamba3_step.spec import FLAGSHIP_HEADS, flagship_rotary_spec, flagship_spec
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import make_inputs, with_rotary

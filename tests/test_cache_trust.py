@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from mamba3_step import cli
+from mamba3_step.tools import cli
 from mamba3_step import compile_cache as cc
 from mamba3_step.compile_cache import store
 from mamba3_step.spec import flagship_spec

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from mamba3_step import cli
+from mamba3_step.tools import cli
 from mamba3_step.spec import flagship_spec
 from mamba3_step.specsets import add_spec_arguments, specs_from_args
 

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 import mamba3_step
-from mamba3_step import build, cli
+from mamba3_step import build
+from mamba3_step.tools import cli
 from mamba3_step import compile_cache as cc
 from mamba3_step.compile_cache import key, store
 from mamba3_step.spec import StepSpec, flagship_spec
@@ -138,7 +139,7 @@ def test_key_changes_when_a_module_the_kernel_depends_on_changes(tmp_path):
     shutil.copytree(Path(mamba3_step.__file__).parent, root, ignore=shutil.ignore_patterns("__pycache__"))
     k0 = _fingerprint(root)
     assert k0 == _fingerprint(Path(mamba3_step.__file__).parent)  # relative names: same code, same key
-    for unrelated in ("api.py", "demo.py", "serving/hook.py"):
+    for unrelated in ("api.py", "tools/demo/decode.py", "serving/hook.py"):
         (root / unrelated).write_text((root / unrelated).read_text() + "\n# unrelated edit\n")
     assert _fingerprint(root) == k0
     (root / "tiling.py").write_text((root / "tiling.py").read_text() + "\n# a helper the kernel imports\n")

@@ -18,7 +18,7 @@ import torch
 import mamba3_step.ops  # noqa: F401  (registers the op)
 from mamba3_step import StepPlan, mamba3_step_fn, mamba3_step_op, plan_step
 from mamba3_step.api import prepare_step
-from mamba3_step.ptx_tier import ptx_step_fn
+from mamba3_step.tools.ptx_tier import ptx_step_fn
 from mamba3_step.serving import CudaGraphStepRunner, decode_step
 from mamba3_step.serving.hook import POOL_SUPPLIED
 from mamba3_step.signature import OP_MUTATED, OP_ORDER, STEP_SIGNATURE, TENSOR_SIGNATURE, StepOptions

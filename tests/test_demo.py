@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mamba3_step import cli, demo, demo_speculative
+from mamba3_step.tools import cli
+from mamba3_step.tools.demo import decode as demo, speculative as demo_speculative
 from mamba3_step.layer import Mamba3DecodeLayer
 from mamba3_step.serving import StatePool
 from mamba3_step.testing import LayerShape
@@ -204,7 +205,7 @@ def test_demo_speculative_round_catches_a_stray_write(monkeypatch):
 
 def test_demo_replay_round_catches_a_wrong_commit(capsys, monkeypatch):
     """A replay that commits one draft too many: the materialised state leaves stepwise decoding."""
-    from mamba3_step import demo_replay
+    from mamba3_step.tools.demo import replay as demo_replay
     real = demo_replay.replay_step
 
     def over_commit(t, ring, K, accepted=None, **kw):

@@ -1,4 +1,4 @@
-"""mamba3_step.inspection: reading registers, stack, spills, shared memory, threads and SASS from
+"""mamba3_step.tools.inspection: reading registers, stack, spills, shared memory, threads and SASS from
 the cubin the DSL produced (no GPU), checked against ``ptxas -v`` and hand-made listings.
 
 Stand-in kernels are defined here (a predicated vectorised copy through shared memory, and a
@@ -20,8 +20,8 @@ import pytest
 cutlass = pytest.importorskip("cutlass")
 import cutlass.cute as cute  # noqa: E402
 
-from mamba3_step import cli  # noqa: E402
-from mamba3_step import inspection as I  # noqa: E402
+from mamba3_step.tools import cli  # noqa: E402
+from mamba3_step.tools import inspection as I  # noqa: E402
 from mamba3_step.specsets import spec_label, specs_from_args  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -338,7 +338,7 @@ def test_cli_json_flagship_dense(tmp_path):
     """`python -m mamba3_step inspect --json --mode dense --no-update-kv-state`: one JSON object;
     its fields agree with the compile tests' bounds and with an independent computation of each
     derived figure."""
-    from mamba3_step.bytes_model import bytes_per_step
+    from mamba3_step.tools.bytes_model import bytes_per_step
     from mamba3_step.spec import flagship_spec
     from mamba3_step.tiling import thread_layout
 
@@ -409,7 +409,7 @@ def test_cli_rejects_bad_flags(argv, message, capsys):
 @needs_kernel
 def test_report_of_a_replay_specialisation_names_it_and_models_its_bytes():
     """`inspect --replay-ring 4`: the header names the ring, the bytes are replay's averaged over ring positions."""
-    from mamba3_step.bytes_model import replay_bytes
+    from mamba3_step.tools.bytes_model import replay_bytes
     from mamba3_step.spec import flagship_spec
 
     spec = flagship_spec(replay_ring=4)

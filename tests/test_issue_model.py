@@ -1,17 +1,14 @@
-"""The static issue model's arithmetic (mamba3_step.issue_model), on figures checked by hand, and the
+"""The static issue model's arithmetic (mamba3_step.tools.issue_model), on figures checked by hand, and the
 replay kernel's executed counts it reads (re-executed on the PTX tier)."""
 
 from __future__ import annotations
 
 import pytest
 
-from mamba3_step.bytes_model import bytes_per_step, replay_bytes
-from mamba3_step.issue_model import (GPUS, REPLAY_EXECUTED, REPLAY_STATES_EXECUTED, UPSTREAM, VERIFY_EXECUTED,
-                                     VERIFY_FROM_STATE_EXECUTED, issue_model, replay_issue_model,
-                                     replay_states_replay_spec, replay_states_spec, replay_verify_issue_model,
-                                     slab_bytes)
+from mamba3_step.tools.bytes_model import bytes_per_step, replay_bytes
+from mamba3_step.tools.issue_model import (GPUS, REPLAY_EXECUTED, REPLAY_STATES_EXECUTED, UPSTREAM, VERIFY_EXECUTED, VERIFY_FROM_STATE_EXECUTED, issue_model, replay_issue_model, replay_states_replay_spec, replay_states_spec, replay_verify_issue_model, slab_bytes)
 from mamba3_step.spec import flagship_spec
-from mamba3_step.verify import replay_instructions, verify_instructions
+from mamba3_step.tools.verify.step import replay_instructions, verify_instructions
 
 
 def test_clock_is_derived_from_the_fp32_peak():

@@ -1,7 +1,7 @@
 """The kernel compiles for sm_90a and sm_100a, and what the compiler made of it is checked.
 
 No GPU needed: ``cute.compile`` runs on the CPU and the cubin is read back from the compiled
-object (mamba3_step.inspection). For every configuration compiled: zero stack and spill bytes, a
+object (mamba3_step.tools.inspection). For every configuration compiled: zero stack and spill bytes, a
 register count the launch can have, every state load and store a 16-byte access (fp32 and
 16-bit states alike: VN elements per vector), and in pool mode no pool access before the
 padding branch. The flagship (pool mode with update_kv_state) stays within its instruction
@@ -21,10 +21,10 @@ import re
 
 import pytest
 
-from mamba3_step.inspection import kernel_facts
-from mamba3_step.issue_model import GPUS, issue_model, slab_bytes
+from mamba3_step.tools.inspection import kernel_facts
+from mamba3_step.tools.issue_model import GPUS, issue_model, slab_bytes
 from mamba3_step.kernel import compile_step_kernel
-from mamba3_step.ptx_tier import ptx_kernel
+from mamba3_step.tools.ptx_tier import ptx_kernel
 from mamba3_step.contract import (DTYPE_BYTES, KV_DTYPES, SCALED_STATE_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N,
                                   SUPPORTED_R)
 from mamba3_step.spec import StepSpec, flagship_rotary_spec, flagship_spec, flush_specs

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from mamba3_step.api import prepare_step
-from mamba3_step.ptx_tier import ptx_step_fn, run_step_ptx
+from mamba3_step.tools.ptx_tier import ptx_step_fn, run_step_ptx
 from mamba3_step.replay import new_ring
 from mamba3_step.spec import flagship_spec
 from mamba3_step.tensors import StepTensors

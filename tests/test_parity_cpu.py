@@ -16,16 +16,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import (
-    PAD_KINDS,
-    POOL_STATE_KEYS,
-    assert_bits_equal,
-    check_pool_parity,
-    clone_inputs,
-    gather_dense_scatter,
-    make_inputs,
-    make_pool_indices,
-)
+from helpers import (PAD_KINDS, POOL_STATE_KEYS, assert_bits_equal, check_pool_parity, clone_inputs, gather_dense_scatter, make_inputs, make_pool_indices)
 
 from mamba3_step import mamba3_step_fn
 

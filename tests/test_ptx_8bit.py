@@ -32,9 +32,9 @@ from test_kernel_compile import EIGHT_BIT
 
 from mamba3_step import mamba3_step_fn
 from mamba3_step.api import prepare_step
-from mamba3_step.bytes_model import bytes_per_step
-from mamba3_step.ptx import analysis
-from mamba3_step.ptx_tier import ptx_step_fn, run_step_ptx
+from mamba3_step.tools.bytes_model import bytes_per_step
+from ptx_executor import analysis
+from mamba3_step.tools.ptx_tier import ptx_step_fn, run_step_ptx
 from mamba3_step.spec import StepSpec
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import inputs_for, padded_indices, speculative_indices, step_indices

@@ -1,7 +1,7 @@
 """The step kernel, executed: its PTX run on the CPU for every specialisation of the covering set.
 
 Nothing here needs a GPU. Each specialisation the compile tests compile is compiled again
-with ``--keep-ptx`` and its PTX executed over CPU tensors by mamba3_step.ptx (whole grid,
+with ``--keep-ptx`` and its PTX executed over CPU tensors by ptx_executor (whole grid,
 barriers, shuffles, shared memory, the real parameter structs), with every global access
 bounds-checked and recorded. Per specialisation:
 
@@ -16,7 +16,7 @@ bounds-checked and recorded. Per specialisation:
    byte once, and write exactly their dst rows;
 4. every tensor inside poisoned guard zones that stay untouched, with adversarial indices;
    no race between CTAs, none between threads of a CTA between barriers;
-5. the bytes the executed kernel touched equal mamba3_step.bytes_model's count.
+5. the bytes the executed kernel touched equal mamba3_step.tools.bytes_model's count.
 
 Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
 """
@@ -33,9 +33,9 @@ from test_kernel_compile import COVERING
 
 from mamba3_step import mamba3_step_fn
 from mamba3_step.api import prepare_step
-from mamba3_step.bytes_model import bytes_per_step
-from mamba3_step.ptx import analysis
-from mamba3_step.ptx_tier import ptx_kernel, ptx_step_fn, run_step_ptx
+from mamba3_step.tools.bytes_model import bytes_per_step
+from ptx_executor import analysis
+from mamba3_step.tools.ptx_tier import ptx_kernel, ptx_step_fn, run_step_ptx
 from mamba3_step.reference import mamba3_step_reference
 from mamba3_step.spec import StepSpec
 from mamba3_step.tensors import StepTensors

@@ -11,8 +11,8 @@ import pytest
 import torch
 from ptx_harness import GTID_ADDR, TID_ADDR, run_kernel
 
-from mamba3_step import ptx
-from mamba3_step.ptx import analysis, machine
+import ptx_executor as ptx
+from ptx_executor import analysis, machine
 
 
 def _out(n=32, dtype=torch.int32):

@@ -23,7 +23,7 @@ from test_ptx_replay import Layer
 
 from mamba3_step import materialize_fn, replay_step_fn
 from mamba3_step.materialize import flush_form
-from mamba3_step.ptx_tier import run_step_ptx
+from mamba3_step.tools.ptx_tier import run_step_ptx
 from mamba3_step.replay import materialize, new_ring
 from mamba3_step.spec import StepSpec, flush_specs, replay_problem
 from mamba3_step.tensors import StepTensors

@@ -15,7 +15,7 @@ dtype, T from 2 to 8):
    destination rows;
 4. no race between CTAs or between the threads of a CTA, with each lane's destinations being its
    own candidate rows (the server's layout: a lane overwrites the row it read);
-5. the bytes the executed kernel touched equal mamba3_step.bytes_model's count.
+5. the bytes the executed kernel touched equal mamba3_step.tools.bytes_model's count.
 
 Letters: B lanes, T tokens, K candidate rows, P pool rows, H heads, D head dim, N state size,
 R MIMO rank.
@@ -34,10 +34,10 @@ from test_ptx_kernel import _f64, _options, _row_bytes, _shape, _tiling
 
 from mamba3_step import mamba3_step_fn
 from mamba3_step.api import prepare_step
-from mamba3_step.bytes_model import bytes_per_step
+from mamba3_step.tools.bytes_model import bytes_per_step
 from mamba3_step.contract import lane_is_live, source_rows
-from mamba3_step.ptx import analysis
-from mamba3_step.ptx_tier import ptx_step_fn, run_step_ptx
+from ptx_executor import analysis
+from mamba3_step.tools.ptx_tier import ptx_step_fn, run_step_ptx
 from mamba3_step.reference import mamba3_step_reference
 from mamba3_step.spec import StepSpec
 from mamba3_step.tensors import StepTensors

@@ -1,7 +1,7 @@
 """PTX executor self-tests, arithmetic: hand-written PTX against independently computed values.
 
 Every expected value comes from tests/ptx_harness.py (exact Fractions, struct bit patterns,
-Python ints): nothing here shares code with mamba3_step.ptx.numerics, so a rounding bug in
+Python ints): nothing here shares code with ptx_executor.numerics, so a rounding bug in
 the executor cannot hide a rounding bug in the kernel it executes.
 """
 

@@ -27,9 +27,9 @@ import torch
 from helpers import assert_append_accurate
 from test_kernel_compile import LAUNCH_BOUND, LAUNCH_BOUND_FULL, REPLAY, REPLAY_DST, REPLAY_FULL
 
-from mamba3_step.bytes_model import replay_bytes
-from mamba3_step.ptx import analysis
-from mamba3_step.ptx_tier import run_step_ptx
+from mamba3_step.tools.bytes_model import replay_bytes
+from ptx_executor import analysis
+from mamba3_step.tools.ptx_tier import run_step_ptx
 from mamba3_step.replay import new_ring, replay_step
 from mamba3_step.rotary import ANGLE_UNIT_RADIANS
 from mamba3_step.spec import StepSpec
@@ -413,7 +413,7 @@ def test_the_outputs_bits_do_not_depend_on_the_warps(from_checkpoint):
     on the same inputs and ring, at every ring position: the same ``out`` and the same flushed rows,
     bit for bit (and the outputs are not trivial: non-zero, and the flush writes the state)."""
     from mamba3_step.spec import flagship_spec
-    from mamba3_step.verify import _inputs
+    from mamba3_step.tools.verify.step import _inputs
 
     K = 4
     base = flagship_spec(replay_ring=K, replay_from_checkpoint=from_checkpoint)

@@ -33,10 +33,10 @@ from test_ptx_replay import (POOLS, RING_TENSORS, _heads, _is_positive_zero, _sp
                              check_ring_and_other_rows, join_request, lane_with_rotary, ring_snapshot, rotary_arguments,
                              rotary_rows, rotary_weights)
 
-from mamba3_step.ptx import analysis
-from mamba3_step.ptx_tier import run_step_ptx
+from ptx_executor import analysis
+from mamba3_step.tools.ptx_tier import run_step_ptx
 from mamba3_step.replay import new_ring, replay_step
-from mamba3_step.replay_reference import draft_references
+from mamba3_step.tools.replay_reference import draft_references
 from mamba3_step.spec import StepSpec
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_, row_tensors

@@ -28,8 +28,8 @@ from test_kernel_compile import ROTARY
 
 from mamba3_step import mamba3_step_fn
 from mamba3_step.api import prepare_step
-from mamba3_step.ptx import analysis
-from mamba3_step.ptx_tier import ptx_step_fn, run_step_ptx
+from ptx_executor import analysis
+from mamba3_step.tools.ptx_tier import ptx_step_fn, run_step_ptx
 from mamba3_step.reference import mamba3_step_reference
 from mamba3_step.rotary import ANGLE_UNIT_RADIANS
 from mamba3_step.spec import StepSpec

@@ -7,12 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import (
-    assert_bits_equal,
-    clone_inputs,
-    make_inputs,
-    poison_,
-)
+from helpers import assert_bits_equal, clone_inputs, make_inputs, poison_
 
 from mamba3_step import mamba3_step_fn
 from mamba3_step.reference import mamba3_step_reference, step_math

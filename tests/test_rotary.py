@@ -17,15 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mamba3_step.rotary import (
-    ANGLE_UNIT_RADIANS,
-    advance_angle,
-    angle_cos_sin,
-    angle_from_radians,
-    angle_increment,
-    angle_to_radians,
-    rotate_pairs,
-)
+from mamba3_step.rotary import (ANGLE_UNIT_RADIANS, advance_angle, angle_cos_sin, angle_from_radians, angle_increment, angle_to_radians, rotate_pairs)
 
 STEPS = 10**6
 #: one unit of the fixed-point angle in radians: the increment's rounding is at most one unit a step

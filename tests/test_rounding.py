@@ -15,13 +15,7 @@ import pytest
 import torch
 
 from mamba3_step import rounding
-from mamba3_step.rounding import (
-    dequantize_rows,
-    philox4x32,
-    quantize_rows,
-    state_bits,
-    stochastic_round,
-)
+from mamba3_step.rounding import dequantize_rows, philox4x32, quantize_rows, state_bits, stochastic_round
 from mamba3_step.testing import bits
 
 # Random123 (DEShawResearch/random123, commit 9545ff6413f258be2f04c1d319d99aaef7521150), file

@@ -15,19 +15,7 @@ import torch
 from helpers import YieldingHeapq, run_threads
 
 from mamba3_step.reference import step_math
-from mamba3_step.serving import (
-    CudaGraphStepRunner,
-    PoolExhaustedError,
-    SlotError,
-    StatePool,
-    choose_bucket,
-    decode_step,
-    gather_scatter_step,
-    kv_update_in_kernel,
-    lane_is_live,
-    pad_lanes,
-    pad_slots,
-)
+from mamba3_step.serving import (CudaGraphStepRunner, PoolExhaustedError, SlotError, StatePool, choose_bucket, decode_step, gather_scatter_step, kv_update_in_kernel, lane_is_live, pad_lanes, pad_slots)
 from mamba3_step.serving import pool as pool_module
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_, poison_pool

@@ -24,16 +24,7 @@ import torch
 from helpers import YieldingHeapq, assert_bits_equal, fast_thread_switching, run_threads
 
 from mamba3_step.contract import lane_is_live, source_rows
-from mamba3_step.serving import (
-    CudaGraphStepRunner,
-    PoolExhaustedError,
-    SlotError,
-    StatePool,
-    StepForm,
-    decode_step,
-    gather_scatter_step,
-    kv_update_in_kernel,
-)
+from mamba3_step.serving import (CudaGraphStepRunner, PoolExhaustedError, SlotError, StatePool, StepForm, decode_step, gather_scatter_step, kv_update_in_kernel)
 from mamba3_step.serving import pool as pool_module
 from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_pool, speculative_indices
 

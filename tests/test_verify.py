@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from mamba3_step import cli, verify
+from mamba3_step.tools import cli
+from mamba3_step.tools.verify import step as verify
 from mamba3_step.spec import StepSpec, flagship_spec
 
 
@@ -124,7 +125,7 @@ def test_verify_checks_materialize_flush_forms(capsys, monkeypatch):
     assert cli.main([*argv, "--state-dtype", "int8", "--stochastic-rounding"]) == 0
     assert "replay1+draft3" in capsys.readouterr().out
     assert cli.main([*argv, "--facts"]) == 2
-    from mamba3_step import verify_flush
+    from mamba3_step.tools.verify import flush as verify_flush
 
     real = verify_flush.flush_form
 

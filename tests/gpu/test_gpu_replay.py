@@ -29,7 +29,7 @@ import torch
 from helpers import assert_accurate, assert_append_accurate
 
 from mamba3_step import mamba3_step_fn, new_ring, replay_step_fn
-from mamba3_step.replay_reference import draft_references
+from mamba3_step.tools.replay_reference import draft_references
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import (bits_equal, lane_inputs, layer_weights, rotary_angles, rotary_biases, rotary_rates,
                                  row_tensors)

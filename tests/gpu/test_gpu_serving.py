@@ -21,16 +21,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-from mamba3_step.demo import run_speculative_decode, run_toy_decode  # noqa: E402
+from mamba3_step.tools.demo.decode import run_speculative_decode, run_toy_decode  # noqa: E402
 from mamba3_step.testing import LayerShape, bits_equal, lane_inputs, layer_weights, poison_pool  # noqa: E402
-from mamba3_step.serving import (  # noqa: E402
-    CudaGraphStepRunner,
-    StatePool,
-    StepForm,
-    choose_bucket,
-    decode_step,
-    gather_scatter_step,
-)
+from mamba3_step.serving import (CudaGraphStepRunner, StatePool, StepForm, choose_bucket, decode_step, gather_scatter_step)
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 H, D, N, R = 4, 64, 128, 4  # the flagship's per-head shape, few heads

@@ -1,10 +1,10 @@
 """The instruction table: every supported opcode's compiler, and how an instruction is decoded.
 
 An opcode family registers a *compiler* with :func:`handler`: it receives the decoded
-:class:`~mamba3_step.ptx.parse.Instruction` and the launch :class:`Context`, and returns a
+:class:`~ptx_executor.parse.Instruction` and the launch :class:`Context`, and returns a
 closure ``fn(frame, idx)`` that executes the instruction for the threads ``idx`` (guard
-already applied; see :mod:`mamba3_step.ptx.frame`). Compilers reject modifiers they do not
-implement with :class:`~mamba3_step.ptx.errors.UnsupportedInstruction`, so a kernel using
+already applied; see :mod:`ptx_executor.frame`). Compilers reject modifiers they do not
+implement with :class:`~ptx_executor.errors.UnsupportedInstruction`, so a kernel using
 one fails before it runs, never computes something else silently.
 
 The families live in :mod:`.isa_alu` (integer, float, conversion, comparison), :mod:`.isa_mem`

@@ -11,9 +11,9 @@ thread ahead of a barrier its CTA has not passed.
 * ``ret``/``exit`` retire the executing threads.
 * ``bar.sync``/``barrier.sync`` park a group until no group can run; then every CTA with
   parked threads must have *all* its threads parked at the same barrier id, warps not
-  split across barrier instructions, or :class:`~mamba3_step.ptx.errors.BarrierError`
+  split across barrier instructions, or :class:`~ptx_executor.errors.BarrierError`
   names the CTA and the threads that never arrived (a hang on a GPU is an error here).
-* Everything else is an instruction closure from :mod:`mamba3_step.ptx.isa`.
+* Everything else is an instruction closure from :mod:`ptx_executor.isa`.
 
 The grid runs in chunks of consecutive CTAs (bounded register-file memory); chunks run
 one after another, which is one of the orders a GPU may choose. Every executed

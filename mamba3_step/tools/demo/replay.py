@@ -18,10 +18,10 @@ from typing import NamedTuple
 
 import torch
 
-from .reference import mamba3_step_reference
-from .replay import materialize, new_ring, replay_step
-from .tensors import StepTensors
-from .testing import lane_inputs, layer_weights, row_tensors
+from ...reference import mamba3_step_reference
+from ...replay import materialize, new_ring, replay_step
+from ...tensors import StepTensors
+from ...testing import lane_inputs, layer_weights, row_tensors
 
 __all__ = ["ReplayResult", "run_replay_decode"]
 

@@ -6,7 +6,7 @@ kernel's parameter structs carry those pointers, so the address arithmetic the P
 tensor registered with :meth:`GlobalMemory.add` is one *region*: the bytes its view spans,
 ``[data_ptr, data_ptr + span)``. Every global access must lie entirely inside one region
 and be aligned to its full width (a 16-byte vector access to a 16-byte boundary), or it
-fails with :class:`~mamba3_step.ptx.errors.MemoryFault` before any byte moves. Bytes outside
+fails with :class:`~ptx_executor.errors.MemoryFault` before any byte moves. Bytes outside
 every region (guard zones, other rows of a storage that were not passed) are unreachable.
 
 Shared memory is one zero-initialised byte array per CTA, laid out from offset 1024 (the
@@ -16,7 +16,7 @@ array per thread.
 
 Every global access can be logged (:class:`AccessLog`): instruction, execution serial,
 thread, address, width, read/write. The analyses (bytes touched, sectors per request,
-races between CTAs) run on that log (:mod:`mamba3_step.ptx.analysis`).
+races between CTAs) run on that log (:mod:`ptx_executor.analysis`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 This is how the project runs its CuteDSL kernel without a GPU (docs/ptx-tier.md). For a
 :class:`StepSpec` it compiles the kernel exactly as the launcher does (the same
 ``cute.compile`` call through :mod:`mamba3_step.build`, plus ``--keep-ptx``), takes the PTX
-the DSL handed to ``ptxas``, and executes it with :mod:`mamba3_step.ptx` on the caller's CPU
+the DSL handed to ``ptxas``, and executes it with :mod:`ptx_executor` on the caller's CPU
 tensors:
 
 * parameters: one struct per tensor argument, laid out from the compiled host launcher's
@@ -17,7 +17,7 @@ tensors:
   are writable, so a stray store into an input is a fault.
 
 :func:`ptx_step_fn` has ``mamba3_step_fn``'s signature and contract (validation included) and
-returns ``out``; :func:`run_step_ptx` returns the executor's :class:`~mamba3_step.ptx.RunResult`
+returns ``out``; :func:`run_step_ptx` returns the executor's :class:`~ptx_executor.RunResult`
 (issue counts, the access log, and ``extra["memory"]``) for analyses. Importing this module
 does not import cutlass; the first compile does.
 """
@@ -32,14 +32,14 @@ from inspect import Parameter
 
 import torch
 
-from . import ptx
-from .api import prepare_step
-from .build import argument_masks, compile_kernel
-from .signature import STEP_SIGNATURE, make_binder, split_call
-from .spec import StepSpec
-from .tensors import RING_FIELDS, StepTensors, kernel_arguments
-from .tiling import launch_grid, thread_layout
-from .validation.table import RULES, is_written
+import ptx_executor as ptx
+from ..api import prepare_step
+from ..build import argument_masks, compile_kernel
+from ..signature import STEP_SIGNATURE, make_binder, split_call
+from ..spec import StepSpec
+from ..tensors import RING_FIELDS, StepTensors, kernel_arguments
+from ..tiling import launch_grid, thread_layout
+from ..validation.table import RULES, is_written
 
 __all__ = ["PTXKernel", "ptx_kernel", "ptx_step_fn", "run_step_ptx", "writable_arguments"]
 

@@ -2,7 +2,7 @@
 
 A *chunk* is a run of consecutive CTAs (linear block index order) executed together, every
 thread of every CTA a lane of the same numpy arrays: register ``%r5`` of the chunk is one
-array with an element per thread. Instruction closures (:mod:`mamba3_step.ptx.isa`) read
+array with an element per thread. Instruction closures (:mod:`ptx_executor.isa`) read
 and write a :class:`Frame` through :meth:`Frame.read` / :meth:`Frame.write`, which give
 each PTX type its numpy view of the register's bits (a ``.b32`` register read as ``.f32``
 is the same bits viewed as float32).

@@ -3,7 +3,7 @@
 ``python -m mamba3_step verify [spec flags] [--batch B] [--heads H] [--json] [--facts]``; the spec
 flags are the shared ones of :mod:`mamba3_step.specsets` (default: the flagship as servers run
 it). No GPU needed: each specialisation is compiled exactly as the launcher compiles it and its
-PTX executed by :mod:`mamba3_step.ptx` (docs/ptx-tier.md). Per specialisation, one row:
+PTX executed by :mod:`ptx_executor` (docs/ptx-tier.md). Per specialisation, one row:
 
 * ``err_out``/``err_state``: largest error of the executed kernel against the float64
   reference, next to ``budget_*``, the error of the same computation done by PyTorch in float32
@@ -26,7 +26,7 @@ and every row at its flush, ``err_out`` appends from the checkpoint against floa
 ``--tokens T --num-accepted`` (verify steps) each step accepts every draft of the row's last one.
 
 ``--materialize-ring L`` checks ``materialize_fn``'s flush forms instead
-(:mod:`mamba3_step.verify_flush`: rings built by the executed stepwise kernel, the flush form's rows
+(:mod:`mamba3_step.tools.verify.flush`: rings built by the executed stepwise kernel, the flush form's rows
 equal to its rows bit for bit, no byte of the originals touched).
 
 The exit status is 1 when any row fails. :func:`executed_facts` gives the executed
@@ -44,22 +44,22 @@ import time
 
 import torch
 
-from . import ptx
-from .api import mamba3_step_fn, prepare_step
-from .bytes_model import bytes_per_step
-from .contract import source_rows
-from .ptx import analysis
-from .ptx_tier import ptx_kernel, ptx_step_fn, run_step_ptx
-from .reference import mamba3_step_reference
-from .replay import new_ring
-from .replay_reference import append_reference, draft_references
-from .rounding import dequantize_rows
-from .serving import gather_dense_scatter
-from .spec import StepSpec
-from .specsets import add_spec_arguments, parse_spec_args, spec_label
-from .tensors import LANE_FIELDS, ROW_FIELDS, StepTensors
-from .verify_flush import flush_check
-from .testing import bits_equal, inputs_for, poison_, pool_rows, step_indices
+import ptx_executor as ptx
+from ...api import mamba3_step_fn, prepare_step
+from ..bytes_model import bytes_per_step
+from ...contract import source_rows
+from ptx_executor import analysis
+from ..ptx_tier import ptx_kernel, ptx_step_fn, run_step_ptx
+from ...reference import mamba3_step_reference
+from ...replay import new_ring
+from ..replay_reference import append_reference, draft_references
+from ...rounding import dequantize_rows
+from ...serving import gather_dense_scatter
+from ...spec import StepSpec
+from ...specsets import add_spec_arguments, parse_spec_args, spec_label
+from ...tensors import LANE_FIELDS, ROW_FIELDS, StepTensors
+from .flush import flush_check
+from ...testing import bits_equal, inputs_for, poison_, pool_rows, step_indices
 
 __all__ = ["HELP", "add_arguments", "append_reference", "executed_facts", "replay_instructions", "run", "tolerance",
            "verify_instructions", "verify_spec"]
@@ -274,7 +274,7 @@ def _step_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) ->
 def verify_spec(spec: StepSpec, arch: str = "sm_90a", batch: int = 8, heads: int = 3, seed: int = 0,
                 flush: bool = False) -> dict:
     """Compile, execute and check one specialisation (module docstring); returns its row. ``flush``: a
-    flush form of materialize (:func:`mamba3_step.verify_flush.flush_check`)."""
+    flush form of materialize (:func:`mamba3_step.tools.verify.flush.flush_check`)."""
     row = dict(label=spec_label(spec), spec=spec.as_dict(), arch=arch, batch=batch, heads=heads, fault=None)
     t0 = time.perf_counter()
     try:
@@ -296,7 +296,7 @@ def executed_facts(spec: StepSpec, arch: str = "sm_90a", batch: int = 4, heads: 
     ``warp_instructions_per_cta`` by class; global accesses: requests, 32-byte sectors and the
     minimum sectors for the same bytes (totals and per PTX line); shared accesses: requests,
     wavefronts and the minimum; unique bytes read + written per tensor next to
-    :func:`mamba3_step.bytes_model.bytes_per_step` (``bytes_agree``).
+    :func:`mamba3_step.tools.bytes_model.bytes_per_step` (``bytes_agree``).
     """
     tensors, _ = _inputs(spec, batch, heads, seed, live_only=True)  # every lane live, on rows of its own
     s, tensors, _ = prepare_step(tensors, update_kv_state=spec.update_kv_state, **_tiling(spec))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..arch import sm_number
+from ...arch import sm_number
 
 __all__ = ["ARCH_LIMITS", "theoretical_occupancy"]
 

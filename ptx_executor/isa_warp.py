@@ -3,7 +3,7 @@
 The executing threads of an instruction are the threads of the scheduler's group that are
 at it together (:mod:`.machine`), after the guard. For every executing thread, each lane
 named in its ``membermask`` must be executing the same instruction now, and the thread
-itself must be in its mask; otherwise :class:`~mamba3_step.ptx.errors.WarpSyncError` names
+itself must be in its mask; otherwise :class:`~ptx_executor.errors.WarpSyncError` names
 the instruction, the thread and the missing lanes. A shuffle's source lane (after PTX's
 clamp/segment rules) must be executing too.
 """

@@ -17,10 +17,11 @@ import sys
 from types import ModuleType
 from typing import NamedTuple
 
-from . import demo, verify
-from .compile_cache import cli as precompile_cli
+from .demo import decode as demo
+from .verify import step as verify
+from . import precompile as precompile_cli
 from .inspection import report
-from .specsets import add_spec_arguments, arch_from_args, parse_spec_args, specs_from_args
+from ..specsets import add_spec_arguments, arch_from_args, parse_spec_args, specs_from_args
 
 __all__ = ["COMMANDS", "Command", "add_spec_arguments", "arch_from_args", "build_parser", "main", "parse_spec_args",
            "specs_from_args"]

@@ -1,7 +1,7 @@
 """Parse PTX text (as the DSL's NVVM backend emits it) into entries and decoded instructions.
 
 The parser understands the subset of PTX the project's kernels are made of, and says so
-when it meets anything else (:class:`~mamba3_step.ptx.errors.PTXSyntaxError` naming the
+when it meets anything else (:class:`~ptx_executor.errors.PTXSyntaxError` naming the
 line): module directives, ``.entry`` functions with their ``.param`` list and launch-bound
 directives, ``.reg`` / ``.shared`` / ``.local`` declarations (module- or function-level,
 including the DSL's ``.extern .shared`` dynamic shared-memory symbol), labels, nested

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .replay import output_from_checkpoint, rotated_output_from_checkpoint
-from .tensors import StepTensors
+from ..replay import output_from_checkpoint, rotated_output_from_checkpoint
+from ..tensors import StepTensors
 
 __all__ = ["append_reference", "draft_references"]
 

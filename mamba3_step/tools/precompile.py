@@ -17,8 +17,8 @@ import time
 import warnings
 
 from ..specsets import add_spec_arguments, parse_spec_args, spec_label
-from .front import CompileCacheWarning, precompile, stats
-from .key import ENV_CACHE_DIR, cache_dir
+from ..compile_cache.front import CompileCacheWarning, precompile, stats
+from ..compile_cache.key import ENV_CACHE_DIR, cache_dir
 
 __all__ = ["HELP", "add_arguments", "run"]
 

@@ -19,7 +19,7 @@ histogram) read; ``occupancy`` computes; ``facts`` combines them into :class:`Ke
 ``report`` is the ``inspect`` subcommand (compile, report, bytes per step).
 """
 
-from ..arch import sm_number
+from ...arch import sm_number
 from .elf import InspectError, cubins_from_compiled, cubins_from_fatbin, elf_facts
 from .facts import KernelFacts, kernel_facts
 from .occupancy import ARCH_LIMITS, theoretical_occupancy

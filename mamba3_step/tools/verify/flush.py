@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from .materialize import flush_form
-from .ptx import analysis
-from .ptx_tier import run_step_ptx
-from .replay import Ring, new_ring
-from .spec import MAX_TOKENS, StepSpec, flush_groups
-from .tensors import StepTensors
-from .testing import bits_equal, inputs_for, poison_
+from ...materialize import flush_form
+from ptx_executor import analysis
+from ..ptx_tier import run_step_ptx
+from ...replay import Ring, new_ring
+from ...spec import MAX_TOKENS, StepSpec, flush_groups
+from ...tensors import StepTensors
+from ...testing import bits_equal, inputs_for, poison_
 
 __all__ = ["flush_check"]
 

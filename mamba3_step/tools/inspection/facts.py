@@ -21,8 +21,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..arch import sm_number
-from ..ptx.host import launch_config
+from ...arch import sm_number
+from ptx_executor.host import launch_config
 from .elf import InspectError, cubins_from_compiled, cubins_from_fatbin, elf_facts
 from .occupancy import theoretical_occupancy
 from .sass import count_sass, disassemble, listing_arch, parse_sass, sass_for_kernel, sass_histogram

@@ -12,7 +12,7 @@ baseline on the same prepared inputs; after every layer and step the step's outp
 row (state, B, x and the angle) and the untouched rows are compared bit for bit, and the step's
 outputs are compared with a float64 reference for an error figure.
 
-Then a speculative-decoding round (:mod:`mamba3_step.demo_speculative`): each request owns a
+Then a speculative-decoding round (:mod:`mamba3_step.tools.demo.speculative`): each request owns a
 group of T rows, verifies T tokens (its last token and T - 1 random drafts) in one T-token step
 per layer, accepts a random number of them and continues from the accepted state (by index,
 nothing copied); every accepted token's ``out`` and state rows must equal one-token-at-a-time
@@ -35,15 +35,15 @@ from typing import NamedTuple
 
 import torch
 
-from .demo_speculative import SpecRecord, SpecResult, run_speculative_decode
-from .demo_replay import run_replay_decode
-from .layer import LayerDtypes, LayerPools, Mamba3DecodeLayer, StepInputs
-from .reference import mamba3_step_reference
-from .serving import StatePool, check_buckets, choose_bucket, gather_dense_scatter
-from .spec import MAX_TOKENS
-from .specsets import add_spec_arguments, parse_spec_args
-from .tensors import StepTensors
-from .testing import LayerShape, bits_equal, poison_pool
+from .speculative import SpecRecord, SpecResult, run_speculative_decode
+from .replay import run_replay_decode
+from ...layer import LayerDtypes, LayerPools, Mamba3DecodeLayer, StepInputs
+from ...reference import mamba3_step_reference
+from ...serving import StatePool, check_buckets, choose_bucket, gather_dense_scatter
+from ...spec import MAX_TOKENS
+from ...specsets import add_spec_arguments, parse_spec_args
+from ...tensors import StepTensors
+from ...testing import LayerShape, bits_equal, poison_pool
 
 __all__ = ["DemoResult", "HELP", "SpecRecord", "SpecResult", "StepRecord", "add_arguments", "run",
            "run_speculative_decode", "run_toy_decode"]
@@ -407,7 +407,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _replay_round(seed: int) -> bool:
-    """Run and report :func:`~mamba3_step.demo_replay.run_replay_decode`; True when it held."""
+    """Run and report :func:`~mamba3_step.tools.demo.replay.run_replay_decode`; True when it held."""
     t0, res = time.perf_counter(), run_replay_decode(seed=seed)
     for f in res.failures[:10]:
         print("  " + f)

@@ -2,7 +2,7 @@
 
 Integer results wrap at their width (numpy's modular unsigned/signed arithmetic); shifts
 by the width or more give 0 (or the sign fill for ``shr.s``), as PTX defines. Floating
-point follows :mod:`mamba3_step.ptx.numerics`.
+point follows :mod:`ptx_executor.numerics`.
 """
 
 from __future__ import annotations

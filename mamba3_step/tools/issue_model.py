@@ -9,7 +9,7 @@ state slab (one (lane, head): ``D x N`` state elements, one CTA at the default `
 * issue time = warp-instructions per slab / (4 per clock x the SM clock): an SM has four
   schedulers, each issuing at most one warp-instruction per clock;
 * memory time = bytes per slab / (HBM bandwidth / number of SMs): the slab's share of the
-  bytes one step moves (:func:`mamba3_step.bytes_model.bytes_per_step`, all lanes live, per
+  bytes one step moves (:func:`mamba3_step.tools.bytes_model.bytes_per_step`, all lanes live, per
   (lane, head)) at the SM's share of the bandwidth.
 
 The ratio issue / memory is the fraction of the memory time the SM is busy issuing: well below
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .bytes_model import bytes_per_step, replay_bytes
-from .spec import StepSpec, flagship_rotary_spec, flagship_spec
+from ..spec import StepSpec, flagship_rotary_spec, flagship_spec
 
 __all__ = ["GPUS", "GPU", "ISSUE_PER_CLOCK", "REPLAY_EXECUTED", "REPLAY_STATES_EXECUTED", "UPSTREAM",
            "VERIFY_EXECUTED", "VERIFY_FROM_STATE_EXECUTED", "VERIFY_TOKENS", "issue_model", "replay_issue_model",
@@ -105,7 +105,7 @@ REPLAY_EXECUTED = {
 #: token; its default 8 warps), and per K the replay verify kernel's at the committed-token counts
 #: the steady state visits when every draft is accepted by the next step (K = 2 and 4: 4 every step,
 #: a flush; K = 8: 4, then 8 with a flush). Measured by the PTX execution tier
-#: (``mamba3_step.verify.verify_instructions``; tests/test_issue_model.py re-executes K = 2, 4 and today's).
+#: (``mamba3_step.tools.verify.verify_instructions``; tests/test_issue_model.py re-executes K = 2, 4 and today's).
 VERIFY_EXECUTED = {"today": 25362, 2: {4: 33053}, 4: {4: 33069}, 8: {4: 32947, 8: 44901}}
 #: the same with ``replay_from_checkpoint``: no draft stepped, their outputs by the algebra from the checkpoint
 #: (a flush's, the committed tokens replayed; else the row's, the committed tokens in the sums; 2026-11-28)
@@ -119,7 +119,7 @@ def replay_verify_issue_model(K: int, gpu: GPU, batch: int = 256, heads: int = 4
     accepted, averaged over the steady state's steps: ``ratio`` (issue / memory time), ``time`` (the
     larger of the two, relative to today's), ``instructions`` (relative to today's) and
     ``today_ratio``, from :data:`VERIFY_EXECUTED` (with ``from_checkpoint``
-    :data:`VERIFY_FROM_STATE_EXECUTED`) and :func:`mamba3_step.bytes_model.replay_bytes`."""
+    :data:`VERIFY_FROM_STATE_EXECUTED`) and :func:`mamba3_step.tools.bytes_model.replay_bytes`."""
     today = flagship_spec(tokens=VERIFY_TOKENS, has_dst=True, dst_per_token=True, num_accepted=True)
     base = issue_model(VERIFY_EXECUTED["today"], slab_bytes(today, batch, heads), gpu)
     counts = (VERIFY_FROM_STATE_EXECUTED if from_checkpoint else VERIFY_EXECUTED)[K]
@@ -134,7 +134,7 @@ def replay_issue_model(K: int, from_checkpoint: bool, gpu: GPU, batch: int = 256
     """The flagship's replay step against its stepwise step on ``gpu``, averaged over the K ring
     positions (requests at every position share the SMs): ``ratio`` (issue / memory time) and
     ``time`` (the larger of the two, relative to the stepwise step's), from
-    :data:`REPLAY_EXECUTED` and :func:`mamba3_step.bytes_model.replay_bytes`."""
+    :data:`REPLAY_EXECUTED` and :func:`mamba3_step.tools.bytes_model.replay_bytes`."""
     spec = flagship_spec()
     stepwise = issue_model(REPLAY_EXECUTED["stepwise"], slab_bytes(spec, batch, heads), gpu)
     counts = REPLAY_EXECUTED[(K, from_checkpoint)][1]
@@ -189,7 +189,7 @@ def replay_states_issue_model(name: str, gpu: GPU, batch: int = 256, heads: int 
     """A :data:`REPLAY_STATES_EXECUTED` entry's replay step against its stepwise step on ``gpu``,
     averaged over the ring positions: ``bytes`` and ``instructions`` (relative to the stepwise
     step's), ``ratio`` and ``stepwise_ratio`` (issue / memory time), ``time`` (the larger of the
-    two, relative to the stepwise step's). The bytes are :func:`~mamba3_step.bytes_model.replay_bytes`'
+    two, relative to the stepwise step's). The bytes are :func:`~mamba3_step.tools.bytes_model.replay_bytes`'
     for the state dtype; it leaves out the angle rows, an 8-bit state's scales and the ring's
     angles and offsets (under 2% of a row's bytes for the fp32 flagship, under 4% for int8)."""
     spec, K = replay_states_spec(name)

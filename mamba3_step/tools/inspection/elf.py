@@ -7,7 +7,7 @@ attributes. No GPU needed.
   ``stack_bytes``: ``EIATTR_FRAME_SIZE`` (0x11). These are the figures ``ptxas -v`` prints
   as "Used N registers" and "N bytes stack frame".
 * The dynamic shared memory and the block size a launch requests are read from the host IR
-  by :func:`mamba3_step.ptx.host.launch_config`.
+  by :func:`ptx_executor.host.launch_config`.
 """
 
 from __future__ import annotations

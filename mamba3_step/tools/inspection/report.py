@@ -14,14 +14,14 @@ import json
 import sys
 import time
 
-from ..arch import check_arch
-from ..build import compile_kernel
+from ...arch import check_arch
+from ...build import compile_kernel
 from ..bytes_model import bytes_per_step, replay_bytes
-from ..contract import MAX_GRID_X, MAX_GRID_Y
-from ..spec import FLAGSHIP_HEADS
-from ..specsets import add_spec_arguments, parse_spec_args
-from ..tiling import thread_layout
-from ..verify import executed_facts, format_facts
+from ...contract import MAX_GRID_X, MAX_GRID_Y
+from ...spec import FLAGSHIP_HEADS
+from ...specsets import add_spec_arguments, parse_spec_args
+from ...tiling import thread_layout
+from ..verify.step import executed_facts, format_facts
 from .elf import InspectError
 from .facts import KernelFacts, kernel_facts
 from .occupancy import theoretical_occupancy

@@ -1,4 +1,4 @@
-"""Executed facts from a :class:`~mamba3_step.ptx.RunResult`: what the kernel really did.
+"""Executed facts from a :class:`~ptx_executor.RunResult`: what the kernel really did.
 
 * :func:`instruction_mix` - warp-instructions issued, by class (FFMA, shuffle, shared,
   global, integer, other). Counted on PTX instructions: ``ptxas`` folds some away

@@ -1,6 +1,6 @@
 """The demo's speculative-decoding round: T-token verify steps, rollback by index, checked against
 one-token-at-a-time decoding of the accepted tokens (``python -m mamba3_step demo`` runs it after
-the toy decode of :mod:`mamba3_step.demo`).
+the toy decode of :mod:`mamba3_step.tools.demo`).
 
 Letters (docs/contract.md): B lanes (requests), T tokens per verify step (rows per group), P pool
 rows (slots), H heads, D head dim, N state size, R MIMO rank, L layers.
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .serving import CudaGraphStepRunner, StatePool, StepForm, choose_bucket, decode_step
-from .testing import LayerShape, bits_equal, lane_inputs, layer_weights, poison_pool, row_tensors
+from ...serving import CudaGraphStepRunner, StatePool, StepForm, choose_bucket, decode_step
+from ...testing import LayerShape, bits_equal, lane_inputs, layer_weights, poison_pool, row_tensors
 
 __all__ = ["SpecRecord", "SpecResult", "run_speculative_decode"]
 

@@ -80,8 +80,8 @@ the ring's committed entries are read and this step's tokens appended.
 
 from __future__ import annotations
 
-from .contract import DTYPE_BYTES, SCALED_STATE_DTYPES
-from .spec import StepSpec
+from ..contract import DTYPE_BYTES, SCALED_STATE_DTYPES
+from ..spec import StepSpec
 
 __all__ = [
     "MODES",
