@@ -3,16 +3,19 @@
 Letters (docs/contract.md): B lanes, P pool rows (slots), H heads, D head dim, N state size (dstate),
 R MIMO rank, S rotary angles per head, G heads of B/C (``num_bc_heads``: 1 or H).
 
-:class:`Mamba3DecodeLayer` has upstream's parameterisation (``mamba_ssm.modules.mamba3.Mamba3``:
-the parameter names and shapes, the in_proj split ``[z, x, B, C, dd_dt, dd_A, trap, angle]``,
-B/C laid out ``(R, G, N)``), so an upstream layer's weights load into it, and it decodes the way a
-server does: every request's recurrent state lives in a row of a pool (:class:`LayerPools`), and
+:class:`Mamba3DecodeLayer` follows upstream's ``Mamba3.step`` (``mamba_ssm.modules.mamba3.Mamba3``
+of state-spaces/mamba at commit e9594ce): its parameterisation (the parameter names and shapes, the
+in_proj split ``[z, x, B, C, dd_dt, dd_A, trap, angle]``, B/C laid out ``(R, G, N)``), so an upstream
+layer's weights load into it, and its math, term by term. It decodes the way a server does: every
+request's recurrent state lives in a row of a pool (:class:`LayerPools`), and
 :meth:`Mamba3DecodeLayer.decode` runs one token for a padded batch of slots as
 
 1. ``in_proj`` (one matmul);
-2. element-wise preparation: ``A = min(-softplus(dd_A), -A_floor)``, ``dt = softplus(dd_dt + dt_bias)``,
-   ``trap = sigmoid(trap)``, B and C RMS-normed over N (kept with their G heads, never expanded), x and
-   z viewed per head, the angle projection expanded over the heads with stride 0;
+2. element-wise preparation: ``A = min(-heavy_tail(dd_A), -A_floor)`` with upstream's heavy-tail
+   activation ``heavy_tail(v) = 1 + v`` for ``v >= 0``, ``1 / (1 - v)`` for ``v < 0``;
+   ``dt = softplus(dd_dt + dt_bias)``, ``trap = sigmoid(trap)``, B and C RMS-normed over N
+   (``v * rsqrt(mean(v**2) + 1e-5) * weight``, kept with their G heads, never expanded), x and z viewed
+   per head, the angle projection expanded over the heads with stride 0;
 3. exactly one :func:`mamba3_step.mamba3_step_fn` call in pool mode with ``update_kv_state=True``: it
    reads each lane's rows in place, advances the rotary angle, adds ``B_bias``/``C_bias`` and rotates
    B/C, steps, and writes the new state, the rotated B, x and the angle back to the lane's rows
@@ -47,12 +50,18 @@ from .contract import as_torch_dtype
 from .reference import mamba3_step_reference
 from .tensors import StepTensors
 
-__all__ = ["DecodeTrace", "LayerDtypes", "LayerPools", "Mamba3DecodeLayer", "RMSNorm", "StepInputs"]
+__all__ = ["DecodeTrace", "LayerDtypes", "LayerPools", "Mamba3DecodeLayer", "RMSNorm", "StepInputs", "heavy_tail"]
 
 Tensor = torch.Tensor
 #: upstream's dt initialisation range and floor, and the B/C RMSNorm epsilon
 DT_MIN, DT_MAX, DT_INIT_FLOOR = 0.001, 0.1, 1e-4
 NORM_EPS = 1e-5
+
+
+def heavy_tail(v: Tensor) -> Tensor:
+    """Upstream's activation of ``dd_A`` (positive, continuous): ``1 + v`` for ``v >= 0``, ``1 / (1 - v)``
+    for ``v < 0``; ``A = -heavy_tail(dd_A)`` before the ``A_floor`` clamp."""
+    return torch.where(v >= 0, 1 + v, 1 / (1 - v.clamp(max=0)))
 
 
 class LayerDtypes(NamedTuple):
@@ -222,7 +231,7 @@ class Mamba3DecodeLayer(nn.Module):
         z, x, B, C, dd_dt, dd_A, trap, angle = torch.split(zxbc, self._split, dim=-1)
         n, H, bc = hidden.shape[0], self.nheads, (self.mimo_rank, self.num_bc_heads, self.d_state)
         return StepInputs(
-            A=(-F.softplus(dd_A)).clamp(max=-self.A_floor),
+            A=(-heavy_tail(dd_A)).clamp(max=-self.A_floor),
             dt=F.softplus(dd_dt + self.dt_bias.to(cd)),
             trap=torch.sigmoid(trap),
             B=self.B_norm(B.reshape(n, *bc), cd).to(kv),
