@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --replay-states: a bench/gpu_bench.py result (gpu_bench.json) whose suite "
                         "replay-states' times at B = 256 go beside the model ('measured x')")
     args = p.parse_args(argv)
+    if args.measured is not None and not args.replay_states:
+        p.error("--measured: sets suite replay-states' times beside the --replay-states table; give --replay-states")
     try:
         measured = None if args.measured is None else gpu_results.load(args.measured)
     except ValueError as e:

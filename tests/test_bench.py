@@ -240,6 +240,16 @@ def _suite_result(out_dir, suite):
     return json.loads((out_dir / "gpu_bench.json").read_text())["suites"][suite]
 
 
+def _with_graph_times(out_dir):
+    """The result in ``out_dir`` read by ``gpu_results``, every row's eager time given as its graph time too
+    (the CPU path has no graphs): what the models' --measured reads, from the suites' own rows."""
+    payload = gpu_results.load(out_dir / "gpu_bench.json")
+    for suite in payload["suites"].values():
+        for row in suite["rows"]:
+            row["us_graph"] = row["us_eager"]
+    return payload
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists")
 @pytest.mark.parametrize("suite", ["step", "replay", "replay-verify", "replay-states", "all", "replay,step"])
 def test_gpu_benchmark_without_cuda_says_so(suite, tmp_path, capsys):
@@ -307,6 +317,9 @@ def test_gpu_bench_replay_suite_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
     assert rows[1]["bytes_ratio"] == pytest.approx(replay_bytes(flagship_spec(), 2, 2, 1)["total"]
                                                    / bytes_per_step(flagship_spec(), 2, 1)["total"])
     assert all(r["us_eager"] > 0 for r in rows)
+    x = [r["us_eager"] / rows[0]["us_eager"] for r in rows]  # the models' reader, on this suite's own rows
+    assert gpu_results.replay_times(_with_graph_times(tmp_path), batch=2) == {
+        (2, False): pytest.approx(x[1]), (2, True): pytest.approx(x[2])}
     original = replay_suite.Layer.replay
     monkeypatch.setattr(replay_suite.Layer, "replay",
                         lambda self, fc=False, w=None, m=0: original(self, fc, w, m).add_(1.0))
@@ -353,6 +366,9 @@ def test_gpu_bench_replay_states_suite_plumbing_on_cpu(tmp_path, capsys, monkeyp
         "int8 state, from the checkpoint", GPUS["H200"], 2, 1)["time"])
     assert all(r["us_eager"] > 0 for r in rows)
     assert [r["time_x"] for r in rows] == pytest.approx([r["us_eager"] / rows[0]["us_eager"] for r in rows])
+    assert gpu_results.states_times(_with_graph_times(tmp_path), batch=2) == {
+        "int8 state": pytest.approx(rows[1]["time_x"]),
+        "int8 state, from the checkpoint": pytest.approx(rows[2]["time_x"])}
     original = states_suite.Layer.replay
     # a flush differing by one code's worth fails the exact check; an append 10% off fails the 5% rule
     monkeypatch.setattr(states_suite.Layer, "replay",
@@ -381,6 +397,11 @@ def test_gpu_bench_replay_verify_suite_plumbing_on_cpu(tmp_path, capsys, monkeyp
     assert rows[2]["bytes_ratio"] == pytest.approx(replay_bytes(today, 4, 2, 1)["total"]
                                                    / bytes_per_step(today, 2, 1)["total"])
     assert all(r["us_eager"] > 0 for r in rows)
+    x = [r["us_eager"] / rows[0]["us_eager"] for r in rows]
+    measured = _with_graph_times(tmp_path)
+    assert gpu_results.verify_times(measured, batch=2) == {2: pytest.approx(x[1]), 4: pytest.approx(x[2])}
+    assert gpu_results.verify_times(measured, batch=2, from_checkpoint=True) == {
+        2: pytest.approx(x[3]), 4: pytest.approx(x[4])}
     original = verify_suite.Layer.replay
     monkeypatch.setattr(verify_suite.Layer, "replay", lambda self: original(self).add_(1.0))
     assert gpu_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
@@ -802,3 +823,17 @@ def test_model_bench_sets_a_measured_result_beside_the_replay_models(tmp_path, c
     with pytest.raises(SystemExit) as exc:
         model_bench.main(["--out", str(tmp_path), "--no-plot", "--measured", str(tmp_path / "absent.json")])
     assert exc.value.code == 2 and "--measured: no such file" in capsys.readouterr().err
+
+
+def test_issue_model_takes_a_measured_result_only_beside_its_replay_states_table(tmp_path, capsys):
+    """bench/issue_model.py --measured: refused without --replay-states (the table it goes beside) and for
+    a file that is not a bench/gpu_bench.py result, both before anything compiles (exit 2)."""
+    issue_model = _load("issue_model")
+    path = _gpu_bench_result(tmp_path / "gpu_bench.json", {"replay-states": []})
+    with pytest.raises(SystemExit) as exc:
+        issue_model.main(["--measured", str(path), "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "give --replay-states" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        issue_model.main(["--replay-states", "--measured", str(tmp_path / "absent.json"), "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "--measured: no such file" in capsys.readouterr().err
+    assert not (tmp_path / "issue_model.json").exists()

@@ -170,11 +170,12 @@ def bench(entry: str, batch: int, heads: int, device, graphs: bool, target_s: fl
 
 def measure(opts: Options) -> dict:
     run, rows = opts.run, []
-    for entry in opts.entries:
-        for batch in opts.batches:
-            mine = bench(entry, batch, run.heads, run.device, run.graphs, run.target_s(200.0, 50.0), opts.min_ctas)
-            print(_table(mine), flush=True)  # a long suite: each form's rows as soon as they are timed
-            rows += mine
+    pairs = [(entry, batch) for entry in opts.entries for batch in opts.batches]
+    for entry, batch in pairs:
+        mine = bench(entry, batch, run.heads, run.device, run.graphs, run.target_s(200.0, 50.0), opts.min_ctas)
+        if len(pairs) > 1:  # a long suite: each form's rows as soon as they are timed
+            print(f"suite replay-states, {entry}, B={batch}:\n{_table(mine)}", flush=True)
+        rows += mine
     return {"what": "step times, replay kernel with rotary / stochastic rounding / int8 states vs the stepwise "
                     "kernel; model time x: the issue model's ratio for H200", "heads": run.heads, "rows": rows}
 
