@@ -122,6 +122,28 @@ def med(xs):
     return statistics.median(xs)
 
 
+def print_summary(arch: str, repeat: int, summary: dict, per: list[dict]) -> None:
+    """The timings of ``summary`` and the per-configuration warm loads ``per``, as a text report."""
+    ms = lambda s: f"{s * 1e3:9.1f} ms"  # noqa: E731
+    print(f"mamba3_step compile cache, flagship, arch {arch}, median of {repeat} fresh processes")
+    print(f"  import mamba3_step                             {ms(summary['import_mamba3_step_s'])}")
+    print(f"  import kernel module (cutlass)                 {ms(summary['import_kernel_cutlass_s'])}")
+    print(f"  cold compile, first in process                 {ms(summary['cold_compile_first_in_process_s'])}")
+    print(f"  cold compile, DSL initialised                  {ms(summary['cold_compile_s'])}")
+    print(f"  cold get_compiled (compile+export+link+load)   {ms(summary['cold_get_compiled_s'])}")
+    print(f"  warm load (fresh process, disk cache)          {ms(summary['warm_load_s'])}"
+          f"   (max {summary['warm_load_max_s'] * 1e3:.1f} ms; includes the first library load)")
+    print(f"    import tvm_ffi after import mamba3_step      {ms(summary['tvm_ffi_import_s'])}")
+    print(f"  import mamba3_step -> loaded flagship kernel   {ms(summary['import_to_loaded_s'])}")
+    print(f"  whole warm process (python start to exit)      {ms(summary['warm_process_wall_s'])}")
+    print(f"  speed-up warm load vs cold compile             {summary['speedup_vs_cold_compile']:9.0f} x"
+          f"   (vs cold get_compiled {summary['speedup_vs_cold_get_compiled']:.0f} x)")
+    print(f"  cutlass imported on a warm start               {summary['warm_imports_cutlass']}")
+    print("  warm loads per configuration, one fresh process, in load order:")
+    for row in per:
+        print(f"    {row['label']:<62} {ms(row['median_s'])}  (max {row['max_s'] * 1e3:.1f} ms)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeat", type=int, default=5, help="fresh processes per measurement (median)")
@@ -180,24 +202,7 @@ def main(argv=None) -> int:
     per = [{"order": i, "label": label, "median_s": med(v), "max_s": max(v)}
            for (i, label), v in sorted(loads.items())]
 
-    ms = lambda s: f"{s * 1e3:9.1f} ms"  # noqa: E731
-    print(f"mamba3_step compile cache, flagship, arch {a.arch}, median of {a.repeat} fresh processes")
-    print(f"  import mamba3_step                             {ms(summary['import_mamba3_step_s'])}")
-    print(f"  import kernel module (cutlass)                 {ms(summary['import_kernel_cutlass_s'])}")
-    print(f"  cold compile, first in process                 {ms(summary['cold_compile_first_in_process_s'])}")
-    print(f"  cold compile, DSL initialised                  {ms(summary['cold_compile_s'])}")
-    print(f"  cold get_compiled (compile+export+link+load)   {ms(summary['cold_get_compiled_s'])}")
-    print(f"  warm load (fresh process, disk cache)          {ms(summary['warm_load_s'])}"
-          f"   (max {summary['warm_load_max_s'] * 1e3:.1f} ms; includes the first library load)")
-    print(f"    import tvm_ffi after import mamba3_step      {ms(summary['tvm_ffi_import_s'])}")
-    print(f"  import mamba3_step -> loaded flagship kernel   {ms(summary['import_to_loaded_s'])}")
-    print(f"  whole warm process (python start to exit)      {ms(summary['warm_process_wall_s'])}")
-    print(f"  speed-up warm load vs cold compile             {summary['speedup_vs_cold_compile']:9.0f} x"
-          f"   (vs cold get_compiled {summary['speedup_vs_cold_get_compiled']:.0f} x)")
-    print(f"  cutlass imported on a warm start               {summary['warm_imports_cutlass']}")
-    print("  warm loads per configuration, one fresh process, in load order:")
-    for row in per:
-        print(f"    {row['label']:<62} {ms(row['median_s'])}  (max {row['max_s'] * 1e3:.1f} ms)")
+    print_summary(a.arch, a.repeat, summary, per)
 
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# One command for a GPU machine: the whole GPU test suite, then the GPU benchmark.
+# One command for a GPU machine: the whole GPU test suite, then the GPU benchmark's suites step, replay
+# and replay-verify (bench/gpu_bench.py; every suite's checks before any timing).
 # Usage (from the repo root, after installing the package):  bash bench/gpu_all.sh
-# Writes logs and results under bench/results/. Budget: under 10 minutes on one H100.
-# Seen on an H200 (2026-11-27, docs/measured/2026-11-27-h200-run2/): the GPU tests 203 s on 16
-# workers, gpu_bench.py 33 s (4 batches), the verify benchmark 89 s (K = 4, 8), the replay
-# benchmark about 70 s for K = 2, 4 at two batches. With every default the whole script is close
-# to the gpu-kit's 540 s limit: give it GPUKIT_LIMIT_S=590, or run the parts separately.
-# Not in it: bench/gpu_replay_states_bench.py (replay with rotary, stochastic rounding and int8 states; on an
-# H200 2026-11-28 75-95 s a form, docs/measured/2026-11-28-h200/): run it separately.
+# Writes logs and results under bench/results/ (gpu_bench.json holds every suite that finished).
+# Timings seen on an H200 (docs/measured/2026-11-27-h200-run2/): the GPU tests 203 s on 16 workers,
+# suite step 33 s (4 batches), replay-verify 89 s (K = 4, 8), replay about 70 s for K = 2, 4 at two
+# batches. With every default the whole script is close to the gpu-kit's 540 s limit: give it
+# GPUKIT_LIMIT_S=590, or run the parts separately.
+# Not in it: suite replay-states (replay with rotary, stochastic rounding and int8 states; 75-95 s a
+# form on an H200, docs/measured/2026-11-28-h200/): python bench/gpu_bench.py --suite replay-states
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p bench/results
@@ -21,12 +22,8 @@ start=$(date +%s)
 python -m pytest -q tests/gpu 2>&1 | tee bench/results/gpu_tests.log
 tests_rc=${PIPESTATUS[0]}
 echo "GPU tests: exit ${tests_rc} after $(( $(date +%s) - start )) s"
-python bench/gpu_bench.py --padded-rows --dense-rows 2>&1 | tee bench/results/gpu_bench.log
+python bench/gpu_bench.py --suite step,replay,replay-verify --padded-rows --dense-rows --replay-warps 8 2>&1 \
+  | tee bench/results/gpu_bench.log
 bench_rc=${PIPESTATUS[0]}
-python bench/gpu_replay_bench.py --replay-warps 8 2>&1 | tee bench/results/gpu_replay_bench.log
-replay_rc=${PIPESTATUS[0]}
-python bench/gpu_replay_verify_bench.py 2>&1 | tee bench/results/gpu_replay_verify_bench.log
-verify_rc=${PIPESTATUS[0]}
-bench_rc=$(( bench_rc != 0 || replay_rc != 0 || verify_rc != 0 ))
 echo "GPU tests exit ${tests_rc}, benchmark exit ${bench_rc}, total $(( $(date +%s) - start )) s"
 exit $(( tests_rc != 0 || bench_rc != 0 ))

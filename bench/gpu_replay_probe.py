@@ -6,8 +6,8 @@ Every kernel is compiled and launched twice before ``cudaProfilerStart``, so the
 exactly one launch per variant, in this order: stepwise (pool mode), the same step in dense mode
 (the pool mode / dense comparison of docs/performance.md section 4), then replay K=2, 4, 8 with outputs
 replayed, then replayed at each ``--replay-warps`` warps a CTA, then from the checkpoint (rings
-staggered as in ``gpu_replay_bench.py``; a profiler's time limit cuts the last first). Prints the order so that a report's kernels can be
-named. Exits 0 without a CUDA device.
+staggered as in ``bench/gpu_bench.py --suite replay``; a profiler's time limit cuts the last first).
+Prints the order so that a report's kernels can be named. Exits 0 without a CUDA device.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import _util  # noqa: E402,F401  (puts the repository on sys.path)
 
 import torch  # noqa: E402
 
-from gpu_replay_bench import Layer  # noqa: E402
+from gpu_suites.replay import Layer  # noqa: E402
 from mamba3_step.spec import FLAGSHIP_HEADS  # noqa: E402
 
 

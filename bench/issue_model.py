@@ -1,6 +1,7 @@
 """Instructions per state byte, side by side with upstream, and the static issue model (no GPU).
 
     python bench/issue_model.py [--out DIR] [--no-execute] [--tokens 2,4,8] [--replay 2,4,8] [--replay-states]
+                                [--measured bench/results/gpu_bench.json]
 
 Compiles the flagship as servers run it (pool mode with update_kv_state; N=128, D=64, R=4, fp32
 state, bf16 B/x/proj, z and outproj) for sm_90a and sm_100a, counts its SASS, executes its PTX
@@ -21,7 +22,9 @@ on the CPU (``--no-execute`` skips that), and prints
    ``mamba3_step.tools.issue_model.REPLAY_EXECUTED`` holds for bench/model_bench.py, checked equal);
 5. with ``--replay-states``, the same for the flagship with the rotary angle, a stochastically
    rounded bf16 state and an int8 state (replayed outputs; the counts
-   ``mamba3_step.tools.issue_model.REPLAY_STATES_EXECUTED`` holds, checked equal).
+   ``mamba3_step.tools.issue_model.REPLAY_STATES_EXECUTED`` holds, checked equal); with ``--measured``, a
+   result of ``bench/gpu_bench.py --suite replay-states``, its graph times at B = 256 over the stepwise
+   step's beside the model.
 
 Writes ``issue_model.json`` and, with matplotlib, ``issue_model.png`` to ``bench/results/``.
 These are compiler facts and a model, not GPU measurements.
@@ -37,7 +40,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _util  # noqa: E402  (also puts the repository on sys.path)
 
-from gpu_replay_states_bench import measured_times as measured_states_times  # noqa: E402
+import gpu_results  # noqa: E402
 from mamba3_step.build import compile_kernel  # noqa: E402
 from mamba3_step.tools.inspection import kernel_facts  # noqa: E402
 from mamba3_step.tools.issue_model import (GPUS, REPLAY_EXECUTED, REPLAY_STATES_EXECUTED, UPSTREAM, issue_model, replay_issue_model, replay_states_issue_model, replay_states_replay_spec, replay_states_spec, slab_bytes)
@@ -141,18 +144,18 @@ REPLAY_TABLE = [("K", "K", ">d"), ("outputs", "append outputs", "<"), ("num_warp
     col for g in GPUS for col in ((f"ratio_{g}", f"{g} issue/mem", ">.2f"), (f"time_{g}", f"{g} time x", ">.3f"))]
 
 
-def replay_states_rows() -> list[dict]:
+def replay_states_rows(measured: dict | None = None) -> list[dict]:
     """Each :data:`REPLAY_STATES_EXECUTED` entry executed again (stepwise and per ring position), its
-    issue model per GPU (``replay_states_issue_model``) and, where an H200 timed it, the measured time
-    over the stepwise step's (``gpu_replay_states_bench.measured_times``)."""
-    measured = measured_states_times()
+    issue model per GPU (``replay_states_issue_model``) and, where ``measured`` (``{entry: time ratio}``,
+    ``gpu_results.states_times``) holds it, the measured time over the stepwise step's."""
+    measured = measured or {}
     rows = []
     for name, (_, K, stepwise_count, counts) in REPLAY_STATES_EXECUTED.items():
         spec, _ = replay_states_spec(name)
         stepwise = replay_instructions(spec.with_default_tiling())[0]
         executed = replay_instructions(replay_states_replay_spec(name))
         row = {"states": name, "K": K, "stepwise": stepwise, "per_position": list(executed),
-               "matches": (stepwise, executed) == (stepwise_count, counts), "measured_H200": measured.get(name)}
+               "matches": (stepwise, executed) == (stepwise_count, counts), "measured_x": measured.get(name)}
         for g, gpu in GPUS.items():
             m = replay_states_issue_model(name, gpu)
             row.update({"bytes": m["bytes"], "instructions": m["instructions"], f"step_{g}": m["stepwise_ratio"],
@@ -166,7 +169,20 @@ STATES_TABLE = [("states", "states", "<"), ("K", "K", ">d"), ("stepwise", "stepw
                 ("instructions", "instr. x", ">.2f")] + [
     col for g in GPUS for col in ((f"step_{g}", f"{g} stepwise issue/mem", ">.2f"), (f"ratio_{g}", f"{g} replay", ">.2f"),
                                   (f"time_{g}", f"{g} time x", ">.2f"))] + [
-    ("measured_H200", "H200 measured x", ">.2f")]
+    ("measured_x", "measured x", ">.2f")]
+
+
+def print_states(measured: dict | None) -> list[dict]:
+    """:func:`replay_states_rows` with the times of ``measured`` (a bench/gpu_bench.py result, or None),
+    printed; the rows."""
+    states = replay_states_rows(None if measured is None else gpu_results.states_times(measured))
+    print("\nreplay kernel with the other states, flagship, plain decode (outputs replayed or from the "
+          "checkpoint, B = 256, H = 48): executed PTX warp-instructions per slab, and the issue model averaged "
+          "over the ring positions (time relative to the same states' stepwise step; 'measured x' is not a "
+          "model: suite replay-states of bench/gpu_bench.py"
+          + ("" if measured is None else f", {gpu_results.describe(measured)}") + ")")
+    print(_util.format_table(states, [c for c in STATES_TABLE if c[0] != "measured_x" or measured is not None]))
+    return states
 
 
 def plot(rows: list[dict], path) -> str | None:
@@ -198,7 +214,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replay", default="2,4,8", help="K values of the replay kernel to execute ('' for none)")
     p.add_argument("--replay-states", action="store_true",
                    help="also execute the replay kernel with rotary, stochastic rounding and an int8 state")
+    p.add_argument("--measured", default=None, metavar="GPU_BENCH_JSON",
+                   help="with --replay-states: a bench/gpu_bench.py result (gpu_bench.json) whose suite "
+                        "replay-states' times at B = 256 go beside the model ('measured x')")
     args = p.parse_args(argv)
+    if args.measured is not None and not args.replay_states:
+        p.error("--measured: sets suite replay-states' times beside the --replay-states table; give --replay-states")
+    try:
+        measured = None if args.measured is None else gpu_results.load(args.measured)
+    except ValueError as e:
+        p.error(str(e))
     try:
         tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
         replay_ks = [int(k) for k in args.replay.split(",") if k.strip()]
@@ -232,21 +257,16 @@ def main(argv: list[str] | None = None) -> int:
         if stale:
             print(f"  ! mamba3_step.tools.issue_model.REPLAY_EXECUTED differs from this execution for {', '.join(stale)}: "
                   "update it")
-    states = replay_states_rows() if args.replay_states and not args.no_execute else []
+    states = print_states(measured) if args.replay_states and not args.no_execute else []
     if states:
-        print("\nreplay kernel with the other states, flagship, plain decode (outputs replayed or from the "
-              "checkpoint, B = 256, H = 48): "
-              "executed PTX warp-instructions per slab, and the issue model averaged over the ring positions "
-              "(time relative to the same states' stepwise step; 'H200 measured x' is not a model: "
-              "bench/gpu_replay_states_bench.py, docs/measured/2026-11-28-h200/)")
-        print(_util.format_table(states, STATES_TABLE))
         stale = [r["states"] for r in states if not r["matches"]]
         if stale:
             print(f"  ! mamba3_step.tools.issue_model.REPLAY_STATES_EXECUTED differs from this execution for "
                   f"{', '.join(stale)}: update it")
     out = _util.results_dir(args.out)
     payload = {"what": "static SASS counts, executed PTX counts and a model; the replay-states rows' "
-               "measured_H200 is a GPU measurement (the rest is not)",
+               "measured_x is a GPU measurement (the rest is not)",
+               "measured_on": None if measured is None else gpu_results.describe(measured),
                "environment": _util.environment(), "compiled": compiled, "model": rows, "tokens": spec_rows,
                "replay": replay, "replay_states": states,
                "gpus": {k: vars(v) | {"clock_hz": v.clock_hz} for k, v in GPUS.items()}}

@@ -4,29 +4,30 @@ speculative decoding, one T-token step against T one-token steps; and for the ro
 the fused step against upstream's pipeline (a rotary launch, the step, state copies, with
 pools a gather and a scatter).
 
-    python bench/model_bench.py [--out DIR] [--heads 48] [--no-plot]
+    python bench/model_bench.py [--out DIR] [--heads 48] [--no-plot] [--measured bench/results/gpu_bench.json]
 
-Prints a table per configuration, the T-token table and the rotary tables (totals, per stage,
-the model's assumptions), writes ``model_bench.json`` and
-``model_bench.png`` to ``bench/results/`` (or ``--out``). Every number here is *modelled* (``mamba3_step.tools.bytes_model``:
-compulsory bytes / peak HBM bandwidth), not measured; ``bench/gpu_bench.py`` measures.
+Prints a table per configuration, the T-token table, the rotary tables (totals, per stage, the
+model's assumptions) and the replay tables (bytes, and the issue model of the plain and the verify
+step), writes ``model_bench.json`` and ``model_bench.png`` to ``bench/results/`` (or ``--out``).
+Every number here is *modelled* (``mamba3_step.tools.bytes_model``: compulsory bytes / peak HBM bandwidth),
+not measured; ``bench/gpu_bench.py`` measures. With ``--measured``, a result of
+``bench/gpu_bench.py --suite replay,replay-verify``, the replay issue tables add its graph times at
+B = 256 over the stepwise step's (column ``measured x``) beside the model.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _util  # noqa: E402  (also puts the repository on sys.path)
+import gpu_results  # noqa: E402
+from model_replay import replay_tables  # noqa: E402
 
-from mamba3_step.tools.bytes_model import (HBM_BANDWIDTH, MODES, bytes_per_step, replay_bytes, token_saving, upstream_pipeline_bytes)
+from mamba3_step.tools.bytes_model import HBM_BANDWIDTH, MODES, bytes_per_step, token_saving, upstream_pipeline_bytes
 from mamba3_step.spec import FLAGSHIP_HEADS, flagship_rotary_spec, flagship_spec  # noqa: E402
-from mamba3_step.tools.issue_model import GPUS as ISSUE_GPUS  # noqa: E402
-from mamba3_step.tools.issue_model import (REPLAY_EXECUTED, VERIFY_EXECUTED, VERIFY_FROM_STATE_EXECUTED, VERIFY_TOKENS, replay_issue_model, replay_verify_issue_model)
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 GPUS = tuple(HBM_BANDWIDTH)  # H100, H200, GH200
@@ -260,174 +261,21 @@ def plot(rows: list[dict], path) -> bool:
     return True
 
 
-REPLAY_BATCHES = (1, 64, 256)
-REPLAY_K = (2, 4, 8)
-REPLAY_NOTE = ("replay (docs/design.md, 'Replay'): bytes averaged over ring positions; a verify step pays the flushes its accepted tokens cause (all T accepted: min(1, T/K) of a "
-               "state write). The time ratio is the bytes ratio while the step stays memory-bound: the issue "
-               "table below says where it does")
-REPLAY_ISSUE_NOTE = ("issue model of the replay kernel (plain decode, B = 256): executed PTX warp-instructions per "
-                     "slab at each ring position (mamba3_step.tools.issue_model.REPLAY_EXECUTED, from the PTX tier) "
-                     "averaged over positions, against the bytes above; time = the larger of issue and memory "
-                     "time, relative to the stepwise step's. A model; 'H200 run N x' is not: the replay kernel's "
-                     "graph-replay time over the stepwise step's on one H200 (2026-11-27; docs/measured/). Run 1 "
-                     "(2026-11-27-h200) before packed state rows: 8 resident warps per SM against the stepwise "
-                     "step's 12, and the model's full-bandwidth assumption failed; run 2 (2026-11-27-h200-run2, "
-                     "K = 2 and 4 only) after them: K = 2 at the stepwise residency; runs 1 and 2 timed the "
-                     "from-checkpoint step at its former 8-warp default, run 4 (2026-11-27-h200-run4, K = 2 and 4) at "
-                     "today's 4 (docs/performance.md 3d)")
-#: the GPU replay benchmark's JSON of each H200 run that the replay issue table sets beside the model
-MEASURED_REPLAY_RUNS = {
-    1: _util.REPO / "docs" / "measured" / "2026-11-27-h200" / "gpu_replay_bench.json",
-    2: _util.REPO / "docs" / "measured" / "2026-11-27-h200-run2" / "gpu_replay_bench.json",
-    4: _util.REPO / "docs" / "measured" / "2026-11-27-h200-run4" / "checkpoint_warps.json",
-}
-#: per run, where today's default tiling is a row with a ``num_warps`` (``--checkpoint-warps``) rather than
-#: the run's default rows, by from_checkpoint: run 4 timed the from-checkpoint step at 4 warps, today's
-#: default, beside the 8 warps then its default
-MEASURED_REPLAY_TILING = {4: {True: 4}}
-MEASURED_REPLAY = MEASURED_REPLAY_RUNS[1]
-#: the GPU verify benchmarks' JSON that the verify issue table sets beside the model, by H200 run
-#: (run 2 timed K = 4 and 8, run 3 K = 2, run 4 K = 2 and 4 side by side; each against today's verify step
-#: on its own machine). A K timed by several runs shows the latest.
-MEASURED_VERIFY_RUNS = {
-    2: _util.REPO / "docs" / "measured" / "2026-11-27-h200-run2" / "gpu_replay_verify_bench.json",
-    3: _util.REPO / "docs" / "measured" / "2026-11-27-h200-run3" / "gpu_replay_verify_bench.json",
-    4: _util.REPO / "docs" / "measured" / "2026-11-27-h200-run4" / "gpu_replay_verify_bench.json",
-}
-MEASURED_VERIFY = MEASURED_VERIFY_RUNS[2]
-
-
-def measured_replay_times(path=MEASURED_REPLAY, batch: int = 256, tiling: dict | None = None) -> dict:
-    """``{(K, from_checkpoint): replay graph time / stepwise graph time}`` at ``batch`` from a
-    ``gpu_replay_bench.py`` JSON: the rows of the run's default tilings (no ``num_warps``), or for an
-    output form in ``tiling`` (``{from_checkpoint: num_warps}``) the rows at those warps; empty when the
-    file is absent."""
-    rows = _graph_rows(path, batch)
-    if not rows:
-        return {}
-    tiling = tiling or {}
-    base = next(r["us_graph"] for r in rows if r["step"] == "stepwise")
-    return {(r["K"], r["outputs"] == "from checkpoint"): r["us_graph"] / base for r in rows
-            if r["K"] is not None and r.get("num_warps") == tiling.get(r["outputs"] == "from checkpoint")}
-
-
-def measured_verify_times(path=MEASURED_VERIFY, batch: int = 256, from_checkpoint: bool = False) -> dict:
-    """``{K: replay verify graph time / today's verify graph time}`` at ``batch`` from a
-    ``gpu_replay_verify_bench.py`` JSON, for the drafts' output form ``from_checkpoint`` (rows from
-    before that option are replayed ones); empty when the file is absent."""
-    rows = _graph_rows(path, batch)
-    base = next((r["us_graph"] for r in rows if r["K"] is None), None)
-    return {} if base is None else {r["K"]: r["us_graph"] / base for r in rows
-                                    if r["K"] is not None and r.get("from_checkpoint", False) == from_checkpoint}
-
-
-def _graph_rows(path, batch: int) -> list[dict]:
-    """A GPU benchmark JSON's rows at ``batch`` that carry a graph time; [] when the file is absent."""
-    try:
-        return [r for r in json.loads(Path(path).read_text())["rows"] if r["batch"] == batch and "us_graph" in r]
-    except FileNotFoundError:
-        return []
-
-
-def replay_issue_rows(batch: int = 256, heads: int = FLAGSHIP_HEADS) -> list[dict]:
-    """Per K and output mode: executed instructions relative to the stepwise step, and per GPU the
-    issue/memory ratio and the modelled time relative to the stepwise step
-    (``mamba3_step.tools.issue_model.replay_issue_model``)."""
-    rows = []
-    measured = {run: measured_replay_times(path, batch, MEASURED_REPLAY_TILING.get(run))
-                for run, path in MEASURED_REPLAY_RUNS.items()}
-    for from_checkpoint in (False, True):
-        for K in REPLAY_K:
-            _, counts = REPLAY_EXECUTED[(K, from_checkpoint)]
-            row = {"K": K, "outputs": "from checkpoint" if from_checkpoint else "replayed (exact)",
-                   "per_position": list(counts)}
-            for name, gpu in ISSUE_GPUS.items():
-                m = replay_issue_model(K, from_checkpoint, gpu, batch, heads)
-                row.update({"instructions": m["instructions"], f"ratio_{name}": m["ratio"], f"time_{name}": m["time"],
-                            f"stepwise_ratio_{name}": m["stepwise_ratio"]})
-            for run, times in measured.items():
-                if (K, from_checkpoint) in times:
-                    row[f"measured_H200_run{run}"] = times[(K, from_checkpoint)]
-            rows.append(row)
-    return rows
-
-
-REPLAY_ISSUE_COLUMNS = [("K", "K", ">d"), ("outputs", "append outputs", "<"), ("instructions", "instr. x", ">.2f")] + [
-    col for g in ("H100", "H200", "B200") for col in ((f"ratio_{g}", f"{g} issue/mem", ">.2f"),
-                                                      (f"time_{g}", f"{g} time x", ">.3f"))] + [
-    (f"measured_H200_run{run}", f"H200 run {run} x", ">.3f") for run in MEASURED_REPLAY_RUNS]
-
-
-REPLAY_VERIFY_NOTE = ("issue model of the replay kernel's T = 4 verify steps (B = 256), every draft accepted by "
-                      "the next step, against today's verify step (a destination row per draft): executed PTX "
-                      "warp-instructions per slab at the committed-token counts the steady state visits "
-                      "(mamba3_step.tools.issue_model.VERIFY_EXECUTED, from the PTX tier; 'from the checkpoint': the "
-                      "drafts' outputs by the algebra, VERIFY_FROM_STATE_EXECUTED), the bytes model's verify bytes; "
-                      "time = the larger of issue and memory time, relative to today's. A model; 'H200 measured x' is "
-                      "not: bench/gpu_replay_verify_bench.py's graph-replay time over today's on an H200, "
-                      "both timed in the same run ('run': docs/measured/2026-11-27-h200-run<run>/)")
-
-
-def replay_verify_rows(batch: int = 256, heads: int = FLAGSHIP_HEADS) -> list[dict]:
-    """Per K of :data:`VERIFY_EXECUTED` and of :data:`VERIFY_FROM_STATE_EXECUTED` (the drafts' outputs
-    from the checkpoint): instructions relative to today's verify step, and per GPU the issue/memory
-    ratio and the modelled time relative to today's (``replay_verify_issue_model``)."""
-    rows = []
-    measured = {(K, fc): (run, x) for run, path in MEASURED_VERIFY_RUNS.items() for fc in (False, True)
-                for K, x in measured_verify_times(path, batch, fc).items()}
-    for fc, table in ((False, VERIFY_EXECUTED), (True, VERIFY_FROM_STATE_EXECUTED)):
-        for K in (k for k in table if k != "today"):
-            row = {"K": K, "tokens": VERIFY_TOKENS, "outputs": "from the checkpoint" if fc else "replayed",
-                   "per_step": list(table[K].values())}
-            for name, gpu in ISSUE_GPUS.items():
-                m = replay_verify_issue_model(K, gpu, batch, heads, from_checkpoint=fc)
-                row.update({"instructions": m["instructions"], f"ratio_{name}": m["ratio"], f"time_{name}": m["time"],
-                            f"today_ratio_{name}": m["today_ratio"]})
-            if (K, fc) in measured:
-                row["measured_run"], row["measured_time_H200"] = measured[(K, fc)]
-            rows.append(row)
-    return rows
-
-
-REPLAY_VERIFY_COLUMNS = [("K", "K", ">d"), ("tokens", "T", ">d"), ("outputs", "draft outputs", "<"),
-                         ("instructions", "instr. x", ">.2f")] + [
-    col for g in ("H100", "H200", "B200") for col in ((f"ratio_{g}", f"{g} issue/mem", ">.2f"),
-                                                      (f"time_{g}", f"{g} time x", ">.3f"))] + [
-    ("measured_time_H200", "H200 measured x", ">.3f"), ("measured_run", "run", ">d")]
-
-
-def replay_rows(batches=REPLAY_BATCHES, heads: int = FLAGSHIP_HEADS) -> list[dict]:
-    """The flagship's bytes per plain step and per T = 4 verify step (a destination row per token),
-    stepwise and with replay at each K of :data:`REPLAY_K` (``bytes_model.replay_bytes``)."""
-    plain = flagship_spec()
-    verify = flagship_spec(tokens=4, has_dst=True, dst_per_token=True, num_accepted=True)
-    rows = []
-    for batch in batches:
-        for kind, spec in (("plain", plain), ("verify T=4", verify)):
-            base = bytes_per_step(spec, batch, heads)["total"]
-            row = {"batch": batch, "heads": heads, "step": kind, "bytes_stepwise": base, "mib_stepwise": base / 2**20,
-                   "us_stepwise_H100": base / HBM_BANDWIDTH["H100"] * 1e6}
-            for K in REPLAY_K:
-                b = replay_bytes(spec, K, batch, heads)["total"]
-                row.update({f"bytes_K{K}": b, f"mib_K{K}": b / 2**20, f"ratio_K{K}": b / base,
-                            f"us_K{K}_H100": b / HBM_BANDWIDTH["H100"] * 1e6})
-            rows.append(row)
-    return rows
-
-
-REPLAY_COLUMNS = [("batch", "B", ">d"), ("step", "step", "<"), ("mib_stepwise", "stepwise MiB", ">.1f")] + [
-    col for K in REPLAY_K for col in ((f"mib_K{K}", f"K={K} MiB", ">.1f"), (f"ratio_K{K}", f"K={K} x", ">.3f"))
-] + [("us_stepwise_H100", "H100 stepwise us", ">.1f"), ("us_K4_H100", "H100 K=4 us", ">.1f")]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="output folder (default bench/results)")
     p.add_argument("--heads", type=int, default=FLAGSHIP_HEADS, help="H (default 48)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--measured", default=None, metavar="GPU_BENCH_JSON",
+                   help="a bench/gpu_bench.py result (gpu_bench.json): its suites replay and replay-verify's times "
+                        "at B = 256 beside the replay models ('measured x')")
     args = p.parse_args(argv)
     if args.heads < 1:
         p.error(f"--heads must be >= 1, got {args.heads}")
+    try:
+        measured = None if args.measured is None else gpu_results.load(args.measured)
+    except ValueError as e:
+        p.error(str(e))
     rows = model_rows(heads=args.heads)
     print(format_tables(rows))
     tokens = token_rows(heads=args.heads)
@@ -438,20 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     rotary = rotary_rows(heads=args.heads)
     print(format_rotary(rotary))
     print()
-    replay = replay_rows(heads=args.heads)
-    print(f"replay, flagship, H={args.heads}: stepwise vs a checkpoint and a ring of K - 1 tokens; modelled "
-          "(bytes / peak HBM bandwidth)")
-    print(_util.format_table(replay, REPLAY_COLUMNS))
-    print(f"  - {REPLAY_NOTE}")
-    replay_issue = replay_issue_rows(heads=args.heads)
-    print(f"\nreplay kernel, flagship, H={args.heads}, B=256: instructions and time against the stepwise step")
-    print(_util.format_table(replay_issue, REPLAY_ISSUE_COLUMNS))
-    print(f"  - {REPLAY_ISSUE_NOTE}")
-    replay_verify = replay_verify_rows(heads=args.heads)
-    print(f"\nreplay kernel, verify steps, flagship, H={args.heads}, B=256: instructions and time against today's "
-          "verify step")
-    print(_util.format_table(replay_verify, REPLAY_VERIFY_COLUMNS))
-    print(f"  - {REPLAY_VERIFY_NOTE}")
+    replay = replay_tables(args.heads, measured)
     out = _util.results_dir(args.out)
     payload = {
         "what": "modelled, not measured: compulsory HBM bytes per decode step (mamba3_step.tools.bytes_model) "
@@ -462,8 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "tokens": tokens,
         "rotary": {"spec": flagship_rotary_spec().as_dict(), "rows": rotary, "notes": list(ROTARY_NOTES)},
-        "replay": {"rows": replay, "note": REPLAY_NOTE, "issue": replay_issue, "issue_note": REPLAY_ISSUE_NOTE,
-                   "verify_issue": replay_verify, "verify_issue_note": REPLAY_VERIFY_NOTE},
+        "replay": replay,
     }
     print(f"wrote {_util.write_json(out / 'model_bench.json', payload)}")
     if not args.no_plot:

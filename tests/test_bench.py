@@ -1,7 +1,8 @@
 """bench/: the model benchmark's figures against an independent hand count, the static
-comparison on two real compiles, the GPU benchmark's CPU-testable parts (no-CUDA exit,
-its correctness gate refusing to report, the set rotation, the table arithmetic), and the drift
-benchmark on a short run."""
+comparison on two real compiles, the GPU benchmark's CPU-testable parts (every suite's plumbing on
+the CPU path, the no-CUDA exit, its correctness gates refusing to report, the set rotation, the table
+arithmetic), the reading of its result beside the models (``--measured``, on tables written here),
+and the drift benchmark on a short run."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from mamba3_step.tools.bytes_model import bytes_per_step, replay_bytes
 from mamba3_step.tools.issue_model import GPUS, REPLAY_STATES_EXECUTED, replay_states_issue_model
 from mamba3_step.spec import flagship_spec
+from mamba3_step.testing import bits_equal
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
@@ -35,11 +37,14 @@ model_bench = _load("model_bench")
 angle_bench = _load("angle_bench")
 static_bench = _load("static_bench")
 gpu_bench = _load("gpu_bench")
-gpu_replay_bench = _load("gpu_replay_bench")
-gpu_replay_verify_bench = _load("gpu_replay_verify_bench")
-gpu_replay_states_bench = _load("gpu_replay_states_bench")
 gpu_replay_probe = _load("gpu_replay_probe")
+gpu_results = _load("gpu_results")
 drift_bench = _load("drift_bench")
+
+from gpu_suites import replay as replay_suite  # noqa: E402  (bench/ is on sys.path now)
+from gpu_suites import replay_plot, step_checks, timing  # noqa: E402
+from gpu_suites import replay_states as states_suite  # noqa: E402
+from gpu_suites import replay_verify as verify_suite  # noqa: E402
 
 
 def _hand_bytes(batch, heads, mode):
@@ -231,24 +236,80 @@ def test_static_bench_plan_and_delta_arithmetic():
 
 
 # ----------------------------------------------------------------------------- GPU benchmark, CPU parts
+def _suite_result(out_dir, suite):
+    return json.loads((out_dir / "gpu_bench.json").read_text())["suites"][suite]
+
+
+def _with_graph_times(out_dir):
+    """The result in ``out_dir`` read by ``gpu_results``, every row's eager time given as its graph time too
+    (the CPU path has no graphs): what the models' --measured reads, from the suites' own rows."""
+    payload = gpu_results.load(out_dir / "gpu_bench.json")
+    for suite in payload["suites"].values():
+        for row in suite["rows"]:
+            row["us_graph"] = row["us_eager"]
+    return payload
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists")
-@pytest.mark.parametrize("bench, what", [("gpu_bench", "GPU benchmark"), ("gpu_replay_bench", "GPU replay benchmark"),
-                                         ("gpu_replay_verify_bench", "GPU replay verify benchmark"),
-                                         ("gpu_replay_states_bench", "GPU replay-states benchmark")])
-def test_gpu_benchmarks_without_cuda_say_so(bench, what, tmp_path, capsys):
-    assert globals()[bench].main(["--out", str(tmp_path)]) == 0
-    assert capsys.readouterr().out.strip() == f"no CUDA device: {what} not run"
-    assert not (tmp_path / f"{bench}.json").exists()
+@pytest.mark.parametrize("suite", ["step", "replay", "replay-verify", "replay-states", "all", "replay,step"])
+def test_gpu_benchmark_without_cuda_says_so(suite, tmp_path, capsys):
+    assert gpu_bench.main(["--suite", suite, "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == "no CUDA device: GPU benchmark not run"
+    assert not (tmp_path / "gpu_bench.json").exists()
 
 
-def test_gpu_replay_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
-    """The replay benchmark on CPU tensors: its correctness check passes (and fails on a corrupted
-    replay step, with no timing), every step kind is timed, the bytes ratio is the model's."""
-    args = ["--device", "cpu", "--heads", "1", "--batches", "2", "--ks", "2", "--replay-warps", "8",
-            "--checkpoint-warps", "4", "--min-ctas", "3", "--no-graph", "--out", str(tmp_path)]
-    assert gpu_replay_bench.main(args) == 0
+@pytest.mark.parametrize("argv, message", [
+    (["--suite", "replays"], "--suite: expected all or a comma-separated subset of step,replay,replay-verify,"
+                             "replay-states, got 'replays'"),
+    (["--suite", ""], "--suite: expected all"),
+    (["--batches", "1,x"], "--batches: expected comma-separated ints, got '1,x'"),
+    (["--batches", "0"], "--batches: expected positive ints, got '0'"),
+    (["--heads", "0"], "--heads: expected an int >= 1, got 0"),
+    (["--suite", "replay", "--ks", "2,four"], "--ks: expected comma-separated ints"),
+    (["--suite", "replay", "--replay-warps", "8,"], None),
+    (["--suite", "replay-states", "--forms", "int8,int4"], "--forms: expected some of rotary,bf16-sr,int8,int8-K4"),
+    (["--suite", "replay-verify", "--tokens", "1"], "--tokens: expected an int in [2, 16], got 1"),
+    (["--suite", "replay-verify", "--outputs", "replayed,stepped"], "--outputs: expected a comma-separated subset"),
+])
+def test_gpu_bench_refuses_bad_options_naming_them(argv, message, tmp_path, capsys):
+    """Every option is checked before anything runs (no CUDA needed): argparse's exit 2 with the
+    option's name, expected and got; a trailing comma in a list is no error."""
+    if message is None:
+        args = gpu_bench.parser().parse_args(argv)
+        assert gpu_bench.configure(args)["replay"].replay_warps == (8,)
+        return
+    with pytest.raises(SystemExit) as exc:
+        gpu_bench.main(argv + ["--device", "cpu", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "gpu_bench.json").exists()
+
+
+def test_gpu_bench_suite_all_is_every_suite_in_order():
+    assert gpu_bench.suite_names("all") == ["step", "replay", "replay-verify", "replay-states"]
+    assert gpu_bench.suite_names("replay-verify,step") == ["replay-verify", "step"]
+    options = gpu_bench.configure(gpu_bench.parser().parse_args(["--suite", "all", "--device", "cpu"]))
+    assert {name: o.batches for name, o in options.items()} == {
+        "step": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512), "replay": (1, 64, 256), "replay-verify": (1, 64, 256),
+        "replay-states": (256,)}
+    assert len({id(o.run) for o in options.values()}) == 1  # one run's settings, shared
+    run = options["step"].run
+    assert (run.target_s(60.0, 60.0), run.target_s(200.0, 50.0)) == (0.06, 0.05)  # each suite's own default
+    given = gpu_bench.configure(gpu_bench.parser().parse_args(["--suite", "all", "--batches", "3", "--target-ms", "7"]))
+    assert all(o.batches == (3,) for o in given.values()) and given["replay"].run.target_s(200.0, 50.0) == 0.007
+
+
+REPLAY_ARGS = ["--suite", "replay", "--device", "cpu", "--heads", "1", "--batches", "2", "--ks", "2", "--replay-warps",
+               "8", "--checkpoint-warps", "4", "--min-ctas", "3", "--no-graph", "--no-plot"]
+
+
+def test_gpu_bench_replay_suite_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
+    """Suite replay on CPU tensors: its correctness check passes (and fails on a corrupted replay step,
+    with no timing), every step kind is timed, the bytes ratio is the model's."""
+    args = REPLAY_ARGS + ["--out", str(tmp_path)]
+    assert gpu_bench.main(args) == 0
     assert "replay K=2" in capsys.readouterr().out
-    rows = json.loads((tmp_path / "gpu_replay_bench.json").read_text())["rows"]
+    rows = _suite_result(tmp_path, "replay")["rows"]
     assert [(r["step"], r["outputs"], r["num_warps"], r["min_ctas"]) for r in rows] == [
         ("stepwise", None, None, None), ("replay K=2", "replayed", None, None),
         ("replay K=2", "from checkpoint", None, None), ("replay K=2", "replayed", 8, None),
@@ -256,77 +317,79 @@ def test_gpu_replay_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
     assert rows[1]["bytes_ratio"] == pytest.approx(replay_bytes(flagship_spec(), 2, 2, 1)["total"]
                                                    / bytes_per_step(flagship_spec(), 2, 1)["total"])
     assert all(r["us_eager"] > 0 for r in rows)
-    original = gpu_replay_bench.Layer.replay
-    monkeypatch.setattr(gpu_replay_bench.Layer, "replay",
+    x = [r["us_eager"] / rows[0]["us_eager"] for r in rows]  # the models' reader, on this suite's own rows
+    assert gpu_results.replay_times(_with_graph_times(tmp_path), batch=2) == {
+        (2, False): pytest.approx(x[1]), (2, True): pytest.approx(x[2])}
+    original = replay_suite.Layer.replay
+    monkeypatch.setattr(replay_suite.Layer, "replay",
                         lambda self, fc=False, w=None, m=0: original(self, fc, w, m).add_(1.0))
-    assert gpu_replay_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
+    assert gpu_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
     assert "CORRECTNESS FAILURE" in capsys.readouterr().out
-    assert not (tmp_path / "bad" / "gpu_replay_bench.json").exists()
+    assert not (tmp_path / "bad" / "gpu_bench.json").exists()
     # from the checkpoint an append's out is checked within 2% of the stepwise kernel's, a flush's bit for bit
-    monkeypatch.setattr(gpu_replay_bench.Layer, "replay", original)
-    assert gpu_replay_bench.check(2, 1, 2, "cpu", 4, True) is None
-    monkeypatch.setattr(gpu_replay_bench.Layer, "replay",
+    monkeypatch.setattr(replay_suite.Layer, "replay", original)
+    assert replay_suite.check_one(2, 1, 2, "cpu", 4, True) is None
+    monkeypatch.setattr(replay_suite.Layer, "replay",
                         lambda self, fc=False, w=None, m=0: original(self, fc, w, m).mul_(1.05))
-    assert "out differs" in gpu_replay_bench.check(2, 1, 2, "cpu", 4, True)
-    monkeypatch.setattr(gpu_replay_bench.Layer, "replay",
+    assert "out differs" in replay_suite.check_one(2, 1, 2, "cpu", 4, True)
+    monkeypatch.setattr(replay_suite.Layer, "replay",
                         lambda self, fc=False, w=None, m=0:
                         original(self, fc, w, m).add_(0.0 if self.ring.length[0, 0] else 1e-3))
-    assert "step 1: out differs" in gpu_replay_bench.check(2, 1, 2, "cpu", 4, True)  # the first flush, exact
+    assert "step 1: out differs" in replay_suite.check_one(2, 1, 2, "cpu", 4, True)  # the first flush, exact
 
 
-def test_gpu_replay_states_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
-    """The replay-states benchmark on CPU tensors: its checks pass for the int8 form (and fail on a
-    corrupted replay step, with no timing), every step kind is timed, each row carries the issue
-    model's ratio of its REPLAY_STATES_EXECUTED entry."""
-    args = ["--device", "cpu", "--heads", "1", "--batches", "2", "--forms", "int8", "--min-ctas", "3", "--no-graph",
-            "--out", str(tmp_path)]
-    assert gpu_replay_states_bench.main(args) == 0
-    rows = json.loads((tmp_path / "gpu_replay_states_bench.json").read_text())["rows"]
+def test_gpu_bench_checks_every_suite_before_timing_any(tmp_path, capsys, monkeypatch):
+    """A failed check in the second suite leaves the first one untimed: no table, no JSON."""
+    original = replay_suite.Layer.replay
+    monkeypatch.setattr(replay_suite.Layer, "replay",
+                        lambda self, fc=False, w=None, m=0: original(self, fc, w, m).add_(1.0))
+    args = ["--suite", "step,replay", "--device", "cpu", "--heads", "1", "--batches", "2", "--ks", "2",
+            "--target-ms", "1", "--no-plot", "--out", str(tmp_path)]
+    assert gpu_bench.main(args) == 1
+    text = capsys.readouterr().out
+    assert "CORRECTNESS FAILURE in suite replay" in text and "no timing is reported" in text
+    assert "MiB/step" not in text and "== suite" not in text
+    assert not (tmp_path / "gpu_bench.json").exists()
+
+
+def test_gpu_bench_replay_states_suite_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
+    """Suite replay-states on CPU tensors: its checks pass for the int8 form (and fail on a corrupted
+    replay step, with no timing), every step kind is timed, each row carries the issue model's ratio of
+    its REPLAY_STATES_EXECUTED entry."""
+    args = ["--suite", "replay-states", "--device", "cpu", "--heads", "1", "--batches", "2", "--forms", "int8",
+            "--min-ctas", "3", "--no-graph", "--no-plot", "--out", str(tmp_path)]
+    assert gpu_bench.main(args) == 0
+    rows = _suite_result(tmp_path, "replay-states")["rows"]
     assert [(r["step"], r["outputs"]) for r in rows] == [
         ("stepwise", None), ("replay", "replayed"), ("replay", "from checkpoint"), ("replay", "replayed, 3 CTAs")]
     assert rows[2]["modelled_h200"] == pytest.approx(replay_states_issue_model(
         "int8 state, from the checkpoint", GPUS["H200"], 2, 1)["time"])
     assert all(r["us_eager"] > 0 for r in rows)
     assert [r["time_x"] for r in rows] == pytest.approx([r["us_eager"] / rows[0]["us_eager"] for r in rows])
-    original = gpu_replay_states_bench.Layer.replay
+    assert gpu_results.states_times(_with_graph_times(tmp_path), batch=2) == {
+        "int8 state": pytest.approx(rows[1]["time_x"]),
+        "int8 state, from the checkpoint": pytest.approx(rows[2]["time_x"])}
+    original = states_suite.Layer.replay
     # a flush differing by one code's worth fails the exact check; an append 10% off fails the 5% rule
-    monkeypatch.setattr(gpu_replay_states_bench.Layer, "replay",
+    monkeypatch.setattr(states_suite.Layer, "replay",
                         lambda self, fc=False, m=0: original(self, fc, m).add_(0.0 if self.ring.length[0, 0] else 1e-3))
-    assert gpu_replay_states_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
+    assert gpu_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
     assert "CORRECTNESS FAILURE" in capsys.readouterr().out
-    assert not (tmp_path / "bad" / "gpu_replay_states_bench.json").exists()
-    monkeypatch.setattr(gpu_replay_states_bench.Layer, "replay",
+    assert not (tmp_path / "bad" / "gpu_bench.json").exists()
+    monkeypatch.setattr(states_suite.Layer, "replay",
                         lambda self, fc=False, m=0:
                         original(self, fc, m).mul_(1.0 if not self.ring.length[0, 0] else 1.1))
-    assert "not within 5%" in gpu_replay_states_bench.check("int8 state", 2, 1, "cpu", True)
+    assert "not within 5%" in states_suite.check_one("int8 state", 2, 1, "cpu", True)
 
 
-def test_gpu_replay_states_measured_times_read_the_h200_logs(tmp_path):
-    """The fifth H200 run's tables (docs/measured/2026-11-28-h200/) give every REPLAY_STATES_EXECUTED
-    entry a measured time over its stepwise step's, graph replay at B = 256; a table with the later
-    'time x' column reads the same, one without graph timing gives nothing."""
-    got = gpu_replay_states_bench.measured_times()
-    assert set(got) == set(REPLAY_STATES_EXECUTED)
-    assert got["rotary"] == pytest.approx(395.1 / 246.9)
-    assert got["int8 state, K = 4, from the checkpoint"] == pytest.approx(646.1 / 244.4)
-    log = tmp_path / "states_bench.log"
-    log.write_text("rotary  256  stepwise  -  -  1.00  1.00  247.8  1.00  200.0  1.00\n"
-                   "rotary  256  replay    4  replayed  0.79  1.60  396.3  0.63  300.0  0.62\n"
-                   "rotary  64   replay    4  replayed  0.79  1.60  96.3  0.63  90.0  0.62\n"
-                   "rotary  256  replay    4  replayed, 3 CTAs  0.79  1.20  296.3  0.83  240.0  0.82\n"
-                   "int8 state  256  stepwise  -  -  1.00  1.00  245.2  1.00\n"
-                   "int8 state  256  replay    2  replayed  1.46  1.90  464.0  0.53\n")
-    assert gpu_replay_states_bench.measured_times([log]) == {"rotary": pytest.approx(1.5)}
-
-
-def test_gpu_replay_verify_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
-    """The verify benchmark on CPU tensors: its check passes (and fails on a corrupted replay step, with
+def test_gpu_bench_replay_verify_suite_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
+    """Suite replay-verify on CPU tensors: its check passes (and fails on a corrupted replay step, with
     no timing), every step kind is timed, the bytes ratio is the model's against today's verify step."""
-    args = ["--device", "cpu", "--heads", "1", "--batches", "2", "--ks", "2,4", "--tokens", "2", "--no-graph",
-            "--out", str(tmp_path)]
-    assert gpu_replay_verify_bench.main(args) == 0
+    args = ["--suite", "replay-verify", "--device", "cpu", "--heads", "1", "--batches", "2", "--ks", "2,4", "--tokens",
+            "2", "--no-graph", "--no-plot", "--out", str(tmp_path)]
+    assert gpu_bench.main(args) == 0
     assert "replay K=4 from the checkpoint" in capsys.readouterr().out
-    rows = json.loads((tmp_path / "gpu_replay_verify_bench.json").read_text())["rows"]
+    rows = _suite_result(tmp_path, "replay-verify")["rows"]
     assert [(r["step"], r["K"], r["tokens"], r["from_checkpoint"]) for r in rows] == [
         ("stepwise", None, 2, False), ("replay K=2", 2, 2, False), ("replay K=4", 4, 2, False),
         ("replay K=2 from the checkpoint", 2, 2, True), ("replay K=4 from the checkpoint", 4, 2, True)]
@@ -334,16 +397,40 @@ def test_gpu_replay_verify_bench_plumbing_on_cpu(tmp_path, capsys, monkeypatch):
     assert rows[2]["bytes_ratio"] == pytest.approx(replay_bytes(today, 4, 2, 1)["total"]
                                                    / bytes_per_step(today, 2, 1)["total"])
     assert all(r["us_eager"] > 0 for r in rows)
-    original = gpu_replay_verify_bench.Layer.replay
-    monkeypatch.setattr(gpu_replay_verify_bench.Layer, "replay", lambda self: original(self).add_(1.0))
-    assert gpu_replay_verify_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
+    x = [r["us_eager"] / rows[0]["us_eager"] for r in rows]
+    measured = _with_graph_times(tmp_path)
+    assert gpu_results.verify_times(measured, batch=2) == {2: pytest.approx(x[1]), 4: pytest.approx(x[2])}
+    assert gpu_results.verify_times(measured, batch=2, from_checkpoint=True) == {
+        2: pytest.approx(x[3]), 4: pytest.approx(x[4])}
+    original = verify_suite.Layer.replay
+    monkeypatch.setattr(verify_suite.Layer, "replay", lambda self: original(self).add_(1.0))
+    assert gpu_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
     assert "CORRECTNESS FAILURE" in capsys.readouterr().out
-    assert not (tmp_path / "bad" / "gpu_replay_verify_bench.json").exists()
+    assert not (tmp_path / "bad" / "gpu_bench.json").exists()
     # the outputs from the checkpoint: a sanity bound, which a 2% error fails
-    monkeypatch.setattr(gpu_replay_verify_bench.Layer, "replay",
+    monkeypatch.setattr(verify_suite.Layer, "replay",
                         lambda self: original(self).mul_(1.0 if not self.from_checkpoint else 1.02))
-    assert gpu_replay_verify_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
-    assert gpu_replay_verify_bench.main(args[:-2] + ["--outputs", "replayed", "--out", str(tmp_path / "ok")]) == 0
+    assert gpu_bench.main(args[:-2] + ["--out", str(tmp_path / "bad")]) == 1
+    assert gpu_bench.main(args[:-2] + ["--outputs", "replayed", "--out", str(tmp_path / "ok")]) == 0
+
+
+def test_gpu_bench_replay_plot_speedups(tmp_path):
+    """The replay suites' plot: a speed-up per variant and batch (graph where timed, else eager), the
+    stepwise rows left out; a PNG with matplotlib."""
+    rows = [{"batch": 1, "step": "stepwise", "speedup_eager": 1.0},
+            {"batch": 1, "step": "replay K=2", "outputs": "replayed", "speedup_eager": 1.5, "speedup_graph": 1.25},
+            {"batch": 4, "step": "replay K=2", "outputs": "replayed", "speedup_eager": 0.5},
+            {"batch": 4, "step": "replay K=2", "outputs": "replayed", "num_warps": 8, "speedup_eager": 2.0},
+            {"batch": 4, "form": "int8 state", "step": "replay", "outputs": "replayed, 3 CTAs", "speedup_eager": 0.75},
+            {"batch": 4, "step": "replay K=4", "outputs": "replayed", "min_ctas": 3, "speedup_eager": 0.8}]
+    assert replay_plot.speedups(rows) == {"replay K=2, replayed": {1: 1.25, 4: 0.5},
+                                          "replay K=2, replayed, 8 warps": {4: 2.0},
+                                          "int8 state, replay, replayed, 3 CTAs": {4: 0.75},
+                                          "replay K=4, replayed, 3 CTAs": {4: 0.8}}
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "r.png"
+    assert replay_plot.plot_speedups({"replay": {"rows": rows}, "replay-verify": {"rows": rows[:2]}}, "t", png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists")
@@ -361,24 +448,24 @@ def test_gpu_replay_probe_profiles_the_variants_in_its_stated_order():
                                           "replay K=2 replayed 8 warps", "replay K=3 replayed 8 warps",
                                           "replay K=2 from checkpoint", "replay K=3 from checkpoint"]
     assert all(tuple(fn().shape) == (2, 1, 64) for _, fn in runs)
-    assert gpu_bench.bits_equal(runs[0][1](), runs[1][1]())
+    assert bits_equal(runs[0][1](), runs[1][1]())
 
 
-def test_gpu_diagnose_script_parses():
-    script = os.path.join(BENCH, "gpu_diagnose.sh")
-    assert subprocess.run(["bash", "-n", script], capture_output=True).returncode == 0
+@pytest.mark.parametrize("script", ["gpu_diagnose.sh", "gpu_all.sh"])
+def test_gpu_scripts_parse(script):
+    assert subprocess.run(["bash", "-n", os.path.join(BENCH, script)], capture_output=True).returncode == 0
 
 
-CPU_ARGS = ["--device", "cpu", "--heads", "1", "--batches", "1,2", "--target-ms", "1", "--no-plot"]
+CPU_ARGS = ["--suite", "step", "--device", "cpu", "--heads", "1", "--batches", "1,2", "--target-ms", "1", "--no-plot"]
 
 
 def test_gpu_bench_plumbing_on_cpu(tmp_path, capsys):
-    """The whole script on CPU tensors (PyTorch path, perf_counter): checks pass, every mode
+    """Suite step on CPU tensors (PyTorch path, perf_counter): checks pass, every mode
     is timed, and the table's GB/s are the bytes model's bytes over the measured time."""
     assert gpu_bench.main(CPU_ARGS + ["--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "MiB/step" in text and "gather->dense->scatter" in text
-    result = json.loads((tmp_path / "gpu_bench.json").read_text())
+    result = _suite_result(tmp_path, "step")
     rows = result["rows"]
     assert {(r["batch"], r["mode"], r["kind"]) for r in rows} == {
         (b, m, "eager") for b in (1, 2) for m in ("pool", "gather_scatter", "dense")}
@@ -395,11 +482,12 @@ def test_gpu_bench_padded_rows_times_the_run_time_stride_kernel_beside_pool_mode
     (pool mode's bits, padding untouched), timed, with pool mode's bytes."""
     assert gpu_bench.main(CPU_ARGS + ["--padded-rows", "--out", str(tmp_path)]) == 0
     assert "pool, padded rows" in capsys.readouterr().out
-    rows = json.loads((tmp_path / "gpu_bench.json").read_text())["rows"]
+    rows = _suite_result(tmp_path, "step")["rows"]
     padded = [r for r in rows if r["mode"] == "pool_padded"]
     assert [r["batch"] for r in padded] == [1, 2] and all(r["us"] > 0 for r in padded)
     assert all(r["bytes"] == bytes_per_step(flagship_spec(), r["batch"], 1, mode="pool")["total"] for r in padded)
-    view = gpu_bench.padded_copy({"state": torch.randn(3, 2, 4, 8), "Bstate": torch.randn(3), "Xstate": torch.randn(3)})
+    view = step_checks.padded_copy({"state": torch.randn(3, 2, 4, 8), "Bstate": torch.randn(3),
+                                    "Xstate": torch.randn(3)})
     assert view["state"].stride(-2) == 12 and not view["state"].is_contiguous()
 
 
@@ -418,7 +506,7 @@ def test_gpu_bench_dense_rows_times_pool_mode_on_dense_modes_rows(tmp_path, caps
 
     assert gpu_bench.main(CPU_ARGS + ["--dense-rows", "--out", str(tmp_path)], step_fn=step) == 0
     assert "pool, dense's rows" in capsys.readouterr().out
-    rows = json.loads((tmp_path / "gpu_bench.json").read_text())["rows"]
+    rows = _suite_result(tmp_path, "step")["rows"]
     mine = [r for r in rows if r["mode"] == "pool_dense_rows"]
     assert [r["batch"] for r in mine] == [1, 2] and all(r["us"] > 0 for r in mine)
     assert all(r["bytes"] == bytes_per_step(flagship_spec(), r["batch"], 1, mode="pool")["total"] for r in mine)
@@ -472,7 +560,7 @@ def test_gpu_bench_refuses_to_report_after_a_failed_check(what, tmp_path, capsys
     rc = gpu_bench.main(CPU_ARGS + ["--out", str(tmp_path)], step_fn=_corrupt(what))
     assert rc == 1
     text = capsys.readouterr().out
-    assert "correctness check FAILED" in text and "no timing is reported" in text
+    assert "CORRECTNESS FAILURE" in text and "no timing is reported" in text
     assert "MiB/step" not in text and " us" not in text
     assert not (tmp_path / "gpu_bench.json").exists()
 
@@ -480,66 +568,66 @@ def test_gpu_bench_refuses_to_report_after_a_failed_check(what, tmp_path, capsys
 def test_within_reference_bound():
     r64 = torch.linspace(-3, 3, 101, dtype=torch.float64)
     r32 = r64.float()
-    assert gpu_bench.within_reference("x", r32.clone(), r32, r64) is None
+    assert step_checks.within_reference("x", r32.clone(), r32, r64) is None
     bad = r32.clone()
     bad[7] += 1e-3
-    assert "max error" in gpu_bench.within_reference("x", bad, r32, r64)
+    assert "max error" in step_checks.within_reference("x", bad, r32, r64)
     nan = r32.clone()
     nan[0] = float("nan")
-    assert "non-finite" in gpu_bench.within_reference("x", nan, r32, r64)
+    assert "non-finite" in step_checks.within_reference("x", nan, r32, r64)
     # bf16 output: one ulp at the largest magnitude (|3| -> ulp 2^-6) is allowed, four are not
     b16 = r64.bfloat16()
-    assert gpu_bench.within_reference("y", b16, b16, r64) is None
+    assert step_checks.within_reference("y", b16, b16, r64) is None
     near = b16.clone()
     near[100] = near[100] + 2.0**-6
-    assert gpu_bench.within_reference("y", near, b16, r64) is None
+    assert step_checks.within_reference("y", near, b16, r64) is None
     far = b16.clone()
     far[100] = far[100] + 4 * 2.0**-6
-    assert "max error" in gpu_bench.within_reference("y", far, b16, r64)
+    assert "max error" in step_checks.within_reference("y", far, b16, r64)
 
 
 def test_bits_equal_is_nan_safe():
     a = torch.tensor([1.0, float("nan")])
-    assert gpu_bench.bits_equal(a, a.clone())
-    assert not gpu_bench.bits_equal(a, torch.tensor([1.0, 2.0]))
-    assert not gpu_bench.bits_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
-    assert not gpu_bench.bits_equal(a, a.double())
+    assert bits_equal(a, a.clone())
+    assert not bits_equal(a, torch.tensor([1.0, 2.0]))
+    assert not bits_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert not bits_equal(a, a.double())
 
 
 def test_n_sets_covers_four_times_l2():
     L2 = 50 * 2**20
-    assert gpu_bench.n_sets(3_000_000, L2, max_sets=1024) == 70  # ceil(4 * 52428800 / 3e6)
-    assert gpu_bench.n_sets(800 * 2**20, L2, max_sets=1024) == 2  # at least two sets
-    assert gpu_bench.n_sets(1000, L2, max_sets=64) == 64  # capped by the pool
-    assert gpu_bench.n_sets(1000, 0, max_sets=1) == 1
+    assert timing.n_sets(3_000_000, L2, max_sets=1024) == 70  # ceil(4 * 52428800 / 3e6)
+    assert timing.n_sets(800 * 2**20, L2, max_sets=1024) == 2  # at least two sets
+    assert timing.n_sets(1000, L2, max_sets=64) == 64  # capped by the pool
+    assert timing.n_sets(1000, 0, max_sets=1) == 1
     with pytest.raises(ValueError, match="bytes_per_set"):
-        gpu_bench.n_sets(0, L2, 8)
+        timing.n_sets(0, L2, 8)
 
 
 def test_gather_scatter_step_matches_pool_step_on_cpu():
     """The benchmark's gather -> dense -> scatter path gives pool mode's bits (PyTorch path)."""
     spec = flagship_spec(dstate=32, headdim=32, mimo=2)
     g = torch.Generator().manual_seed(3)
-    pool = gpu_bench.make_pool(spec, 9, 2, "cpu", g)
-    shared = gpu_bench.make_shared(spec, 2, "cpu", g)
-    lanes = gpu_bench.make_lanes(spec, 4, 2, "cpu", g)
+    pool = step_checks.make_pool(spec, 9, 2, "cpu", g)
+    shared = step_checks.make_shared(spec, 2, "cpu", g)
+    lanes = step_checks.make_lanes(spec, 4, 2, "cpu", g)
     idx = torch.tensor([5, 0, 8, 2])
     from mamba3_step import mamba3_step_fn
 
     p1 = {k: v.clone() for k, v in pool.items()}
     l1 = {k: (v.clone() if v is not None else None) for k, v in lanes.items()}
-    gpu_bench.pool_step(mamba3_step_fn, spec, p1, shared, l1, idx.int())
+    step_checks.pool_step(mamba3_step_fn, spec, p1, shared, l1, idx.int())
     p2 = {k: v.clone() for k, v in pool.items()}
     l2 = {k: (v.clone() if v is not None else None) for k, v in lanes.items()}
     scratch = {k: torch.empty((4,) + tuple(v.shape[1:]), dtype=v.dtype) for k, v in pool.items()}
-    gpu_bench.gather_scatter_step(mamba3_step_fn, spec, p2, scratch, shared, l2, idx)
-    assert gpu_bench.bits_equal(l1["out"], l2["out"])
+    step_checks.gather_scatter_step(mamba3_step_fn, spec, p2, scratch, shared, l2, idx)
+    assert bits_equal(l1["out"], l2["out"])
     for k in pool:
-        assert gpu_bench.bits_equal(p1[k], p2[k]), k
-        assert not gpu_bench.bits_equal(p1[k], pool[k]), k  # the rows were updated
+        assert bits_equal(p1[k], p2[k]), k
+        assert not bits_equal(p1[k], pool[k]), k  # the rows were updated
     untouched = [1, 3, 4, 6, 7]
     for k in pool:
-        assert gpu_bench.bits_equal(p1[k][untouched], pool[k][untouched]), k
+        assert bits_equal(p1[k][untouched], pool[k][untouched]), k
 
 
 # ----------------------------------------------------------------------------- drift benchmark
@@ -639,55 +727,113 @@ def test_model_bench_replay_table(tmp_path, capsys):
     assert rows[-2]["ratio_K4"] < 0.7  # plain decode at B = 256
 
 
-def test_model_bench_sets_the_measured_replay_times_beside_the_model(tmp_path):
-    """'H200 run N x' is the replay benchmark's graph time over the stepwise step's, read from the
-    kept JSON of each H200 run (B = 256); a run without a K leaves its cell empty, and without the
-    file the column is absent."""
-    run1 = model_bench.measured_replay_times(model_bench.MEASURED_REPLAY_RUNS[1])
-    run2 = model_bench.measured_replay_times(model_bench.MEASURED_REPLAY_RUNS[2])
-    rows = json.loads(model_bench.MEASURED_REPLAY_RUNS[1].read_text())["rows"]
-    us = {(r["K"], r["outputs"]): r["us_graph"] for r in rows if r["batch"] == 256}
-    assert set(run1) == {(K, fc) for K in (2, 4, 8) for fc in (False, True)}
-    assert set(run2) == {(K, fc) for K in (2, 4) for fc in (False, True)}
-    assert run1[(4, False)] == pytest.approx(us[(4, "replayed")] / us[(None, None)])
-    assert run1[(8, True)] == pytest.approx(us[(8, "from checkpoint")] / us[(None, None)])
-    assert all(v > 1 for v in run1.values())  # what run 1 found: slower than stepwise everywhere
-    assert run2[(2, False)] < 1 < run2[(4, False)]  # run 2: K = 2 replayed faster, K = 4 not
-    table = model_bench.replay_issue_rows()
-    assert [r.get("measured_H200_run1") for r in table] == [run1[(K, fc)] for fc in (False, True) for K in (2, 4, 8)]
-    assert [r.get("measured_H200_run2") for r in table] == [run2.get((K, fc)) for fc in (False, True) for K in (2, 4, 8)]
-    # run 4: the from-checkpoint step at 4 warps (today's default; its rows carry num_warps = 4), replayed at the default
-    path4 = model_bench.MEASURED_REPLAY_RUNS[4]
-    run4 = model_bench.measured_replay_times(path4, tiling=model_bench.MEASURED_REPLAY_TILING[4])
-    us4 = {(r["K"], r["outputs"], r["num_warps"]): r["us_graph"] for r in json.loads(path4.read_text())["rows"]
-           if r["batch"] == 256}
-    assert run4 == {(K, False): pytest.approx(us4[(K, "replayed", None)] / us4[(None, None, None)]) for K in (2, 4)} | {
-        (K, True): pytest.approx(us4[(K, "from checkpoint", 4)] / us4[(None, None, None)]) for K in (2, 4)}
-    assert run4[(2, True)] < us4[(2, "from checkpoint", None)] / us4[(None, None, None)]  # 4 warps beat 8
-    assert [r.get("measured_H200_run4") for r in table] == [run4.get((K, fc)) for fc in (False, True) for K in (2, 4, 8)]
-    assert model_bench.measured_replay_times(tmp_path / "absent.json") == {}
+def _gpu_bench_result(path, suites):
+    """A bench/gpu_bench.py result holding ``suites`` ({name: rows}), as the benchmark writes it."""
+    path.write_text(json.dumps({"what": "measured", "environment": {"device": "NVIDIA H200", "date_utc": "D"},
+                                "suites": {name: {"rows": rows} for name, rows in suites.items()}}))
+    return path
 
 
-def test_model_bench_sets_the_measured_verify_times_beside_the_model(tmp_path):
-    """'H200 measured x' of the verify table: the verify benchmark's graph time at B = 256 over
-    today's verify step's in the same run, from the kept JSON of the H200 run that timed that K
-    last (run 2: K = 4 and 8; run 3: K = 2; run 4: K = 2 and 4)."""
-    measured = {}
-    for run, path in model_bench.MEASURED_VERIFY_RUNS.items():
-        us = {r["K"]: r["us_graph"] for r in json.loads(path.read_text())["rows"] if r["batch"] == 256}
-        assert model_bench.measured_verify_times(path) == {K: pytest.approx(us[K] / us[None]) for K in us if K}
-        measured.update({K: (run, us[K] / us[None]) for K in us if K})
-    assert sorted(measured) == [2, 4, 8] and measured[2][0] == measured[4][0] == 4 and measured[8][0] == 2
-    rows = model_bench.replay_verify_rows()
-    assert [(r["K"], r["outputs"]) for r in rows] == [(K, form) for form in ("replayed", "from the checkpoint")
-                                                      for K in (2, 4, 8)]
-    assert [(r["measured_run"], r["measured_time_H200"]) for r in rows[:3]] == [
-        (measured[K][0], pytest.approx(measured[K][1])) for K in (2, 4, 8)]
-    assert not any("measured_run" in r for r in rows[3:])  # no GPU has timed the drafts from the checkpoint
-    fc = tmp_path / "fc.json"  # a run that times both forms: each row takes its own form's time
-    fc.write_text(json.dumps({"rows": [{"batch": 256, "K": None, "us_graph": 100.0},
-                                       {"batch": 256, "K": 4, "from_checkpoint": False, "us_graph": 90.0},
-                                       {"batch": 256, "K": 4, "from_checkpoint": True, "us_graph": 60.0}]}))
-    assert model_bench.measured_verify_times(fc) == {4: pytest.approx(0.9)}
-    assert model_bench.measured_verify_times(fc, from_checkpoint=True) == {4: pytest.approx(0.6)}
-    assert model_bench.measured_verify_times(tmp_path / "absent.json") == {}
+#: suite replay at B = 256 (graph times) and at B = 64, with rows at other tilings that stay out
+REPLAY_ROWS = [{"batch": 256, "step": "stepwise", "K": None, "outputs": None, "num_warps": None, "min_ctas": None,
+                "us_eager": 300.0, "us_graph": 200.0},
+               {"batch": 256, "step": "replay K=2", "K": 2, "outputs": "replayed", "num_warps": None, "min_ctas": None,
+                "us_eager": 250.0, "us_graph": 180.0},
+               {"batch": 256, "step": "replay K=2", "K": 2, "outputs": "from checkpoint", "num_warps": None,
+                "min_ctas": None, "us_graph": 230.0},
+               {"batch": 256, "step": "replay K=4", "K": 4, "outputs": "replayed", "num_warps": 8, "min_ctas": None,
+                "us_graph": 100.0},
+               {"batch": 256, "step": "replay K=4", "K": 4, "outputs": "replayed", "num_warps": None, "min_ctas": 3,
+                "us_graph": 120.0},
+               {"batch": 64, "step": "stepwise", "K": None, "outputs": None, "us_graph": 50.0},
+               {"batch": 64, "step": "replay K=8", "K": 8, "outputs": "replayed", "us_graph": 10.0}]
+VERIFY_ROWS = [{"batch": 256, "K": None, "from_checkpoint": False, "us_graph": 100.0},
+               {"batch": 256, "K": 4, "from_checkpoint": False, "us_graph": 90.0},
+               {"batch": 256, "K": 4, "from_checkpoint": True, "us_graph": 60.0},
+               {"batch": 256, "K": 8, "from_checkpoint": True, "us_eager": 1.0}]
+
+
+def test_gpu_results_read_each_suites_graph_times_over_its_stepwise_step(tmp_path):
+    """Replay: the default tiling's rows (no warps, no launch bound) at B = 256 over the stepwise row;
+    verify: each output form's rows over today's; a suite without graph times or absent gives nothing."""
+    result = gpu_results.load(_gpu_bench_result(tmp_path / "r.json", {"replay": REPLAY_ROWS,
+                                                                         "replay-verify": VERIFY_ROWS}))
+    assert gpu_results.describe(result) == "NVIDIA H200, D"
+    assert gpu_results.replay_times(result) == {(2, False): pytest.approx(0.9), (2, True): pytest.approx(1.15)}
+    assert gpu_results.replay_times(result, batch=64) == {(8, False): pytest.approx(0.2)}
+    assert gpu_results.verify_times(result) == {4: pytest.approx(0.9)}
+    assert gpu_results.verify_times(result, from_checkpoint=True) == {4: pytest.approx(0.6)}
+    assert gpu_results.states_times(result) == {}
+    eager = gpu_results.load(_gpu_bench_result(tmp_path / "e.json", {"replay": [
+        {k: v for k, v in r.items() if k != "us_graph"} for r in REPLAY_ROWS]}))
+    assert gpu_results.replay_times(eager) == {} and gpu_results.verify_times(eager) == {}
+
+
+def test_gpu_results_states_times_name_the_issue_model_entries(tmp_path):
+    """Suite replay-states: each form's replay rows over its stepwise row, named as REPLAY_STATES_EXECUTED
+    names them; rows at a launch bound, at another batch or without graph timing give nothing."""
+    rows = [{"form": "rotary", "batch": 256, "step": "stepwise", "outputs": None, "us_eager": 247.8, "us_graph": 200.0},
+            {"form": "rotary", "batch": 256, "step": "replay", "outputs": "replayed", "us_graph": 300.0},
+            {"form": "rotary", "batch": 256, "step": "replay", "outputs": "from checkpoint", "us_graph": 150.0},
+            {"form": "rotary", "batch": 64, "step": "replay", "outputs": "replayed", "us_graph": 90.0},
+            {"form": "rotary", "batch": 256, "step": "replay", "outputs": "replayed, 3 CTAs", "us_graph": 240.0},
+            {"form": "int8 state", "batch": 256, "step": "stepwise", "outputs": None, "us_eager": 245.2},
+            {"form": "int8 state", "batch": 256, "step": "replay", "outputs": "replayed", "us_eager": 464.0}]
+    result = gpu_results.load(_gpu_bench_result(tmp_path / "s.json", {"replay-states": rows}))
+    got = gpu_results.states_times(result)
+    assert got == {"rotary": pytest.approx(1.5), "rotary, from the checkpoint": pytest.approx(0.75)}
+    assert set(got) <= set(REPLAY_STATES_EXECUTED)
+
+
+def test_gpu_results_refuse_a_file_that_is_not_a_result(tmp_path):
+    with pytest.raises(ValueError, match="--measured: no such file"):
+        gpu_results.load(tmp_path / "absent.json")
+    (tmp_path / "old.json").write_text(json.dumps({"rows": VERIFY_ROWS}))
+    with pytest.raises(ValueError, match="expected a bench/gpu_bench.py result"):
+        gpu_results.load(tmp_path / "old.json")
+    (tmp_path / "text.log").write_text("B  step\n")
+    with pytest.raises(ValueError, match="is not JSON"):
+        gpu_results.load(tmp_path / "text.log")
+
+
+def test_model_bench_sets_a_measured_result_beside_the_replay_models(tmp_path, capsys):
+    """--measured: the replay issue table's 'measured x' is suite replay's ratio for the row's K and
+    output form, the verify table's suite replay-verify's; rows the result does not hold stay empty;
+    without --measured the column is absent; a file that is not a result is refused (exit 2)."""
+    path = _gpu_bench_result(tmp_path / "gpu_bench.json", {"replay": REPLAY_ROWS, "replay-verify": VERIFY_ROWS})
+    assert model_bench.main(["--out", str(tmp_path), "--no-plot", "--measured", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "measured x: NVIDIA H200, D" in text
+    headers = [line for line in text.splitlines() if line.startswith("K ")]  # the two replay issue tables
+    assert len(headers) == 2 and all(line.rstrip().endswith("measured x") for line in headers)
+    replay = json.loads((tmp_path / "model_bench.json").read_text())["replay"]
+    assert replay["measured_on"] == "NVIDIA H200, D"
+    assert [(r["K"], r["outputs"], r.get("measured_x")) for r in replay["issue"]] == [
+        (2, "replayed (exact)", pytest.approx(0.9)), (4, "replayed (exact)", None), (8, "replayed (exact)", None),
+        (2, "from checkpoint", pytest.approx(1.15)), (4, "from checkpoint", None), (8, "from checkpoint", None)]
+    assert [(r["K"], r["outputs"], r.get("measured_x")) for r in replay["verify_issue"]] == [
+        (K, form, pytest.approx(x) if x else None) for form, xs in
+        (("replayed", {4: 0.9}), ("from the checkpoint", {4: 0.6})) for K in (2, 4, 8) for x in [xs.get(K)]]
+    assert model_bench.main(["--out", str(tmp_path / "plain"), "--no-plot"]) == 0
+    text = capsys.readouterr().out
+    headers = [line for line in text.splitlines() if line.startswith("K ")]
+    assert len(headers) == 2 and not any("measured x" in line for line in headers) and "measured x:" not in text
+    plain = json.loads((tmp_path / "plain" / "model_bench.json").read_text())["replay"]
+    assert not any("measured_x" in r for r in plain["issue"] + plain["verify_issue"])
+    with pytest.raises(SystemExit) as exc:
+        model_bench.main(["--out", str(tmp_path), "--no-plot", "--measured", str(tmp_path / "absent.json")])
+    assert exc.value.code == 2 and "--measured: no such file" in capsys.readouterr().err
+
+
+def test_issue_model_takes_a_measured_result_only_beside_its_replay_states_table(tmp_path, capsys):
+    """bench/issue_model.py --measured: refused without --replay-states (the table it goes beside) and for
+    a file that is not a bench/gpu_bench.py result, both before anything compiles (exit 2)."""
+    issue_model = _load("issue_model")
+    path = _gpu_bench_result(tmp_path / "gpu_bench.json", {"replay-states": []})
+    with pytest.raises(SystemExit) as exc:
+        issue_model.main(["--measured", str(path), "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "give --replay-states" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        issue_model.main(["--replay-states", "--measured", str(tmp_path / "absent.json"), "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "--measured: no such file" in capsys.readouterr().err
+    assert not (tmp_path / "issue_model.json").exists()

@@ -140,7 +140,7 @@ EIGHT_BIT = {
 # Replay (issue 23): the flagship at K = 4 (the plain-decode default), K = 2 with a bf16 state, K = 8
 # with an fp16 state and B/C shared by the heads, R = 8 without outproj, fp32 x and out; outputs from
 # the checkpoint (replay_from_checkpoint) for the flagship at K = 4 and 8 and R = 8 at K = 3; the
-# flagship at K = 4 replayed at 8 warps (128 registers, 16 warps per SM: what gpu_replay_bench.py
+# flagship at K = 4 replayed at 8 warps (128 registers, 16 warps per SM: what gpu_bench.py --suite replay
 # --replay-warps 8 times against the 4-warp default).
 REPLAY = {
     "flagship-replay-K4": flagship_spec(replay_ring=4),

@@ -95,7 +95,7 @@ def test_replay_decode_matches_the_stepwise_kernel(B, K, from_checkpoint):
 
 @pytest.mark.parametrize("B", [1, 256])
 def test_replay_decode_at_8_warps_matches_the_stepwise_kernel(B):
-    """K = 4 replayed at 8 warps a CTA (what gpu_replay_bench.py --replay-warps 8 times)."""
+    """K = 4 replayed at 8 warps a CTA (what gpu_bench.py --suite replay --replay-warps 8 times)."""
     _decode(B, 4, False, num_warps=8)
 
 

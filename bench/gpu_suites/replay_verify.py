@@ -1,14 +1,6 @@
-"""GPU benchmark of replay's verify steps against today's speculative verify step, measured.
-
-    python bench/gpu_replay_verify_bench.py [--batches 1,64,256] [--heads 48] [--ks 2,4,8] [--tokens 4]
-                                            [--outputs replayed,checkpoint] [--out DIR] [--no-graph]
-                                            [--device cpu]
-
-Without a CUDA device it prints "no CUDA device: GPU replay verify benchmark not run" and exits 0
-(``--device cpu`` runs the plumbing on the CPU path: a smoke test, not a benchmark).
-
-At the flagship configuration (N=128, D=64, R=4, fp32 state, bf16 B/C/x/z and projections, pool mode
-with update_kv_state), for every batch size, T draft tokens a lane:
+"""Suite ``replay-verify``: replay's verify steps against today's speculative verify step, at the flagship
+configuration (N=128, D=64, R=4, fp32 state, bf16 B/C/x/z and projections, pool mode with
+update_kv_state), per batch size, T draft tokens a lane:
 
 * **stepwise** (today's verify): one T-token step of ``mamba3_step_fn`` from the row after the accepted
   drafts (``state_batch_indices`` (B, T): the lane's T rows, ``num_accepted_tokens`` (B,)), writing the
@@ -17,47 +9,70 @@ with update_kv_state), for every batch size, T draft tokens a lane:
   and the drafts stepped on the checkpoint in registers, the drafts kept in the ring, the state written
   only when the committed tokens reach K.
 * **replay K, from the checkpoint** (``from_checkpoint=True``): no draft stepped; the committed tokens
-  replayed only when they flush, each draft's ``out`` by the algebra from the checkpoint and the
-  tokens since (docs/contract.md, "Replay").
+  replayed only when they flush, each draft's ``out`` by the algebra from the checkpoint and the tokens
+  since (docs/contract.md, "Replay").
 
-Every step accepts all T drafts of the step before (the steady state of a draft model that is always
-right: the stepwise step reads row T - 1, replay commits T tokens).
+Every step accepts all T drafts of the step before (a draft model that is always right: the stepwise
+step reads row T - 1, replay commits T tokens).
 
-1. Correctness first: 2K / T + 3 steps on twin pools from equal states, every draft's ``out``
-   bit-identical between the two (from the checkpoint: within 1% of the largest ``|out|``, a
-   sanity bound; the contract's accuracy rule is the PTX tier's), and every flushed row equal to the
-   stepwise row T - 1 bit for bit. If not, it prints what failed and no timing, and exits 1.
-2. Timing with CUDA events, eager and CUDA-graph replay, the rows' ring lengths staggered (row r at
-   r % K) so that a step costs the average over positions; each timed call moves the rings as a
-   server's would.
+1. Check: 2K / T + 3 steps on twin pools from equal states, every draft's ``out`` bit-identical between
+   the two (from the checkpoint: within 1% of the largest ``|out|``, a sanity bound; the contract's
+   accuracy rule is the PTX tier's), and every flushed row equal to the stepwise row T - 1 bit for bit.
+2. Timing, eager and CUDA-graph replay, the rows' ring lengths staggered (row r at r % K).
 
 Reports microseconds per step, the speed-up over the stepwise step and the bytes model's ratio
-(``mamba3_step.tools.bytes_model``) beside it; ``gpu_replay_verify_bench.json`` in ``bench/results/`` (or
-``--out``).
+(``mamba3_step.tools.bytes_model``) beside it.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
+from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _util  # noqa: E402  (also puts the repository on sys.path)
+import torch
 
-import torch  # noqa: E402
+import _util
 
-from gpu_bench import Timer, add_speedups, eager_and_graph_us  # noqa: E402
+from mamba3_step import mamba3_step_fn, new_ring, replay_step_fn
+from mamba3_step.tools.bytes_model import bytes_per_step, replay_bytes
+from mamba3_step.spec import flagship_spec
+from mamba3_step.tensors import StepTensors
+from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, row_tensors
 
-from mamba3_step import mamba3_step_fn, new_ring, replay_step_fn  # noqa: E402
-from mamba3_step.tools.bytes_model import bytes_per_step, replay_bytes  # noqa: E402
-from mamba3_step.spec import FLAGSHIP_HEADS, flagship_spec  # noqa: E402
-from mamba3_step.tensors import StepTensors  # noqa: E402
-from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, row_tensors  # noqa: E402
+from .common import Run, int_list
+from .replay import stagger_ring
+from .timing import Timer, add_speedups, eager_and_graph_us
 
-NO_CUDA_MESSAGE = "no CUDA device: GPU replay verify benchmark not run"
+NAME = "replay-verify"
+BATCHES = "1,64,256"
 D, N, R = 64, 128, 4
 POOLS = ("state", "Bstate", "Xstate")
+OUTPUT_FORMS = {"replayed": False, "checkpoint": True}
+
+
+@dataclass
+class Options:
+    run: Run
+    batches: tuple[int, ...]
+    ks: tuple[int, ...]
+    tokens: int
+    forms: tuple[bool, ...]
+
+
+def add_arguments(parser) -> None:
+    group = parser.add_argument_group("suite replay-verify")
+    group.add_argument("--tokens", type=int, default=4, help="draft tokens T a lane (default 4)")
+    group.add_argument("--outputs", default="replayed,checkpoint",
+                       help="the drafts' output forms to time: replayed (stepped), checkpoint (from the checkpoint)")
+
+
+def configure(args, run: Run) -> Options:
+    names = args.outputs.split(",")
+    if any(n not in OUTPUT_FORMS for n in names):
+        raise ValueError(f"--outputs: expected a comma-separated subset of replayed,checkpoint, got {args.outputs!r}")
+    if not 2 <= args.tokens <= 16:
+        raise ValueError(f"--tokens: expected an int in [2, 16], got {args.tokens}")
+    return Options(run, run.batches_or(BATCHES), int_list(args.ks, "--ks"), args.tokens,
+                   tuple(OUTPUT_FORMS[n] for n in names))
 
 
 class Layer:
@@ -99,13 +114,12 @@ class Layer:
 
     def stagger(self) -> "Layer":
         """Row r's ring at r % K committed tokens, T drafts pending: a step costs the average over positions."""
-        positions = torch.arange(self.ring.length.shape[0], device=self.ring.length.device) % self.K
-        self.ring.length.copy_(positions[:, None].to(torch.int32).expand_as(self.ring.length))
+        stagger_ring(self.ring, self.K)
         self.accepted.fill_(self.T)
         return self
 
 
-def check(batch: int, heads: int, K: int, T: int, device, from_checkpoint: bool = False) -> str | None:
+def check_one(batch: int, heads: int, K: int, T: int, device, from_checkpoint: bool = False) -> str | None:
     """What differs between replay's and today's verify steps over 2K / T + 3 steps, or None."""
     layer = Layer(batch, heads, K, T, device, seed=batch, from_checkpoint=from_checkpoint)
     g = torch.Generator().manual_seed(K)
@@ -130,6 +144,16 @@ def _near(got: torch.Tensor, want: torch.Tensor) -> bool:
     return float((got.float() - want.float()).abs().max()) <= 0.01 * float(want.float().abs().max())
 
 
+def check(opts: Options) -> list[str]:
+    """The first failure of every variant :func:`measure` times ([] when none)."""
+    for batch in opts.batches:
+        for K, fc in ((K, fc) for K in opts.ks for fc in opts.forms):
+            problem = check_one(batch, opts.run.heads, K, opts.tokens, opts.run.device, fc)
+            if problem:
+                return [problem]
+    return []
+
+
 def bench(batch: int, heads: int, Ks, T: int, device, graphs: bool, target_s: float,
           forms=(False,)) -> list[dict]:
     """Timed rows: today's verify step, then replay's at each K and output form (``forms``: from the
@@ -149,53 +173,21 @@ def bench(batch: int, heads: int, Ks, T: int, device, graphs: bool, target_s: fl
     return add_speedups(rows)
 
 
+def measure(opts: Options) -> dict:
+    run = opts.run
+    rows = [r for batch in opts.batches for r in bench(batch, run.heads, opts.ks, opts.tokens, run.device,
+                                                       run.graphs, run.target_s(200.0, 50.0), opts.forms)]
+    return {"what": "step times, replay verify step vs stepwise verify step; bytes x: the bytes model's ratio",
+            "heads": run.heads, "tokens": opts.tokens, "rows": rows}
+
+
 COLUMNS = [("batch", "B", ">d"), ("tokens", "T", ">d"), ("step", "step", "<"), ("bytes_ratio", "bytes x", ">.3f"),
            ("us_eager", "eager us", ">.1f"), ("speedup_eager", "eager speed-up", ">.2f"),
            ("us_graph", "graph us", ">.1f"), ("speedup_graph", "graph speed-up", ">.2f")]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    _util.add_gpu_bench_arguments(p, "1,64,256", FLAGSHIP_HEADS)
-    p.add_argument("--ks", default="2,4,8",
-                   help="flush lengths K (default 2,4,8: K = 2, the plain step's measured winner, too)")
-    p.add_argument("--tokens", type=int, default=4, help="draft tokens T a lane (default 4)")
-    p.add_argument("--outputs", default="replayed,checkpoint",
-                   help="the drafts' output forms to time: replayed (stepped), checkpoint (from the checkpoint)")
-    args = p.parse_args(argv)
-    names = args.outputs.split(",")
-    if not names or any(n not in ("replayed", "checkpoint") for n in names):
-        p.error(f"--outputs: expected a comma-separated subset of replayed,checkpoint, got {args.outputs!r}")
-    forms = tuple(n == "checkpoint" for n in names)
-    try:
-        batches = [int(v) for v in args.batches.split(",")]
-        Ks = [int(v) for v in args.ks.split(",")]
-    except ValueError:
-        p.error(f"--batches/--ks: expected comma-separated ints, got {args.batches!r} / {args.ks!r}")
-    if not 2 <= args.tokens <= 16:
-        p.error(f"--tokens: expected an int in [2, 16], got {args.tokens}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(NO_CUDA_MESSAGE)
-        return 0
-    target_s = 0.05 if args.device == "cpu" else 0.2
-    for batch in batches:
-        for K, fc in ((K, fc) for K in Ks for fc in forms):
-            problem = check(batch, args.heads, K, args.tokens, args.device, fc)
-            if problem:
-                print(f"CORRECTNESS FAILURE, no timing: {problem}")
-                return 1
-    rows = [r for batch in batches for r in bench(batch, args.heads, Ks, args.tokens, args.device,
-                                                  not args.no_graph, target_s, forms)]
-    print(f"replay verify vs today's verify (a row per draft), flagship, H={args.heads}, T={args.tokens}, "
-          f"{args.device} (measured; bytes x: the model's ratio)")
-    print(_util.format_table(rows, [c for c in COLUMNS if any(c[0] in r for r in rows)]))
-    out = _util.results_dir(args.out)
-    payload = {"what": "measured step times (CUDA events), replay verify step vs stepwise verify step"
-               if args.device == "cuda" else "CPU smoke run of the plumbing: not a benchmark",
-               "environment": _util.environment(), "rows": rows}
-    print(f"wrote {_util.write_json(out / 'gpu_replay_verify_bench.json', payload)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def report(result: dict) -> str:
+    rows = result["rows"]
+    return (f"replay verify vs today's verify (a row per draft), flagship, H={result['heads']}, "
+            f"T={result['tokens']} (bytes x: the model's ratio)\n"
+            + _util.format_table(rows, [c for c in COLUMNS if any(c[0] in r for r in rows)]))

@@ -1,4 +1,4 @@
-"""The GPU benchmark's inputs, its three paths and its correctness checks (see gpu_bench.py).
+"""The step suite's inputs, its three paths and its correctness checks (``bench/gpu_bench.py --suite step``).
 
 Inputs come from the package's one factory (``mamba3_step.testing``). ``gather_scatter_step``
 here is the *timed* unindexed path: allocation-free (preallocated scratch) so that it can be
@@ -15,9 +15,7 @@ from mamba3_step.reference import mamba3_step_reference
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, row_tensors
 
-
-class GraphUnavailable(RuntimeError):
-    """CUDA-graph capture or replay raised: graph timings are skipped, eager ones go on."""
+from .timing import GraphUnavailable, capture
 
 
 # ------------------------------------------------------------------------------ input sets
@@ -261,19 +259,3 @@ def _restore(p: dict, p0: dict, ln: dict, ln0: dict) -> None:
         if isinstance(ln[k], torch.Tensor):
             ln[k].copy_(ln0[k])
 
-
-def capture(fn, warmup_restore=None):
-    """A CUDA graph of ``fn()`` (warmed up on a side stream first, as capture requires)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    if warmup_restore is not None:
-        warmup_restore()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph

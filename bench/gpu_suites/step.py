@@ -1,0 +1,279 @@
+"""Suite ``step``: pool mode vs gather -> dense -> scatter vs dense mode, at the flagship configuration
+(N=128, D=64, R=4, fp32 state, bf16 B/C/x/z and projections, z and outproj, ``update_kv_state`` as a
+server runs it), for every batch size.
+
+1. Check (``step_checks.check_batch``): on fresh random data, pool mode bit-identical to
+   gather -> dense -> scatter (out, and every row of state / Bstate / Xstate, untouched rows included);
+   pool and dense mode within PyTorch float32's error of a float64 evaluation of the PyTorch path, plus
+   one unit in the last place of the output dtype; B/x rows stored by update_kv_state exact; rows no
+   lane writes bit-for-bit unchanged; a CUDA-graph replay of each mode the eager call's bits.
+2. Timing with CUDA events, eager calls and CUDA-graph replay, cycling through several input sets
+   (distinct pool rows and per-lane tensors) so that one round touches at least 4x the L2 cache and
+   small batches are not served from L2.
+3. The device-to-device copy bandwidth of the same GPU in the same run (``Tensor.copy_`` of 1 GiB,
+   read + write bytes), as the practical ceiling.
+
+``--padded-rows`` adds pool mode over a copy of the pool whose state rows have a padded D stride
+(N + 4): the kernel that reads the state's D stride at run time, checked first (pool mode's bits, the
+padding untouched). ``--dense-rows`` adds pool mode whose indices name dense mode's rows in order (set
+``s`` at batch ``B``: rows ``s*B ... s*B + B - 1``): pool against it isolates where the rows are, it
+against dense isolates the wait for ``state_batch_indices``; pool mode's check covers it.
+
+Reports microseconds per step, GB/s (the bytes of ``mamba3_step.tools.bytes_model``, compulsory bytes of the
+mode, over the time) and percent of the copy bandwidth. A guard stops timing new batches after 270 s.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+import _util
+
+from mamba3_step import mamba3_step_fn
+from mamba3_step.tools.bytes_model import bytes_per_step
+from mamba3_step.spec import flagship_spec
+
+from .common import Run
+from .step_checks import (check_batch, dense_step, gather_scatter_step, make_lanes, make_pool, make_shared,
+                          padded_copy, pool_step)
+from .timing import GraphUnavailable, Timer, capture, copy_bandwidth, n_sets, time_round
+
+NAME = "step"
+BATCHES = "1,2,4,8,16,32,64,128,256,512"
+MODES = ("pool", "gather_scatter", "dense")
+#: with --padded-rows: pool mode on state rows of a padded D stride (the run-time stride kernel)
+PADDED_MODE = "pool_padded"
+#: with --dense-rows: pool mode whose indices name dense mode's rows, in order
+DENSE_ROWS_MODE = "pool_dense_rows"
+MODE_LABELS = {"pool": "pool", "gather_scatter": "gather->dense->scatter", "dense": "dense",
+               PADDED_MODE: "pool, padded rows", DENSE_ROWS_MODE: "pool, dense's rows"}
+TIME_GUARD_S = 270.0
+
+
+@dataclass
+class Options:
+    run: Run
+    batches: tuple[int, ...]
+    padded_rows: bool
+    dense_rows: bool
+    step_fn: object = None
+    reference_fn: object = None
+
+
+def add_arguments(parser) -> None:
+    group = parser.add_argument_group("suite step")
+    group.add_argument("--padded-rows", action="store_true",
+                       help="also time pool mode on state rows of a padded D stride (the run-time stride kernel)")
+    group.add_argument("--dense-rows", action="store_true",
+                       help="also time pool mode with indices naming dense mode's rows in order (where the rows "
+                            "are vs waiting for the index)")
+
+
+def configure(args, run: Run, step_fn=None, reference_fn=None) -> Options:
+    return Options(run, run.batches_or(BATCHES), args.padded_rows, args.dense_rows, step_fn, reference_fn)
+
+
+def check(opts: Options) -> list[str]:
+    """Every check at every batch size; on a failed graph capture, graph timing is dropped (``env``
+    records why) and the checks go on without it."""
+    run, spec, failures = opts.run, flagship_spec(), []
+    for batch in opts.batches:
+        try:
+            failures += check_batch(spec, batch, run.heads, torch.device(run.device), opts.step_fn, opts.reference_fn,
+                                    graphs=run.graphs and run.cuda, padded=opts.padded_rows)
+        except GraphUnavailable as e:
+            run.env["graph_error"] = str(e)
+            run.graphs = False
+            failures += check_batch(spec, batch, run.heads, torch.device(run.device), opts.step_fn, opts.reference_fn,
+                                    graphs=False, padded=opts.padded_rows)
+    return failures
+
+
+def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dict, step_fn,
+                l2_bytes: int, graphs: bool, target_s: float, gen: torch.Generator,
+                padded: dict | None = None, dense_rows: bool = False) -> list[dict]:
+    """Time the three modes at one batch size, pool mode on ``padded`` (a :func:`padded_copy` of
+    ``pool``) when given, and pool mode on dense mode's rows with ``dense_rows``; one row per
+    (mode, eager|graph)."""
+    timer = Timer(device)
+    P = pool["state"].shape[0]
+    per_set = bytes_per_step(spec, batch, heads, mode="pool")["total"]
+    sets = n_sets(per_set, l2_bytes, max_sets=max(1, P // batch))
+    round_of = _rounds(spec, batch, heads, device, pool, shared, step_fn, sets, gen, padded)
+    rows = []
+    extra = ((PADDED_MODE,) if padded is not None else ()) + ((DENSE_ROWS_MODE,) if dense_rows else ())
+    for mode in MODES + extra:
+        nbytes = bytes_per_step(spec, batch, heads, mode=mode if mode in MODES else "pool")["total"]
+        for kind in ["eager"] + (["graph"] if graphs else []):
+            row = {"mode": mode, "kind": kind, "batch": batch, "sets": sets, "bytes": nbytes}
+            try:
+                fn = round_of(mode)
+                if kind == "graph":
+                    fn = capture(fn).replay
+                sec = time_round(timer, fn, sets, target_s)
+                row.update(us=sec * 1e6, gbps=nbytes / sec / 1e9)
+            except Exception as e:  # a capture that fails is reported, the rest goes on
+                row["error"] = f"{type(e).__name__}: {e}"
+            rows.append(row)
+    return rows
+
+
+def _rounds(spec, batch: int, heads: int, device, pool: dict, shared: dict, step_fn, sets: int, gen, padded):
+    """``round_of(mode)``: a function running one step of ``mode`` on each of ``sets`` input sets."""
+    P = pool["state"].shape[0]
+    perm = torch.randperm(P, generator=gen)[: sets * batch].view(sets, batch)
+    idx32 = [perm[s].to(torch.int32).to(device) for s in range(sets)]
+    idx64 = [perm[s].to(device) for s in range(sets)]
+    in_order = [torch.arange(s * batch, (s + 1) * batch, dtype=torch.int32, device=device) for s in range(sets)]
+    lanes = [make_lanes(spec, batch, heads, device, gen) for _ in range(sets)]
+    # dense mode: set s uses pool rows [s*B, (s+1)*B) as its (B, ...) dense tensors (views)
+    dense = [{k: v[s * batch:(s + 1) * batch] for k, v in pool.items()} for s in range(sets)]
+    scratch = {k: torch.empty((batch,) + tuple(v.shape[1:]), dtype=v.dtype, device=device) for k, v in pool.items()}
+
+    def round_of(mode):
+        if mode in ("pool", PADDED_MODE, DENSE_ROWS_MODE):
+            rows_of = padded if mode == PADDED_MODE else pool
+            idx = in_order if mode == DENSE_ROWS_MODE else idx32
+            calls = [lambda s=s: pool_step(step_fn, spec, rows_of, shared, lanes[s], idx[s]) for s in range(sets)]
+        elif mode == "gather_scatter":
+            calls = [lambda s=s: gather_scatter_step(step_fn, spec, pool, scratch, shared, lanes[s], idx64[s])
+                     for s in range(sets)]
+        else:
+            calls = [lambda s=s: dense_step(step_fn, spec, dense[s], shared, lanes[s]) for s in range(sets)]
+
+        def run_round():
+            for c in calls:
+                c()
+
+        return run_round
+
+    return round_of
+
+
+def measure(opts: Options) -> dict:
+    """The copy bandwidth, then every batch size's rows (until the time guard)."""
+    t_start = time.perf_counter()
+    run, spec = opts.run, flagship_spec()
+    device = torch.device(run.device)
+    graphs = run.graphs and run.cuda
+    copy_bps = copy_bandwidth(device, nbytes=(1 << 30) if run.cuda else (1 << 24))
+    gen = torch.Generator().manual_seed(7)
+    P = max(2 * max(opts.batches), 16)
+    pool = make_pool(spec, P, run.heads, device, gen)
+    shared = make_shared(spec, run.heads, device, gen)
+    padded = padded_copy(pool) if opts.padded_rows else None
+    rows, skipped = [], []
+    for batch in opts.batches:
+        if time.perf_counter() - t_start > TIME_GUARD_S:
+            skipped.append(batch)
+            continue
+        rows += bench_batch(spec, batch, run.heads, device, pool=pool, shared=shared,
+                            step_fn=opts.step_fn or mamba3_step_fn, l2_bytes=run.env["l2_bytes"], graphs=graphs,
+                            target_s=run.target_s(60.0, 60.0), gen=gen, padded=padded, dense_rows=opts.dense_rows)
+    return {
+        "what": "pool vs gather->dense->scatter vs dense; GB/s use the compulsory bytes of mamba3_step.tools.bytes_model",
+        "checks": ("pool == gather->dense->scatter bit for bit; pool and dense within PyTorch float32's error of a "
+                   "float64 evaluation; untouched rows unchanged" + ("; graph replay == eager" if graphs else "")),
+        "heads": run.heads,
+        "spec": spec.as_dict(),
+        "copy_bandwidth_bytes_per_s": copy_bps,
+        "rows": rows,
+        "table": table_rows(rows, copy_bps),
+        "skipped_batches_time_guard": skipped,
+        "seconds": round(time.perf_counter() - t_start, 1),
+    }
+
+
+TABLE_COLUMNS = [
+    ("batch", "B", ">d"),
+    ("mode_label", "mode", "<"),
+    ("sets", "sets", ">d"),
+    ("mib", "MiB/step", ">.1f"),
+    ("us_eager", "eager us", ">.1f"),
+    ("gbps_eager", "GB/s", ">.0f"),
+    ("pct_copy_eager", "% copy", ">.1f"),
+    ("us_graph", "graph us", ">.1f"),
+    ("gbps_graph", "GB/s", ">.0f"),
+    ("pct_copy_graph", "% copy", ">.1f"),
+    ("speedup_pool", "pool speed-up", ">.2f"),
+]
+
+
+def table_rows(rows: list[dict], copy_bps: float) -> list[dict]:
+    """Merge eager/graph rows per (batch, mode); add % of copy bandwidth and pool mode's
+    speed-up over the mode (graph replay if measured, else eager)."""
+    merged: dict = {}
+    for r in rows:
+        m = merged.setdefault((r["batch"], r["mode"]), {
+            "batch": r["batch"], "mode": r["mode"], "mode_label": MODE_LABELS[r["mode"]],
+            "sets": r["sets"], "mib": r["bytes"] / 2**20, "bytes": r["bytes"],
+        })
+        if "us" in r:
+            m[f"us_{r['kind']}"] = r["us"]
+            m[f"gbps_{r['kind']}"] = r["gbps"]
+            if copy_bps:
+                m[f"pct_copy_{r['kind']}"] = 100 * r["gbps"] * 1e9 / copy_bps
+        if "error" in r:
+            m[f"error_{r['kind']}"] = r["error"]
+    out = list(merged.values())
+    for m in out:
+        pool = merged.get((m["batch"], "pool"), {})
+        for kind in ("graph", "eager"):
+            if f"us_{kind}" in m and f"us_{kind}" in pool:
+                m["speedup_pool"] = m[f"us_{kind}"] / pool[f"us_{kind}"]
+                break
+    return out
+
+
+def report(result: dict) -> str:
+    copy_bps, trows = result["copy_bandwidth_bytes_per_s"], result["table"]
+    lines = [
+        f"pool vs gather->dense->scatter vs dense, flagship, H={result['heads']}, update_kv_state; device-to-device "
+        f"copy bandwidth measured in this run: {copy_bps / 1e9:.0f} GB/s (read + write)",
+        "GB/s = compulsory bytes of the mode (bytes_model) / measured time; 'sets' = input sets "
+        "cycled per round so a round touches >= 4x L2",
+        _util.format_table(trows, TABLE_COLUMNS),
+    ]
+    errors = [f"  B={r['batch']} {r['mode']} {k[6:]}: {v}" for r in trows for k, v in r.items()
+              if k.startswith("error_")]
+    if errors:
+        lines.append("not measured:\n" + "\n".join(errors))
+    if result["skipped_batches_time_guard"]:
+        lines.append(f"time guard ({TIME_GUARD_S:.0f} s) reached: batches {result['skipped_batches_time_guard']} "
+                     "not timed")
+    return "\n".join(lines)
+
+
+def plot(result: dict, title: str, path) -> bool:
+    """Time per step and % of the copy bandwidth against the batch size, per mode (solid: CUDA graph,
+    dashed: eager); False without matplotlib."""
+    plt = _util.pyplot()
+    if plt is None:
+        return False
+    trows, copy_bps = result["table"], result["copy_bandwidth_bytes_per_s"]
+    # pool and dense mode may nearly coincide: pool is drawn wide and translucent under dense
+    look = {"pool": dict(lw=4.0, alpha=0.45), "gather_scatter": dict(lw=1.6, marker="o", ms=3),
+            "dense": dict(lw=1.0, marker="x", ms=4), PADDED_MODE: dict(lw=1.0, ls=":", marker="+", ms=5),
+            DENSE_ROWS_MODE: dict(lw=1.0, ls="-.", marker="d", ms=4)}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2))
+    for mode in MODES + (PADDED_MODE, DENSE_ROWS_MODE):
+        sub = sorted((r for r in trows if r["mode"] == mode), key=lambda r: r["batch"])
+        for kind, style in (("graph", "-"), ("eager", "--")):
+            for ax, key in ((ax1, f"us_{kind}"), (ax2, f"pct_copy_{kind}")):
+                pts = [(r["batch"], r[key]) for r in sub if key in r]
+                if pts:
+                    ax.plot(*zip(*pts), style, color=_util.MODE_COLORS[mode], label=f"{MODE_LABELS[mode]}, {kind}",
+                            **look[mode])
+    ax1.set_yscale("log")
+    ax1.set_ylabel("measured time per step (us, one layer)")
+    ax1.set_title(title, fontsize=10)
+    ax1.legend(fontsize=8)
+    ax2.set_ylabel("% of device-to-device copy bandwidth")
+    ax2.set_title(f"effective bandwidth (compulsory bytes / time); copy = {copy_bps / 1e9:.0f} GB/s", fontsize=10)
+    if ax2.get_legend_handles_labels()[0]:
+        ax2.legend(fontsize=8)
+    _util.save_batch_plot(plt, fig, (ax1, ax2), sorted({r["batch"] for r in trows}), path)
+    return True
