@@ -30,16 +30,18 @@ LAYERS = [
     # ptx: the PTX executor, numpy only; rounding: the state's random bits and low-precision stores
     ["tiling", "tensors", "signature", "arch", "sources", "testing", "ptx", "rotary", "rounding"],
     ["spec"],
-    # ring: replay's ring (layout, allocation, argument checks); replay: its CPU path
-    ["reference", "validation", "bytes_model", "issue_model", "specsets", "ring", "replay", "replay_reference"],
+    # ring: replay's ring (allocation, argument checks); replay: its CPU path; replay_validation: what a step
+    # with a ring checks on every device; ring_guard: a replay plan's per-run check of its ring
+    ["reference", "validation", "bytes_model", "issue_model", "specsets", "ring", "replay", "replay_reference",
+     "replay_validation", "ring_guard"],
     ["kernel"],
     ["build"],  # the kernel's cutlass-free face: imports it lazily, on the first compile
     ["compile_cache"],
     ["launch"],
-    ["api", "plan", "api_replay", "materialize"],  # plan: plan once, run many (StepPlan); api_replay: replay's entry
-    # point; materialize: a replay row's current state on any device (the kernel's flush form on CUDA)
-    ["plan_replay"],  # plan once, run many, for replay (ReplayStepPlan): on the stepwise plan and replay's entry
-    ["ops", "ops_replay", "serving"],
+    # plan: plan once, run many (StepPlan); materialize: a replay row's current state on any device (the
+    # kernel's flush form on CUDA)
+    ["api", "plan", "materialize"],
+    ["ops", "serving"],
     # layer: a Mamba-3 decode layer; verify_flush: verify's check of materialize's flush forms
     ["inspection", "layer", "demo", "demo_speculative", "demo_replay", "ptx_tier", "verify", "verify_flush"],
     ["cli", "__main__"],
