@@ -37,7 +37,7 @@ def is_replay_call(tensors: StepTensors, options) -> bool:
 def check_replay_inputs(tensors: StepTensors, options, who: str = "mamba3_step_fn") -> StepSpec:
     """Every check of a replay step, in this order, before anything is written: the replay arguments'
     kinds (``replay_ring`` a :class:`~mamba3_step.tensors.Ring` of strided tensors,
-    ``replay_flush_length`` an int in [2, 16], ``replay_from_checkpoint`` a bool), ``update_kv_state``
+    ``replay_flush_length`` an integer in [2, 16], ``replay_from_checkpoint`` a bool), ``update_kv_state``
     True, the step's checks (:func:`mamba3_step.validation.check_step_inputs`, without
     ``num_accepted_tokens``, which replay reads as drafts to commit), ``num_accepted_tokens`` (B,) int32,
     the ring against the step (:func:`mamba3_step.ring.check_ring`), the ring's memory (written in
@@ -56,6 +56,7 @@ def check_replay_inputs(tensors: StepTensors, options, who: str = "mamba3_step_f
         raise ValueError(f"{name}: expected {'None' if name == 'replay_flush_length' else 'False'} without "
                          f"replay_ring (a replay option needs the ring it replays), got "
                          f"{flush_length if name == 'replay_flush_length' else options.replay_from_checkpoint!r}")
+    flush_length = checks.check_int_option("replay_flush_length", flush_length)  # a numpy integer: its int
     check_replay_arguments(tensors, ring, flush_length, who, options.replay_from_checkpoint)
     if checks.check_bool_option("update_kv_state", options.update_kv_state) is not True:
         raise ValueError("update_kv_state: expected True with replay_ring (a replay step stores its token's B and x: "

@@ -126,7 +126,7 @@ def test_kernel_spec_refuses_what_the_kernel_does_not_take_by_name():
     with pytest.raises(TypeError, match="num_warps: expected an int or None, got dict"):
         replay_spec(call, ring, K, num_warps={})
     _refused(call, ring, "num_warps: expected a positive int or None", num_warps=0)
-    _refused(call, ring, r"replay_flush_length must be an int in \[2, 16\], got \[4\]", flush_length=[4])
+    _refused(call, ring, r"^replay_flush_length: expected an int or None, got list", flush_length=[4])
 
 
 def test_kernel_spec_refuses_a_ring_that_does_not_fit_or_shares_memory():
@@ -205,8 +205,8 @@ def test_odd_scalars_and_bundles_are_refused_by_name_on_every_replay_entry():
         (lambda: plan.run(**bundle._replace(state=True)._asdict()), TypeError, r"^state: expected a torch.Tensor"),
         (lambda: plan.run(**bundle._replace(replay_ring="ring")._asdict()), TypeError,
          r"^mamba3_step_fn: replay_ring must be a mamba3_step.Ring"),
-        (lambda: replay_spec(call, ring, _freed(torch.zeros(3, dtype=torch.int32))), ValueError,
-         r"replay_flush_length must be an int in \[2, 16\], got a tensor of shape \(3,\)"),
+        (lambda: replay_spec(call, ring, _freed(torch.zeros(3, dtype=torch.int32))), TypeError,
+         r"^replay_flush_length: expected an int or None, got Tensor"),
         (lambda: replay_fn(call, ring, K, replay_from_checkpoint=torch.ones(2)), TypeError,
          r"^replay_from_checkpoint: expected a bool, got torch.Tensor"),
         (lambda: plan_step(**bundle._asdict(), **options._replace(replay_from_checkpoint=1)._asdict()), TypeError,
