@@ -10,7 +10,7 @@ At the flagship configuration (N=128, D=64, R=4, fp32 state, bf16 B/C/x/z and pr
 mode with update_kv_state), for every batch size:
 
 1. Correctness first: a decode of 2K + 1 steps from empty rings through
-   ``mamba3_step.replay_step_fn`` (the replay kernel, outputs replayed) and ``mamba3_step_fn`` (the
+   ``mamba3_step_fn`` in its replay mode (the replay kernel, outputs replayed) and ``mamba3_step_fn`` (the
    stepwise kernel) on twin pools: every ``out`` and every row at its flush must be bit-identical.
    If not, it prints what failed and no timing, and exits 1.
 2. Timing with CUDA events, eager and CUDA-graph replay: the stepwise step, and the replay step
@@ -46,8 +46,9 @@ import torch  # noqa: E402
 
 from gpu_bench import Timer, add_speedups, eager_and_graph_us  # noqa: E402
 
-from mamba3_step import mamba3_step_fn, new_ring, replay_step_fn  # noqa: E402
-from mamba3_step.api_replay import replay_kernel_spec  # noqa: E402
+from mamba3_step import mamba3_step_fn, new_ring  # noqa: E402
+from mamba3_step.replay_validation import check_replay_inputs  # noqa: E402
+from mamba3_step.signature import StepOptions  # noqa: E402
 from mamba3_step.bytes_model import bytes_per_step, replay_bytes  # noqa: E402
 from mamba3_step.spec import FLAGSHIP_HEADS, flagship_spec  # noqa: E402
 from mamba3_step.launch import kernel_for  # noqa: E402
@@ -97,14 +98,18 @@ class Layer:
 
 def bounded_replay(tensors: StepTensors, ring, K: int, from_checkpoint: bool = False, num_warps: int | None = None,
                    min_ctas: int = 0):
-    """``replay_step_fn``, or with ``min_ctas`` on CUDA the same launch at that launch bound
-    (``StepSpec.min_ctas_per_sm``: an experiment's knob, no public option, so launched here as
-    ``replay_step_fn`` launches; on the CPU path there is no bound to set)."""
+    """``mamba3_step_fn`` in its replay mode (``replay_ring``, flush length ``K``), or with ``min_ctas``
+    on CUDA the same launch at that launch bound (``StepSpec.min_ctas_per_sm``: an experiment's knob, no
+    public option, so launched here as ``mamba3_step_fn`` launches; on the CPU path there is no bound
+    to set)."""
+    t = tensors._replace(replay_ring=ring)
+    options = StepOptions(update_kv_state=True, num_warps=num_warps, stochastic_rounding=t.rand_seed is not None,
+                          replay_flush_length=K, replay_from_checkpoint=from_checkpoint)
     if not min_ctas or not tensors.x.is_cuda:
-        return replay_step_fn(tensors, ring, K, from_checkpoint=from_checkpoint, num_warps=num_warps)
-    spec = replay_kernel_spec(tensors, ring, K, from_checkpoint=from_checkpoint, num_warps=num_warps)
-    t = tensors.with_out()
-    kernel_for(spec.replace(min_ctas_per_sm=min_ctas), t.x)(*kernel_arguments(t.one_token_squeezed(), ring))
+        return mamba3_step_fn(**t._asdict(), **options._asdict())
+    spec = check_replay_inputs(t, options)
+    t = t.with_out()
+    kernel_for(spec.replace(min_ctas_per_sm=min_ctas), t.x)(*kernel_arguments(t.one_token_squeezed()))
     return t.out
 
 

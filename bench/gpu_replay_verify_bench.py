@@ -13,7 +13,7 @@ with update_kv_state), for every batch size, T draft tokens a lane:
 * **stepwise** (today's verify): one T-token step of ``mamba3_step_fn`` from the row after the accepted
   drafts (``state_batch_indices`` (B, T): the lane's T rows, ``num_accepted_tokens`` (B,)), writing the
   state after each draft to its own row (``dst_state_batch_indices`` (B, T)): T state rows a step.
-* **replay K**: ``replay_step_fn`` with x (B, T, H, D) and ``accepted`` (B,): the committed ring tokens
+* **replay K**: ``mamba3_step_fn``'s replay mode with x (B, T, H, D) and ``num_accepted_tokens`` (B,): the committed ring tokens
   and the drafts stepped on the checkpoint in registers, the drafts kept in the ring, the state written
   only when the committed tokens reach K.
 * **replay K, from the checkpoint** (``from_checkpoint=True``): no draft stepped; the committed tokens
@@ -49,7 +49,7 @@ import torch  # noqa: E402
 
 from gpu_bench import Timer, add_speedups, eager_and_graph_us  # noqa: E402
 
-from mamba3_step import mamba3_step_fn, new_ring, replay_step_fn  # noqa: E402
+from mamba3_step import mamba3_step_fn, new_ring  # noqa: E402
 from mamba3_step.bytes_model import bytes_per_step, replay_bytes  # noqa: E402
 from mamba3_step.spec import FLAGSHIP_HEADS, flagship_spec  # noqa: E402
 from mamba3_step.tensors import StepTensors  # noqa: E402
@@ -92,8 +92,9 @@ class Layer:
         return mamba3_step_fn(**t._asdict(), update_kv_state=True)
 
     def replay(self):
-        out = replay_step_fn(self.call(self.replay_pools, self.index), self.ring, self.K, accepted=self.accepted,
-                             from_checkpoint=self.from_checkpoint)
+        t = self.call(self.replay_pools, self.index)._replace(replay_ring=self.ring, num_accepted_tokens=self.accepted)
+        out = mamba3_step_fn(**t._asdict(), update_kv_state=True, replay_flush_length=self.K,
+                             replay_from_checkpoint=self.from_checkpoint)
         self.accepted.fill_(self.T)  # the next step commits every draft of this one
         return out
 
