@@ -1,4 +1,4 @@
-"""Plan once, run many: the step for servers, validated once per call signature (issue 11).
+"""Plan once, run many: the step for servers, validated once per call signature.
 
 Letters (docs/contract.md): B lanes, T tokens, P pool rows, H heads, D head dim, N state size,
 R MIMO rank, K candidate source rows.
@@ -23,6 +23,13 @@ is an inference tensor outside inference mode, that ``state``/``state_out`` star
 that no written tensor shares a byte with another argument (all of it one call of the C check
 where ``setup.py`` built it; what that costs: docs/performance.md, "Host overhead"). Then it launches the kernel (or runs
 the PyTorch path for CPU tensors) exactly as ``mamba3_step_fn`` would.
+
+A replay plan (``replay_ring`` given: the step's replay mode, docs/contract.md, "Replay") is the
+same plan: validated by :func:`mamba3_step.replay_validation.check_replay_inputs`, its ``spec`` the
+replay specialisation, its flush length and ``replay_from_checkpoint`` among the plan's options;
+each ``run`` takes ``replay_ring`` again, and besides the step's guard checks the ring's fields'
+signatures and that no written ring byte is another argument's (:class:`~mamba3_step.ring_guard.RingGuard`).
+One plan serves every layer whose rings and rows share the signature.
 
 A call the guard does not admit is validated in full first, so bad input gets exactly
 ``mamba3_step_fn``'s named TypeError/ValueError and changes nothing. A *valid* call of another

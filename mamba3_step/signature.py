@@ -21,7 +21,9 @@ arguments itself (``decode_step`` takes the rows and ``null_slot_id`` from a poo
 differently declares a :class:`View` of the signature instead of a list of parameters.
 
 The custom op's schema (:func:`op_schema`) comes from the same declaration; see its docstring
-for its order.
+for its order. The one field that is a bundle, ``replay_ring`` (a
+:class:`~mamba3_step.tensors.Ring`), is one parameter of the public signature and one op argument
+per ring field (:data:`OP_RING_ARGS`; :func:`op_values` and :func:`from_op_values` convert).
 
 A new argument is one field of ``StepTensors`` (a tensor) or of :class:`StepOptions` (an
 option); every entry point here follows (docs/design.md, "Where a change goes").
