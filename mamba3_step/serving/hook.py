@@ -163,7 +163,7 @@ def _replay_step(pool: StatePool, layer: int, tensors: StepTensors, call: dict) 
                           rotate_pairwise=call["rotate_pairwise"], stochastic_rounding=stochastic,
                           replay_flush_length=pool.replay_ring)
     if call["validate_indices"]:
-        check_replay_inputs(tensors, options, "decode_step")  # every check before the values are read
+        check_replay_inputs(tensors, options)  # every check (the step's own, named alike) before the values are read
         check_index_values(tensors.with_out().one_token_squeezed())
         _check_accepted_values(pool, accepted)
     out = run_step(tensors, options)
