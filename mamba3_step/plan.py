@@ -163,7 +163,8 @@ class StepPlan:
         """A call the guards did not admit: full validation (raising ``mamba3_step_fn``'s error for
         bad input), then :class:`StepPlanMismatch` listing what differs from the plan. A call that
         differs in nothing validation reads (e.g. a thread with other dispatch state) returns: it
-        has just been validated in full."""
+        has just been validated in full. A call in the other mode (a ring where the plan has none,
+        or none where it has one) is a StepPlanMismatch at once: the plan's options are not its."""
         tensors = StepTensors(*call)
         ring = tensors.replay_ring
         if (ring is None) != (self._ring is None):

@@ -279,3 +279,19 @@ def test_the_cpu_path_checks_the_step_then_accepted_by_name():
             entry(call, accepted.long())
         with pytest.raises(ValueError, match=rf"^{name}: expected shape \(B\)"):
             entry(call, accepted[:2])
+
+
+def test_a_ring_given_to_a_stepwise_plan_or_left_out_of_a_replay_plan_is_a_mismatch():
+    """The replay mode is part of a plan's signature: a stepwise plan's run given a ring, and a replay
+    plan's run without one, raise StepPlanMismatch naming replay_ring, and write nothing."""
+    layer = Layer(10)
+    call = layer.call(layer.lane(len(INDEX)), INDEX)
+    stepwise = plan_step(**call._asdict(), update_kv_state=True)
+    replaying = _plan(call, layer.ring)
+    before = [t.clone() for t in (*call, *layer.ring) if isinstance(t, torch.Tensor)]
+    with pytest.raises(StepPlanMismatch, match="replay_ring: planned None, got Ring"):
+        _run(stepwise, call, layer.ring)
+    with pytest.raises(StepPlanMismatch, match="replay_ring: planned a Ring, got None"):
+        replaying.run(**call._asdict())
+    after = [t for t in (*call, *layer.ring) if isinstance(t, torch.Tensor)]
+    assert all(bits_equal(a, b) for a, b in zip(after, before))
