@@ -17,9 +17,9 @@ replaced, nothing else:
 * the device's architecture: ``launch.device_arch`` answers ``sm_90a`` for the CPU device; it is
   asked once per device and remembered (``launch.arch_of``), so the timed calls read the memo.
 
-The column ``replay K=4`` times ``replay_step_fn`` (the replay kernel's route, flush length 4, the
-call's StepTensors built beforehand, one ring per layer) in the same way, and ``replay plan.run``
-the same calls through one ``plan_replay_step`` plan (``ReplayStepPlan.run``).
+The column ``replay K=4`` times ``mamba3_step_fn`` in its replay mode (``replay_ring``, the replay
+kernel's route, flush length 4, one ring per layer) in the same way, and ``replay plan.run`` the same
+calls through one ``plan_step`` plan of the replay mode (``StepPlan.run``).
 
 So validation (the cache's guard and address checks, or the full validation on a miss), ``out``
 allocation, the kernel lookup and the argument list are all what a CUDA call runs; what a GPU
@@ -59,8 +59,7 @@ import _util  # noqa: E402  (also puts the repository on sys.path)
 
 import torch  # noqa: E402
 
-from mamba3_step import api, api_replay, compile_cache, launch, mamba3_step_fn, new_ring, plan, plan_step  # noqa: E402
-from mamba3_step import plan_replay, plan_replay_step, replay_step_fn  # noqa: E402
+from mamba3_step import api, compile_cache, launch, mamba3_step_fn, new_ring, plan, plan_step  # noqa: E402
 from mamba3_step.build import KernelBuilder  # noqa: E402
 from mamba3_step.spec import FLAGSHIP_HEADS  # noqa: E402
 from mamba3_step.tensors import StepTensors  # noqa: E402
@@ -71,7 +70,7 @@ SETS = 8  # per-step tensor sets cycled through (two layers, alternating)
 H, D, N, R = FLAGSHIP_HEADS, 64, 128, 4
 CASES = ("torch.add", "torch.empty(out)", "eager (out given)", "eager (out=None)", "plan.run (out given)",
          "plan.run (out=None)", "eager, Python check (out given)", "plan.run, Python check (out given)",
-         "replay_step_fn K=4 (out given)", "replay plan.run K=4 (out given)")
+         "replay mode K=4 (out given)", "replay plan.run K=4 (out given)")
 K = 4  # the replay case's flush length
 FULL = "check_step_inputs (full validation)"
 MISS = "first call of a signature (cache miss)"
@@ -133,7 +132,7 @@ def install_noop_launch() -> NoopKernel:
     def runs_kernel_here(x: torch.Tensor) -> bool:  # the same cost as the real x.is_cuda
         return x.is_cpu
 
-    api.runs_kernel = plan.runs_kernel = api_replay.runs_kernel = plan_replay.runs_kernel = runs_kernel_here
+    api.runs_kernel = plan.runs_kernel = runs_kernel_here
     launch.device_arch = lambda device: "sm_90a"
     return kernel
 
@@ -175,9 +174,9 @@ def measure_batch(B: int, kernel: NoopKernel, calls_per_round: int, rounds: int,
     eager = [(args, dict(kwargs, **options)) for args, kwargs in calls]
     eager_no_out = [(args, dict(kwargs, **options)) for args, kwargs in no_out]
     rings = [new_ring(B + 1, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16) for _ in range(2)]
-    replays = [((StepTensors(*args, **kwargs), rings[s % 2], K), {}) for s, (args, kwargs) in enumerate(calls)]
-    replay_plan = plan_replay_step(*replays[0][0])
-    replay_runs = [((t, ring), {}) for (t, ring, _), _ in replays]
+    replay_runs = [(args, dict(kwargs, replay_ring=rings[s % 2])) for s, (args, kwargs) in enumerate(calls)]
+    replays = [(args, dict(kwargs, update_kv_state=True, replay_flush_length=K)) for args, kwargs in replay_runs]
+    replay_plan = plan_step(*replays[0][0], **replays[0][1])
     default_cache = cache.VALIDATION_CACHE
     cases = {  # name: (function, its calls (args, kwargs), whether each call must launch, eager's cache)
         "torch.add": (torch.add, [((torch.ones(16), torch.ones(16)), {})], False, default_cache),
@@ -188,7 +187,7 @@ def measure_batch(B: int, kernel: NoopKernel, calls_per_round: int, rounds: int,
         "plan.run (out=None)": (p_none.run, no_out, True, default_cache),
         "eager, Python check (out given)": (mamba3_step_fn, eager, True, python_cache),
         "plan.run, Python check (out given)": (p_python.run, calls, True, default_cache),
-        "replay_step_fn K=4 (out given)": (replay_step_fn, replays, True, default_cache),
+        "replay mode K=4 (out given)": (mamba3_step_fn, replays, True, default_cache),
         "replay plan.run K=4 (out given)": (replay_plan.run, replay_runs, True, default_cache),
     }
     try:
@@ -234,7 +233,7 @@ def _python_check_plan(call, options):
 HEADERS = {"torch.add": "torch.add", "torch.empty(out)": "torch.empty", "eager (out given)": "eager",
            "eager (out=None)": "eager out=None", "plan.run (out given)": "plan.run",
            "plan.run (out=None)": "plan.run out=None", "eager, Python check (out given)": "eager (py)",
-           "plan.run, Python check (out given)": "plan.run (py)", "replay_step_fn K=4 (out given)": "replay K=4",
+           "plan.run, Python check (out given)": "plan.run (py)", "replay mode K=4 (out given)": "replay K=4",
            "replay plan.run K=4 (out given)": "replay plan.run",
            FULL: "full validation", MISS: "cache miss"}
 COLUMNS = [("batch", "B", ">d")] + [(c, HEADERS[c], ">.2f") for c in CASES] + \

@@ -3,7 +3,10 @@ does before the work itself.
 
 CUDA tensors run the CuteDSL kernel through :mod:`mamba3_step.launch` (there is no fallback: a
 CUDA call that cannot launch raises); CPU tensors run the PyTorch implementation of the same
-contract (:mod:`mamba3_step.reference`); meta tensors are validated and nothing is computed.
+contract (:mod:`mamba3_step.reference`); meta tensors are validated and nothing is computed. A
+step with a replay ring (``replay_ring``) is the same entry point in its replay mode: the kernel's
+replay specialisation on CUDA, replay's CPU path (:mod:`mamba3_step.replay`) on CPU, after the same
+checks on both (:func:`mamba3_step.replay_validation.check_replay_inputs`).
 
 While traced (``torch.compile``, or FakeTensors), the call goes through the registered custom op
 ``torch.ops.mamba3_step.step`` instead, whose fake implementation validates the same way and whose
@@ -21,9 +24,11 @@ from torch._subclasses.fake_tensor import is_fake
 from .contract import new_out, out_shape
 from .launch import launch_step
 from .reference import mamba3_step_reference
-from .signature import OP_ORDER, StepOptions, validated_options
+from .replay import replay_step
+from .replay_validation import check_replay_inputs, is_replay_call
+from .signature import OP_ORDER, StepOptions, op_values, validated_options
 from .spec import StepSpec
-from .tensors import StepTensors
+from .tensors import Ring, StepTensors
 from .validation import check_indices, check_options, check_step_inputs_cached
 
 __all__ = ["PreparedStep", "check_index_values", "host_step", "mamba3_step_fn", "prepare_step", "run_step",
@@ -61,17 +66,21 @@ def mamba3_step_fn(
     rand_seed: torch.Tensor | None = None,
     rand_rows: torch.Tensor | None = None,
     state_scale: torch.Tensor | None = None,
+    replay_ring: Ring | None = None,
     update_kv_state: bool = False,
     tile_D: int | None = None,
     num_warps: int | None = None,
     validate_indices: bool = False,
     rotate_pairwise: bool = False,
     stochastic_rounding: bool = False,
+    replay_flush_length: int | None = None,
+    replay_from_checkpoint: bool = False,
 ) -> torch.Tensor:
     """One Mamba-3 MIMO decode step, dense or over a pool of recurrent-state rows.
 
     Letters: B batch lanes (taken from ``x``), T tokens per lane, P pool rows, H heads, D head
-    dim, N state size (dstate), R MIMO rank, K candidate source rows. ``rows`` below is P in pool
+    dim, N state size (dstate), R MIMO rank, K candidate source rows (a (B, K)
+    ``state_batch_indices``). ``rows`` below is P in pool
     mode and B in dense mode; ``[T]`` is an axis only a multi-token step has.
 
     ==========================  ======================  ================================
@@ -102,6 +111,7 @@ def mamba3_step_fn(
     rand_rows (dense only)      (B,)                    int32
     state_scale (in place;      (rows, H, D)            float32
     8-bit state only)
+    replay_ring (in place)      a Ring (new_ring)       the ring's (docs/contract.md)
     ==========================  ======================  ================================
 
     Math per lane and head (accumulated in float32): see docs/contract.md or
@@ -172,6 +182,19 @@ def mamba3_step_fn(
             wherever the state is. The state is read as ``q * scale``; each store sets
             ``scale = absmax over N / Q`` (Q = 127, or 448 for e4m3) and quantises with
             stochastic rounding (docs/contract.md, "8-bit states").
+        replay_ring, replay_flush_length, replay_from_checkpoint: the replay mode (docs/contract.md,
+            "Replay"): a pool-mode step with ``update_kv_state=True`` whose ``state`` rows are
+            checkpoints, ``Bstate``/``Xstate`` the tokens before the ring ``replay_ring`` (a
+            :class:`~mamba3_step.Ring` of :func:`~mamba3_step.new_ring`, written in place). A
+            one-token step appends the token to its row's ring, or, once the ring holds
+            ``replay_flush_length - 1`` committed tokens (an int in [2, 16], required with the ring),
+            replays them and the token on the checkpoint and writes the new checkpoint (a flush); a
+            T-token step is a verify step whose drafts stay in the ring uncommitted, and
+            ``num_accepted_tokens`` (B,) (with a (B,) ``state_batch_indices``) first commits that
+            many of each lane's pending drafts. Every ``out`` is stepwise decoding's, bit for bit;
+            with ``replay_from_checkpoint`` an append's and a verify step's drafts' ``out`` come from
+            the checkpoint and the ring instead (no state replayed). Every device runs the same
+            checks (:func:`mamba3_step.replay_validation.check_replay_inputs`).
 
     Constraints: N in {32, 64, 128, 256}, D in {32, 64, 128}, R in {1, 2, 4, 8}; S in
     [1, N/2]; all tensors on
@@ -203,8 +226,9 @@ def mamba3_step_fn(
     """
     values = (state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
               state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens, angle_state, angle_proj,
-              B_bias, C_bias, rand_seed, rand_rows, state_scale)
-    options = (update_kv_state, tile_D, num_warps, validate_indices, rotate_pairwise, stochastic_rounding)
+              B_bias, C_bias, rand_seed, rand_rows, state_scale, replay_ring)
+    options = (update_kv_state, tile_D, num_warps, validate_indices, rotate_pairwise, stochastic_rounding,
+               replay_flush_length, replay_from_checkpoint)
     if torch.compiler.is_compiling():  # the NamedTuples' own constructors: what every dynamo can trace
         return step_through_op(StepTensors(*values), StepOptions(*options))
     # the hot path: the bundles without their Python-level __new__
@@ -242,7 +266,15 @@ def runs_kernel(x: torch.Tensor) -> bool:
 
 
 def host_step(spec: StepSpec, tensors: StepTensors) -> None:
-    """The step on CPU tensors: the PyTorch implementation of the contract, in float32."""
+    """The step on CPU tensors: the PyTorch implementation of the contract, in float32; with a replay
+    ring (``spec.replay_ring``, the flush length) replay's CPU path (:func:`mamba3_step.replay.replay_step`,
+    every ``out`` stepwise decoding's unless ``replay_from_checkpoint``)."""
+    if spec.replay_ring:
+        ring, accepted = tensors.replay_ring, tensors.num_accepted_tokens
+        replay_step(tensors._replace(replay_ring=None, num_accepted_tokens=None), ring, spec.replay_ring,
+                    accepted=accepted, rotate_pairwise=spec.rotate_pairwise,
+                    exact_outputs=not spec.replay_from_checkpoint)
+        return
     mamba3_step_reference(tensors, update_kv_state=spec.update_kv_state, rotate_pairwise=spec.rotate_pairwise,
                           stochastic_rounding=spec.stochastic_rounding, compute_dtype=torch.float32)
 
@@ -271,11 +303,14 @@ def prepare_step(tensors: StepTensors, **options) -> PreparedStep:
 
 def _prepare(tensors: StepTensors, options: StepOptions) -> tuple:
     """:func:`prepare_step` as a plain tuple ``(spec, tensors, out)`` (what the hot path unpacks)."""
-    update_kv_state, tile_D, num_warps, validate_indices, rotate_pairwise, stochastic_rounding = options
+    update_kv_state, tile_D, num_warps, validate_indices, rotate_pairwise, stochastic_rounding, flush, anchored = options
     if type(validate_indices) is not bool:
         validate_indices = check_options(validate_indices=validate_indices)["validate_indices"]  # raises
-    spec = check_step_inputs_cached(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
-                                    rotate_pairwise=rotate_pairwise, stochastic_rounding=stochastic_rounding)
+    if tensors.replay_ring is None and flush is None and anchored is False:
+        spec = check_step_inputs_cached(tensors, update_kv_state=update_kv_state, tile_D=tile_D, num_warps=num_warps,
+                                        rotate_pairwise=rotate_pairwise, stochastic_rounding=stochastic_rounding)
+    else:  # the replay mode: the same checks on every device (mamba3_step.replay_validation)
+        spec = check_replay_inputs(tensors, options)
     if tensors.null_slot_id is not None and type(tensors.null_slot_id) is not int:
         tensors = tensors._replace(null_slot_id=int(tensors.null_slot_id))  # e.g. a numpy integer
     tensors = tensors.with_out()
@@ -289,7 +324,10 @@ def _prepare(tensors: StepTensors, options: StepOptions) -> tuple:
 def check_index_values(tensors: StepTensors) -> None:
     """What ``validate_indices=True`` adds to a validated call: in pool mode with ``B > 0``,
     :func:`mamba3_step.validation.check_indices` (it synchronises); meta tensors are refused
-    (they hold no values)."""
+    (they hold no values). With a replay ring ``num_accepted_tokens`` are drafts to commit, not
+    sources to pick: only the rows are checked."""
+    if tensors.replay_ring is not None:
+        tensors = tensors._replace(num_accepted_tokens=None)
     if not tensors.pool:
         return
     if tensors.x.device.type == "meta":
@@ -312,9 +350,14 @@ def step_through_op(tensors: StepTensors, options: StepOptions = StepOptions()) 
         # Outside a trace the whole call is checked first, so the dispatcher never sees what it
         # would refuse without naming it (a nested or sparse tensor: no kernel for its backend; an
         # int beyond the Scalar's 64 bits: OverflowError). A trace checks in the op's fake.
-        check_step_inputs_cached(tensors, **validated_options(checked))
+        options = StepOptions(**{name: checked[name] for name in StepOptions._fields})
+        if is_replay_call(tensors, options):
+            check_replay_inputs(tensors, options)
+        else:
+            check_step_inputs_cached(tensors, **validated_options(checked))
     out = tensors.out if tensors.out is not None else _new_out(tensors)
-    call = {**dict(zip(StepTensors._fields, tensors)), "null_slot_id": checked.pop("null_slot_id"), "out": out, **checked}
+    call = op_values(tensors, checked)  # checked: the options and null_slot_id
+    call["out"] = out
     # by position: a keyword named "out" makes a tracer take the call for an out= variant
     torch.ops.mamba3_step.step(*[call[name] for name in OP_ORDER])
     return out

@@ -25,10 +25,10 @@ from typing import NamedTuple
 import torch
 
 from .api import runs_kernel
-from .api_replay import checked_replay_spec
 from .contract import KV_DTYPES, X_DTYPES
 from .launch import kernel_for
 from .replay import Current, Ring, check_materialize, materialize
+from .replay_validation import checked_replay_spec
 from .ring import check_replay_arguments, check_ring
 from .spec import FLUSH_DRAFTS, StepSpec, flush_entries, flush_groups
 from .tensors import StepTensors, kernel_arguments
@@ -170,5 +170,5 @@ def _launch(tensors: StepTensors, ring: Ring, rows: torch.Tensor, current: Curre
     kernel_view = step._replace(num_accepted_tokens=None)
     spec = check_step_inputs(kernel_view, update_kv_state=True, rotate_pairwise=rotate_pairwise,
                              stochastic_rounding=tensors.rand_seed is not None)
-    spec = checked_replay_spec(spec.replace(num_accepted=True), kernel_view, step, ring_copy, K)
+    spec = checked_replay_spec(spec.replace(num_accepted=True), kernel_view, step, ring_copy, K, who="materialize_fn")
     return FlushLaunch(spec, step, ring_copy)

@@ -22,7 +22,9 @@ over-approximation (the compiler just does not reorder reads of them around the 
 Shapes, dtypes and semantics are those of ``mamba3_step_fn`` (docs/contract.md); letters B P H D N R.
 The op has no autograd formula (decode is inference-only). Its schema is generated from the
 declared arguments (:func:`mamba3_step.signature.op_schema`): the required tensors and ``out``,
-then the optional ones in the public order, then the options (pass those by keyword).
+then the optional ones in the public order (``replay_ring`` as its tensors ``replay_ring_B``,
+``replay_ring_x``, ... :data:`~mamba3_step.signature.OP_RING_ARGS`, each mutated), then the options
+(pass those by keyword). A replay step is one call of this op, like any other step.
 
 The op refuses what ``mamba3_step_fn`` refuses, with the same named errors: its real
 implementation is ``mamba3_step_fn`` and its fake implementation runs the same validation
@@ -40,39 +42,46 @@ from inspect import Parameter, Signature
 import torch
 
 from .api import run_step, step_through_op
-from .signature import OP_MUTATED, OP_ORDER, STEP_SIGNATURE, make_binder, op_schema, split_call, validated_options
+from .replay_validation import check_replay_inputs, is_replay_call
+from .signature import (OP_MUTATED, OP_ORDER, OP_RING_ARGS, STEP_SIGNATURE, from_op_values, make_binder, op_schema,
+                        split_call, validated_options)
 from .validation import check_options, check_step_inputs
 
 __all__ = ["mamba3_step_op", "step"]
 
+
+def _op_parameter(name: str) -> Parameter:
+    """The op's parameter ``name``: the declared one (``out`` required), or a ring tensor (None by default)."""
+    if name in OP_RING_ARGS:
+        return Parameter(name, Parameter.POSITIONAL_OR_KEYWORD, default=None)
+    p = STEP_SIGNATURE.parameters[name]
+    return p.replace(kind=Parameter.POSITIONAL_OR_KEYWORD, default=Parameter.empty if name == "out" else p.default)
+
+
 #: the op's arguments by name, in OP_ORDER, from what the dispatcher passes
-_bind_op = make_binder("step", Signature(
-    [STEP_SIGNATURE.parameters[name].replace(kind=Parameter.POSITIONAL_OR_KEYWORD,
-                                             default=Parameter.empty if name == "out" else
-                                             STEP_SIGNATURE.parameters[name].default) for name in OP_ORDER]))
-#: STEP_SIGNATURE position of each OP_ORDER name
-_TO_PUBLIC = tuple(OP_ORDER.index(name) for name in STEP_SIGNATURE.parameters)
+_bind_op = make_binder("step", Signature([_op_parameter(name) for name in OP_ORDER]))
 
 
-def _public(args, kwargs) -> tuple:
-    """The op's call (``OP_ORDER``) -> the same values in the public order."""
-    values = _bind_op(*args, **kwargs)
-    return tuple(values[i] for i in _TO_PUBLIC)
+def _split(args, kwargs) -> tuple:
+    """The op's call (``OP_ORDER``) -> ``(StepTensors, StepOptions)``."""
+    return from_op_values(dict(zip(OP_ORDER, _bind_op(*args, **kwargs))))
 
 
 def _op_step(*args, **kwargs) -> None:
     """The step, in place (see ``mamba3_step_fn``). ``out`` is required and written."""
-    tensors, options = split_call(_public(args, kwargs))
-    run_step(tensors, options)
+    run_step(*_split(args, kwargs))
 
 
 def _op_fake(*args, **kwargs) -> None:
     # Everything is written in place into caller-provided tensors: no new outputs. The checks are
-    # the real ones (metadata only; address comparisons are skipped for fake tensors and happen
-    # when the real implementation runs).
-    tensors, options = split_call(_public(args, kwargs))
+    # the real ones, the replay mode's included (metadata only; address comparisons are skipped for
+    # fake tensors and happen when the real implementation runs).
+    tensors, options = _split(args, kwargs)
     check_options(validate_indices=options.validate_indices)
-    check_step_inputs(tensors, **validated_options(options))
+    if is_replay_call(tensors, options):
+        check_replay_inputs(tensors, options)
+    else:
+        check_step_inputs(tensors, **validated_options(options))
     return None
 
 

@@ -1,4 +1,4 @@
-"""Plan once, run many: the step for servers, validated once per call signature (issue 11).
+"""Plan once, run many: the step for servers, validated once per call signature.
 
 Letters (docs/contract.md): B lanes, T tokens, P pool rows, H heads, D head dim, N state size,
 R MIMO rank, K candidate source rows.
@@ -24,6 +24,13 @@ that no written tensor shares a byte with another argument (all of it one call o
 where ``setup.py`` built it; what that costs: docs/performance.md, "Host overhead"). Then it launches the kernel (or runs
 the PyTorch path for CPU tensors) exactly as ``mamba3_step_fn`` would.
 
+A replay plan (``replay_ring`` given: the step's replay mode, docs/contract.md, "Replay") is the
+same plan: validated by :func:`mamba3_step.replay_validation.check_replay_inputs`, its ``spec`` the
+replay specialisation, its flush length and ``replay_from_checkpoint`` among the plan's options;
+each ``run`` takes ``replay_ring`` again, and besides the step's guard checks the ring's fields'
+signatures and that no written ring byte is another argument's (:class:`~mamba3_step.ring_guard.RingGuard`).
+One plan serves every layer whose rings and rows share the signature.
+
 A call the guard does not admit is validated in full first, so bad input gets exactly
 ``mamba3_step_fn``'s named TypeError/ValueError and changes nothing. A *valid* call of another
 signature (another B, another ``null_slot_id``, a tensor with other strides, a different
@@ -48,6 +55,8 @@ import torch
 from .api import check_index_values, host_step, runs_kernel
 from .contract import new_out, out_shape
 from .launch import kernel_for
+from .replay_validation import check_replay_inputs, is_replay_call
+from .ring_guard import RingGuard
 from .spec import StepSpec
 from .signature import STEP_SIGNATURE, TENSOR_SIGNATURE, StepOptions, make_binder, split_call, validated_options
 from .tensors import StepTensors, kernel_arguments
@@ -61,6 +70,10 @@ _OUT = StepTensors._fields.index("out")
 _bind_run = make_binder("run", TENSOR_SIGNATURE)
 _bind_plan = make_binder("plan_step", STEP_SIGNATURE)
 _X = StepTensors._fields.index("x")
+_RING = StepTensors._fields.index("replay_ring")
+#: the options a plan reports (:attr:`StepPlan.options`), besides validate_indices
+_REPORTED = ("update_kv_state", "tile_D", "num_warps", "rotate_pairwise", "stochastic_rounding",
+             "replay_flush_length", "replay_from_checkpoint")
 
 
 class StepPlanMismatch(ValueError):
@@ -71,20 +84,29 @@ class StepPlan:
     """A validated call signature and what running it needs (see the module docstring).
 
     Attributes:
-        spec: the :class:`~mamba3_step.spec.StepSpec` the planned calls compile to.
-        options: ``update_kv_state``, ``tile_D``, ``num_warps``, ``rotate_pairwise``, ``validate_indices`` as planned.
+        spec: the :class:`~mamba3_step.spec.StepSpec` the planned calls compile to (a replay
+            plan's: the replay specialisation, on every device).
+        options: ``update_kv_state``, ``tile_D``, ``num_warps``, ``rotate_pairwise``,
+            ``stochastic_rounding``, ``replay_flush_length``, ``replay_from_checkpoint``,
+            ``validate_indices`` as planned.
     """
 
-    __slots__ = ("spec", "options", "_sig", "_inference", "_out_shape", "_trivial",
+    __slots__ = ("spec", "options", "_options", "_sig", "_ring", "_inference", "_out_shape", "_trivial",
                  "_kernel", "_null", "_fast", "_validate_indices")
 
     def __init__(self, tensors: StepTensors, options: StepOptions = StepOptions()):
         validate_indices = check_options(validate_indices=options.validate_indices)["validate_indices"]
-        spec = check_step_inputs(tensors, **validated_options(options))
-        opts = check_options(**validated_options(options))
+        if is_replay_call(tensors, options):
+            spec = check_replay_inputs(tensors, options, "plan_step")
+        else:
+            spec = check_step_inputs(tensors, **validated_options(options))
+        opts = check_options(**{name: getattr(options, name) for name in _REPORTED})
         self.spec: StepSpec = spec
-        self.options = {**validated_options(opts), "validate_indices": validate_indices}
+        self.options = {**{name: opts[name] for name in _REPORTED}, "validate_indices": validate_indices}
+        self._options = StepOptions(**self.options)
         self._sig = CheckedSignature.from_call(spec, tensors)
+        # a replay plan's ring: its signature, guarded per run (None: a stepwise plan, whose runs take no ring)
+        self._ring = None if tensors.replay_ring is None else RingGuard(tensors)
         self._inference = torch.is_inference_mode_enabled()
         x = tensors.x
         self._out_shape = torch.Size(out_shape(x, tensors.xproj, tensors.outproj is not None))
@@ -99,8 +121,8 @@ class StepPlan:
 
     def run(self, *args, **kwargs) -> torch.Tensor:
         """One step of the planned signature: ``mamba3_step_fn``'s tensor arguments (shapes: its
-        docstring), without its options. Returns ``out`` (allocated when None, like
-        ``mamba3_step_fn``).
+        docstring; ``replay_ring`` for a replay plan), without its options. Returns ``out``
+        (allocated when None, like ``mamba3_step_fn``).
 
         Raises:
             TypeError, ValueError: bad input, exactly as ``mamba3_step_fn`` raises it.
@@ -108,7 +130,8 @@ class StepPlan:
         """
         call = _bind_run(*args, **kwargs)
         out = call[_OUT]
-        if torch.is_inference_mode_enabled() is not self._inference or self._sig.admits(call) != ADMIT:
+        if (torch.is_inference_mode_enabled() is not self._inference or self._sig.admits(call) != ADMIT
+                or (call[_RING] is not None if self._ring is None else not self._ring.admits(call))):
             self._recheck(call)
         if out is None:
             out = new_out(call[_X], self._out_shape)
@@ -137,23 +160,37 @@ class StepPlan:
         return out
 
     def _recheck(self, call: tuple) -> None:
-        """A call the guard did not admit: full validation (raising ``mamba3_step_fn``'s error for
+        """A call the guards did not admit: full validation (raising ``mamba3_step_fn``'s error for
         bad input), then :class:`StepPlanMismatch` listing what differs from the plan. A call that
         differs in nothing validation reads (e.g. a thread with other dispatch state) returns: it
-        has just been validated in full."""
-        check_step_inputs(StepTensors(*call), **validated_options(self.options))
+        has just been validated in full. A call in the other mode (a ring where the plan has none,
+        or none where it has one) is a StepPlanMismatch at once: the plan's options are not its."""
+        tensors = StepTensors(*call)
+        ring = tensors.replay_ring
+        if (ring is None) != (self._ring is None):
+            raise StepPlanMismatch(
+                f"plan: this call is not the planned signature (replay_ring: planned "
+                f"{'None' if self._ring is None else 'a Ring'}, got {'None' if ring is None else type(ring).__name__}); "
+                f"make a plan for it with mamba3_step.plan_step(...) or call mamba3_step_fn")
+        if ring is None:
+            check_step_inputs(tensors, **validated_options(self._options))
+        else:
+            check_replay_inputs(tensors, self._options)
         changed = self._sig.differences(call)
         mode = torch.is_inference_mode_enabled()
         if mode is not self._inference:
             changed.insert(0, f"torch.inference_mode: planned {'on' if self._inference else 'off'}, "
                               f"got {'on' if mode else 'off'}")
+        if self._ring is not None:
+            changed += self._ring.differences(ring)
         if changed:
             raise StepPlanMismatch(
                 "plan: this call is valid but is not the planned signature (" + "; ".join(changed) + "); make "
                 "a plan for it with mamba3_step.plan_step(...) or call mamba3_step_fn")
 
     def __repr__(self) -> str:
-        return f"StepPlan({self.spec.key()}, out {tuple(self._out_shape)})"
+        flush = self.options["replay_flush_length"]
+        return f"StepPlan({self.spec.key()}, out {tuple(self._out_shape)}{'' if flush is None else f', replay_flush_length={flush}'})"
 
 
 def plan_step(*args, **kwargs) -> StepPlan:

@@ -1,4 +1,4 @@
-"""The replay ring: its layout (:class:`Ring`), its allocation (:func:`new_ring`) and what replay's
+"""The replay ring: its layout (:class:`Ring`, declared in :mod:`mamba3_step.tensors`), its allocation (:func:`new_ring`) and what replay's
 entry points check of their arguments before anything runs (:func:`check_replay_arguments`,
 :func:`check_ring`). The CPU path that steps a ring is :mod:`mamba3_step.replay`; the rules are
 docs/contract.md, "Replay".
@@ -9,34 +9,17 @@ rank, S rotary angles; K the flush length, L = K - 1 + draft the ring's entries.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
-
 import torch
 
 from .contract import shown
 from .spec import StepSpec
-from .tensors import StepTensors
+from .tensors import Ring, StepTensors
 from .validation import checks
 from .validation.step import check_step_inputs
 
 __all__ = ["Ring", "check_accepted", "check_replay_arguments", "check_replay_step", "check_ring", "new_ring"]
 
 Tensor = torch.Tensor
-
-
-class Ring(NamedTuple):
-    """One layer's ring pools: entry ``j < length[p]`` of row ``p`` is the ``j``-th token after the
-    checkpoint of row ``p``; entries past ``length`` are a verify step's uncommitted drafts."""
-
-    B: Tensor  # (P, L, R, H, N), B's dtype: the token's B (per head, a shared B expanded)
-    x: Tensor  # (P, L, H, D), x's dtype
-    coef: Tensor  # (P, L, H, 3) float32: the token's A, dt, trap
-    length: Tensor  # (P, H) int32: committed tokens, one value per row (each head holds it: a kernel CTA owns one)
-    # with stochastic rounding, the same at every head (each kernel CTA owns one head's: no CTA reads an entry
-    # another writes): the rand_seed offset the token drew at (int64), the row it drew for (int32)
-    offset: Optional[Tensor] = None  # (P, L, H) int64
-    drawn_for: Optional[Tensor] = None  # (P, L, H) int32
-    angle: Optional[Tensor] = None  # (P, L, H, S) int64, with rotary: the angle after the token
 
 
 def new_ring(rows: int, K: int, mimo: int, heads: int, dstate: int, headdim: int, *,
@@ -64,43 +47,47 @@ _RING_HINTS = dict(offset=" (stochastic rounding: new_ring(..., stochastic=True)
 
 
 def check_replay_arguments(tensors, ring, K, who: str = "replay_step", from_checkpoint: bool = False) -> None:
-    """``tensors`` is a :class:`StepTensors` and ``ring`` a :class:`Ring` whose required fields are
-    strided tensors and optional ones strided tensors or None (``TypeError`` naming the argument,
-    ``who`` the entry point); ``K`` an int in [2, 16] and ``from_checkpoint`` a bool: run on every
-    call, before anything reads a ring tensor's shape or strides or the scalars' values. What the
-    tensors hold (storage included) is :func:`check_ring`'s to judge."""
+    """``tensors`` is a :class:`StepTensors` and ``ring`` (``replay_ring``) a :class:`Ring` whose
+    required fields are strided tensors and optional ones strided tensors or None (``TypeError``
+    naming the argument, ``who`` the entry point); ``K`` (``replay_flush_length``) an int in [2, 16]
+    and ``from_checkpoint`` (``replay_from_checkpoint``) a bool: run on every call, before anything
+    reads a ring tensor's shape or strides or the scalars' values. What the tensors hold (storage
+    included) is :func:`check_ring`'s to judge."""
     if not isinstance(tensors, StepTensors):
         raise TypeError(f"{who}: tensors must be a mamba3_step.tensors.StepTensors, got {type(tensors).__name__}")
     if not isinstance(ring, Ring):
-        raise TypeError(f"{who}: ring must be a mamba3_step.Ring (mamba3_step.new_ring), got {type(ring).__name__}")
+        raise TypeError(f"{who}: replay_ring must be a mamba3_step.Ring (mamba3_step.new_ring), got "
+                        f"{type(ring).__name__}")
     for field, value in zip(Ring._fields, ring):  # cheap enough for every call; the storage: check_ring
         if value is None and field in Ring._field_defaults:
             continue
         if not isinstance(value, Tensor) or value.is_nested or value.layout is not torch.strided:
-            checks.check_is_tensor(f"ring.{field}", value, optional=field in Ring._field_defaults)
+            checks.check_is_tensor(f"replay_ring.{field}", value, optional=field in Ring._field_defaults)
     if type(K) is not int or not 2 <= K <= 16:
-        raise ValueError(f"{who}: K must be an int in [2, 16], got {shown(K)}")
-    checks.check_bool_option("from_checkpoint", from_checkpoint)
+        raise ValueError(f"{who}: replay_flush_length must be an int in [2, 16], got {shown(K)}")
+    checks.check_bool_option("replay_from_checkpoint", from_checkpoint)
 
 
 def check_ring(t: StepTensors, ring: Ring, K: int) -> None:
-    """What replay takes: pool mode, the state written back to its source, a ring that fits ``t`` and ``K``
-    (refused by name, ``ValueError``), after :func:`check_replay_arguments`."""
+    """What replay takes: pool mode, the state written back to its source, a ring that fits ``t`` and the
+    flush length ``K`` (refused by name, ``ValueError``), after :func:`check_replay_arguments`."""
     unsupported = {"num_accepted_tokens": t.num_accepted_tokens, "state_out": t.state_out}
     for name, v in unsupported.items():
         if v is not None:
-            raise ValueError(f"replay_step: {name} is not supported with replay yet (docs/contract.md, 'Replay')")
+            raise ValueError(f"{name}: expected None with replay_ring (not supported with replay yet; "
+                             f"docs/contract.md, 'Replay'), got a tensor")
     if not t.pool:
-        raise ValueError("replay_step: replay is a pool-mode step: state_batch_indices is required")
+        raise ValueError("state_batch_indices: expected a tensor with replay_ring (replay is a pool-mode step), "
+                         "got None")
     if t.dst_state_batch_indices is not None and t.x.dim() == 4:
-        raise ValueError("replay_step: dst_state_batch_indices with a verify step (T tokens): replay keeps the drafts "
-                         "in the ring, not in destination rows")
+        raise ValueError("dst_state_batch_indices with a verify step (T tokens) and replay_ring: replay keeps the "
+                         "drafts in the ring, not in destination rows")
     P, H, D, N = t.state.shape
     R, L = t.xproj.shape[0], ring.B.shape[1]
     drafts = t.tokens if t.x.dim() == 4 else 0
     if L < K - 1 + drafts:
-        raise ValueError(f"replay_step: the ring holds {L} entries; K = {K} with {drafts}-token drafts needs "
-                         f"{K - 1 + drafts} (new_ring(..., draft={drafts}))")
+        raise ValueError(f"replay_ring: the ring holds {L} entries; replay_flush_length = {K} with {drafts}-token "
+                         f"drafts needs {K - 1 + drafts} (new_ring(..., draft={drafts}))")
     S = 0 if t.angle_state is None else t.angle_state.shape[-1]
     want = {"B": (P, L, R, H, N), "x": (P, L, H, D), "coef": (P, L, H, 3), "length": (P, H), "offset": (P, L, H),
             "drawn_for": (P, L, H), "angle": (P, L, H, S)}
@@ -112,10 +99,10 @@ def check_ring(t: StepTensors, ring: Ring, K: int) -> None:
         if got is None and name in optional and optional[name] is None:
             continue
         if got is not None:
-            checks.check_storage(f"ring.{name}", got)  # a storage freed under the ring: no kernel may write it
+            checks.check_storage(f"replay_ring.{name}", got)  # a storage freed under the ring: no kernel may write it
         if got is None or tuple(got.shape) != shape or got.dtype != dtypes[name] or got.device != t.state.device:
             got = "None" if got is None else f"{got.dtype} {tuple(got.shape)} on {got.device}"
-            raise ValueError(f"replay_step: ring.{name} must be {dtypes[name]} of shape {shape} on {t.state.device}"
+            raise ValueError(f"replay_ring.{name} must be {dtypes[name]} of shape {shape} on {t.state.device}"
                              f"{_RING_HINTS.get(name, '')}, got {got}")
 
 

@@ -21,7 +21,9 @@ arguments itself (``decode_step`` takes the rows and ``null_slot_id`` from a poo
 differently declares a :class:`View` of the signature instead of a list of parameters.
 
 The custom op's schema (:func:`op_schema`) comes from the same declaration; see its docstring
-for its order.
+for its order. The one field that is a bundle, ``replay_ring`` (a
+:class:`~mamba3_step.tensors.Ring`), is one parameter of the public signature and one op argument
+per ring field (:data:`OP_RING_ARGS`; :func:`op_values` and :func:`from_op_values` convert).
 
 A new argument is one field of ``StepTensors`` (a tensor) or of :class:`StepOptions` (an
 option); every entry point here follows (docs/design.md, "Where a change goes").
@@ -34,9 +36,9 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from .tensors import StepTensors
+from .tensors import Ring, StepTensors
 
-__all__ = ["LAST_POSITIONAL", "OP_ORDER", "STEP_SIGNATURE", "StepOptions", "TENSOR_SIGNATURE", "View",
+__all__ = ["LAST_POSITIONAL", "OP_ORDER", "OP_RING_ARGS", "STEP_SIGNATURE", "StepOptions", "TENSOR_SIGNATURE", "View",
            "declared_signature", "make_binder", "op_schema", "op_schema_parts", "split_call", "view_signature"]
 
 
@@ -49,6 +51,8 @@ class StepOptions(NamedTuple):
     validate_indices: bool = False
     rotate_pairwise: bool = False
     stochastic_rounding: bool = False
+    replay_flush_length: Optional[int] = None
+    replay_from_checkpoint: bool = False
 
 
 #: the options validation reads (``check_step_inputs``'s keywords); the rest act after it
@@ -73,6 +77,7 @@ _ANNOTATIONS = {
     "Optional[Tensor]": ("torch.Tensor | None", "Tensor?"),
     "Optional[int]": ("int | None", "Scalar?"),
     "bool": ("bool", "Scalar"),
+    "Optional[Ring]": ("Ring | None", None),  # the op takes the ring's tensors (OP_RING_ARGS)
 }
 
 
@@ -182,18 +187,46 @@ def view_fields(view: View) -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------------- the custom op
+#: the op's arguments that carry ``replay_ring``: one optional tensor per :class:`~mamba3_step.tensors.Ring`
+#: field, ``replay_ring_<field>`` (all None: a stepwise step)
+OP_RING_ARGS = tuple(f"replay_ring_{field}" for field in Ring._fields)
+
+
 def _op_order() -> tuple[str, ...]:
     required = [n for n in StepTensors._fields if n not in StepTensors._field_defaults]
-    rest = [n for n in StepTensors._fields if n in StepTensors._field_defaults and n != "out"]
+    rest = []
+    for name in StepTensors._fields:
+        if name in StepTensors._field_defaults and name != "out":
+            rest.extend(OP_RING_ARGS if name == "replay_ring" else (name,))
     return tuple(required) + ("out",) + tuple(rest) + StepOptions._fields
 
 
 #: the op's argument order: the required tensors and ``out`` (required there: the op returns
-#: nothing), then the optional fields in declared order, then the options. A new field lands
-#: before the options, which callers pass by keyword.
+#: nothing), then the optional fields in declared order (``replay_ring`` as :data:`OP_RING_ARGS`),
+#: then the options. A new field lands before the options, which callers pass by keyword.
 OP_ORDER = _op_order()
-#: the tensors the op declares as mutated: every tensor the step may write
-OP_MUTATED = ("state", "Bstate", "Xstate", "state_out", "out", "angle_state", "state_scale")
+#: the tensors the op declares as mutated: every tensor the step may write (the ring's included)
+OP_MUTATED = ("state", "Bstate", "Xstate", "state_out", "out", "angle_state", "state_scale") + OP_RING_ARGS
+
+
+def op_values(tensors: StepTensors, options) -> dict:
+    """A call's op arguments by name (:data:`OP_ORDER`): the tensors with ``replay_ring`` as its
+    tensors (:data:`OP_RING_ARGS`), then ``options`` (a :class:`StepOptions`, or a dict of its fields)."""
+    values = dict(zip(StepTensors._fields, tensors))
+    ring = values.pop("replay_ring")
+    values.update(zip(OP_RING_ARGS, (None,) * len(OP_RING_ARGS) if ring is None else ring))
+    values.update(options if isinstance(options, dict) else zip(StepOptions._fields, options))
+    return values
+
+
+def from_op_values(values: dict) -> tuple[StepTensors, StepOptions]:
+    """:func:`op_values`' inverse: ``(StepTensors, StepOptions)`` of the op's arguments by name; the
+    ring's tensors become a :class:`~mamba3_step.tensors.Ring` unless they are all None."""
+    ring = tuple(values[name] for name in OP_RING_ARGS)
+    tensors = {name: values[name] for name in StepTensors._fields if name != "replay_ring"}
+    replay_ring = None if all(v is None for v in ring) else Ring(*ring)
+    return (StepTensors(**tensors, replay_ring=replay_ring),
+            StepOptions(**{name: values[name] for name in StepOptions._fields}))
 
 
 def op_schema() -> str:
@@ -211,6 +244,7 @@ def op_schema_parts(names) -> list[str]:
     """The schema's argument texts of the declared ``names`` (in their order), each mutated tensor
     with its own alias set ``(a0!)``, ``(a1!)``, ... in that order (see :func:`op_schema`)."""
     rows = {r[0]: r for r in _declared()}
+    rows.update({name: (name, None, "Optional[Tensor]", None) for name in OP_RING_ARGS})
     parts, alias = [], 0
     for name in names:
         _, default, ann, _ = rows[name]

@@ -19,8 +19,8 @@ import torch
 
 from .contract import new_out, out_shape
 
-__all__ = ["KERNEL_ARGUMENT_NAMES", "KernelArgs", "LANE_FIELDS", "RING_FIELDS", "ROW_FIELDS", "StepTensors", "TOKEN_FIELDS", "WEIGHT_FIELDS",
-           "kernel_arguments", "ring_arguments"]
+__all__ = ["KERNEL_ARGUMENT_NAMES", "KernelArgs", "LANE_FIELDS", "RING_FIELDS", "ROW_FIELDS", "Ring", "StepTensors",
+           "TOKEN_FIELDS", "WEIGHT_FIELDS", "kernel_arguments", "ring_arguments"]
 
 Tensor = torch.Tensor
 
@@ -32,11 +32,31 @@ LANE_FIELDS = ("A", "B", "C", "x", "dt", "trap", "z", "angle_proj")
 WEIGHT_FIELDS = ("D", "xproj", "zproj", "outproj", "B_bias", "C_bias")
 #: fields with a token axis after the lane axis when T > 1: (B, T, ...)
 TOKEN_FIELDS = ("A", "B", "C", "x", "dt", "trap", "z", "angle_proj", "out")
+
+
+class Ring(NamedTuple):
+    """One layer's replay ring (docs/contract.md, "Replay"; allocate it with
+    :func:`mamba3_step.new_ring`): entry ``j < length[p]`` of row ``p`` is the ``j``-th token after
+    the checkpoint of row ``p``; entries past ``length`` are a verify step's uncommitted drafts.
+    L = flush length - 1 + draft room entries; S rotary angles."""
+
+    B: Tensor  # (P, L, R, H, N), B's dtype: the token's B (per head, a shared B expanded)
+    x: Tensor  # (P, L, H, D), x's dtype
+    coef: Tensor  # (P, L, H, 3) float32: the token's A, dt, trap
+    length: Tensor  # (P, H) int32: committed tokens, one value per row (each head holds it: a kernel CTA owns one)
+    # with stochastic rounding, the same at every head (each kernel CTA owns one head's: no CTA reads an entry
+    # another writes): the rand_seed offset the token drew at (int64), the row it drew for (int32)
+    offset: Optional[Tensor] = None  # (P, L, H) int64
+    drawn_for: Optional[Tensor] = None  # (P, L, H) int32
+    angle: Optional[Tensor] = None  # (P, L, H, S) int64, with rotary: the angle after the token
+
+
 class StepTensors(NamedTuple):
     """The tensors of one step (shapes: docs/contract.md, "Tensors"), plus ``null_slot_id``.
 
     ``null_slot_id`` is the one non-tensor: the runtime value that, with the two index tensors,
-    decides which lanes are padding. Optional fields are None when absent.
+    decides which lanes are padding; ``replay_ring`` the one bundle (a :class:`Ring` of tensors).
+    Optional fields are None when absent.
     """
 
     state: Tensor  # (P|B, H, D, N), updated in place
@@ -66,6 +86,7 @@ class StepTensors(NamedTuple):
     rand_seed: Optional[Tensor] = None  # (2,) int64 [seed, offset]: stochastic rounding's bits
     rand_rows: Optional[Tensor] = None  # (B,) int32, dense mode: the row each lane's bits are drawn for
     state_scale: Optional[Tensor] = None  # (P|B, H, D) fp32 with an 8-bit state: its scales, updated in place
+    replay_ring: Optional[Ring] = None  # replay: the layer's ring, updated in place (None: a stepwise step)
 
     @property
     def batch(self) -> int:
@@ -193,12 +214,15 @@ def kernel_arguments(tensors, ring=None) -> KernelArgs:
     names exactly the optional tensors its specialisation has (validation ties each flag of
     :class:`~mamba3_step.spec.StepSpec` to whether its tensor is given), so the absent ones are
     None here as they are in the compiled signature. Free of cutlass: launching a cached kernel
-    never imports the DSL. ``ring`` (a replay step): its ``B``, ``x``, ``coef``, ``length``,
-    ``angle`` (None without rotary), ``offset`` and ``drawn_for`` (None without stochastic
-    rounding) fill the ring fields (:data:`RING_FIELDS`), else None.
+    never imports the DSL. The ring (``ring``, else the call's ``replay_ring``; a replay step): its
+    ``B``, ``x``, ``coef``, ``length``, ``angle`` (None without rotary), ``offset`` and
+    ``drawn_for`` (None without stochastic rounding) fill the ring fields (:data:`RING_FIELDS`),
+    else None.
     """
     null = tensors[_NULL]
-    rings = (None,) * len(RING_FIELDS) if ring is None else ring_arguments(ring)
+    if ring is None:
+        ring = tensors[_RING]
+    rings = _NO_RING if ring is None else ring_arguments(ring)
     return tuple.__new__(KernelArgs, _KERNEL_TENSORS(tensors) + rings + (-1 if null is None else int(null),))
 
 
@@ -209,3 +233,5 @@ def ring_arguments(ring) -> tuple:
 
 
 _NULL = StepTensors._fields.index("null_slot_id")
+_RING = StepTensors._fields.index("replay_ring")
+_NO_RING = (None,) * len(RING_FIELDS)

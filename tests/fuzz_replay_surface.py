@@ -1,28 +1,30 @@
 """The fuzz harness's replay surface (issue 23), run by ``tests/fuzz_surface_worker.py replay``.
 
-Hypothesis draws a replay entry point (``replay_step_fn``, ``replay_kernel_spec`` -- the replay
-kernel's validation, which runs on any device --, ``materialize_fn`` (its checks, then the CPU
-path), ``ReplayStepPlan.run``, ``decode_step`` and the
-graph runner's ``step`` (its CPU path) on a :class:`~mamba3_step.serving.ReplayStatePool`, and the
-pool's ``materialize``, ``reset``, ``copy`` and ``fork``, which move rings), one of its
-arguments (a field of the step's tensors, a field of the ring, ``accepted``, ``K``, an option, or
-the ``tensors``/``ring`` bundle itself) and an odd value for it (the worker's odd tensors and
-scalars), calls it with otherwise valid arguments, and records a failure when the call raises
-anything but a named ``TypeError``/``ValueError`` or, refused, changed a byte of the pool's rows,
-its ring or its allocator. Valid calls are one-token steps and T = 2 verify steps (with
-``accepted``) on a pool made for 2 drafts, so the rings move through appends, flushes and
-commits while the harness runs.
+Hypothesis draws a replay entry point (``mamba3_step_fn``'s replay mode, ``check_replay_inputs`` --
+the validation every device's path runs first --, ``materialize_fn`` (its checks, then the CPU
+path), a replay plan's ``StepPlan.run``, ``decode_step`` and the graph runner's ``step`` (its CPU
+path) on a :class:`~mamba3_step.serving.ReplayStatePool`, and the pool's ``materialize``, ``reset``,
+``copy`` and ``fork``, which move rings), one of its arguments (a field of the step's tensors, a
+field of the ring, ``num_accepted_tokens``, ``replay_flush_length``, an option, or the ring bundle
+itself) and an odd value for it (the worker's odd tensors and scalars), calls it with otherwise
+valid arguments, and records a failure when the call raises anything but a named
+``TypeError``/``ValueError`` or, refused, changed a byte of the pool's rows, its ring or its
+allocator. Valid calls are one-token steps and T = 2 verify steps (with ``num_accepted_tokens``) on
+a pool made for 2 drafts, so the rings move through appends, flushes and commits while the harness
+runs.
 
 Letters (docs/contract.md): B lanes, T drafts, P pool rows, H heads, D head dim, N state size,
-R MIMO rank, K flush length.
+R MIMO rank, K the flush length.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mamba3_step import api_replay, materialize_fn, plan_replay_step, replay_step_fn
+from mamba3_step import mamba3_step_fn, materialize_fn, plan_step
+from mamba3_step.replay_validation import check_replay_inputs
 from mamba3_step.serving import CudaGraphStepRunner, ReplayStatePool, decode_step
+from mamba3_step.signature import StepOptions
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import lane_inputs, layer_weights, poison_pool
 
@@ -31,21 +33,21 @@ H, D, N, R, P, B, K, T = 2, 32, 32, 2, 6, 3, 3, 2
 STEP_FIELDS = ("state", "Bstate", "Xstate", "A", "B", "C", "D", "x", "dt", "trap", "xproj", "outproj", "out", "z",
                "zproj", "state_batch_indices", "dst_state_batch_indices", "angle_state", "rand_seed")
 RING_FIELDS = ("ring.B", "ring.x", "ring.coef", "ring.length", "ring.offset", "ring.angle")
-CALL_ARGS = ("tensors", "ring", "K", "accepted", "null_slot_id", "from_checkpoint", "rotate_pairwise", "tile_D",
-             "num_warps")
+CALL_ARGS = ("replay_ring", "replay_flush_length", "num_accepted_tokens", "null_slot_id", "replay_from_checkpoint",
+             "rotate_pairwise", "tile_D", "num_warps")
 LANE = ("A", "B", "C", "x", "dt", "trap", "z")
 WEIGHTS = ("D", "xproj", "zproj", "outproj")
 #: entry -> the arguments it takes (materialize: the slots and the layer's weights)
 ENTRIES = {
-    "replay_step_fn": STEP_FIELDS + RING_FIELDS + CALL_ARGS,
-    "replay_kernel_spec": STEP_FIELDS + RING_FIELDS + CALL_ARGS,
-    "replay plan.run": STEP_FIELDS + RING_FIELDS + ("tensors", "ring", "accepted", "null_slot_id"),
-    "decode_step": LANE + WEIGHTS + ("out", "state_batch_indices", "dst_state_batch_indices", "accepted", "tile_D",
-                                     "num_warps"),
+    "mamba3_step_fn replay": STEP_FIELDS + RING_FIELDS + CALL_ARGS,
+    "check_replay_inputs": STEP_FIELDS + RING_FIELDS + CALL_ARGS,
+    "replay plan.run": STEP_FIELDS + RING_FIELDS + ("replay_ring", "num_accepted_tokens", "null_slot_id"),
+    "decode_step": LANE + WEIGHTS + ("out", "state_batch_indices", "dst_state_batch_indices", "num_accepted_tokens",
+                                     "tile_D", "num_warps"),
     "materialize": WEIGHTS + ("slots", "rotate_pairwise"),
     "materialize_fn": ("state", "Bstate", "Xstate", "D", "xproj", "angle_state", "rand_seed") + RING_FIELDS
     + ("tensors", "ring", "rows", "rotate_pairwise"),
-    "runner": LANE + ("state_batch_indices", "dst_state_batch_indices", "accepted"),
+    "runner": LANE + ("state_batch_indices", "dst_state_batch_indices", "num_accepted_tokens"),
     "reset": ("slots",),
     "copy": ("src", "dst"),
     "fork": ("src", "n"),
@@ -63,9 +65,10 @@ class ReplaySurface:
         self.weights = layer_weights(H, D, R, generator=self.g)
         self.slots = torch.tensor([self.mine[0], -1, self.mine[1]], dtype=torch.int32)
         self.runner = CudaGraphStepRunner(self.pool, 0, buckets=(4,), **self.weights)
-        self.plans = {tokens: plan_replay_step(self.tensors(tokens), self.pool.ring(0), K,
-                                               accepted=self.accepted(tokens))
-                      for tokens in (None, T)}
+        self.plans = {}
+        for tokens in (None, T):
+            t = self.tensors(tokens)._replace(replay_ring=self.pool.ring(0), num_accepted_tokens=self.accepted(tokens))
+            self.plans[tokens] = plan_step(**t._asdict(), update_kv_state=True, replay_flush_length=K)
 
     def tensors(self, tokens) -> StepTensors:
         lane = lane_inputs(B, H, D, N, R, tokens=tokens, generator=self.g)
@@ -73,7 +76,7 @@ class ReplaySurface:
                            state_batch_indices=self.slots, null_slot_id=self.pool.null_slot_id)
 
     def accepted(self, tokens):
-        """A verify step's ``accepted``: as many of each lane's drafts as the ring can still commit
+        """A verify step's ``num_accepted_tokens``: as many of each lane's drafts as the ring can still commit
         (at most T), so the valid call stays valid while odd calls that succeed move the rings."""
         if not tokens:
             return None
@@ -97,7 +100,8 @@ class ReplaySurface:
         or ``T``, a verify step committing ``accepted`` first)."""
         if entry in _POOL_METHODS:
             return self._pool_method(entry, name, value)
-        t, ring, args = self.tensors(tokens), self.pool.ring(0), {"K": K, "accepted": self.accepted(tokens)}
+        t, ring = self.tensors(tokens), self.pool.ring(0)
+        args = {"replay_flush_length": K, "num_accepted_tokens": self.accepted(tokens)}
         if name == "-":  # the valid call
             pass
         elif name in STEP_FIELDS or name == "null_slot_id":
@@ -106,7 +110,7 @@ class ReplaySurface:
             ring = ring._replace(**{name[len("ring."):]: value})
         elif name == "tensors":
             t = value
-        elif name == "ring":
+        elif name in ("ring", "replay_ring"):  # materialize_fn's, the step's
             ring = value
         else:
             args[name] = value
@@ -114,14 +118,18 @@ class ReplaySurface:
             return self._decode(t, args)
         if entry == "runner":
             return self.runner.step(t.state_batch_indices, **{k: getattr(t, k) for k in LANE},
-                                    dst_slots=t.dst_state_batch_indices, num_accepted_tokens=args["accepted"])
+                                    dst_slots=t.dst_state_batch_indices, num_accepted_tokens=args["num_accepted_tokens"])
         if entry == "replay plan.run":
-            return self.plans[tokens].run(t, ring, args["accepted"])
+            return self.plans[tokens].run(**t._replace(replay_ring=ring,
+                                                       num_accepted_tokens=args["num_accepted_tokens"])._asdict())
         if entry == "materialize_fn":
             return materialize_fn(t, ring, args.get("rows", self.mine[:2]),
                                   rotate_pairwise=args.get("rotate_pairwise", False))
-        fn = replay_step_fn if entry == "replay_step_fn" else api_replay.replay_kernel_spec
-        return fn(t, ring, args.pop("K"), **args)
+        t = t._replace(replay_ring=ring, num_accepted_tokens=args.pop("num_accepted_tokens"))
+        options = StepOptions(update_kv_state=True, **args)
+        if entry == "check_replay_inputs":
+            return check_replay_inputs(t, options)
+        return mamba3_step_fn(**t._asdict(), **options._asdict())
 
     def _pool_method(self, entry: str, name: str, value):
         """``materialize``, ``reset``, ``copy`` or ``fork`` with argument ``name`` replaced (a fork's new
@@ -139,7 +147,8 @@ class ReplaySurface:
     def _decode(self, t: StepTensors, args: dict):
         options = {k: args[k] for k in ("tile_D", "num_warps") if k in args}
         return decode_step(self.pool, 0, t.state_batch_indices, **{k: getattr(t, k) for k in LANE + WEIGHTS + ("out",)},
-                           dst_slots=t.dst_state_batch_indices, num_accepted_tokens=args["accepted"], **options)
+                           dst_slots=t.dst_state_batch_indices, num_accepted_tokens=args["num_accepted_tokens"],
+                           **options)
 
 
 #: the pool methods the surface calls, with their valid arguments by name, in order (a free slot
@@ -176,7 +185,7 @@ def _valid(surface: ReplaySurface, name: str, tokens):
         return surface.slots
     if name == "rows":
         return torch.tensor(surface.mine[:2])
-    if name == "accepted":
+    if name == "num_accepted_tokens":
         return surface.accepted(T)
     if name in StepTensors._fields:
         return getattr(surface.tensors(tokens), name)

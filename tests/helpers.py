@@ -21,6 +21,9 @@ R MIMO rank.
 * :func:`check_pool_parity` - poison, run a pool-mode call and assert it bit-identical to
   :func:`gather_dense_scatter` (padding zeros, untouched rows, read-only inputs included);
   ``step_fn`` lets GPU tests run it on the kernel.
+* :func:`replay_call` / :func:`replay_fn` / :func:`replay_spec` - a replay step of a bundle: as
+  ``mamba3_step_fn``'s bundles, run through ``mamba3_step_fn``, or validated
+  (:func:`mamba3_step.replay_validation.check_replay_inputs`, what every device's path checks).
 * :func:`count_calls` - replace a module's function with one that records each call.
 * :func:`run_threads` / :func:`fast_thread_switching` / :class:`YieldingHeapq` - the race tests'
   harness: callables in threads with the interpreter switching threads as often as it can, and
@@ -44,6 +47,8 @@ import torch
 from mamba3_step import mamba3_step_fn
 from mamba3_step.contract import lane_is_live, source_rows
 from mamba3_step.serving import gather_dense_scatter as _gather_dense_scatter
+from mamba3_step.replay_validation import check_replay_inputs
+from mamba3_step.signature import StepOptions
 from mamba3_step.tensors import StepTensors
 from mamba3_step.tools.replay_reference import append_reference
 from mamba3_step.tools.verify.step import tolerance
@@ -51,6 +56,30 @@ from mamba3_step.testing import SPECULATIVE_PAD_KINDS, bits, bits_equal, make_in
 
 PAD_KINDS = ("negative", "oob", "null")
 LANE_KINDS = ("live", "live_nodst") + PAD_KINDS
+
+
+def replay_call(tensors: StepTensors, ring, flush_length, **kwargs) -> tuple:
+    """``(StepTensors, StepOptions)`` of a replay step of the pool-mode bundle ``tensors`` with ``ring``
+    and ``flush_length``: ``num_accepted_tokens`` in ``kwargs`` goes to the tensors, the rest are
+    ``mamba3_step_fn``'s options (``update_kv_state`` True and ``stochastic_rounding`` as ``rand_seed``
+    says unless given)."""
+    extra = {"num_accepted_tokens": kwargs.pop("num_accepted_tokens")} if "num_accepted_tokens" in kwargs else {}
+    options = dict(update_kv_state=True, stochastic_rounding=tensors.rand_seed is not None,
+                   replay_flush_length=flush_length)
+    options.update(kwargs)
+    return tensors._replace(replay_ring=ring, **extra), StepOptions(**options)
+
+
+def replay_fn(tensors: StepTensors, ring, flush_length, **kwargs) -> torch.Tensor:
+    """:func:`replay_call` through ``mamba3_step_fn`` (its replay mode); returns ``out``."""
+    t, options = replay_call(tensors, ring, flush_length, **kwargs)
+    return mamba3_step_fn(**t._asdict(), **options._asdict())
+
+
+def replay_spec(tensors: StepTensors, ring, flush_length, **kwargs):
+    """:func:`replay_call`'s checks, those of every device's path: the replay specialisation, or the
+    named error."""
+    return check_replay_inputs(*replay_call(tensors, ring, flush_length, **kwargs))
 
 
 def clone_inputs(inputs: dict) -> dict:

@@ -32,16 +32,17 @@ LAYERS = [
     # rounding: the state's random bits and low-precision stores
     ["tiling", "tensors", "signature", "arch", "sources", "testing", "rotary", "rounding"],
     ["spec"],
-    # ring: replay's ring (layout, allocation, argument checks); replay: its CPU path
-    ["reference", "validation", "specsets", "ring", "replay"],
+    # ring: replay's ring (allocation, argument checks); replay: its CPU path; replay_validation: what a step
+    # with a ring checks on every device; ring_guard: a replay plan's per-run check of its ring
+    ["reference", "validation", "specsets", "ring", "replay", "replay_validation", "ring_guard"],
     ["kernel"],
     ["build"],  # the kernel's cutlass-free face: imports it lazily, on the first compile
     ["compile_cache"],
     ["launch"],
-    ["api", "plan", "api_replay", "materialize"],  # plan: plan once, run many (StepPlan); api_replay: replay's entry
-    # point; materialize: a replay row's current state on any device (the kernel's flush form on CUDA)
-    ["plan_replay"],  # plan once, run many, for replay (ReplayStepPlan): on the stepwise plan and replay's entry
-    ["ops", "ops_replay", "serving"],
+    # plan: plan once, run many (StepPlan); materialize: a replay row's current state on any device (the
+    # kernel's flush form on CUDA)
+    ["api", "plan", "materialize"],
+    ["ops", "serving"],
     ["layer"],  # a Mamba-3 decode layer
     # the tools (cli, demo, verify, inspection, precompile, the PTX tier, the models): above the whole runtime,
     # and never loaded by `import mamba3_step`

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from mamba3_step import api, api_replay, compile_cache, launch, plan_replay
+from mamba3_step import api, compile_cache, launch
 from mamba3_step import plan as plan_module
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
@@ -32,8 +32,7 @@ def _load():
 @pytest.fixture
 def bench(monkeypatch):
     """The bench module; whatever it replaces is put back afterwards."""
-    for module, name in ((api, "runs_kernel"), (plan_module, "runs_kernel"), (api_replay, "runs_kernel"),
-                         (plan_replay, "runs_kernel"), (launch, "device_arch")):
+    for module, name in ((api, "runs_kernel"), (plan_module, "runs_kernel"), (launch, "device_arch")):
         monkeypatch.setattr(module, name, getattr(module, name))
     monkeypatch.setattr(launch, "_ARCH_BY_INDEX", {})
     yield _load()

@@ -35,7 +35,8 @@ def _setup(seed, *, has_outproj=True, null_slot=False):
 def test_schema_declares_mutated_tensors_and_returns_nothing():
     schema = torch.ops.mamba3_step.step.default._schema
     mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    assert mutated == {"state", "Bstate", "Xstate", "state_out", "out", "angle_state", "state_scale"}
+    ring = {f"replay_ring_{f}" for f in ("B", "x", "coef", "length", "offset", "drawn_for", "angle")}
+    assert mutated == {"state", "Bstate", "Xstate", "state_out", "out", "angle_state", "state_scale"} | ring
     assert len(schema.returns) == 0
     by_name = {a.name: a for a in schema.arguments}
     assert str(by_name["state_out"].type) == "Optional[Tensor]"

@@ -1,9 +1,10 @@
-"""torch.ops.mamba3_step.replay_step: its schema (the mutated tensors, the ring's included), its fake
-implementation (opcheck), eager parity with replay_step_fn, and replay_step_fn under
-torch.compile(fullgraph=True) on CPU: the same bytes as eager, ring included, over steps that append,
-flush and verify drafts.
+"""The replay mode through the one custom op, torch.ops.mamba3_step.step: its schema (the mutated
+tensors, the ring's included), its fake implementation on a replay call (opcheck), eager parity with
+mamba3_step_fn's replay mode, and the replay mode under torch.compile(fullgraph=True) on CPU: one op
+call per step, the same bytes as eager, ring included, over steps that append, flush and verify drafts.
 
-Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank, K flush length, T drafts.
+Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank, K the flush length
+(``replay_flush_length``), T drafts.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mamba3_step import new_ring, replay_step_fn
-from mamba3_step.api_replay import REPLAY_OP_ORDER, replay_through_op
+from helpers import replay_call, replay_fn
+
+from mamba3_step import mamba3_step_fn, new_ring
+from mamba3_step.api import step_through_op
 from mamba3_step.replay import Ring
+from mamba3_step.signature import OP_ORDER, OP_RING_ARGS, op_values
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, row_tensors
 
@@ -41,16 +45,19 @@ def _twin(rows: dict, ring: Ring):
 
 
 def test_schema_declares_the_ring_and_the_rows_mutated_and_returns_nothing():
-    schema = torch.ops.mamba3_step.replay_step.default._schema
+    schema = torch.ops.mamba3_step.step.default._schema
     mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    assert mutated == {"state", "Bstate", "Xstate", "state_out", "out", "angle_state", "state_scale", "ring_B",
-                       "ring_x", "ring_coef", "ring_length", "ring_offset", "ring_drawn_for", "ring_angle"}
+    assert mutated == {"state", "Bstate", "Xstate", "state_out", "out", "angle_state", "state_scale", "replay_ring_B",
+                       "replay_ring_x", "replay_ring_coef", "replay_ring_length", "replay_ring_offset",
+                       "replay_ring_drawn_for", "replay_ring_angle"}
     assert len(schema.returns) == 0
-    assert tuple(a.name for a in schema.arguments) == REPLAY_OP_ORDER
-    assert str({a.name: a for a in schema.arguments}["K"].type) == "number"  # Scalar: validation sees a bool
+    assert tuple(a.name for a in schema.arguments) == OP_ORDER
+    arguments = {a.name: a for a in schema.arguments}
+    assert str(arguments["replay_flush_length"].type) == "Optional[number]"  # Scalar: validation sees a bool
+    assert str(arguments["replay_from_checkpoint"].type) == "number"
 
 
-def test_op_matches_replay_step_fn_bytes():
+def test_op_matches_the_replay_mode_bytes():
     """Plain steps (append, then a flush), then verify steps committing drafts: op and function agree."""
     g, rows, w, ring = _layer(1)
     mine, their_ring = _twin(rows, ring)
@@ -59,8 +66,8 @@ def test_op_matches_replay_step_fn_bytes():
     for step in range(5):
         tokens = None if step < 2 else T
         lane = lane_inputs(4, H, D, N, R, tokens=tokens, generator=g)
-        want = replay_step_fn(_call(rows, lane, w, slots), ring, K, accepted=accepted)
-        got = replay_through_op(_call(mine, lane, w, slots), their_ring, K, accepted=accepted)
+        want = replay_fn(_call(rows, lane, w, slots), ring, K, num_accepted_tokens=accepted)
+        got = step_through_op(*replay_call(_call(mine, lane, w, slots), their_ring, K, num_accepted_tokens=accepted))
         assert bits_equal(got, want), step
         accepted = torch.tensor([2, 0, 1, 2], dtype=torch.int32) if step >= 2 else None
     assert all(bits_equal(rows[k], mine[k]) for k in rows)
@@ -71,25 +78,25 @@ def test_opcheck_schema_and_fake():
     g, rows, w, ring = _layer(2)
     slots = torch.tensor([3, 0, -1], dtype=torch.int32)
     lane = lane_inputs(3, H, D, N, R, tokens=T, generator=g)
-    t = _call(rows, lane, w, slots).with_out()
-    call = {**t._asdict(), **{f"ring_{f}": v for f, v in zip(Ring._fields, ring)}, "K": K,
-            "accepted": torch.tensor([0, 0, 0], dtype=torch.int32), "rotate_pairwise": False,
-            "from_checkpoint": False, "tile_D": None, "num_warps": None}
-    args = tuple(call[name] for name in REPLAY_OP_ORDER)
-    torch.library.opcheck(torch.ops.mamba3_step.replay_step.default, args,
+    tensors, options = replay_call(_call(rows, lane, w, slots).with_out(), ring, K,
+                                   num_accepted_tokens=torch.tensor([0, 0, 0], dtype=torch.int32))
+    call = op_values(tensors, options)
+    assert [call[name] for name in OP_RING_ARGS] == list(ring)
+    args = tuple(call[name] for name in OP_ORDER)
+    torch.library.opcheck(torch.ops.mamba3_step.step.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
-@pytest.mark.parametrize("bad, message", [(dict(K=True), "K must be an int in"),
-                                          (dict(accepted=torch.zeros(3)), "accepted: expected dtype int32")])
-def test_the_op_refuses_what_replay_step_fn_refuses_and_writes_nothing(bad, message):
+@pytest.mark.parametrize("bad, message", [(dict(replay_flush_length=True), "^replay_flush_length: expected an int or None, got bool"),
+                                          (dict(num_accepted_tokens=torch.zeros(3)),
+                                           "num_accepted_tokens: expected dtype int32")])
+def test_the_op_refuses_what_the_replay_mode_refuses_and_writes_nothing(bad, message):
     g, rows, w, ring = _layer(3)
     lane = lane_inputs(3, H, D, N, R, tokens=T, generator=g)
     t = _call(rows, lane, w, torch.tensor([3, 0, 1], dtype=torch.int32))
     before = [v.clone() for v in (*rows.values(), *(r for r in ring if r is not None))]
-    kw = {"K": K, **bad}
     with pytest.raises((ValueError, TypeError), match=message):
-        replay_through_op(t, ring, kw.pop("K"), **kw)
+        step_through_op(*replay_call(t, ring, K, **bad))
     after = [*rows.values(), *(r for r in ring if r is not None)]
     assert all(bits_equal(a, b) for a, b in zip(after, before))
 
@@ -98,12 +105,15 @@ def _decode(rows, ring, w, slots, lanes, accepted):
     """Three replay steps (two plain, one verify committing nothing yet, one verify committing)."""
     outs = []
     for i, lane in enumerate(lanes):
-        t = _call(rows, lane, w, slots)
-        outs.append(replay_step_fn(t, ring, K, accepted=accepted if i == len(lanes) - 1 else None))
+        outs.append(mamba3_step_fn(rows["state"], rows["Bstate"], rows["Xstate"], lane["A"], lane["B"], lane["C"],
+                                   w["D"], lane["x"], lane["dt"], lane["trap"], w["xproj"], w["outproj"], z=lane["z"],
+                                   zproj=w["zproj"], state_batch_indices=slots, replay_ring=ring,
+                                   num_accepted_tokens=accepted if i == len(lanes) - 1 else None,
+                                   update_kv_state=True, replay_flush_length=K))
     return outs
 
 
-def test_replay_step_fn_compiles_fullgraph_with_the_same_bytes_as_eager():
+def test_the_replay_mode_compiles_fullgraph_to_one_op_call_a_step_with_the_same_bytes_as_eager():
     torch._dynamo.reset()
     g, rows, w, ring = _layer(4)
     mine, their_ring = _twin(rows, ring)
@@ -112,8 +122,18 @@ def test_replay_step_fn_compiles_fullgraph_with_the_same_bytes_as_eager():
              lane_inputs(4, H, D, N, R, tokens=T, generator=g), lane_inputs(4, H, D, N, R, tokens=T, generator=g)]
     accepted = torch.tensor([1, 2, 0, 2], dtype=torch.int32)
     want = _decode(rows, ring, w, slots, lanes, accepted)
-    compiled = torch.compile(_decode, fullgraph=True, backend="aot_eager")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    compiled = torch.compile(_decode, fullgraph=True, backend=backend)
     got = compiled(mine, their_ring, w, slots, lanes, accepted)
+    ops = [node for gm in graphs for node in gm.graph.nodes if node.op == "call_function"
+           and "mamba3_step" in str(node.target)]
+    assert len(graphs) == 1 and len(ops) == len(lanes), [str(n.target) for n in ops]
+    assert all("mamba3_step.step" in str(node.target) for node in ops)
     assert all(bits_equal(a, b) for a, b in zip(got, want))
     assert all(bits_equal(rows[k], mine[k]) for k in rows)
     assert all(bits_equal(a, b) for a, b in zip(ring, their_ring) if a is not None)

@@ -21,8 +21,8 @@ from mamba3_step.api import prepare_step
 from mamba3_step.tools.ptx_tier import ptx_step_fn
 from mamba3_step.serving import CudaGraphStepRunner, decode_step
 from mamba3_step.serving.hook import POOL_SUPPLIED
-from mamba3_step.signature import OP_MUTATED, OP_ORDER, STEP_SIGNATURE, TENSOR_SIGNATURE, StepOptions
-from mamba3_step.tensors import KERNEL_ARGUMENT_NAMES, LANE_FIELDS, RING_FIELDS, StepTensors, kernel_arguments
+from mamba3_step.signature import OP_MUTATED, OP_ORDER, OP_RING_ARGS, STEP_SIGNATURE, TENSOR_SIGNATURE, StepOptions
+from mamba3_step.tensors import KERNEL_ARGUMENT_NAMES, LANE_FIELDS, RING_FIELDS, Ring, StepTensors, kernel_arguments
 from mamba3_step.validation.table import RULE_BY_NAME, RULES
 from mamba3_step.testing import make_inputs
 
@@ -76,7 +76,8 @@ def test_a_wrong_call_is_refused_by_python_naming_the_entry_point(entry, name):
 
 
 def test_every_tensor_field_has_a_validation_row():
-    tensors = [f for f in StepTensors._fields if f != "null_slot_id"]
+    # replay_ring: a bundle of tensors, checked against the step by mamba3_step.ring.check_ring
+    tensors = [f for f in StepTensors._fields if f not in ("null_slot_id", "replay_ring")]
     assert sorted(RULE_BY_NAME) == sorted(tensors)
     assert len(RULES) == len(tensors)
 
@@ -84,11 +85,14 @@ def test_every_tensor_field_has_a_validation_row():
 def test_the_op_schema_is_the_declaration():
     schema = torch.ops.mamba3_step.step.default._schema
     assert tuple(a.name for a in schema.arguments) == OP_ORDER
-    assert sorted(OP_ORDER) == sorted(DECLARED)
+    # replay_ring is its tensors, one op argument per Ring field
+    assert OP_RING_ARGS == tuple(f"replay_ring_{f}" for f in Ring._fields)
+    assert sorted(OP_ORDER) == sorted([n for n in DECLARED if n != "replay_ring"] + list(OP_RING_ARGS))
     mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    assert mutated == set(OP_MUTATED) == {r.name for r in RULES if r.written}
+    assert mutated == set(OP_MUTATED) == {r.name for r in RULES if r.written} | set(OP_RING_ARGS)
     for a in schema.arguments:
-        optional = a.name != "out" and STEP_SIGNATURE.parameters[a.name].default is not inspect.Parameter.empty
+        optional = a.name in OP_RING_ARGS or (
+            a.name != "out" and STEP_SIGNATURE.parameters[a.name].default is not inspect.Parameter.empty)
         assert a.has_default_value() == optional, a.name
 
 

@@ -4,7 +4,7 @@ of the pool and nothing in its allocator.
 
 The harness runs in a subprocess (``tests/fuzz_surface_worker.py``; a crash there is a failure
 here, not the end of the test run), once for the stepwise surface and once for replay's
-(``tests/fuzz_replay_surface.py``: ``replay_step_fn``, ``replay_kernel_spec``, ``ReplayStepPlan.run``,
+(``tests/fuzz_replay_surface.py``: ``mamba3_step_fn``'s replay mode, ``check_replay_inputs``, a replay plan's ``run``,
 ``decode_step`` and ``materialize`` on a replay pool). The default budget is 400 examples each;
 ``--fuzz-long`` runs 20,000 (docs/verification-log.md has the last long run's count).
 """

@@ -411,6 +411,6 @@ def test_a_plan_says_what_it_is():
     plan = plan_step(**split(kw)[0], **split(kw)[1])
     assert isinstance(plan, StepPlan) and plan.spec.update_kv_state and not plan.spec.pool
     assert plan.options == dict(update_kv_state=True, tile_D=None, num_warps=None, rotate_pairwise=False,
-                                stochastic_rounding=False,
+                                stochastic_rounding=False, replay_flush_length=None, replay_from_checkpoint=False,
                                 validate_indices=False)
     assert "out (3, 2, 32)" in repr(plan)

@@ -1,33 +1,34 @@
-"""Plan once, run many, for replay (mamba3_step.plan_replay): ``plan_replay_step`` validates a replay
-call signature once; ``ReplayStepPlan.run`` checks only what can change between steps, then does
-exactly what ``replay_step_fn`` does.
+"""Plan once, run many, in the replay mode (``plan_step`` with ``replay_ring``): the plan validates a
+replay call signature once; ``StepPlan.run`` checks only what can change between steps, then does
+exactly what ``mamba3_step_fn`` does.
 
-* ``run`` equals ``replay_step_fn`` bit for bit on CPU tensors (outs, rows, every ring tensor) over
-  decodes crossing flushes, one-token and verify steps with ``accepted``, with fresh lane tensors
-  every step;
-* on the kernel path (a stand-in kernel recording what it is given; the replay kernel's
-  validation runs on any device) ``run`` passes what ``replay_step_fn`` passes and runs no full
-  validation, for every layer of a pool whose rings share the signature;
-* bad input gets ``replay_step_fn``'s exception and changes nothing, a ring sharing memory with an
+* ``run`` equals ``mamba3_step_fn`` bit for bit on CPU tensors (outs, rows, every ring tensor) over
+  decodes crossing flushes, one-token and verify steps with ``num_accepted_tokens``, with fresh lane
+  tensors every step;
+* on the kernel path (a stand-in kernel recording what it is given; the replay validation runs on
+  any device) ``run`` passes what ``mamba3_step_fn`` passes and runs no full validation, for every
+  layer of a pool whose rings share the signature;
+* bad input gets ``mamba3_step_fn``'s exception and changes nothing, a ring sharing memory with an
   argument included; a valid call of another signature raises ``StepPlanMismatch`` naming what
   changed, and changes nothing;
 * a ring tensor of another kind (nested, sparse, freed, meta) is refused by name on every replay
-  path, the kernel's validation of a cached ring included, and the process survives.
+  path, the validation of a cached ring included, and the process survives.
 
-Letters: B lanes, T tokens, P pool rows, H heads, D head dim, N state size, R MIMO rank, K flush length.
+Letters: B lanes, T tokens, P pool rows, H heads, D head dim, N state size, R MIMO rank, K the flush
+length (``replay_flush_length``).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import RecordingKernel
+from helpers import RecordingKernel, replay_call, replay_fn, replay_spec
 
-import mamba3_step.plan_replay as plan_replay
-from mamba3_step import (ReplayStepPlan, StepPlanMismatch, api_replay, new_ring, plan_replay_step, replay,
-                         replay_step_fn)
+import mamba3_step.api as api
+import mamba3_step.plan as plan_module
+from mamba3_step import StepPlan, StepPlanMismatch, new_ring, plan_step, replay
 from mamba3_step.spec import flagship_spec
-from mamba3_step.tensors import StepTensors
+from mamba3_step.tensors import StepTensors, kernel_arguments
 from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, row_tensors
 
 P, H, D, N, R, K = 7, 2, 64, 128, 4, 4
@@ -63,24 +64,35 @@ class Layer:
 INDEX = torch.tensor([3, -1, 0, NULL, 5], dtype=torch.int32)
 
 
+def _plan(call: StepTensors, ring, **kwargs) -> StepPlan:
+    """``plan_step`` in the replay mode, for calls like ``call`` with ``ring`` (:func:`helpers.replay_call`)."""
+    tensors, options = replay_call(call, ring, K, **kwargs)
+    return plan_step(**tensors._asdict(), **options._asdict())
+
+
+def _run(plan: StepPlan, call: StepTensors, ring, accepted=None) -> torch.Tensor:
+    """``plan.run`` of ``call`` with ``ring`` and ``num_accepted_tokens`` ``accepted``."""
+    return plan.run(**call._replace(replay_ring=ring, num_accepted_tokens=accepted)._asdict())
+
+
 def _same_layers(a: Layer, b: Layer, where: str) -> None:
     assert all(bits_equal(a.rows[k], b.rows[k]) for k in a.rows), f"{where}: rows"
     assert all(bits_equal(x, y) for x, y in zip(a.ring, b.ring) if x is not None), f"{where}: ring"
 
 
 @pytest.mark.parametrize("verify", [False, True], ids=["one-token", "verify-T2"])
-def test_run_equals_replay_step_fn_bit_for_bit_step_after_step(verify):
+def test_run_equals_the_replay_mode_bit_for_bit_step_after_step(verify):
     fn = Layer(1, draft=2 if verify else 0)
     planned = fn.clone()
     B, T = len(INDEX), (2 if verify else None)
     accepted = torch.zeros(B, dtype=torch.int32) if verify else None
-    plan = plan_replay_step(planned.call(planned.lane(B, T), INDEX), planned.ring, K, accepted=accepted)
+    plan = _plan(planned.call(planned.lane(B, T), INDEX), planned.ring, num_accepted_tokens=accepted)
     for step in range(2 * K + 1):
         lane = fn.lane(B, T)  # new values and addresses every step
         if verify and step:
             accepted = torch.randint(0, 3, (B,), generator=fn.g, dtype=torch.int32)
-        want = replay_step_fn(fn.call(lane, INDEX), fn.ring, K, accepted=accepted)
-        got = plan.run(planned.call(lane, INDEX), planned.ring, accepted=accepted)
+        want = replay_fn(fn.call(lane, INDEX), fn.ring, K, num_accepted_tokens=accepted)
+        got = _run(plan, planned.call(lane, INDEX), planned.ring, accepted)
         assert bits_equal(got, want), f"step {step}: out"
         _same_layers(planned, fn, f"step {step}")
     assert int(fn.ring.length.max()) < K - 1 + (3 if verify else 1)  # rows flushed on the way
@@ -90,9 +102,10 @@ def test_run_equals_replay_step_fn_bit_for_bit_step_after_step(verify):
 def kernel_path(monkeypatch):
     """CPU tensors take the kernel path: one recorder stands for every compiled kernel."""
     recorder = RecordingKernel()
-    for module in (plan_replay, api_replay):
+    for module in (plan_module, api):
         monkeypatch.setattr(module, "runs_kernel", lambda x: True)
-        monkeypatch.setattr(module, "kernel_for", lambda spec, x: recorder)
+    monkeypatch.setattr(plan_module, "kernel_for", lambda spec, x: recorder)
+    monkeypatch.setattr(api, "launch_step", lambda spec, tensors: recorder(*kernel_arguments(tensors)))
     return recorder
 
 
@@ -100,32 +113,32 @@ def _same_launch(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(x is y if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
 
 
-def test_run_launches_what_replay_step_fn_launches_without_validating(kernel_path, monkeypatch):
+def test_run_launches_what_the_replay_mode_launches_without_validating(kernel_path, monkeypatch):
     """Every layer of a pool (rings of one signature), one-token steps with destinations: the same
-    launch arguments as replay_step_fn's, and no full validation after the plan."""
+    launch arguments as mamba3_step_fn's, and no full validation after the plan."""
     layers = [Layer(2), Layer(3)]
     out = torch.empty(len(INDEX), H, D, dtype=torch.bfloat16)
     dst = torch.tensor([4, -1, 0, NULL, 5], dtype=torch.int32)
     lane = layers[0].lane(len(INDEX))
-    plan = plan_replay_step(layers[0].call(lane, INDEX)._replace(out=out, dst_state_batch_indices=dst),
-                            layers[0].ring, K)
+    plan = _plan(layers[0].call(lane, INDEX)._replace(out=out, dst_state_batch_indices=dst), layers[0].ring)
     assert plan.spec == flagship_spec(replay_ring=K, has_dst=True)
     validations = []
-    monkeypatch.setattr(plan_replay, "_validated", lambda *a: validations.append(a))
+    monkeypatch.setattr(plan_module, "check_replay_inputs", lambda *a: validations.append(a))
+    monkeypatch.setattr(plan_module, "check_step_inputs", lambda *a, **k: validations.append(a))
     for step in range(3):
         for layer in layers:
             call = layer.call(layer.lane(len(INDEX)), INDEX)._replace(out=out, dst_state_batch_indices=dst)
-            assert plan.run(call, layer.ring) is out
-            replay_step_fn(call, layer.ring, K)
+            assert _run(plan, call, layer.ring) is out
+            replay_fn(call, layer.ring, K)
             assert _same_launch(kernel_path.calls[-2], kernel_path.calls[-1]), f"step {step}"
     assert validations == []
 
 
-def test_bad_input_gets_replay_step_fns_error_and_changes_nothing(kernel_path):
+def test_bad_input_gets_the_replay_modes_error_and_changes_nothing(kernel_path):
     layer = Layer(4, draft=2)
     lane = layer.lane(len(INDEX), tokens=2)
     accepted = torch.ones(len(INDEX), dtype=torch.int32)
-    plan = plan_replay_step(layer.call(lane, INDEX), layer.ring, K, accepted=accepted)
+    plan = _plan(layer.call(lane, INDEX), layer.ring, num_accepted_tokens=accepted)
     good = layer.call(lane, INDEX)
     bad = {
         "accepted int64": (good, layer.ring, accepted.long()),
@@ -143,9 +156,9 @@ def test_bad_input_gets_replay_step_fns_error_and_changes_nothing(kernel_path):
     for name, (call, ring, acc) in bad.items():
         before = [t.clone() for t in (*call, *ring, acc) if isinstance(t, torch.Tensor)]
         with pytest.raises((TypeError, ValueError)) as want:
-            replay_step_fn(call, ring, K, accepted=acc)
+            replay_fn(call, ring, K, num_accepted_tokens=acc)
         with pytest.raises(type(want.value)) as got:
-            plan.run(call, ring, accepted=acc)
+            _run(plan, call, ring, acc)
         assert str(got.value) == str(want.value), name
         assert not isinstance(got.value, StepPlanMismatch), name
         after = [t for t in (*call, *ring, acc) if isinstance(t, torch.Tensor)]
@@ -156,10 +169,10 @@ def test_bad_input_gets_replay_step_fns_error_and_changes_nothing(kernel_path):
 @pytest.mark.parametrize("change", ["batch", "ring entries", "accepted given", "null_slot_id", "inference mode"])
 def test_a_valid_call_of_another_signature_is_refused_naming_what_changed(change, kernel_path):
     layer = Layer(5, draft=2)
-    plan = plan_replay_step(layer.call(layer.lane(len(INDEX)), INDEX), layer.ring, K)
+    plan = _plan(layer.call(layer.lane(len(INDEX)), INDEX), layer.ring)
     call, ring, accepted = layer.call(layer.lane(len(INDEX)), INDEX), layer.ring, None
-    expect = {"batch": "x: planned shape", "ring entries": "ring.B: planned",
-              "accepted given": "accepted: planned None",
+    expect = {"batch": "x: planned shape", "ring entries": "replay_ring.B: planned",
+              "accepted given": "num_accepted_tokens: planned None",
               "null_slot_id": "null_slot_id: planned 6, got 2", "inference mode": "torch.inference_mode"}[change]
     if change == "batch":
         call = layer.call(layer.lane(2), INDEX[:2])
@@ -173,40 +186,41 @@ def test_a_valid_call_of_another_signature_is_refused_naming_what_changed(change
     with pytest.raises(StepPlanMismatch, match=expect):
         if change == "inference mode":
             with torch.inference_mode():
-                plan.run(call, ring, accepted=accepted)
+                _run(plan, call, ring, accepted)
         else:
-            plan.run(call, ring, accepted=accepted)
+            _run(plan, call, ring, accepted)
     after = [t for t in (*call, *ring) if isinstance(t, torch.Tensor)]
     assert all(bits_equal(a, b) for a, b in zip(after, before))
     assert not kernel_path.calls
-    replay_step_fn(call, ring, K, accepted=accepted)  # valid: replay_step_fn runs it
+    replay_fn(call, ring, K, num_accepted_tokens=accepted)  # valid: mamba3_step_fn runs it
     assert len(kernel_path.calls) == 1
 
 
-def test_plan_replay_step_refuses_what_replay_step_fn_refuses():
+def test_plan_step_refuses_what_the_replay_mode_refuses():
     layer = Layer(6)
     call = layer.call(layer.lane(len(INDEX)), INDEX)
-    with pytest.raises(ValueError, match="K must be an int in"):
-        plan_replay_step(call, layer.ring, 1)
-    with pytest.raises(TypeError, match="^plan_replay_step: tensors must be a mamba3_step.tensors.StepTensors, "
-                                        "got dict"):
-        plan_replay_step(call._asdict(), layer.ring, K)
-    for ring, what in (("ring", "ring must be a mamba3_step.Ring"), (tuple(layer.ring), "ring must be"),
-                       (layer.ring._replace(B=[0]), "ring.B: expected a torch.Tensor, got list"),
-                       (layer.ring._replace(angle=3), "ring.angle: expected a torch.Tensor or None, got int")):
-        for entry in (plan_replay_step, replay_step_fn):
+    with pytest.raises(ValueError, match="^plan_step: replay_flush_length must be an int in"):
+        _plan(call, layer.ring, replay_flush_length=1)
+    with pytest.raises(ValueError, match="^update_kv_state: expected True with replay_ring"):
+        _plan(call, layer.ring, update_kv_state=False)
+    for ring, what in (("ring", "replay_ring must be a mamba3_step.Ring"), (tuple(layer.ring), "replay_ring must be"),
+                       (layer.ring._replace(B=[0]), "replay_ring.B: expected a torch.Tensor, got list"),
+                       (layer.ring._replace(angle=3), "replay_ring.angle: expected a torch.Tensor or None, got int")):
+        for entry in (_plan, lambda c, r: replay_fn(c, r, K)):
             with pytest.raises(TypeError, match=what):
-                entry(call, ring, K)
-    with pytest.raises(ValueError, match="the ring holds 1 entries; K = 4"):
-        plan_replay_step(call, new_ring(P, 2, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16), K)
+                entry(call, ring)
+    with pytest.raises(ValueError, match="the ring holds 1 entries; replay_flush_length = 4"):
+        _plan(call, new_ring(P, 2, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16))
 
 
 def test_a_plan_says_what_it_is(kernel_path):
     layer = Layer(7)
-    plan = plan_replay_step(layer.call(layer.lane(2), INDEX[:2]), layer.ring, K)
-    assert isinstance(plan, ReplayStepPlan) and plan.K == K
-    assert repr(plan).startswith("ReplayStepPlan(") and f"K={K}" in repr(plan)
-    assert plan.options == {"rotate_pairwise": False, "from_checkpoint": False, "tile_D": None, "num_warps": None}
+    plan = _plan(layer.call(layer.lane(2), INDEX[:2]), layer.ring)
+    assert isinstance(plan, StepPlan) and plan.options["replay_flush_length"] == K
+    assert repr(plan).startswith("StepPlan(") and f"replay_flush_length={K}" in repr(plan)
+    assert plan.options == dict(update_kv_state=True, tile_D=None, num_warps=None, rotate_pairwise=False,
+                                stochastic_rounding=False, replay_flush_length=K, replay_from_checkpoint=False,
+                                validate_indices=False)
 
 
 def _odd(kind: str, t: torch.Tensor) -> torch.Tensor:
@@ -231,13 +245,14 @@ def test_every_ring_tensor_kind_is_refused_by_name_on_every_replay_path(kind, ke
     and nested or sparse ones raised torch's own errors."""
     layer = Layer(8)
     call = layer.call(layer.lane(len(INDEX)), INDEX)
-    plan = plan_replay_step(call, layer.ring, K)
-    api_replay.replay_kernel_spec(call, layer.ring, K)  # this ring checked and kept: the cached path
+    plan = _plan(call, layer.ring)
+    replay_spec(call, layer.ring, K)  # this ring checked and kept: the cached path
     for field in ("B", "x", "coef", "length"):
         ring = layer.ring._replace(**{field: _odd(kind, getattr(layer.ring, field))})
         before = [t.clone() for t in (*call, *layer.ring) if isinstance(t, torch.Tensor)]
-        paths = {"kernel validation": lambda: api_replay.replay_kernel_spec(call, ring, K),
-                 "plan.run": lambda: plan.run(call, ring),
+        paths = {"validation": lambda: replay_spec(call, ring, K),
+                 "plan.run": lambda: _run(plan, call, ring),
+                 "mamba3_step_fn": lambda: replay_fn(call, ring, K),
                  "cpu path": lambda: replay.replay_step(call, ring, K)}
         for path, run in paths.items():
             with pytest.raises((TypeError, ValueError), match=rf"ring[._]{field}"):
@@ -248,18 +263,35 @@ def test_every_ring_tensor_kind_is_refused_by_name_on_every_replay_path(kind, ke
 
 
 def test_the_cpu_path_checks_the_step_then_accepted_by_name():
-    """On the CPU path (``replay_step_fn`` and ``replay_step``) a bad step tensor is named before
-    ``accepted`` is read, and a bad ``accepted`` by its name: a nested x with ``accepted`` given
-    used to reach ``accepted``'s shape check through x and raise torch's own error, and
-    ``replay_step`` did not check ``accepted`` at all."""
+    """On the CPU path (``mamba3_step_fn``'s replay mode and ``replay_step``) a bad step tensor is named
+    before the accepted counts are read, and bad counts by their name: a nested x with counts given
+    must not reach their shape check through x (torch's own error)."""
     layer = Layer(9, draft=2)
     call = layer.call(layer.lane(len(INDEX), 2), INDEX)
     accepted = torch.zeros(len(INDEX), dtype=torch.int32)
     nested = call._replace(x=torch.nested.nested_tensor([call.x[0].float(), call.x[1].float()]))
-    for entry in (replay_step_fn, replay.replay_step):
+    entries = ((lambda c, a: replay_fn(c, layer.ring, K, num_accepted_tokens=a), "num_accepted_tokens"),
+               (lambda c, a: replay.replay_step(c, layer.ring, K, accepted=a), "accepted"))
+    for entry, name in entries:
         with pytest.raises(TypeError, match="^x: expected a strided"):
-            entry(nested, layer.ring, K, accepted=accepted)
-        with pytest.raises(TypeError, match="^accepted: expected dtype int32, got int64"):
-            entry(call, layer.ring, K, accepted=accepted.long())
-        with pytest.raises(ValueError, match=r"^accepted: expected shape \(B\)"):
-            entry(call, layer.ring, K, accepted=accepted[:2])
+            entry(nested, accepted)
+        with pytest.raises(TypeError, match=f"^{name}: expected dtype int32, got int64"):
+            entry(call, accepted.long())
+        with pytest.raises(ValueError, match=rf"^{name}: expected shape \(B\)"):
+            entry(call, accepted[:2])
+
+
+def test_a_ring_given_to_a_stepwise_plan_or_left_out_of_a_replay_plan_is_a_mismatch():
+    """The replay mode is part of a plan's signature: a stepwise plan's run given a ring, and a replay
+    plan's run without one, raise StepPlanMismatch naming replay_ring, and write nothing."""
+    layer = Layer(10)
+    call = layer.call(layer.lane(len(INDEX)), INDEX)
+    stepwise = plan_step(**call._asdict(), update_kv_state=True)
+    replaying = _plan(call, layer.ring)
+    before = [t.clone() for t in (*call, *layer.ring) if isinstance(t, torch.Tensor)]
+    with pytest.raises(StepPlanMismatch, match="replay_ring: planned None, got Ring"):
+        _run(stepwise, call, layer.ring)
+    with pytest.raises(StepPlanMismatch, match="replay_ring: planned a Ring, got None"):
+        replaying.run(**call._asdict())
+    after = [t for t in (*call, *layer.ring) if isinstance(t, torch.Tensor)]
+    assert all(bits_equal(a, b) for a, b in zip(after, before))

@@ -21,7 +21,7 @@ import torch
 from test_kernel_compile import REPLAY, REPLAY_DST
 from test_ptx_replay import Layer
 
-from mamba3_step import materialize_fn, replay_step_fn
+from mamba3_step import mamba3_step_fn, materialize_fn
 from mamba3_step.materialize import flush_form
 from mamba3_step.tools.ptx_tier import run_step_ptx
 from mamba3_step.replay import materialize, new_ring
@@ -194,5 +194,5 @@ def test_k1_is_a_verify_steps_flush_form_only():
     assert replay_problem(flagship.replace(replay_ring=1, tokens=2)) is None
     assert "1 with a verify step" in replay_problem(flagship.replace(replay_ring=1))
     t, ring = _small_pool()
-    with pytest.raises(ValueError, match=r"K must be an int in \[2, 16\]"):
-        replay_step_fn(t, ring, 1)
+    with pytest.raises(ValueError, match=r"replay_flush_length must be an int in \[2, 16\]"):
+        mamba3_step_fn(**t._replace(replay_ring=ring)._asdict(), update_kv_state=True, replay_flush_length=1)

@@ -438,3 +438,33 @@ def test_the_outputs_bits_do_not_depend_on_the_warps(from_checkpoint):
         assert bits_equal(out4, out8) and bits_equal(state4, state8), f"position {position}"
         assert out4.abs().max() > 0
         assert (position == K - 1) != bits_equal(state4, tensors.state), f"position {position}: the flush"
+
+
+def test_the_one_entry_point_packs_the_ring_for_the_kernel():
+    """``ptx_step_fn`` (``mamba3_step_fn``'s arguments, the kernel's PTX executed) in the replay mode:
+    the ring travels as ``replay_ring``, the call is validated by the one check every device runs and
+    the kernel's arguments are packed from the call. Over appends and a flush, each step's ring
+    entries and lengths, and the flushed rows, equal ``mamba3_step_fn``'s CPU path bit for bit, and
+    every ``out`` agrees with it within bf16 rounding."""
+    from mamba3_step import mamba3_step_fn
+    from mamba3_step.ptx_tier import ptx_step_fn
+
+    H, D, N, R, K, B = 2, 32, 32, 1, 2, 2
+    g = torch.Generator().manual_seed(41)
+    rows, w = row_tensors(4, H, D, N, R, generator=g), layer_weights(H, D, R, generator=g)
+    pools = {kind: {k: v.clone() for k, v in rows.items()} for kind in ("ptx", "cpu")}
+    rings = {kind: new_ring(4, K, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16) for kind in pools}
+    index = torch.tensor([2, 0], dtype=torch.int32)
+    for step in range(K + 1):
+        lane = lane_inputs(B, H, D, N, R, generator=g)
+        outs = {}
+        for kind, fn in (("ptx", ptx_step_fn), ("cpu", mamba3_step_fn)):
+            outs[kind] = fn(**pools[kind], **lane, **w, state_batch_indices=index, replay_ring=rings[kind],
+                            update_kv_state=True, replay_flush_length=K)
+        assert torch.allclose(outs["ptx"].float(), outs["cpu"].float(), rtol=2e-2, atol=2e-2), f"step {step}: out"
+        for field in ("B", "x", "coef", "length"):
+            assert bits_equal(getattr(rings["ptx"], field), getattr(rings["cpu"], field)), f"step {step}: {field}"
+        if step == K - 1:  # the flush: Bstate/Xstate are this token's, bit for bit
+            for k in ("Bstate", "Xstate"):
+                assert bits_equal(pools["ptx"][k], pools["cpu"][k]), f"step {step}: {k}"
+    assert int(rings["ptx"].length[2, 0]) == 1  # appended, flushed, appended

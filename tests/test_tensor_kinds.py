@@ -23,14 +23,13 @@ from mamba3_step.tensors import StepTensors
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("nested", "sparse", "mkldnn", "quantized", "meta", "freed", "complex", "bool")
-PATHS = ("fn", "fn cached", "plan.run", "op", "decode_step", "runner", "replay_step_fn", "replay plan.run")
+PATHS = ("fn", "fn cached", "plan.run", "op", "decode_step", "runner", "replay fn", "replay plan.run")
 ARGS = ("x", "A", "state", "state_batch_indices", "D", "angle_state", "angle_proj", "B_bias")
 
 SCRIPT = r"""
 import json, sys, torch
 import mamba3_step.ops
-from mamba3_step import mamba3_step_fn, mamba3_step_op, new_ring, plan_replay_step, plan_step, replay_step_fn
-from mamba3_step.tensors import StepTensors
+from mamba3_step import mamba3_step_fn, mamba3_step_op, new_ring, plan_step
 from mamba3_step.serving import CudaGraphStepRunner, StatePool, decode_step
 from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, poison_, poison_pool
 
@@ -81,10 +80,10 @@ def call(path, args):
         return decode_step(pool, 0, kw["state_batch_indices"], **{k: kw[k] for k in (*lanes, *WEIGHTS)})
     if path == "runner":
         return RUNNER.step(kw["state_batch_indices"], **{k: kw[k] for k in lanes})
-    if path == "replay_step_fn":
-        return replay_step_fn(StepTensors(**kw), RING, 2)
+    if path == "replay fn":
+        return mamba3_step_fn(**kw, replay_ring=RING, update_kv_state=True, replay_flush_length=2)
     if path == "replay plan.run":
-        return REPLAY_PLAN.run(StepTensors(**kw), RING)
+        return REPLAY_PLAN.run(**kw, replay_ring=RING)
     raise AssertionError(path)
 
 
@@ -92,7 +91,7 @@ valid = dict(**rows, **lanes, **weights, state_batch_indices=slots)
 PLAN = plan_step(**valid, update_kv_state=True)
 RUNNER = CudaGraphStepRunner(pool, 0, buckets=(4,), **weights)
 RING = new_ring(P, 2, R, H, N, D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16, rope_angles=S)
-REPLAY_PLAN = plan_replay_step(StepTensors(**valid), RING, 2)
+REPLAY_PLAN = plan_step(**valid, replay_ring=RING, update_kv_state=True, replay_flush_length=2)
 for path in ("fn", "plan.run", "runner", "replay plan.run"):  # validated once: later calls take the cached paths
     call(path, valid)
 results = {}

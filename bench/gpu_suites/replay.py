@@ -1,7 +1,7 @@
 """Suite ``replay``: the replay kernel against the stepwise kernel, at the flagship configuration (N=128,
 D=64, R=4, fp32 state, bf16 B/C/x/z and projections, pool mode with update_kv_state), per batch size.
 
-1. Check: a decode of 2K + 1 steps from empty rings through ``mamba3_step.replay_step_fn`` and
+1. Check: a decode of 2K + 1 steps from empty rings through ``mamba3_step_fn`` in its replay mode and
    ``mamba3_step_fn`` on twin pools: with outputs replayed every ``out``, and every row at its flush,
    bit-identical; with outputs from the checkpoint a flush's ``out`` and rows bit-identical and an
    append's ``out`` within 2% (a different rounding). Every timed variant is checked.
@@ -24,8 +24,9 @@ import torch
 
 import _util
 
-from mamba3_step import mamba3_step_fn, new_ring, replay_step_fn
-from mamba3_step.api_replay import replay_kernel_spec
+from mamba3_step import mamba3_step_fn, new_ring
+from mamba3_step.replay_validation import check_replay_inputs
+from mamba3_step.signature import StepOptions
 from mamba3_step.tools.bytes_model import bytes_per_step, replay_bytes
 from mamba3_step.launch import kernel_for
 from mamba3_step.spec import flagship_spec
@@ -108,14 +109,18 @@ def stagger_ring(ring, K: int) -> None:
 
 def bounded_replay(tensors: StepTensors, ring, K: int, from_checkpoint: bool = False, num_warps: int | None = None,
                    min_ctas: int = 0):
-    """``replay_step_fn``, or with ``min_ctas`` on CUDA the same launch at that launch bound
-    (``StepSpec.min_ctas_per_sm``: an experiment's knob, no public option, so launched here as
-    ``replay_step_fn`` launches; on the CPU path there is no bound to set)."""
+    """``mamba3_step_fn`` in its replay mode (``replay_ring``, flush length ``K``), or with ``min_ctas``
+    on CUDA the same launch at that launch bound (``StepSpec.min_ctas_per_sm``: an experiment's knob, no
+    public option, so launched here as ``mamba3_step_fn`` launches; on the CPU path there is no bound
+    to set)."""
+    t = tensors._replace(replay_ring=ring)
+    options = StepOptions(update_kv_state=True, num_warps=num_warps, stochastic_rounding=t.rand_seed is not None,
+                          replay_flush_length=K, replay_from_checkpoint=from_checkpoint)
     if not min_ctas or not tensors.x.is_cuda:
-        return replay_step_fn(tensors, ring, K, from_checkpoint=from_checkpoint, num_warps=num_warps)
-    spec = replay_kernel_spec(tensors, ring, K, from_checkpoint=from_checkpoint, num_warps=num_warps)
-    t = tensors.with_out()
-    kernel_for(spec.replace(min_ctas_per_sm=min_ctas), t.x)(*kernel_arguments(t.one_token_squeezed(), ring))
+        return mamba3_step_fn(**t._asdict(), **options._asdict())
+    spec = check_replay_inputs(t, options)
+    t = t.with_out()
+    kernel_for(spec.replace(min_ctas_per_sm=min_ctas), t.x)(*kernel_arguments(t.one_token_squeezed()))
     return t.out
 
 

@@ -5,7 +5,7 @@ update_kv_state), per batch size, T draft tokens a lane:
 * **stepwise** (today's verify): one T-token step of ``mamba3_step_fn`` from the row after the accepted
   drafts (``state_batch_indices`` (B, T): the lane's T rows, ``num_accepted_tokens`` (B,)), writing the
   state after each draft to its own row (``dst_state_batch_indices`` (B, T)): T state rows a step.
-* **replay K**: ``replay_step_fn`` with x (B, T, H, D) and ``accepted`` (B,): the committed ring tokens
+* **replay K**: ``mamba3_step_fn``'s replay mode with x (B, T, H, D) and ``num_accepted_tokens`` (B,): the committed ring tokens
   and the drafts stepped on the checkpoint in registers, the drafts kept in the ring, the state written
   only when the committed tokens reach K.
 * **replay K, from the checkpoint** (``from_checkpoint=True``): no draft stepped; the committed tokens
@@ -32,7 +32,7 @@ import torch
 
 import _util
 
-from mamba3_step import mamba3_step_fn, new_ring, replay_step_fn
+from mamba3_step import mamba3_step_fn, new_ring
 from mamba3_step.tools.bytes_model import bytes_per_step, replay_bytes
 from mamba3_step.spec import flagship_spec
 from mamba3_step.tensors import StepTensors
@@ -107,8 +107,9 @@ class Layer:
         return mamba3_step_fn(**t._asdict(), update_kv_state=True)
 
     def replay(self):
-        out = replay_step_fn(self.call(self.replay_pools, self.index), self.ring, self.K, accepted=self.accepted,
-                             from_checkpoint=self.from_checkpoint)
+        t = self.call(self.replay_pools, self.index)._replace(replay_ring=self.ring, num_accepted_tokens=self.accepted)
+        out = mamba3_step_fn(**t._asdict(), update_kv_state=True, replay_flush_length=self.K,
+                             replay_from_checkpoint=self.from_checkpoint)
         self.accepted.fill_(self.T)  # the next step commits every draft of this one
         return out
 

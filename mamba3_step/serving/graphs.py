@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..api_replay import check_accepted
+from ..ring import check_accepted
 from ..contract import shown, source_rows
 from ..signature import STEP_SIGNATURE, StepOptions, View, make_binder, view_fields, view_signature
 from ..spec import MAX_TOKENS

@@ -11,12 +11,12 @@ from inspect import Parameter
 import torch
 
 from ..api import check_index_values, run_step
-from ..api_replay import check_accepted, replay_step_fn
 from ..contract import dtype_name, lane_is_live, source_rows
+from ..replay_validation import check_replay_inputs
 from ..signature import StepOptions, View, make_binder, view_fields, view_signature
 from ..tensors import StepTensors
 from ..tiling import default_tiling, thread_layout
-from ..validation import check_options, check_step_inputs_cached
+from ..validation import check_options
 from .pool import StatePool
 
 __all__ = ["decode_step", "kv_update_in_kernel"]
@@ -40,9 +40,9 @@ def kv_update_in_kernel(headdim: int, dstate: int, mimo: int, state_dtype, tile_
 
 
 #: what the pool supplies: its layer's rows (the angle's and an 8-bit state's scales too), its null
-#: slot; the hook decides update_kv_state
+#: slot, a replay pool's ring and flush length (outputs stepwise decoding's); the hook decides update_kv_state
 POOL_SUPPLIED = frozenset({"state", "Bstate", "Xstate", "angle_state", "state_scale", "state_out", "null_slot_id",
-                           "update_kv_state"})
+                           "update_kv_state", "replay_ring", "replay_flush_length", "replay_from_checkpoint"})
 _VIEW = View(
     leading=(Parameter("pool", Parameter.POSITIONAL_OR_KEYWORD, annotation="StatePool"),
              Parameter("layer", Parameter.POSITIONAL_OR_KEYWORD, annotation="int")),
@@ -98,8 +98,9 @@ def decode_step(*args, **kwargs) -> torch.Tensor:
     padded lanes and padding tokens go to a hidden scratch row). With ``stochastic_rounding`` the
     hook then advances ``rand_seed``'s offset by ``T`` in place, on its device (so the next step, or
     the next replay of a captured one, draws fresh bits). A replay pool's rows are checkpoints: the
-    step goes through ``replay_step_fn`` (the state written every K tokens, the rest to the ring;
-    a token axis is a verify step whose drafts stay in the ring). Returns ``out``.
+    step is the step's replay mode (``replay_ring``: the state written every ``replay_flush_length``
+    tokens, the rest to the ring; a token axis is a verify step whose drafts stay in the ring). Returns
+    ``out``.
     """
     values = _bind(*args, **kwargs)
     pool, layer, call = values[0], values[1], dict(zip(_FIELDS, values[2:]))
@@ -132,15 +133,15 @@ _NOT_WITH_REPLAY_VERIFY = {("dst_slots", "dst_state_batch_indices"): "a verify s
 
 
 def _replay_step(pool: StatePool, layer: int, tensors: StepTensors, call: dict) -> torch.Tensor:
-    """A step of a replay pool (:class:`~mamba3_step.serving.ReplayStatePool`): :func:`mamba3_step.replay_step_fn`
-    on the layer's rows and ring, with every ``out`` stepwise decoding's, bit for bit. A verify step (x with
+    """A step of a replay pool (:class:`~mamba3_step.serving.ReplayStatePool`): the step's replay mode on the
+    layer's rows and ring (``replay_ring``), with every ``out`` stepwise decoding's, bit for bit. A verify step (x with
     a token axis of at most ``pool.replay_draft`` drafts) keeps its drafts in the ring; ``num_accepted_tokens``
     (B,) commits that many of each lane's last drafts first (``slots`` stays (B,): no speculative groups).
     A one-token step's ``dst_slots`` (B,): a lane whose destination is another slot flushes into it (the
     source slot keeps its checkpoint and ring). Refused by name, before anything is written: ``dst_slots``
     with a verify step, more drafts than the ring has room for."""
-    accepted = tensors.num_accepted_tokens
-    tensors = tensors._replace(num_accepted_tokens=None)  # replay commits drafts of the ring: replay_step_fn's accepted
+    accepted = tensors.num_accepted_tokens  # with a ring: the drafts to commit
+    tensors = tensors._replace(replay_ring=pool.ring(layer))
     x = tensors.x
     tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
     for (name, field), why in _NOT_WITH_REPLAY_VERIFY.items():
@@ -158,16 +159,14 @@ def _replay_step(pool: StatePool, layer: int, tensors: StepTensors, call: dict) 
     if stochastic and pool.ring(layer).offset is None:
         raise ValueError(f"stochastic_rounding: a replay pool with a {dtype_name(pool.state_dtype)} state takes no "
                          f"stochastic rounding (its rings keep no draw offsets; an 8-bit pool's do)")
-    if accepted is not None or call["validate_indices"]:
-        check_step_inputs_cached(tensors, update_kv_state=True, rotate_pairwise=call["rotate_pairwise"],
-                                 stochastic_rounding=stochastic)
-    if accepted is not None:
-        check_accepted(tensors, accepted, "num_accepted_tokens")
+    options = StepOptions(update_kv_state=True, tile_D=call["tile_D"], num_warps=call["num_warps"],
+                          rotate_pairwise=call["rotate_pairwise"], stochastic_rounding=stochastic,
+                          replay_flush_length=pool.replay_ring)
     if call["validate_indices"]:
+        check_replay_inputs(tensors, options)  # every check (the step's own, named alike) before the values are read
         check_index_values(tensors.with_out().one_token_squeezed())
         _check_accepted_values(pool, accepted)
-    out = replay_step_fn(tensors, pool.ring(layer), pool.replay_ring, accepted=accepted,
-                         rotate_pairwise=call["rotate_pairwise"], tile_D=call["tile_D"], num_warps=call["num_warps"])
+    out = run_step(tensors, options)
     if stochastic:
         tensors.rand_seed[1:].add_(tokens)
     return out

@@ -26,7 +26,7 @@ class ReplayStatePool(StatePool):
     layer ``l`` a :class:`~mamba3_step.replay.Ring`, ``ring(l)``, of ``K - 1 + T`` entries a row, with
     draw offsets for an 8-bit state and angles with ``rope_angles``. The ``state`` rows are checkpoints;
     :meth:`materialize` gives a row's current state, and ``decode_step`` (and the graph runner) step
-    the pool through ``replay_step_fn``: one-token steps, or verify steps of up to ``T`` drafts (kept in
+    the pool through the step's replay mode (``replay_ring``): one-token steps, or verify steps of up to ``T`` drafts (kept in
     the ring; the next step's ``num_accepted_tokens`` commits some, a rollback is committing none), every
     ``out`` stepwise decoding's.
 

@@ -102,8 +102,9 @@ __all__ = ["ADMIT", "CheckedSignature", "ENV_NATIVE", "MISS", "NATIVE", "RECHECK
 #: verdicts of :meth:`CheckedSignature.admits`
 MISS, ADMIT, RECHECK = 0, 1, 2
 
-#: positions of the tensor arguments in a StepTensors (every field but ``null_slot_id``)
-TENSOR_SLOTS = tuple(i for i, name in enumerate(StepTensors._fields) if name != "null_slot_id")
+#: positions of the tensor arguments in a StepTensors (every field but ``null_slot_id`` and ``replay_ring``, a
+#: bundle of tensors the replay mode checks itself: mamba3_step.replay_validation)
+TENSOR_SLOTS = tuple(i for i, name in enumerate(StepTensors._fields) if name not in ("null_slot_id", "replay_ring"))
 _NULL_SLOT = StepTensors._fields.index("null_slot_id")
 _X = StepTensors._fields.index("x")
 _STATE_OUT = StepTensors._fields.index("state_out")

@@ -27,7 +27,8 @@ __all__ = ["check_options", "check_step_inputs", "check_tiling_options", "check_
 
 
 def check_options(*, null_slot_id=None, update_kv_state=False, tile_D=None, num_warps=None,
-                  validate_indices=False, rotate_pairwise=False, stochastic_rounding=False) -> dict:
+                  validate_indices=False, rotate_pairwise=False, stochastic_rounding=False,
+                  replay_flush_length=None, replay_from_checkpoint=False) -> dict:
     """The step's non-tensor options, type-checked, as a dict of the same names.
 
     Integers may be any ``numbers.Integral`` but bool (numpy integers become ints); flags must be
@@ -41,6 +42,8 @@ def check_options(*, null_slot_id=None, update_kv_state=False, tile_D=None, num_
         validate_indices=checks.check_bool_option("validate_indices", validate_indices),
         rotate_pairwise=checks.check_bool_option("rotate_pairwise", rotate_pairwise),
         stochastic_rounding=checks.check_bool_option("stochastic_rounding", stochastic_rounding),
+        replay_flush_length=checks.check_int_option("replay_flush_length", replay_flush_length),
+        replay_from_checkpoint=checks.check_bool_option("replay_from_checkpoint", replay_from_checkpoint),
     )
 
 

@@ -4,7 +4,7 @@ Passed on an H200 (2026-11-27). The checks the PTX tier makes on the CPU
 (tests/test_ptx_replay.py), on the real kernel and at batch sizes the tier cannot afford:
 
 * a decode crossing several flushes, rows at staggered ring positions, every padding kind:
-  ``replay_step_fn`` bit-identical to the stepwise kernel (``mamba3_step_fn``, pool mode with
+  ``mamba3_step_fn``'s replay mode bit-identical to the stepwise kernel (``mamba3_step_fn``, pool mode with
   update_kv_state): every ``out`` (with ``from_checkpoint`` a flush's; an append's within the
   step's accuracy rule of the float64 recurrence) and every row at its flush; rows no lane reads
   keep their bits; likewise an 8-bit state (int8, e4m3) with outputs from the checkpoint, and 32
@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_accurate, assert_append_accurate
+from helpers import assert_accurate, assert_append_accurate, replay_call, replay_fn
 
-from mamba3_step import mamba3_step_fn, new_ring, replay_step_fn
+from mamba3_step import mamba3_step_fn, new_ring, plan_step
 from mamba3_step.tools.replay_reference import draft_references
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import (bits_equal, lane_inputs, layer_weights, rotary_angles, rotary_biases, rotary_rates,
@@ -128,8 +128,8 @@ def _decode(B: int, K: int, from_checkpoint: bool, num_warps=None, state_dtype: 
         ring = {f: getattr(layer.ring, f).clone() for f in ("B", "x", "coef", "length", "angle")
                 if getattr(layer.ring, f) is not None}
         seed = torch.tensor([20261128, 2**62 + 977 * step], dtype=torch.int64, device=DEV) if layer.rounded else None
-        got = replay_step_fn(layer.call(layer.replay, lane, index, rand_seed=seed), layer.ring, K,
-                             from_checkpoint=from_checkpoint, num_warps=num_warps)
+        got = replay_fn(layer.call(layer.replay, lane, index, rand_seed=seed), layer.ring, K,
+                             replay_from_checkpoint=from_checkpoint, num_warps=num_warps)
         want = mamba3_step_fn(**layer.call(layer.stepwise, lane, index, rand_seed=seed)._asdict(),
                               update_kv_state=True, stochastic_rounding=layer.rounded)
         for b, row in enumerate(index.tolist()):
@@ -149,27 +149,31 @@ def _decode(B: int, K: int, from_checkpoint: bool, num_warps=None, state_dtype: 
                 assert bits_equal(layer.replay[k][row], before[k][row]), f"row {row} of {k} written"
 
 
-def test_a_replay_plan_equals_replay_step_fn_and_captures_in_a_graph():
-    """``plan_replay_step`` once, ``run`` every step with new lane tensors, eager and captured in a
-    CUDA graph: outs, rows and rings bit for bit ``replay_step_fn``'s over a decode crossing flushes."""
-    from mamba3_step import plan_replay_step
+def _run(plan, call: StepTensors, ring):
+    return plan.run(**call._replace(replay_ring=ring)._asdict())
+
+
+def test_a_replay_plan_equals_the_replay_mode_and_captures_in_a_graph():
+    """``plan_step`` of the replay mode once, ``run`` every step with new lane tensors, eager and captured
+    in a CUDA graph: outs, rows and rings bit for bit ``mamba3_step_fn``'s over a decode crossing flushes."""
 
     B, P, K = 16, 20, 4
     fn, planned, graphed = Layer(P, K, seed=9), Layer(P, K, seed=9), Layer(P, K, seed=9)
     index = _index(B, P, 2)
     static = graphed.lane(B)
     out, eager_out = (torch.empty(B, H, D, dtype=torch.bfloat16, device=DEV) for _ in range(2))
-    plan = plan_replay_step(planned.call(planned.replay, static, index, out), planned.ring, K)  # one plan for both
+    planned_call, options = replay_call(planned.call(planned.replay, static, index, out), planned.ring, K)
+    plan = plan_step(**planned_call._asdict(), **options._asdict())  # one plan for both
     scratch = Layer(P, K, seed=10)  # warms up outside the capture, on other pools
-    plan.run(scratch.call(scratch.replay, static, index, out), scratch.ring)
+    _run(plan, scratch.call(scratch.replay, static, index, out), scratch.ring)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        plan.run(graphed.call(graphed.replay, static, index, out), graphed.ring)
+        _run(plan, graphed.call(graphed.replay, static, index, out), graphed.ring)
     for step in range(2 * K + 1):
         lane = fn.lane(B)
-        want = replay_step_fn(fn.call(fn.replay, lane, index), fn.ring, K)
-        got = plan.run(planned.call(planned.replay, lane, index, eager_out), planned.ring)
+        want = replay_fn(fn.call(fn.replay, lane, index), fn.ring, K)
+        got = _run(plan, planned.call(planned.replay, lane, index, eager_out), planned.ring)
         for k, v in lane.items():
             static[k].copy_(v)
         graph.replay()
@@ -188,18 +192,18 @@ def test_replay_graph_equals_eager(from_checkpoint):
     static = graphed.lane(B)
     out = torch.empty(B, H, D, dtype=torch.bfloat16, device=DEV)
     scratch = Layer(P, K, seed=8)  # compiles and warms up outside the capture, on other pools
-    replay_step_fn(scratch.call(scratch.replay, static, index, out), scratch.ring, K, from_checkpoint=from_checkpoint)
+    replay_fn(scratch.call(scratch.replay, static, index, out), scratch.ring, K, replay_from_checkpoint=from_checkpoint)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replay_step_fn(graphed.call(graphed.replay, static, index, out), graphed.ring, K,
-                       from_checkpoint=from_checkpoint)
+        replay_fn(graphed.call(graphed.replay, static, index, out), graphed.ring, K,
+                       replay_from_checkpoint=from_checkpoint)
     for step in range(2 * K + 1):
         lane = eager.lane(B)
         for k, v in lane.items():
             static[k].copy_(v)
         graph.replay()
-        want = replay_step_fn(eager.call(eager.replay, lane, index), eager.ring, K, from_checkpoint=from_checkpoint)
+        want = replay_fn(eager.call(eager.replay, lane, index), eager.ring, K, replay_from_checkpoint=from_checkpoint)
         torch.cuda.synchronize()
         assert bits_equal(out, want), f"step {step}: out"
         for k in eager.replay:
@@ -318,7 +322,7 @@ def test_verify_rounds_on_a_replay_pool_match_the_stepwise_kernel(K, T):
 
 @pytest.mark.parametrize("K", [4, 8])
 def test_verify_drafts_from_the_checkpoint(K):
-    """Verify steps with ``from_checkpoint=True`` (no draft stepped) against the replayed verify step on
+    """Verify steps with ``replay_from_checkpoint=True`` (no draft stepped) against the replayed verify step on
     a twin layer (stepwise decoding's drafts, bit for bit: the tests above), random drafts accepted,
     padding lanes of every kind: every row and the whole ring bit-identical between the two (a flush
     replays the same), every draft's ``out`` within the accuracy rule of the float64 algebra (on the
@@ -335,8 +339,8 @@ def test_verify_drafts_from_the_checkpoint(K):
         acc = torch.randint(0, T + 1, (B,), generator=g, dtype=torch.int32).to(DEV) if step else None
         before = {k: v.cpu().clone() for k, v in (*layer.replay.items(), *((f"ring.{f}", getattr(rings[0], f))
                                                                               for f in ("B", "x", "coef", "length")))}
-        got = replay_step_fn(layer.call(layer.replay, lane, index), rings[0], K, accepted=acc, from_checkpoint=True)
-        want = replay_step_fn(twin.call(twin.replay, lane, index), rings[1], K, accepted=acc)
+        got = replay_fn(layer.call(layer.replay, lane, index), rings[0], K, num_accepted_tokens=acc, replay_from_checkpoint=True)
+        want = replay_fn(twin.call(twin.replay, lane, index), rings[1], K, num_accepted_tokens=acc)
         torch.cuda.synchronize()
         for k in layer.replay:
             assert bits_equal(layer.replay[k], twin.replay[k]), f"step {step}: {k}"
@@ -421,7 +425,7 @@ def test_replay_destinations_flush_into_another_row(B, K):
         before = {k: v.clone() for k, v in layer.replay.items()}
         ring = {f: getattr(layer.ring, f).clone() for f in ("B", "x", "coef", "length", "angle")
                 if getattr(layer.ring, f) is not None}
-        got = replay_step_fn(layer.call(layer.replay, lane, index)._replace(dst_state_batch_indices=dst_t),
+        got = replay_fn(layer.call(layer.replay, lane, index)._replace(dst_state_batch_indices=dst_t),
                              layer.ring, K)
         want = mamba3_step_fn(**layer.call(layer.stepwise, lane, index)._replace(
             dst_state_batch_indices=dst_t)._asdict(), update_kv_state=True)
