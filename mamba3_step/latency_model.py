@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 from .issue_model import GPUS, ISSUE_PER_CLOCK, GPU
 
-__all__ = ["ASSUMPTIONS", "COPY_BANDWIDTH", "Design", "LoadTrips", "bytes_in_flight_needed",
-           "global_round_trips", "live_path", "mean_value_analysis", "percent_of_copy", "sass_instructions",
-           "step_time"]
+__all__ = ["ASSUMPTIONS", "COPY_BANDWIDTH", "FLAGSHIP_TRIPS", "Design", "LoadTrips", "average_bytes_in_flight",
+           "bytes_in_flight_needed", "flagship_designs", "global_round_trips", "live_path", "mean_value_analysis",
+           "percent_of_copy", "sass_instructions", "step_time"]
 
 # ------------------------------------------------------------------------------------------------ inputs
 #: copy bandwidth (device-to-device ``Tensor.copy_``, read + write bytes) per GPU, bytes/s, and its source
@@ -349,7 +349,16 @@ def step_time(design: Design, batch: int, heads: int, gpu_name: str, copy_bandwi
         seconds = per_sm / rate
     loaded = inp["idle_latency_s"] + (cycle - delay - queues[0]) / max(design.trips if not design.stages else 1, 1)
     return {"seconds": seconds + inp["launch_s"], "ctas": ctas, "per_sm": per_sm, "split": split,
-            "loaded_latency_s": loaded}
+            "loaded_latency_s": loaded, "cta_seconds": cycle}
+
+
+def average_bytes_in_flight(trip_bytes: list[float], ctas_per_sm: int, latency_s: float, cta_seconds: float) -> float:
+    """Little's law read the other way, per SM: ``ctas_per_sm`` CTAs, each keeping ``trip_bytes[i]`` in
+    flight for one ``latency_s`` per round trip of a life of ``cta_seconds``, keep on average
+    ``ctas_per_sm x sum(trip_bytes) x latency_s / cta_seconds`` bytes in flight (their peak lasts one trip)."""
+    if cta_seconds <= 0:
+        raise ValueError(f"cta_seconds must be positive, got {cta_seconds}")
+    return ctas_per_sm * sum(trip_bytes) * latency_s / cta_seconds
 
 
 def percent_of_copy(design: Design, batch: int, heads: int, gpu_name: str, compulsory_bytes: float,

@@ -31,7 +31,8 @@ LAYERS = [
     ["tiling", "tensors", "signature", "arch", "sources", "testing", "ptx", "rotary", "rounding"],
     ["spec"],
     # ring: replay's ring (layout, allocation, argument checks); replay: its CPU path
-    ["reference", "validation", "bytes_model", "issue_model", "specsets", "ring", "replay", "replay_reference"],
+    ["reference", "validation", "bytes_model", "issue_model", "latency_model", "specsets", "ring", "replay",
+     "replay_reference"],
     ["kernel"],
     ["build"],  # the kernel's cutlass-free face: imports it lazily, on the first compile
     ["compile_cache"],
