@@ -67,31 +67,53 @@ def sass_rows(overrides: dict) -> list[dict]:
 
 
 def state_forms() -> dict:
-    """name -> (spec, warp-instructions per slab, bytes per slab at (B, H), compulsory bytes at (B, H))."""
+    """name -> (spec, warp-instructions per slab (the issue model's executed counts), replay K or None,
+    the spec whose kernel today's design is)."""
     fp32, bf16 = flagship_spec(), flagship_spec(state_dtype="bfloat16")
     sr = flagship_spec(state_dtype="bfloat16", stochastic_rounding=True)
-    forms = {"fp32": (fp32, REPLAY_EXECUTED["stepwise"], None),
-             "bf16, round to nearest": (bf16, REPLAY_EXECUTED["stepwise"], None),
-             "bf16, stochastic rounding": (sr, REPLAY_STATES_EXECUTED["bf16 state, stochastic rounding"][2], None)}
+    forms = {"fp32": (fp32, REPLAY_EXECUTED["stepwise"], None, fp32),
+             # no executed count of the round-to-nearest form: the fp32 flagship's (an assumption)
+             "bf16, round to nearest": (bf16, REPLAY_EXECUTED["stepwise"], None, bf16),
+             "bf16, stochastic rounding": (sr, REPLAY_STATES_EXECUTED["bf16 state, stochastic rounding"][2], None, sr)}
     for K in (2, 4):
         counts = REPLAY_EXECUTED[(K, False)][1]
-        forms[f"fp32 replay K = {K}"] = (fp32, sum(counts) / K, K)
+        forms[f"fp32 replay K = {K}"] = (fp32, sum(counts) / K, K, flagship_spec(replay_ring=K))
     return forms
+
+
+def kernel_latency_facts(compile_kernels: bool) -> dict:
+    """form -> (round trips, CTAs per SM) of today's kernel on sm_90a: read from the SASS when
+    ``compile_kernels``, else ``mamba3_step.latency_model.KERNEL_LATENCY_FACTS``."""
+    if not compile_kernels:
+        return dict(lm.KERNEL_LATENCY_FACTS)
+    from mamba3_step.inspection import kernel_facts
+    from mamba3_step.kernel import compile_step_kernel
+    facts = {}
+    for form, (*_, kernel_spec) in state_forms().items():
+        f = kernel_facts(compile_step_kernel(kernel_spec, "sm_90a"))
+        facts[form] = (lm.global_round_trips(f.sass_text).round_trips, f.occupancy()["ctas_per_sm"])
+    return facts
 
 
 def _bytes(spec, K, batch):
     return (replay_bytes(spec, K, batch, HEADS) if K else bytes_per_step(spec, batch, HEADS))["total"]
 
 
-def design_rows(gpu: str, trips_today: int, copy_bw: float | None, overrides: dict) -> list[dict]:
+def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -> list[dict]:
     rows = []
-    for form, (spec, warp_instr, K) in state_forms().items():
+    for form, (spec, warp_instr, K, _) in state_forms().items():
         state_read = spec.headdim * spec.dstate * {"float32": 4}.get(spec.state_dtype, 2)
+        path_trips, ctas = facts[form]
+        # a replay kernel's live path falls through every ring position's branches: an upper bound; one
+        # position's path is modelled with the stepwise kernel's round trips (and the replay kernel's CTAs)
+        trips = facts["fp32"][0] if K else path_trips
         for name in ("today", "one round trip", "small-batch path", "pipeline"):
-            row = {"state": form, "design": name}
+            row = {"state": form, "design": name, "SASS path trips": path_trips,
+                   "trips": trips if name == "today" else 2,
+                   "CTAs/SM": ctas if name != "pipeline" else int(lm.assumption("pipeline_ctas_per_sm"))}
             for batch in BATCHES:
                 total = _bytes(spec, K, batch)
-                d = lm.flagship_designs(spec, warp_instr, total / (batch * HEADS), state_read, trips_today)[name]
+                d = lm.flagship_designs(spec, warp_instr, total / (batch * HEADS), state_read, trips, ctas)[name]
                 r = lm.percent_of_copy(d, batch, HEADS, gpu, total, copy_bw, **overrides)
                 row[f"B{batch}"] = r["percent"]
                 row[f"us_B{batch}"] = r["seconds"] * 1e6
@@ -102,7 +124,7 @@ def design_rows(gpu: str, trips_today: int, copy_bw: float | None, overrides: di
     return rows
 
 
-def measured_rows(path: str, trips_today: int, overrides: dict) -> tuple[list[dict], float]:
+def measured_rows(path: str, today: tuple[int, int], overrides: dict) -> tuple[list[dict], float]:
     """The measured pool-mode CUDA-graph table of a gpu_bench.json beside the model at its copy bandwidth."""
     with open(path) as f:
         data = json.load(f)
@@ -113,7 +135,7 @@ def measured_rows(path: str, trips_today: int, overrides: dict) -> tuple[list[di
         if entry.get("mode") != "pool" or "us_graph" not in entry:
             continue
         batch, total = int(entry["batch"]), bytes_per_step(spec, int(entry["batch"]), HEADS)["total"]
-        d = lm.flagship_designs(spec, REPLAY_EXECUTED["stepwise"], total / (batch * HEADS), 0, trips_today)["today"]
+        d = lm.flagship_designs(spec, REPLAY_EXECUTED["stepwise"], total / (batch * HEADS), 0, *today)["today"]
         m = lm.percent_of_copy(d, batch, HEADS, "H200", total, copy_bw, **overrides)
         rows.append({"B": batch, "modelled us": m["seconds"] * 1e6, "measured us": entry["us_graph"],
                      "modelled % copy": m["percent"],
@@ -124,7 +146,8 @@ def measured_rows(path: str, trips_today: int, overrides: dict) -> tuple[list[di
 
 
 def _cols(keys, fmt=">.1f"):
-    return [(k, k, {"state": "<", "design": "<", "B": ">d"}.get(k, fmt)) for k in keys]
+    formats = {"state": "<", "design": "<", "B": ">d", "trips": ">d", "SASS path trips": ">d", "CTAs/SM": ">d"}
+    return [(k, k, formats.get(k, fmt)) for k in keys]
 
 
 def report(args, overrides: dict) -> dict:
@@ -136,7 +159,8 @@ def report(args, overrides: dict) -> dict:
                              [("gpu", "gpu", "<"), ("SMs", "SMs", ">d"), ("copy GB/s", "copy GB/s", ">,.0f"),
                               ("KiB per SM", "KiB in flight per SM needed", ">.1f")]))
     sass = [] if args.no_compile else sass_rows(overrides)
-    trips = sass[0]["round_trips"] if sass else lm.FLAGSHIP_TRIPS
+    facts = kernel_latency_facts(not args.no_compile)
+    stale = [f for f in facts if facts[f] != lm.KERNEL_LATENCY_FACTS.get(f)]
     if sass:
         print("\n2. read from the flagship's SASS (pool mode, update_kv_state): round trips of a live CTA and the "
               "bytes in flight per SM (time average: modelled at B = 256)")
@@ -148,17 +172,21 @@ def report(args, overrides: dict) -> dict:
             for g in [k.rsplit("_", 1)[1] for k in r if k.startswith("needed_")]:
                 print(f"      {g}: time-averaged {r[f'average_bytes_in_flight_per_sm_{g}'] / 1024:.1f} KiB per SM "
                       f"against {r[f'needed_bytes_in_flight_per_sm_{g}'] / 1024:.1f} KiB needed")
-    measured, copy_bw = ([], None) if not args.measured else measured_rows(args.measured, trips, overrides)
+    if stale:
+        print(f"  ! mamba3_step.latency_model.KERNEL_LATENCY_FACTS differs from the SASS for {', '.join(stale)}: "
+              f"{ {f: facts[f] for f in stale} }: update it")
+    measured, copy_bw = ([], None) if not args.measured else measured_rows(args.measured, facts["fp32"], overrides)
     if measured:
         print(f"\n3. flagship on the H200, modelled beside measured ({args.measured}; copy bandwidth "
               f"{copy_bw / 1e9:,.0f} GB/s, the model uses it too)")
         print(_util.format_table(measured, _cols(measured[0].keys(), ">.2f")))
     design_bw = copy_bw if args.gpu == "H200" else None
-    designs = design_rows(args.gpu, trips, design_bw, overrides)
+    designs = design_rows(args.gpu, facts, design_bw, overrides)
     print(f"\n4. issue 41's designs on the {args.gpu}, modelled % of the copy bandwidth "
           f"({(design_bw or lm.COPY_BANDWIDTH[args.gpu][0]) / 1e9:,.0f} GB/s); us at B = 1; issue / memory time at "
           "B = 256 (the issue model's executed counts)")
-    keys = ["state", "design"] + [f"B{b}" for b in BATCHES] + ["us_B1", "issue/memory"]
+    keys = ["state", "design", "SASS path trips", "trips", "CTAs/SM"] + [f"B{b}" for b in BATCHES] + [
+        "us_B1", "issue/memory"]
     print(_util.format_table(designs, _cols(keys)))
     print("\nassumed inputs: " + "; ".join(f"{k} = {overrides.get(k, v[0]):g}" for k, v in lm.ASSUMPTIONS.items()))
     return {"what": "modelled (no GPU); the 'measured' columns are read from --measured", "little": little,
@@ -170,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--measured", default=None, help="a bench/gpu_bench.py JSON to compare with (pool, graph)")
     p.add_argument("--json", action="store_true", help="print the JSON too")
-    p.add_argument("--no-compile", action="store_true", help=f"take {lm.FLAGSHIP_TRIPS} round trips, no SASS")
+    p.add_argument("--no-compile", action="store_true",
+                   help="no SASS: take the round trips and CTAs of latency_model.KERNEL_LATENCY_FACTS")
     p.add_argument("--latency-us", type=float, default=None, help="idle DRAM latency (default assumed)")
     p.add_argument("--launch-us", type=float, default=None, help="launch gap under a CUDA graph (default assumed)")
     p.add_argument("--gpu", default="H200", choices=sorted(GPUS), help="the GPU of the designs' table (default H200)")

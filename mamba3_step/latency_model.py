@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 from .issue_model import GPUS, ISSUE_PER_CLOCK, GPU
 
-__all__ = ["ASSUMPTIONS", "COPY_BANDWIDTH", "FLAGSHIP_TRIPS", "Design", "LoadTrips", "average_bytes_in_flight",
-           "bytes_in_flight_needed", "flagship_designs", "global_round_trips", "live_path", "mean_value_analysis",
-           "percent_of_copy", "sass_instructions", "step_time"]
+__all__ = ["ASSUMPTIONS", "COPY_BANDWIDTH", "FLAGSHIP_TRIPS", "KERNEL_LATENCY_FACTS", "Design", "LoadTrips",
+           "average_bytes_in_flight", "bytes_in_flight_needed", "flagship_designs", "global_round_trips", "live_path",
+           "mean_value_analysis", "percent_of_copy", "sass_instructions", "step_time"]
 
 # ------------------------------------------------------------------------------------------------ inputs
 #: copy bandwidth (device-to-device ``Tensor.copy_``, read + write bytes) per GPU, bytes/s, and its source
@@ -373,20 +373,30 @@ def percent_of_copy(design: Design, batch: int, heads: int, gpu_name: str, compu
 #: its SASS on sm_90a and sm_100a (index; staging + 9 (sm_100a: 8) of 16 state loads; the other 7 (8);
 #: the epilogue's operands); tests/test_latency_model.py holds them equal
 FLAGSHIP_TRIPS = 4
+#: ``(round trips, CTAs per SM)`` of today's kernel for each state form the designs' table models
+#: (sm_90a, default tiling; the replay kernel with replayed outputs), as :func:`global_round_trips` and the
+#: occupancy read them from the SASS. A replay kernel's live path falls through every ring position's
+#: branches, so its count is an upper bound (bench/latency_model.py models one position's path with the
+#: stepwise kernel's round trips); the bench re-reads them and says when they differ
+KERNEL_LATENCY_FACTS = {"fp32": (4, 3), "bf16, round to nearest": (4, 3), "bf16, stochastic rounding": (4, 2),
+                        "fp32 replay K = 2": (10, 3), "fp32 replay K = 4": (12, 2)}
 
 
 def flagship_designs(spec, warp_instructions: float, bytes_per_slab: float, state_read_bytes: float,
-                     trips_today: int = FLAGSHIP_TRIPS) -> dict[str, Design]:
+                     trips_today: int = FLAGSHIP_TRIPS, ctas_today: int = 3) -> dict[str, Design]:
     """Today's kernel and issue 41's three designs for one state format: ``"today"`` (``trips_today``
     round trips), ``"one round trip"`` (the index, then every other load), ``"small-batch path"``
     (one round trip, D split over up to 4 CTAs while B x H < 2 x SMs) and ``"pipeline"`` (persistent
     CTAs, :data:`ASSUMPTIONS`' stages and resident CTAs, a stage = half a slab's state read). The
-    instructions are today's per slab for every design (an assumption: the same arithmetic)."""
+    instructions are today's per slab for every design, and the register designs keep today's
+    ``ctas_today`` resident CTAs (assumptions: the same arithmetic, the same registers)."""
     common = dict(warp_instructions=warp_instructions, bytes_per_slab=bytes_per_slab, warps=spec.num_warps)
+    pipeline = dict(common)
+    common["ctas_per_sm"] = ctas_today
     return {
         "today": Design("today", trips_today, **common),
         "one round trip": Design("one round trip", 2, **common),
         "small-batch path": Design("small-batch path", 2, split=True, **common),
         "pipeline": Design("pipeline", 2, ctas_per_sm=int(assumption("pipeline_ctas_per_sm")),
-                           stages=int(assumption("pipeline_stages")), stage_bytes=state_read_bytes / 2, **common),
+                           stages=int(assumption("pipeline_stages")), stage_bytes=state_read_bytes / 2, **pipeline),
     }

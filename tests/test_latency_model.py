@@ -105,7 +105,9 @@ def test_flagship_round_trips_read_from_the_sass(arch):
     assert t.round_trips == lm.FLAGSHIP_TRIPS == 4 and t.dependence_depth == 2
     assert [tr["by_width"].get(16, 0) for tr in t.trips] == FLAGSHIP_STATE_LOADS[arch]
     assert t.trips[0]["loads"] == 1 and t.trips[0]["by_width"] == {4: 1}  # the index alone
-    assert f.occupancy()["ctas_per_sm"] == 3
+    assert (t.round_trips, f.occupancy()["ctas_per_sm"]) == lm.KERNEL_LATENCY_FACTS["fp32"] == (4, 3)
+    # the peak in flight: 9 (8) state loads of 16 bytes, the per-lane staging loads beside them
+    assert t.bytes_before_first_wait(f.threads) == {"sm_90a": 24576, "sm_100a": 22528}[arch]
 
 
 def test_littles_law_by_hand():
