@@ -11,7 +11,7 @@ Prints (``mamba3_step.latency_model``; every figure *modelled* unless its column
    first wait x resident CTAs, against (1);
 3. the model against a measured table (``--measured``: a ``bench/gpu_bench.py`` JSON, pool mode,
    CUDA-graph replay) on the H200, side by side;
-4. issue 41's designs (today, one round trip, small-batch path, pipeline) for the fp32 flagship, a
+4. the candidate designs (today, one round trip, small-batch path, pipeline) for the fp32 flagship, a
    bf16 state rounded to nearest and stochastically, and replay K = 2 and 4: modelled % of the copy
    bandwidth at B = 1 .. 512 on the H200.
 
@@ -182,7 +182,7 @@ def report(args, overrides: dict) -> dict:
         print(_util.format_table(measured, _cols(measured[0].keys(), ">.2f")))
     design_bw = copy_bw if args.gpu == "H200" else None
     designs = design_rows(args.gpu, facts, design_bw, overrides)
-    print(f"\n4. issue 41's designs on the {args.gpu}, modelled % of the copy bandwidth "
+    print(f"\n4. the candidate designs on the {args.gpu}, modelled % of the copy bandwidth "
           f"({(design_bw or lm.COPY_BANDWIDTH[args.gpu][0]) / 1e9:,.0f} GB/s); us at B = 1; issue / memory time at "
           "B = 256 (the issue model's executed counts)")
     keys = ["state", "design", "SASS path trips", "trips", "CTAs/SM"] + [f"B{b}" for b in BATCHES] + [

@@ -59,7 +59,7 @@ ASSUMPTIONS = {
                                "hundred ns; 0.6 us allows a TLB miss for rows scattered over a multi-GB pool. "
                                "The figure was not read from those papers: an assumption (--latency-us)"),
     "loaded_latency_s": (1.2e-6, "the latency near 80% of the copy bandwidth, for Little's law: Nsight "
-                                 "Compute on the H200 (docs/performance.md section 4, third run) saw 4.8 "
+                                 "Compute on the H200 (docs/measured/2026-11-27-h200-run3/ncu_pool_dense.log) saw 4.8 "
                                  "cycles of global-load wait per issued instruction x 1,478 instructions / 4 "
                                  "round trips at 1.47 GHz = 1.2 us a round trip"),
     "extra_cycles_per_instruction": (0.5, "cycles a warp waits per instruction on its own fixed-latency "
@@ -384,7 +384,7 @@ KERNEL_LATENCY_FACTS = {"fp32": (4, 3), "bf16, round to nearest": (4, 3), "bf16,
 
 def flagship_designs(spec, warp_instructions: float, bytes_per_slab: float, state_read_bytes: float,
                      trips_today: int = FLAGSHIP_TRIPS, ctas_today: int = 3) -> dict[str, Design]:
-    """Today's kernel and issue 41's three designs for one state format: ``"today"`` (``trips_today``
+    """Today's kernel and the three candidate designs for one state format: ``"today"`` (``trips_today``
     round trips), ``"one round trip"`` (the index, then every other load), ``"small-batch path"``
     (one round trip, D split over up to 4 CTAs while B x H < 2 x SMs) and ``"pipeline"`` (persistent
     CTAs, :data:`ASSUMPTIONS`' stages and resident CTAs, a stage = half a slab's state read). The
