@@ -94,14 +94,14 @@ def bytes_in_flight_needed(gpu_name: str, latency_s: float | None = None, copy_b
 # ------------------------------------------------------------------------------------------------ SASS
 _INSTR = re.compile(r"^\s*/\*[0-9a-fA-F]+\*/\s+(?P<guard>@!?U?P[0-9T]+\s+)?(?P<op>[A-Z][A-Z0-9_.]*)\s*"
                     r"(?P<args>[^;]*);")
-_REG = re.compile(r"(?<![A-Za-z0-9_])R(\d+)(\.64)?\b")
-_PRED = re.compile(r"(?<![A-Za-z0-9_])U?P([0-6])\b")
+_REG = re.compile(r"(?<![A-Za-z0-9_])(U?R)(\d+)(\.64)?\b")
+_PRED = re.compile(r"(?<![A-Za-z0-9_])(U?P[0-6])\b")
 _WIDTH = {"U8": 1, "S8": 1, "U16": 1, "S16": 1, "64": 2, "128": 4}
 GLOBAL_LOADS = ("LDG", "LDGSTS")
 _STORES = ("STG", "STS", "ST", "STL", "RED", "REDG")
 _NO_DEST = _STORES + ("BAR", "BRA", "EXIT", "NOP", "DEPBAR", "LDGDEPBAR", "WARPSYNC", "MEMBAR", "FENCE", "CCTL",
                       "ERRBAR", "YIELD", "BSSY", "BSYNC", "CALL", "RET", "LDGSTS", "ARRIVES", "SYNCS")
-_PREDICATE_DEST = ("ISETP", "FSETP", "DSETP", "HSETP2", "PLOP3", "R2P")
+_PREDICATE_DEST = ("ISETP", "FSETP", "DSETP", "HSETP2", "PLOP3", "R2P", "UISETP", "UPLOP3")
 
 
 @dataclass(frozen=True)
@@ -111,9 +111,9 @@ class Instr:
     base: str
     mods: tuple  # e.g. ("E", "128")
     guard: str  # "" or e.g. "@!P0"
-    writes: frozenset  # general registers written
-    reads: frozenset  # general registers read
-    pred_writes: frozenset
+    writes: frozenset  # registers written, by name ("R5", "UR4")
+    reads: frozenset  # registers read
+    pred_writes: frozenset  # predicates written ("P0", "UP1")
     pred_reads: frozenset
 
 
@@ -122,11 +122,11 @@ def _width(base: str, mods: list[str]) -> int:
     return next((_WIDTH[m] for m in mods if m in _WIDTH), 1)
 
 
-def _regs(operand: str, span: int) -> set[int]:
+def _regs(operand: str, span: int) -> set[str]:
     out = set()
     for m in _REG.finditer(operand):
-        n = 2 if m.group(2) else span
-        out.update(range(int(m.group(1)), int(m.group(1)) + n))
+        n = 2 if m.group(3) else span
+        out.update(f"{m.group(1)}{k}" for k in range(int(m.group(2)), int(m.group(2)) + n))
     return out
 
 
@@ -234,15 +234,14 @@ def global_round_trips(sass_text: str) -> LoadTrips:
     pending: dict = {}  # register -> load number (or "LDGSTS" -> list) of the open trip
     current = {"loads": 0, "bytes_per_thread": 0, "by_width": {}, "waited_at": None}
     for ins in live_path(sass_text):
-        touched = {f"R{r}" for r in ins.reads | ins.writes}
+        touched = ins.reads | ins.writes
         waits = bool(touched & set(pending)) or (ins.base == "DEPBAR" and "LDGSTS" in pending)
         if waits and current["loads"]:
             current["waited_at"] = ins.text
             out.trips.append(current)
             current = {"loads": 0, "bytes_per_thread": 0, "by_width": {}, "waited_at": None}
             pending.clear()
-        src = max([depth.get(f"R{r}", 0) for r in ins.reads] + [depth.get(f"P{p}", 0) for p in ins.pred_reads]
-                  + [control])
+        src = max([depth.get(r, 0) for r in ins.reads | ins.pred_reads] + [control])
         if _conditional(ins):
             control = src
         if ins.base in GLOBAL_LOADS:
@@ -253,11 +252,9 @@ def global_round_trips(sass_text: str) -> LoadTrips:
             current["by_width"][nbytes] = current["by_width"].get(nbytes, 0) + 1
             out.loads.append((ins.line, ins.text, len(out.trips) + 1, src))
             out.dependence_depth = max(out.dependence_depth, src)
-            pending.update({f"R{r}": 1 for r in ins.writes} if ins.base == "LDG" else {"LDGSTS": 1})
-        for r in ins.writes:
-            depth[f"R{r}"] = src
-        for p in ins.pred_writes:
-            depth[f"P{p}"] = src
+            pending.update(dict.fromkeys(ins.writes, 1) if ins.base == "LDG" else {"LDGSTS": 1})
+        for r in ins.writes | ins.pred_writes:
+            depth[r] = src
     if current["loads"]:
         out.trips.append(current)
     return out

@@ -68,10 +68,36 @@ def test_register_operands_are_read_at_their_widths():
     ins = {}
     for i in lm.sass_instructions(SYNTHETIC):
         ins.setdefault(i.base, i)  # the first of each opcode
-    assert ins["STG"].reads == {8, 9, 12, 13, 14, 15} and not ins["STG"].writes
-    assert ins["LDG"].writes == {5} and ins["ISETP"].pred_writes == {"0"}
-    assert ins["IMAD"].writes == {2, 3} and ins["IMAD"].reads == {0, 2, 3}  # .WIDE: 64-bit result and addend
-    assert ins["IADD3"].pred_writes == {"1"} and ins["BRA"].pred_reads == {"0"}
+    assert ins["STG"].reads == {"R8", "R9", "R12", "R13", "R14", "R15", "UR4"} and not ins["STG"].writes
+    assert ins["LDG"].writes == {"R5"} and ins["ISETP"].pred_writes == {"P0"}
+    assert ins["ISETP"].reads == {"R5", "UR6"}
+    assert ins["IMAD"].writes == {"R2", "R3"} and ins["IMAD"].reads == {"R0", "R2", "R3"}  # .WIDE: 64-bit result, addend
+    assert ins["IADD3"].pred_writes == {"P1"} and ins["BRA"].pred_reads == {"P0"}
+
+
+# Uniform registers and predicates carry dependences and are not the general ones of the same number:
+# the index reaches a load's address through UR8 and a branch through UP0, while P0 (written after UP0
+# from a thread index) guards a load of depth 1.
+UNIFORM = """
+        /*0000*/                   LDG.E R5, desc[UR4][R2.64] ;
+        /*0010*/                   R2UR UR8, R5 ;
+        /*0020*/                   UISETP.NE.AND UP0, UPT, UR8, URZ, UPT ;
+        /*0030*/                   ISETP.NE.AND P0, PT, R0, RZ, PT ;
+        /*0040*/               @P0 LDG.E R7, desc[UR4][R2.64+0x4] ;
+        /*0050*/                   LDG.E R9, desc[UR4][R2.64+UR8] ;
+        /*0060*/                   BRA.U !UP0, `(.L_x_1) ;
+        /*0070*/                   LDG.E R11, desc[UR4][R2.64+0x8] ;
+        /*0080*/                   EXIT ;
+.L_x_1:
+        /*0090*/                   EXIT ;
+"""
+
+
+def test_uniform_registers_and_predicates_carry_their_own_dependences():
+    t = lm.global_round_trips(UNIFORM)
+    assert [tr["loads"] for tr in t.trips] == [1, 3] and t.trips[1]["waited_at"] is None
+    assert "R2UR UR8, R5" in t.trips[0]["waited_at"]
+    assert [d for *_, d in t.loads] == [1, 1, 2, 2] and t.dependence_depth == 2
 
 
 def test_an_unconditional_branch_free_listing_without_loads_has_no_trips():
