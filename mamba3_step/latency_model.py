@@ -304,17 +304,20 @@ def _inputs(overrides: dict) -> dict:
 
 
 def _split_factor(design: Design, slabs: int, sms: int) -> int:
+    """CTAs per slab: 1, or for the small-batch path doubled (up to 4) while the grid stays within 2 x SMs."""
     split = 1
     while design.split and split < 4 and slabs * split * 2 <= 2 * sms:
         split *= 2
     return split
 
 
-def _cta_demands(design: Design, gpu: GPU, share: float, fraction: float, inp: dict, trips: float) -> tuple:
-    """(queues, delay) of one pass of a CTA moving ``fraction`` of a slab."""
-    issue = fraction * design.warp_instructions / (ISSUE_PER_CLOCK * gpu.clock_hz)
-    own = fraction * design.warp_instructions / design.warps * inp["extra_cycles_per_instruction"] / gpu.clock_hz
-    return [issue, fraction * design.bytes_per_slab / share], trips * inp["idle_latency_s"] + own
+def _cta_demands(design: Design, gpu: GPU, share: float, instructions: float, moved: float, inp: dict,
+                 trips: float) -> tuple:
+    """``([issue, DRAM], delay)`` of one pass of a CTA issuing the fraction ``instructions`` of a slab's
+    instructions and moving the fraction ``moved`` of its bytes at ``share`` bytes/s, in ``trips`` round trips."""
+    issue = instructions * design.warp_instructions / (ISSUE_PER_CLOCK * gpu.clock_hz)
+    own = instructions * design.warp_instructions / design.warps * inp["extra_cycles_per_instruction"] / gpu.clock_hz
+    return [issue, moved * design.bytes_per_slab / share], trips * inp["idle_latency_s"] + own
 
 
 def step_time(design: Design, batch: int, heads: int, gpu_name: str, copy_bandwidth: float | None = None,
@@ -324,6 +327,9 @@ def step_time(design: Design, batch: int, heads: int, gpu_name: str, copy_bandwi
     round trip's latency with the DRAM queueing the model predicts)."""
     if batch < 1 or heads < 1:
         raise ValueError(f"batch and heads must be >= 1, got {batch}, {heads}")
+    if gpu_name not in GPUS or (copy_bandwidth is not None and copy_bandwidth <= 0):
+        raise ValueError(f"gpu_name must be one of {sorted(GPUS)} and copy_bandwidth positive, got {gpu_name!r}, "
+                         f"{copy_bandwidth}")
     gpu, inp = GPUS[gpu_name], _inputs(overrides)
     bw = COPY_BANDWIDTH[gpu_name][0] if copy_bandwidth is None else copy_bandwidth
     slabs = batch * heads
@@ -335,13 +341,14 @@ def step_time(design: Design, batch: int, heads: int, gpu_name: str, copy_bandwi
     if design.stages:  # persistent CTAs: each stage of each resident CTA is a customer
         fraction = design.stage_bytes / design.bytes_per_slab
         customers = min(design.stages * min(design.ctas_per_sm, per_sm), -(-per_sm // fraction))
-        queues, delay = _cta_demands(design, gpu, share, fraction, inp, 1)
+        queues, delay = _cta_demands(design, gpu, share, fraction, fraction, inp, 1)
         rate, cycle = mean_value_analysis(int(customers), queues, delay)
         seconds = per_sm / fraction / rate + (design.trips - 1) * inp["idle_latency_s"]
     else:
+        # a split CTA issues its share of the slab's instructions plus the part that does not divide; its
+        # replicated per-lane inputs are L2 hits, so its DRAM bytes divide exactly
         fraction = (1 - inp["split_fixed_fraction"]) / split + inp["split_fixed_fraction"]
-        queues, delay = _cta_demands(design, gpu, share, fraction, inp, design.trips)
-        queues[1] = (design.bytes_per_slab / split) / share
+        queues, delay = _cta_demands(design, gpu, share, fraction, 1 / split, inp, design.trips)
         rate, cycle = mean_value_analysis(min(design.ctas_per_sm, per_sm), queues, delay)
         seconds = per_sm / rate
     loaded = inp["idle_latency_s"] + (cycle - delay - queues[0]) / max(design.trips if not design.stages else 1, 1)

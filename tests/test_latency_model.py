@@ -71,7 +71,7 @@ def test_register_operands_are_read_at_their_widths():
     assert ins["STG"].reads == {"R8", "R9", "R12", "R13", "R14", "R15", "UR4"} and not ins["STG"].writes
     assert ins["LDG"].writes == {"R5"} and ins["ISETP"].pred_writes == {"P0"}
     assert ins["ISETP"].reads == {"R5", "UR6"}
-    assert ins["IMAD"].writes == {"R2", "R3"} and ins["IMAD"].reads == {"R0", "R2", "R3"}  # .WIDE: 64-bit result, addend
+    assert ins["IMAD"].writes == {"R2", "R3"} and ins["IMAD"].reads == {"R0", "R2", "R3"}  # .WIDE: 64-bit pairs
     assert ins["IADD3"].pred_writes == {"P1"} and ins["BRA"].pred_reads == {"P0"}
 
 
@@ -196,6 +196,10 @@ def test_refused_inputs():
         lm.step_time(d, 8, 48, "H200", idle_latency=1e-6)
     with pytest.raises(ValueError, match="batch and heads"):
         lm.step_time(d, 0, 48, "H200")
+    with pytest.raises(ValueError, match="gpu_name must be one of"):
+        lm.step_time(d, 8, 48, "A100")
+    with pytest.raises(ValueError, match="copy_bandwidth positive"):
+        lm.step_time(d, 8, 48, "H200", 0.0)
 
 
 def _bench():
