@@ -1,0 +1,219 @@
+"""The latency model of the flagship step (modelled, no GPU): bytes in flight, round trips, time per step.
+
+    python bench/latency_model.py [--measured gpu_bench.json] [--json] [--no-compile] [--latency-us 0.6]
+                                  [--launch-us 1.0] [--out DIR]
+
+Prints (``mamba3_step.tools.latency_model``; every figure *modelled* unless its column says measured):
+
+1. Little's law per GPU: the bytes in flight per SM the copy bandwidth needs at a loaded latency;
+2. read from the flagship's SASS (sm_90a, sm_100a; compiled here unless ``--no-compile``): its
+   dependent global round trips, the loads of each, and the bytes a CTA has in flight before its
+   first wait x resident CTAs, against (1);
+3. the model against a measured table (``--measured``: a ``bench/gpu_bench.py`` JSON, pool mode,
+   CUDA-graph replay) on the H200, side by side;
+4. the candidate designs (today, one round trip, small-batch path, pipeline) for the fp32 flagship, a
+   bf16 state rounded to nearest and stochastically, and replay K = 2 and 4: modelled % of the copy
+   bandwidth at B = 1 .. 512 on the H200.
+
+Writes ``latency_model.json`` to the output folder (default ``bench/results``); ``--json`` prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _util  # noqa: E402  (also puts the repository on sys.path)
+
+from mamba3_step.tools import latency_model as lm  # noqa: E402
+from mamba3_step.tools.bytes_model import bytes_per_step, replay_bytes  # noqa: E402
+from mamba3_step.tools.issue_model import GPUS, REPLAY_EXECUTED, REPLAY_STATES_EXECUTED, issue_model  # noqa: E402
+from mamba3_step.spec import flagship_spec  # noqa: E402
+
+BATCHES = (1, 2, 4, 8, 16, 64, 256, 512)
+HEADS = 48
+
+
+def sass_rows(overrides: dict) -> list[dict]:
+    """The flagship's round trips and bytes in flight per SM, read from its SASS on both targets: the
+    peak (resident CTAs x the largest trip after the index's) and the time average at B = 256 (each
+    trip's bytes in flight for the assumed loaded latency, over the model's CTA life), against Little's
+    law's need at the same latency on the target's GPUs."""
+    from mamba3_step.tools.inspection import kernel_facts
+    from mamba3_step.kernel import compile_step_kernel
+    spec, rows = flagship_spec(), []
+    total = bytes_per_step(spec, 256, HEADS)["total"]
+    for arch, gpus in (("sm_90a", ("H100", "H200")), ("sm_100a", ("B200",))):
+        f = kernel_facts(compile_step_kernel(spec, arch))
+        trips = lm.global_round_trips(f.sass_text)
+        ctas = f.occupancy()["ctas_per_sm"]
+        per_cta = trips.bytes_before_first_wait(f.threads)
+        row = {"arch": arch, "registers": f.registers, "ctas_per_sm": ctas, "round_trips": trips.round_trips,
+               "dependence_depth": trips.dependence_depth, "loads_per_trip": [t["loads"] for t in trips.trips],
+               "state_loads_per_trip": [t["by_width"].get(16, 0) for t in trips.trips],
+               "bytes_in_flight_per_cta": per_cta, "peak_bytes_in_flight_per_sm": per_cta * ctas}
+        for g in gpus:
+            d = lm.flagship_designs(spec, REPLAY_EXECUTED["stepwise"], total / (256 * HEADS), 0,
+                                    trips.round_trips)["today"]
+            life = lm.step_time(d, 256, HEADS, g, **overrides)["cta_seconds"]
+            row[f"average_bytes_in_flight_per_sm_{g}"] = lm.average_bytes_in_flight(
+                [t["bytes_per_thread"] * f.threads for t in trips.trips], ctas, lm.assumption("loaded_latency_s"), life)
+            row[f"needed_bytes_in_flight_per_sm_{g}"] = lm.bytes_in_flight_needed(g)["bytes_per_sm"]
+        rows.append(row)
+    return rows
+
+
+def state_forms() -> dict:
+    """name -> (spec, warp-instructions per slab (the issue model's executed counts), replay K or None,
+    the spec whose kernel today's design is)."""
+    fp32, bf16 = flagship_spec(), flagship_spec(state_dtype="bfloat16")
+    sr = flagship_spec(state_dtype="bfloat16", stochastic_rounding=True)
+    forms = {"fp32": (fp32, REPLAY_EXECUTED["stepwise"], None, fp32),
+             # no executed count of the round-to-nearest form: the fp32 flagship's (an assumption)
+             "bf16, round to nearest": (bf16, REPLAY_EXECUTED["stepwise"], None, bf16),
+             "bf16, stochastic rounding": (sr, REPLAY_STATES_EXECUTED["bf16 state, stochastic rounding"][2], None, sr)}
+    for K in (2, 4):
+        counts = REPLAY_EXECUTED[(K, False)][1]
+        forms[f"fp32 replay K = {K}"] = (fp32, sum(counts) / K, K, flagship_spec(replay_ring=K))
+    return forms
+
+
+def kernel_latency_facts(compile_kernels: bool) -> dict:
+    """form -> (round trips, CTAs per SM) of today's kernel on sm_90a: read from the SASS when
+    ``compile_kernels``, else ``mamba3_step.tools.latency_model.KERNEL_LATENCY_FACTS``."""
+    if not compile_kernels:
+        return dict(lm.KERNEL_LATENCY_FACTS)
+    from mamba3_step.tools.inspection import kernel_facts
+    from mamba3_step.kernel import compile_step_kernel
+    facts = {}
+    for form, (*_, kernel_spec) in state_forms().items():
+        f = kernel_facts(compile_step_kernel(kernel_spec, "sm_90a"))
+        facts[form] = (lm.global_round_trips(f.sass_text).round_trips, f.occupancy()["ctas_per_sm"])
+    return facts
+
+
+def _bytes(spec, K, batch):
+    return (replay_bytes(spec, K, batch, HEADS) if K else bytes_per_step(spec, batch, HEADS))["total"]
+
+
+def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -> list[dict]:
+    rows = []
+    for form, (spec, warp_instr, K, _) in state_forms().items():
+        state_read = spec.headdim * spec.dstate * {"float32": 4}.get(spec.state_dtype, 2)
+        path_trips, ctas = facts[form]
+        # a replay kernel's live path falls through every ring position's branches: an upper bound; one
+        # position's path is modelled with the stepwise kernel's round trips (and the replay kernel's CTAs)
+        trips = facts["fp32"][0] if K else path_trips
+        for name in ("today", "one round trip", "small-batch path", "pipeline"):
+            row = {"state": form, "design": name, "SASS path trips": path_trips,
+                   "trips": trips if name == "today" else 2,
+                   "CTAs/SM": ctas if name != "pipeline" else int(lm.assumption("pipeline_ctas_per_sm"))}
+            for batch in BATCHES:
+                total = _bytes(spec, K, batch)
+                d = lm.flagship_designs(spec, warp_instr, total / (batch * HEADS), state_read, trips, ctas)[name]
+                r = lm.percent_of_copy(d, batch, HEADS, gpu, total, copy_bw, **overrides)
+                row[f"B{batch}"] = r["percent"]
+                row[f"us_B{batch}"] = r["seconds"] * 1e6
+            bw = lm.COPY_BANDWIDTH[gpu][0] if copy_bw is None else copy_bw
+            issue = issue_model(warp_instr, _bytes(spec, K, 256) / (256 * HEADS), GPUS[gpu])
+            row["issue/memory"] = issue["ratio"] * bw / GPUS[gpu].hbm_bytes_per_s  # memory time at copy speed
+            rows.append(row)
+    return rows
+
+
+def measured_rows(path: str, today: tuple[int, int], overrides: dict) -> tuple[list[dict], float]:
+    """The measured pool-mode CUDA-graph table of a gpu_bench.json beside the model at its copy bandwidth."""
+    with open(path) as f:
+        data = json.load(f)
+    copy_bw = float(data["copy_bandwidth_bytes_per_s"])
+    spec = flagship_spec()
+    rows = []
+    for entry in data["table"]:
+        if entry.get("mode") != "pool" or "us_graph" not in entry:
+            continue
+        batch, total = int(entry["batch"]), bytes_per_step(spec, int(entry["batch"]), HEADS)["total"]
+        d = lm.flagship_designs(spec, REPLAY_EXECUTED["stepwise"], total / (batch * HEADS), 0, *today)["today"]
+        m = lm.percent_of_copy(d, batch, HEADS, "H200", total, copy_bw, **overrides)
+        rows.append({"B": batch, "modelled us": m["seconds"] * 1e6, "measured us": entry["us_graph"],
+                     "modelled % copy": m["percent"],
+                     "measured % copy": 100 * total / (entry["us_graph"] * 1e-6) / copy_bw,
+                     "model / measured": m["seconds"] * 1e6 / entry["us_graph"],
+                     "loaded latency us": m["loaded_latency_s"] * 1e6})
+    return sorted(rows, key=lambda r: r["B"]), copy_bw
+
+
+def _cols(keys, fmt=">.1f"):
+    formats = {"state": "<", "design": "<", "B": ">d", "trips": ">d", "SASS path trips": ">d", "CTAs/SM": ">d"}
+    return [(k, k, formats.get(k, fmt)) for k in keys]
+
+
+def report(args, overrides: dict) -> dict:
+    little = [lm.bytes_in_flight_needed(g) | {"copy source": lm.COPY_BANDWIDTH[g][1]} for g in ("H100", "H200", "B200")]
+    print("1. Little's law (modelled): bytes in flight per SM = copy bandwidth x loaded latency "
+          f"({lm.assumption('loaded_latency_s') * 1e6:.1f} us, assumed) / SMs")
+    print(_util.format_table([{"gpu": r["gpu"], "SMs": r["sms"], "copy GB/s": r["copy_bytes_per_s"] / 1e9,
+                               "KiB per SM": r["bytes_per_sm"] / 1024} for r in little],
+                             [("gpu", "gpu", "<"), ("SMs", "SMs", ">d"), ("copy GB/s", "copy GB/s", ">,.0f"),
+                              ("KiB per SM", "KiB in flight per SM needed", ">.1f")]))
+    sass = [] if args.no_compile else sass_rows(overrides)
+    facts = kernel_latency_facts(not args.no_compile)
+    stale = [f for f in facts if facts[f] != lm.KERNEL_LATENCY_FACTS.get(f)]
+    if sass:
+        print("\n2. read from the flagship's SASS (pool mode, update_kv_state): round trips of a live CTA and the "
+              "bytes in flight per SM (time average: modelled at B = 256)")
+        for r in sass:
+            print(f"  {r['arch']}: {r['round_trips']} round trips (dependence depth {r['dependence_depth']}); loads "
+                  f"per trip {r['loads_per_trip']}, 16-byte state loads {r['state_loads_per_trip']}; peak "
+                  f"{r['ctas_per_sm']} CTAs x {r['bytes_in_flight_per_cta']:,} B = "
+                  f"{r['peak_bytes_in_flight_per_sm'] / 1024:.0f} KiB per SM")
+            for g in [k.rsplit("_", 1)[1] for k in r if k.startswith("needed_")]:
+                print(f"      {g}: time-averaged {r[f'average_bytes_in_flight_per_sm_{g}'] / 1024:.1f} KiB per SM "
+                      f"against {r[f'needed_bytes_in_flight_per_sm_{g}'] / 1024:.1f} KiB needed")
+    if stale:
+        print(f"  ! mamba3_step.tools.latency_model.KERNEL_LATENCY_FACTS differs from the SASS for {', '.join(stale)}: "
+              f"{ {f: facts[f] for f in stale} }: update it")
+    measured, copy_bw = ([], None) if not args.measured else measured_rows(args.measured, facts["fp32"], overrides)
+    if measured:
+        print(f"\n3. flagship on the H200, modelled beside measured ({args.measured}; copy bandwidth "
+              f"{copy_bw / 1e9:,.0f} GB/s, the model uses it too)")
+        print(_util.format_table(measured, _cols(measured[0].keys(), ">.2f")))
+    design_bw = copy_bw if args.gpu == "H200" else None
+    designs = design_rows(args.gpu, facts, design_bw, overrides)
+    print(f"\n4. the candidate designs on the {args.gpu}, modelled % of the copy bandwidth "
+          f"({(design_bw or lm.COPY_BANDWIDTH[args.gpu][0]) / 1e9:,.0f} GB/s); us at B = 1; issue / memory time at "
+          "B = 256 (the issue model's executed counts)")
+    keys = ["state", "design", "SASS path trips", "trips", "CTAs/SM"] + [f"B{b}" for b in BATCHES] + [
+        "us_B1", "issue/memory"]
+    print(_util.format_table(designs, _cols(keys)))
+    print("\nassumed inputs: " + "; ".join(f"{k} = {overrides.get(k, v[0]):g}" for k, v in lm.ASSUMPTIONS.items()))
+    return {"what": "modelled (no GPU); the 'measured' columns are read from --measured", "little": little,
+            "sass": sass, "measured": measured, "designs": designs,
+            "assumptions": {k: {"value": overrides.get(k, v[0]), "why": v[1]} for k, v in lm.ASSUMPTIONS.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--measured", default=None, help="a bench/gpu_bench.py JSON to compare with (pool, graph)")
+    p.add_argument("--json", action="store_true", help="print the JSON too")
+    p.add_argument("--no-compile", action="store_true",
+                   help="no SASS: take the round trips and CTAs of latency_model.KERNEL_LATENCY_FACTS")
+    p.add_argument("--latency-us", type=float, default=None, help="idle DRAM latency (default assumed)")
+    p.add_argument("--launch-us", type=float, default=None, help="launch gap under a CUDA graph (default assumed)")
+    p.add_argument("--gpu", default="H200", choices=sorted(GPUS), help="the GPU of the designs' table (default H200)")
+    p.add_argument("--out", default=None, help="output folder (default bench/results)")
+    args = p.parse_args(argv)
+    overrides = {k: v * 1e-6 for k, v in (("idle_latency_s", args.latency_us), ("launch_s", args.launch_us))
+                 if v is not None}
+    payload = report(args, overrides)
+    path = _util.write_json(_util.results_dir(args.out) / "latency_model.json", payload)
+    if args.json:
+        print(json.dumps(payload, indent=1, default=str))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

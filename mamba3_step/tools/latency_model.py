@@ -1,0 +1,406 @@
+"""The memory side of the static performance model: latency, bytes in flight and round trips (modelled).
+
+Letters (docs/contract.md): B lanes, H heads, D head dim, N state size, R MIMO rank.
+
+Three parts, all static (no GPU):
+
+1. **Little's law** (:func:`bytes_in_flight_needed`): to move ``bw`` bytes per second through a
+   memory whose loaded latency is ``L``, ``bw x L`` bytes must be in flight; per SM that is
+   ``copy bandwidth x L / SMs``.
+2. **What a kernel keeps in flight, read from its SASS** (:func:`global_round_trips`): along the
+   straight-line path of a live CTA (conditional branches fall through, up to the first
+   unconditional ``EXIT``), each global load (``LDG``/``LDGSTS``) and the first instruction that
+   reads or overwrites its destination register (where the scoreboard makes the warp wait). A
+   *round trip* is the set of loads issued between two such waits: the first use of any load of
+   the open trip closes it (its loads were issued together, so they arrive together). The
+   *dependence depth* is the length of the longest chain load -> value -> address (or branch
+   predicate) -> load: the fewest round trips any schedule of the same loads can have.
+3. **The time of a step** (:func:`step_time`): each SM runs ``C`` resident CTAs (its occupancy),
+   which circulate through a closed queueing network solved by exact mean-value analysis
+   (:func:`mean_value_analysis`): the SM's issue slots (a queue: warp-instructions / (4 per
+   clock x clock)), the DRAM at the SM's share of the copy bandwidth (a queue: the CTA's
+   bytes), the round trips (a delay: ``trips x idle latency``, the latency a lone request sees;
+   the queueing at DRAM is the model's, so the loaded latency is an output) and the CTA's own
+   instruction dependencies (a delay: ``instructions per thread x extra cycles / clock``). A
+   grid of fewer CTAs than ``C x SMs`` runs one partial wave on ``min(SMs, CTAs)`` SMs whose DRAM
+   share is capped by an SM's port. Add the launch overhead under a CUDA graph.
+
+Every input is an argument; the defaults are named assumptions (:data:`ASSUMPTIONS`) or figures
+with their source (:data:`COPY_BANDWIDTH`). Nothing here is a measurement.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from .issue_model import GPUS, ISSUE_PER_CLOCK, GPU
+
+__all__ = ["ASSUMPTIONS", "COPY_BANDWIDTH", "FLAGSHIP_TRIPS", "KERNEL_LATENCY_FACTS", "Design", "LoadTrips",
+           "average_bytes_in_flight", "bytes_in_flight_needed", "flagship_designs", "global_round_trips", "live_path",
+           "mean_value_analysis", "percent_of_copy", "sass_instructions", "step_time"]
+
+# ------------------------------------------------------------------------------------------------ inputs
+#: copy bandwidth (device-to-device ``Tensor.copy_``, read + write bytes) per GPU, bytes/s, and its source
+COPY_BANDWIDTH = {
+    "H200": (4.24e12, "measured in this project's H200 runs (docs/measured/2026-11-27-h200*/gpu_bench.json: "
+                      "4,247, 4,241, 4,262 GB/s; dense_rows_1.log 4,214 GB/s): their mean, 88% of the "
+                      "4.8 TB/s datasheet figure"),
+    "H100": (0.88 * 3.35e12, "assumption: the datasheet's 3.35 TB/s x 0.88, the efficiency measured on the H200"),
+    "B200": (0.88 * 8.0e12, "assumption: the datasheet's 8 TB/s x 0.88, the efficiency measured on the H200"),
+}
+
+#: the model's assumed inputs (seconds, cycles, bytes/s), each with why
+ASSUMPTIONS = {
+    "idle_latency_s": (0.6e-6, "a DRAM round trip from an SM when the memory system is not queueing: "
+                               "pointer-chasing microbenchmarks (Luo et al., 'Benchmarking and Dissecting the "
+                               "Nvidia Hopper GPU Architecture', arXiv 2402.13499; Chips and Cheese, 'Nvidia's "
+                               "H100: Funny L2, and Tons of Bandwidth') put Hopper's HBM latency at several "
+                               "hundred ns; 0.6 us allows a TLB miss for rows scattered over a multi-GB pool. "
+                               "The figure was not read from those papers: an assumption (--latency-us)"),
+    "loaded_latency_s": (1.2e-6, "the latency near 80% of the copy bandwidth, for Little's law: Nsight "
+                                 "Compute on the H200 (docs/measured/2026-11-27-h200-run3/ncu_pool_dense.log) saw 4.8 "
+                                 "cycles of global-load wait per issued instruction x 1,478 instructions / 4 "
+                                 "round trips at 1.47 GHz = 1.2 us a round trip"),
+    "extra_cycles_per_instruction": (0.5, "cycles a warp waits per instruction on its own fixed-latency "
+                                          "dependencies (FFMA chains, shuffles, shared memory) beyond its "
+                                          "issue slot: an assumption"),
+    "sm_port_bytes_per_s": (64 * 1.98e9, "the most one SM takes from L2 per clock (64 B/clk at the boost "
+                                         "clock): the cap on an SM's DRAM share when few SMs are busy"),
+    "launch_s": (1.0e-6, "the gap a back-to-back single-kernel CUDA-graph replay adds to the kernel (launch "
+                         "latency, the grid's start and drain): an assumption"),
+    "split_fixed_fraction": (0.25, "small-batch path: the share of a CTA's instructions that a D split does "
+                                   "not divide (index, staging of B/C/Bstate, scalars): an assumption"),
+    "pipeline_stages": (3, "asynchronous-copy pipeline: shared-memory stages per CTA (FlashInfer's Hopper "
+                           "selective_state_update uses 3)"),
+    "pipeline_ctas_per_sm": (2, "asynchronous-copy pipeline: resident CTAs per SM (state in shared memory, "
+                                "not registers): an assumption"),
+}
+
+
+def assumption(name: str) -> float:
+    return ASSUMPTIONS[name][0]
+
+
+def bytes_in_flight_needed(gpu_name: str, latency_s: float | None = None, copy_bandwidth: float | None = None) -> dict:
+    """Little's law per SM of ``gpu_name``: ``copy bandwidth x loaded latency / SMs`` bytes in flight."""
+    gpu = GPUS[gpu_name]
+    bw = COPY_BANDWIDTH[gpu_name][0] if copy_bandwidth is None else copy_bandwidth
+    lat = assumption("loaded_latency_s") if latency_s is None else latency_s
+    return {"gpu": gpu_name, "sms": gpu.sms, "copy_bytes_per_s": bw, "latency_s": lat,
+            "bytes_per_sm": bw * lat / gpu.sms, "bytes_total": bw * lat}
+
+
+# ------------------------------------------------------------------------------------------------ SASS
+_INSTR = re.compile(r"^\s*/\*[0-9a-fA-F]+\*/\s+(?P<guard>@!?U?P[0-9T]+\s+)?(?P<op>[A-Z][A-Z0-9_.]*)\s*"
+                    r"(?P<args>[^;]*);")
+_REG = re.compile(r"(?<![A-Za-z0-9_])(U?R)(\d+)(\.64)?\b")
+_PRED = re.compile(r"(?<![A-Za-z0-9_])(U?P[0-6])\b")
+_WIDTH = {"U8": 1, "S8": 1, "U16": 1, "S16": 1, "64": 2, "128": 4}
+GLOBAL_LOADS = ("LDG", "LDGSTS")
+_STORES = ("STG", "STS", "ST", "STL", "RED", "REDG")
+_NO_DEST = _STORES + ("BAR", "BRA", "EXIT", "NOP", "DEPBAR", "LDGDEPBAR", "WARPSYNC", "MEMBAR", "FENCE", "CCTL",
+                      "ERRBAR", "YIELD", "BSSY", "BSYNC", "CALL", "RET", "LDGSTS", "ARRIVES", "SYNCS")
+_PREDICATE_DEST = ("ISETP", "FSETP", "DSETP", "HSETP2", "PLOP3", "R2P", "UISETP", "UPLOP3")
+
+
+@dataclass(frozen=True)
+class Instr:
+    line: int
+    text: str
+    base: str
+    mods: tuple  # e.g. ("E", "128")
+    guard: str  # "" or e.g. "@!P0"
+    writes: frozenset  # registers written, by name ("R5", "UR4")
+    reads: frozenset  # registers read
+    pred_writes: frozenset  # predicates written ("P0", "UP1")
+    pred_reads: frozenset
+
+
+def _width(base: str, mods: list[str]) -> int:
+    """Registers per data operand (1, 2 or 4): a memory access's width, or ``.64`` (``LDC.64``, ``MOV.64``)."""
+    return next((_WIDTH[m] for m in mods if m in _WIDTH), 1)
+
+
+def _regs(operand: str, span: int) -> set[str]:
+    out = set()
+    for m in _REG.finditer(operand):
+        n = 2 if m.group(3) else span
+        out.update(f"{m.group(1)}{k}" for k in range(int(m.group(2)), int(m.group(2)) + n))
+    return out
+
+
+def _is_predicate(operand: str) -> bool:
+    bare = operand.lstrip("!")
+    return bare in ("PT", "UPT") or bool(_PRED.fullmatch(bare))
+
+
+def _parse(line_no: int, m) -> Instr:
+    op, args = m.group("op"), m.group("args").strip()
+    parts = op.rstrip(".").split(".")
+    base, mods = parts[0], parts[1:]
+    ops = [a.strip() for a in args.split(",")] if args else []
+    width = _width(base, mods)
+    dest_at = None if base in _NO_DEST or base in _PREDICATE_DEST else (1 if base == "SHFL" else 0)
+    # predicates written: a compare's leading predicates, or those right after the destination (IADD3 R5, P0, ...)
+    first = 0 if base in _PREDICATE_DEST else (None if dest_at is None else dest_at + 1)
+    pred_dest = set()
+    while first is not None and first < len(ops) and _is_predicate(ops[first]):
+        pred_dest.add(first)
+        first += 1
+    writes, reads, pw, pr = set(), set(), set(), set()
+    for i, operand in enumerate(ops):
+        if _is_predicate(operand):
+            (pw if i in pred_dest else pr).update(_PRED.findall(operand))
+        elif i == dest_at:
+            writes |= _regs(operand, 2 if "WIDE" in mods else width)
+        else:
+            last_wide = "WIDE" in mods and i == len(ops) - 1
+            data = base in _STORES and "[" not in operand
+            reads |= _regs(operand, 2 if last_wide else (width if data else 1))
+    guard = (m.group("guard") or "").strip()
+    pr.update(_PRED.findall(guard))
+    return Instr(line_no, m.group(0).strip(), base, tuple(mods), guard, frozenset(writes), frozenset(reads),
+                 frozenset(pw), frozenset(pr))
+
+
+def sass_instructions(sass_text: str) -> list[Instr]:
+    """Every instruction of an ``nvdisasm`` listing, with the registers it reads and writes."""
+    out = []
+    for i, line in enumerate(sass_text.splitlines()):
+        m = _INSTR.match(line)
+        if m:
+            out.append(_parse(i, m))
+    return out
+
+
+def _conditional(ins: Instr) -> bool:
+    return ins.base in ("BRA", "EXIT") and (ins.guard not in ("", "@PT", "@UPT") or bool(ins.pred_reads))
+
+
+def live_path(sass_text: str) -> list[Instr]:
+    """The straight-line path of a live CTA: from the top, conditional branches and exits fall
+    through, up to and including the first unconditional ``EXIT``."""
+    path = []
+    for ins in sass_instructions(sass_text):
+        path.append(ins)
+        if ins.base == "EXIT" and not _conditional(ins):
+            break
+    return path
+
+
+@dataclass
+class LoadTrips:
+    """The global loads of a live CTA's path, grouped into round trips (:func:`global_round_trips`).
+
+    Attributes:
+        trips: per round trip, in order: ``loads`` (count), ``bytes_per_thread`` (the loads' widths
+            summed), ``by_width`` (bytes -> count) and ``waited_at`` (the instruction whose use of a
+            loaded register closes the trip; None for a trip no instruction waits on).
+        dependence_depth: the longest chain load -> address or branch predicate -> load.
+        loads: every global load on the path as ``(line, text, trip number from 1, depth)``.
+    """
+
+    trips: list = field(default_factory=list)
+    dependence_depth: int = 0
+    loads: list = field(default_factory=list)
+
+    @property
+    def round_trips(self) -> int:
+        return len(self.trips)
+
+    def bytes_before_first_wait(self, threads: int) -> int:
+        """Bytes a CTA of ``threads`` threads has in flight when it first waits (its largest trip
+        after the index's: the state loads; the index's alone if it has one trip)."""
+        return max(t["bytes_per_thread"] for t in self.trips[1:] or self.trips) * threads
+
+
+_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
+
+
+def _load_bytes(ins: Instr) -> int:
+    """Bytes one thread's load moves (4 unless a width modifier says otherwise)."""
+    return next((_BYTES[m] for m in ins.mods if m in _BYTES), 4)
+
+
+def global_round_trips(sass_text: str) -> LoadTrips:
+    """Round trips and dependence depth of the global loads on :func:`live_path` of a listing.
+
+    An ``LDGSTS`` (copy to shared memory) stays outstanding until the next ``DEPBAR``; any other
+    load until an instruction reads or overwrites one of its destination registers."""
+    out = LoadTrips()
+    depth: dict = {}  # register ("R5", "P0") -> depth of the loads its value derives from
+    control = 0  # depth of the predicates of the conditional branches passed so far
+    pending: dict = {}  # register -> load number (or "LDGSTS" -> list) of the open trip
+    current = {"loads": 0, "bytes_per_thread": 0, "by_width": {}, "waited_at": None}
+    for ins in live_path(sass_text):
+        touched = ins.reads | ins.writes
+        waits = bool(touched & set(pending)) or (ins.base == "DEPBAR" and "LDGSTS" in pending)
+        if waits and current["loads"]:
+            current["waited_at"] = ins.text
+            out.trips.append(current)
+            current = {"loads": 0, "bytes_per_thread": 0, "by_width": {}, "waited_at": None}
+            pending.clear()
+        src = max([depth.get(r, 0) for r in ins.reads | ins.pred_reads] + [control])
+        if _conditional(ins):
+            control = src
+        if ins.base in GLOBAL_LOADS:
+            src += 1
+            nbytes = _load_bytes(ins)
+            current["loads"] += 1
+            current["bytes_per_thread"] += nbytes
+            current["by_width"][nbytes] = current["by_width"].get(nbytes, 0) + 1
+            out.loads.append((ins.line, ins.text, len(out.trips) + 1, src))
+            out.dependence_depth = max(out.dependence_depth, src)
+            pending.update(dict.fromkeys(ins.writes, 1) if ins.base == "LDG" else {"LDGSTS": 1})
+        for r in ins.writes | ins.pred_writes:
+            depth[r] = src
+    if current["loads"]:
+        out.trips.append(current)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def mean_value_analysis(customers: int, queues: list[float], delay: float) -> tuple[float, float]:
+    """Exact mean-value analysis of a closed network: ``customers`` circulate through FIFO queues of
+    the given service demands (seconds per cycle) and a delay of ``delay`` seconds. Returns
+    ``(throughput in cycles per second, seconds one cycle takes)``."""
+    if customers < 1 or delay < 0 or any(d < 0 for d in queues):
+        raise ValueError(f"customers >= 1 and non-negative demands expected, got {customers}, {queues}, {delay}")
+    backlog = [0.0] * len(queues)
+    throughput = cycle = 0.0
+    for n in range(1, customers + 1):
+        residence = [d * (1 + q) for d, q in zip(queues, backlog)]
+        cycle = sum(residence) + delay
+        throughput = n / cycle
+        backlog = [throughput * r for r in residence]
+    return throughput, cycle
+
+
+@dataclass(frozen=True)
+class Design:
+    """A kernel design, per (lane, head) slab: ``trips`` dependent global round trips a CTA makes,
+    ``warp_instructions`` it issues, ``bytes_per_slab`` it moves (all lanes live, weights amortised),
+    ``ctas_per_sm`` resident, ``warps`` per CTA; ``split``: D is split over CTAs while B x H is below
+    2 x SMs (the small-batch path); ``stages`` > 0: a persistent asynchronous-copy pipeline with that
+    many shared-memory stages of ``stage_bytes`` per CTA (``trips`` is then its prologue's)."""
+
+    name: str
+    trips: int
+    warp_instructions: float
+    bytes_per_slab: float
+    ctas_per_sm: int = 3
+    warps: int = 4
+    split: bool = False
+    stages: int = 0
+    stage_bytes: float = 0.0
+
+
+def _inputs(overrides: dict) -> dict:
+    unknown = set(overrides) - set(ASSUMPTIONS)
+    if unknown:
+        raise ValueError(f"inputs must be among {sorted(ASSUMPTIONS)}, got {sorted(unknown)}")
+    return {k: overrides.get(k, v[0]) for k, v in ASSUMPTIONS.items()}
+
+
+def _split_factor(design: Design, slabs: int, sms: int) -> int:
+    """CTAs per slab: 1, or for the small-batch path doubled (up to 4) while the grid stays within 2 x SMs."""
+    split = 1
+    while design.split and split < 4 and slabs * split * 2 <= 2 * sms:
+        split *= 2
+    return split
+
+
+def _cta_demands(design: Design, gpu: GPU, share: float, instructions: float, moved: float, inp: dict,
+                 trips: float) -> tuple:
+    """``([issue, DRAM], delay)`` of one pass of a CTA issuing the fraction ``instructions`` of a slab's
+    instructions and moving the fraction ``moved`` of its bytes at ``share`` bytes/s, in ``trips`` round trips."""
+    issue = instructions * design.warp_instructions / (ISSUE_PER_CLOCK * gpu.clock_hz)
+    own = instructions * design.warp_instructions / design.warps * inp["extra_cycles_per_instruction"] / gpu.clock_hz
+    return [issue, moved * design.bytes_per_slab / share], trips * inp["idle_latency_s"] + own
+
+
+def step_time(design: Design, batch: int, heads: int, gpu_name: str, copy_bandwidth: float | None = None,
+              **overrides) -> dict:
+    """The modelled time of one step of ``batch`` lanes on ``gpu_name``: ``seconds``, ``ctas`` (the
+    grid), ``per_sm`` (CTAs or slabs the busiest SM runs), ``split`` and ``loaded_latency_s`` (a
+    round trip's latency with the DRAM queueing the model predicts)."""
+    if batch < 1 or heads < 1:
+        raise ValueError(f"batch and heads must be >= 1, got {batch}, {heads}")
+    if gpu_name not in GPUS or (copy_bandwidth is not None and copy_bandwidth <= 0):
+        raise ValueError(f"gpu_name must be one of {sorted(GPUS)} and copy_bandwidth positive, got {gpu_name!r}, "
+                         f"{copy_bandwidth}")
+    gpu, inp = GPUS[gpu_name], _inputs(overrides)
+    bw = COPY_BANDWIDTH[gpu_name][0] if copy_bandwidth is None else copy_bandwidth
+    slabs = batch * heads
+    split = _split_factor(design, slabs, gpu.sms)
+    ctas = slabs * split if not design.stages else min(slabs, gpu.sms * design.ctas_per_sm)
+    active = min(gpu.sms, ctas)
+    share = min(bw / active, inp["sm_port_bytes_per_s"])
+    per_sm = -(-slabs // active) if design.stages else -(-ctas // active)
+    if design.stages:  # persistent CTAs: each stage of each resident CTA is a customer
+        fraction = design.stage_bytes / design.bytes_per_slab
+        customers = min(design.stages * min(design.ctas_per_sm, per_sm), -(-per_sm // fraction))
+        queues, delay = _cta_demands(design, gpu, share, fraction, fraction, inp, 1)
+        rate, cycle = mean_value_analysis(int(customers), queues, delay)
+        seconds = per_sm / fraction / rate + (design.trips - 1) * inp["idle_latency_s"]
+    else:
+        # a split CTA issues its share of the slab's instructions plus the part that does not divide; its
+        # replicated per-lane inputs are L2 hits, so its DRAM bytes divide exactly
+        fraction = (1 - inp["split_fixed_fraction"]) / split + inp["split_fixed_fraction"]
+        queues, delay = _cta_demands(design, gpu, share, fraction, 1 / split, inp, design.trips)
+        rate, cycle = mean_value_analysis(min(design.ctas_per_sm, per_sm), queues, delay)
+        seconds = per_sm / rate
+    loaded = inp["idle_latency_s"] + (cycle - delay - queues[0]) / max(design.trips if not design.stages else 1, 1)
+    return {"seconds": seconds + inp["launch_s"], "ctas": ctas, "per_sm": per_sm, "split": split,
+            "loaded_latency_s": loaded, "cta_seconds": cycle}
+
+
+def average_bytes_in_flight(trip_bytes: list[float], ctas_per_sm: int, latency_s: float, cta_seconds: float) -> float:
+    """Little's law read the other way, per SM: ``ctas_per_sm`` CTAs, each keeping ``trip_bytes[i]`` in
+    flight for one ``latency_s`` per round trip of a life of ``cta_seconds``, keep on average
+    ``ctas_per_sm x sum(trip_bytes) x latency_s / cta_seconds`` bytes in flight (their peak lasts one trip)."""
+    if cta_seconds <= 0:
+        raise ValueError(f"cta_seconds must be positive, got {cta_seconds}")
+    return ctas_per_sm * sum(trip_bytes) * latency_s / cta_seconds
+
+
+def percent_of_copy(design: Design, batch: int, heads: int, gpu_name: str, compulsory_bytes: float,
+                    copy_bandwidth: float | None = None, **overrides) -> dict:
+    """:func:`step_time` with ``percent``: ``compulsory_bytes / seconds`` as a percentage of the copy bandwidth."""
+    bw = COPY_BANDWIDTH[gpu_name][0] if copy_bandwidth is None else copy_bandwidth
+    t = step_time(design, batch, heads, gpu_name, bw, **overrides)
+    return t | {"percent": 100 * compulsory_bytes / t["seconds"] / bw}
+
+
+#: dependent global round trips of the flagship's CTA today, as :func:`global_round_trips` reads them from
+#: its SASS on sm_90a and sm_100a (index; staging + 9 (sm_100a: 8) of 16 state loads; the other 7 (8);
+#: the epilogue's operands); tests/test_latency_model.py holds them equal
+FLAGSHIP_TRIPS = 4
+#: ``(round trips, CTAs per SM)`` of today's kernel for each state form the designs' table models
+#: (sm_90a, default tiling; the replay kernel with replayed outputs), as :func:`global_round_trips` and the
+#: occupancy read them from the SASS. A replay kernel's live path falls through every ring position's
+#: branches, so its count is an upper bound (bench/latency_model.py models one position's path with the
+#: stepwise kernel's round trips); the bench re-reads them and says when they differ
+KERNEL_LATENCY_FACTS = {"fp32": (4, 3), "bf16, round to nearest": (4, 3), "bf16, stochastic rounding": (4, 2),
+                        "fp32 replay K = 2": (10, 3), "fp32 replay K = 4": (12, 2)}
+
+
+def flagship_designs(spec, warp_instructions: float, bytes_per_slab: float, state_read_bytes: float,
+                     trips_today: int = FLAGSHIP_TRIPS, ctas_today: int = 3) -> dict[str, Design]:
+    """Today's kernel and the three candidate designs for one state format: ``"today"`` (``trips_today``
+    round trips), ``"one round trip"`` (the index, then every other load), ``"small-batch path"``
+    (one round trip, D split over up to 4 CTAs while B x H < 2 x SMs) and ``"pipeline"`` (persistent
+    CTAs, :data:`ASSUMPTIONS`' stages and resident CTAs, a stage = half a slab's state read). The
+    instructions are today's per slab for every design, and the register designs keep today's
+    ``ctas_today`` resident CTAs (assumptions: the same arithmetic, the same registers)."""
+    common = dict(warp_instructions=warp_instructions, bytes_per_slab=bytes_per_slab, warps=spec.num_warps)
+    pipeline = dict(common)
+    common["ctas_per_sm"] = ctas_today
+    return {
+        "today": Design("today", trips_today, **common),
+        "one round trip": Design("one round trip", 2, **common),
+        "small-batch path": Design("small-batch path", 2, split=True, **common),
+        "pipeline": Design("pipeline", 2, ctas_per_sm=int(assumption("pipeline_ctas_per_sm")),
+                           stages=int(assumption("pipeline_stages")), stage_bytes=state_read_bytes / 2, **pipeline),
+    }
