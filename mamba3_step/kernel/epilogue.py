@@ -5,7 +5,6 @@ sum), and a padding lane's zeroed ``out``.
 
 from __future__ import annotations
 
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -83,7 +82,7 @@ class Epilogue:
 
         The sum over the ranks has one order whatever the split (so a T-token step, whose default
         tiling has more threads, writes the bits of T one-token steps): each product
-        ``y_r outproj_r`` rounded on its own (:meth:`mul_rn`, never fused into an add), then a
+        ``y_r outproj_r`` rounded on its own (:func:`~.ptx_ops.mul_rn`, never fused into an add), then a
         pairwise tree over ranks ``(0, 1), (2, 3), ...``: a lane sums the subtree of its ranks
         (:meth:`pairwise_sum`), and butterfly rounds with ascending masks join neighbouring
         subtrees.

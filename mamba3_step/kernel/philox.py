@@ -5,7 +5,6 @@ are for.
 
 from __future__ import annotations
 
-
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32, Uint64, const_expr
 

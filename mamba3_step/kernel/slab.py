@@ -5,7 +5,6 @@ go through the kernel's state format (:mod:`.state_formats`).
 
 from __future__ import annotations
 
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32

@@ -134,7 +134,7 @@ class RoundedState(StateFormat):
 
     @cute.jit
     def round_fp16(self, x: Float32, r: Uint32):
-        """``x`` rounded to fp16 with the 16 random bits ``r``: :meth:`round_on_grid` with ``r >> 3``
+        """``x`` rounded to fp16 with the 16 random bits ``r``: :func:`round_on_grid` with ``r >> 3``
         (13 bits below fp16's last mantissa bit), then ``x``'s sign. The truncated value is exact
         in fp16 (or beyond its range: inf), so the final conversion does not round; a NaN converts
         to the canonical 0x7FFF."""
@@ -264,7 +264,7 @@ class ScaledState(StateFormat):
     @cute.jit
     def round_e4m3(self, v: Float32, r: Uint32) -> Float32:
         """``v`` (``|v| <= 448`` up to two roundings) stochastically rounded to e4m3's grid with the 16
-        bits ``r``: :meth:`round_on_grid` with ``r << 4`` (20 bits below e4m3's last mantissa bit),
+        bits ``r``: :func:`round_on_grid` with ``r << 4`` (20 bits below e4m3's last mantissa bit),
         saturated at 448, ``v``'s sign; exact in e4m3. ``|v|`` is finite, so the sum cannot carry into
         the sign bit (no guard)."""
         y = round_on_grid(v, r << Uint32(4), SUBNORMAL_GRIDS[self.dtype_name], guard=False)

@@ -5,24 +5,30 @@ R MIMO rank, T tokens. In dense mode the "pool" tensors have B rows and lane b u
 
 Grid ``(B, H, D / tile_D)``; one CTA owns one (lane, head, D-tile) slab of the state. The
 kernel's global tensors travel as one :class:`~mamba3_step.tensors.KernelArgs` bundle ``m``, the
-CTA's values as the bundles of :mod:`.bundles`. :class:`Mamba3StepKernel` composes the parts, each a
-mixin in its own module, and :meth:`Mamba3StepKernel.kernel` runs them in this order (thread
-layout: :mod:`mamba3_step.tiling`):
+CTA's values as the bundles of :mod:`.bundles`. :class:`Mamba3StepKernel` composes the parts, one
+mixin per module, and holds the state's storage format (:mod:`.state_formats`, chosen once).
+:meth:`Mamba3StepKernel.kernel` runs the stages in this order (thread layout: :mod:`mamba3_step.tiling`):
 
-1. ``select_rows`` (here)            lane -> (src, dst, src_live, dst_live); padding lanes go
-                                     straight to ``zero_out`` (:mod:`.epilogue`); with replay
-                                     ``ring_count`` (:mod:`.replay`) too
-2. ``load_state`` (:mod:`.slab`)     the thread's rows of the slab, 16-byte loads, issued first
-3. per token (:mod:`.tokens`, or a replay step of :mod:`.replay`):
-   ``stage_operands`` (:mod:`.staging`; with rotary ``advance_angles`` first, :mod:`.rotary`)
-   B, Bstate, C -> (R, N) fp32 in shared memory and the per-row coefficients; ``store_kv_state``;
-   ``update_rows`` (:mod:`.update`) the new state in registers and the partials of y, stored
-   through the state's format (:mod:`.state_formats`); ``reduce_rows`` and ``epilogue``
-   (:mod:`.epilogue`); ``store_state`` (:mod:`.slab`)
+==  ==================  ===============  ==========================================================
+1   ``select_rows``     here             lane -> (src, dst, src_live, dst_live); padding lanes go
+                                         straight to ``zero_out`` (epilogue); replay: ``ring_count``
+2   ``load_state``      :mod:`.slab`     the thread's rows of the slab, 16-byte loads, issued first
+3   ``stage_operands``  :mod:`.staging`  B, Bstate, C -> (R, N) fp32 in shared memory, and per tile
+                                         row the coefficients; with rotary ``advance_angles`` first
+                                         and B, C rotated (:mod:`.rotary`)
+4   ``store_kv_state``  :mod:`.staging`  update_kv_state: staged B / x -> Bstate / Xstate[dst]
+5   ``update_rows``     :mod:`.update`   the new state in registers, stored through the state's
+                                         format, and the thread's partials of y
+6   ``reduce_rows``     :mod:`.epilogue` partials completed over the row's lanes -> sY
+7   ``store_state``     :mod:`.slab`     16-byte stores of the new state to row dst
+8   ``epilogue``        :mod:`.epilogue` y + D x xproj, z gate, outproj -> out
+==  ==================  ===============  ==========================================================
 
-Replay's outputs from the checkpoint are :mod:`.checkpoint` (an append) and :mod:`.drafts` (a
-verify step's drafts); stochastic rounding's random words :mod:`.philox`; single PTX instructions
-:mod:`.ptx_ops`. The compile function and the fake arguments are :mod:`.compile`.
+Stages 3-8 run once per token: :mod:`.tokens` (the step's T tokens), or a replay step
+(:mod:`.replay`: the ring replayed, the live token or the drafts; with outputs from the checkpoint
+:mod:`.checkpoint` for an append and :mod:`.drafts` for a verify step's drafts). Stochastic
+rounding's random words are :mod:`.philox`, single PTX instructions :mod:`.ptx_ops`, the compile
+function and its fake arguments :mod:`.compile`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ buffer and its x is re-read from ``x``; the state (and B/x) is stored after ever
 
 from __future__ import annotations
 
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
