@@ -16,7 +16,7 @@ on the CPU (``--no-execute`` skips that), and prints
 3. the same model for the speculative verify step (``--tokens``: T tokens, (B, K) sources, a row
    per token): per slab the state is read once and written T times, and T tokens' instructions
    are issued.
-4. the replay kernel (``--replay``, K values; docs/design.md, "Replay"): executed PTX
+4. the replay kernel (``--replay``, K values; docs/design/replay.md): executed PTX
    warp-instructions per slab at each ring position, with outputs replayed (exact) and from the
    checkpoint, and the issue model averaged over positions (the counts
    ``mamba3_step.tools.issue_model.REPLAY_EXECUTED`` holds for bench/model_bench.py, checked equal);

@@ -15,7 +15,7 @@ from mamba3_step.spec import FLAGSHIP_HEADS, flagship_spec
 
 REPLAY_BATCHES = (1, 64, 256)
 REPLAY_K = (2, 4, 8)
-REPLAY_NOTE = ("replay (docs/design.md, 'Replay'): bytes averaged over ring positions; a verify step pays the "
+REPLAY_NOTE = ("replay (docs/design/replay.md): bytes averaged over ring positions; a verify step pays the "
                "flushes its accepted tokens cause (all T accepted: min(1, T/K) of a state write). The time "
                "ratio is the bytes ratio while the step stays memory-bound: the issue table below says where it does")
 REPLAY_ISSUE_NOTE = ("issue model of the replay kernel (plain decode, B = 256): executed PTX warp-instructions per "

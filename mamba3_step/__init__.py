@@ -4,7 +4,7 @@
 of the same contract on CPU tensors; ``plan_step`` validates a call signature once for servers
 (``StepPlan.run`` per step); both take the replay mode (``replay_ring``: pools kept as checkpoints and
 rings). The contract: docs/contract.md; the layers of the
-package: docs/design.md, "Architecture".
+package: docs/design/architecture.md.
 """
 
 from . import ops  # noqa: F401  registers torch.ops.mamba3_step.step (torch.compile-friendly)

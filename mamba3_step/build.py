@@ -2,9 +2,10 @@
 
 The cache compiles through a :class:`KernelBuilder`: a name, a compile function and the source
 files whose bytes define the compiled code. :func:`default_builder` is the project's kernel:
-its sources are computed, never listed by hand: ``mamba3_step/kernel.py`` and every package
-module it imports, transitively (:func:`kernel_sources`), so a new helper module the kernel
-imports changes the disk cache's key by itself.
+its sources are computed, never listed by hand: the kernel package ``mamba3_step/kernel/`` (its
+``__init__`` imports every part) and every package module it imports, transitively
+(:func:`kernel_sources`), so a new helper module the kernel imports changes the disk cache's key
+by itself.
 
 :func:`compile_kernel` is the only place that imports :mod:`mamba3_step.kernel` (and with it
 cutlass, about 0.6 s): lazily, on the first compile. A disk-cache hit, the CPU path and
@@ -45,7 +46,7 @@ class KernelBuilder:
 
 
 def kernel_sources(root=PACKAGE_ROOT) -> tuple[str, ...]:
-    """The kernel module's file and those of every package module it imports, transitively.
+    """The kernel package's files and those of every package module they import, transitively.
 
     ``root`` is the package directory to read (default: this package).
     """

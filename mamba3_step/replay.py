@@ -1,6 +1,6 @@
 """Replay: a pool row as a checkpoint of the state and a ring of the inputs since (the CPU path).
 
-docs/design.md, "Replay", has the design and the model that picks K; docs/contract.md, "Replay",
+docs/design/replay.md, has the design and the model that picks K; docs/contract.md, "Replay",
 the rules. The kernel's replay specialisation (``StepSpec.replay_ring``: one-token plain steps and
 verify steps; outputs replayed, or from the checkpoint) is held to this module.
 
@@ -170,8 +170,8 @@ def _replay(t: StepTensors, base: tuple, tokens: dict, C: Tensor, z: Optional[Te
 def output_from_checkpoint(t: StepTensors, base: tuple, tokens: dict, C: Tensor, z: Optional[Tensor],
                            compute_dtype: torch.dtype = torch.float32) -> Tensor:
     """``out`` of the last of ``tokens`` (tokens 1..k after the checkpoints ``base``, :func:`_base`:
-    an 8-bit state read as ``q * scale``; its ``C`` (n, R, H, N) and ``z``), without the new state (docs/design.md,
-    "Replay", the algebra)::
+    an 8-bit state read as ``q * scale``; its ``C`` (n, R, H, N) and ``z``), without the new state (docs/design/replay.md,
+    the algebra)::
 
         y_k[r, d] = P_k sum_n s_0[d, n] C_k[r, n]
                   + sum_{j=0..k} w_j sum_r' xr_j[r', d] sum_n B_j[r', n] C_k[r, n]  +  D xr_k[r, d]

@@ -26,7 +26,7 @@ for its order. The one field that is a bundle, ``replay_ring`` (a
 per ring field (:data:`OP_RING_ARGS`; :func:`op_values` and :func:`from_op_values` convert).
 
 A new argument is one field of ``StepTensors`` (a tensor) or of :class:`StepOptions` (an
-option); every entry point here follows (docs/design.md, "Where a change goes").
+option); every entry point here follows (docs/design/architecture.md, "Where a change goes").
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class StepSpec:
             takes it at run time. Else (the default: a pool row whose (D, N) block is packed,
             as ``torch.empty`` and every slice along P or H make it) the stride is the
             compile-time N: a thread's state rows are then one address plus immediate offsets,
-            not one 64-bit address per row kept from the loads to the stores (docs/design.md,
+            not one 64-bit address per row kept from the loads to the stores (docs/design/kernel.md,
             "Packed state rows"). Derived from the tensors by validation, never passed.
         min_ctas_per_sm: an experiment's launch bound: the compiler keeps registers for this many
             CTAs per SM (the launch's ``min_blocks_per_mp``, PTX ``.minnctapersm``), spilling if it

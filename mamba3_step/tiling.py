@@ -21,7 +21,7 @@ of a row by a *transposed* butterfly: in each shuffle round a lane sends half of
 values and keeps the other half, so ``K`` partials over ``TPR`` lanes cost ``K - 1``
 shuffle/add pairs instead of ``K * log2(TPR)``, with no selects (each lane keeps its partials
 in a lane-dependent order), and each lane ends holding whole sums that it stores directly
-(docs/design.md).
+(docs/design/kernel.md).
 """
 
 from __future__ import annotations

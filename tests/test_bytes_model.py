@@ -366,7 +366,7 @@ def test_executed_rotary_bytes_equal_the_model(case):
 
 
 def test_replay_bytes_by_hand():
-    """Replay's bytes (docs/design.md, "Replay") against a hand count, flagship, B = 3, H = 2, K = 4:
+    """Replay's bytes (docs/design/replay.md) against a hand count, flagship, B = 3, H = 2, K = 4:
     an append step at ring position m reads the state, Bstate and Xstate rows and m entries, writes
     one entry; a flush reads K - 1 entries and writes the three rows; each reads and writes its
     ring length (one per head); the step's inputs, out, weights and indices are the stepwise step's."""

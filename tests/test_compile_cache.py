@@ -116,11 +116,14 @@ def _valid_entry(spec, root) -> Path:
 
 # --------------------------------------------------------------- one compile per spec
 def test_kernel_sources_are_the_modules_the_kernel_imports():
-    """The fingerprinted sources are computed from kernel.py's imports, never listed by hand."""
+    """The fingerprinted sources are computed from the kernel package's imports, never listed by hand."""
     pkg = Path(mamba3_step.__file__).parent
     names = {Path(p).relative_to(pkg).as_posix() for p in build.kernel_sources()}
-    # kernel.py and what it imports (contract, spec, tensors, tiling), nothing of the layers above
-    assert {"kernel.py", "contract.py", "spec.py", "tensors.py", "tiling.py"} <= names
+    # every module of the kernel package and what they import (contract, spec, tensors, tiling),
+    # nothing of the layers above
+    parts = {p.relative_to(pkg).as_posix() for p in (pkg / "kernel").glob("*.py")}
+    assert "kernel/step.py" in parts and "kernel/state_formats.py" in parts
+    assert parts | {"contract.py", "spec.py", "tensors.py", "tiling.py"} <= names
     assert not names & {"api.py", "launch.py", "demo.py", "cli.py", "compile_cache/__init__.py", "build.py"}
     assert cc.get_builder().sources == build.kernel_sources()
 
@@ -147,8 +150,8 @@ def test_key_changes_when_a_module_the_kernel_depends_on_changes(tmp_path):
     assert k1 != k0
     (root / "fresh_helper.py").write_text("SCALE = 1\n")
     assert _fingerprint(root) == k1  # not imported by the kernel yet
-    kernel_py = root / "kernel.py"
-    kernel_py.write_text(kernel_py.read_text().replace("from .tiling import", "from .fresh_helper import SCALE  # noqa\nfrom .tiling import", 1))
+    kernel_py = root / "kernel" / "step.py"
+    kernel_py.write_text(kernel_py.read_text().replace("from ..tiling import", "from ..fresh_helper import SCALE  # noqa\nfrom ..tiling import", 1))
     k2 = _fingerprint(root)
     assert k2 != k1 and str(root / "fresh_helper.py") in build.kernel_sources(root)
     (root / "fresh_helper.py").write_text("SCALE = 2\n")

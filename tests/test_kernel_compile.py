@@ -555,7 +555,7 @@ def test_padding_path_issues_no_pool_traffic(spec, arch):
 #: default tiling: these use stack (8-40 bytes) on that architecture (found 2026-11-25, not fixed; the
 #: same shapes with a destination row compile clean, the full matrix above). ptxas settles at 128 or
 #: 168 registers and spills for them: R = 8 at 1-8 warps, or 16 warps (128 registers a thread). With
-#: packed state rows (docs/design.md, 2026-11-27; all 288 run) five of the six on sm_90a and six of the
+#: packed state rows (docs/design/kernel.md; all 288 run) five of the six on sm_90a and six of the
 #: seven on sm_100a compile clean, and N=32 D=128 R=8 bf16 uses 8 bytes on sm_100a
 IN_PLACE_SPILLS = {
     "sm_90a": {(32, 128, 2, "float16")},

@@ -73,7 +73,7 @@ scattered too (the step always writes the angle).
 state-spaces/mamba): a separate rotary launch, the dense step, three state copies, and, with
 pools, the gather and scatter of the four state tensors.
 
-:func:`replay_bytes` models replay (docs/design.md, "Replay"; its CPU path is
+:func:`replay_bytes` models replay (docs/design/replay.md; its CPU path is
 ``mamba3_step.replay``, its kernel ``StepSpec.replay_ring``): per step the state row is read, written only by a flush;
 the ring's committed entries are read and this step's tokens appended.
 """
@@ -348,7 +348,7 @@ def upstream_pipeline_bytes(spec: StepSpec, batch: int, heads: int, pools: bool 
 
 
 def replay_bytes(spec: StepSpec, K: int, batch: int, heads: int, position: int | None = None) -> dict:
-    """Bytes of one pool-mode step with replay (docs/design.md, "Replay"), every lane live, at ring
+    """Bytes of one pool-mode step with replay (docs/design/replay.md), every lane live, at ring
     ``position`` (committed tokens before the step; None: the average over positions 0..K-1, each
     as often, as requests at every position share a batch). ``spec`` is the stepwise step's
     (``update_kv_state``; ``spec.tokens`` = T > 1 a verify step, its destinations not used).

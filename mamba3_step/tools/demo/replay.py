@@ -1,4 +1,4 @@
-"""The demo's replay round (docs/design.md, "Replay"), on the CPU path, so that it runs on any
+"""The demo's replay round (docs/design/replay.md), on the CPU path, so that it runs on any
 machine (the replay kernel's plain and verify steps are checked against the executed stepwise kernel
 by the PTX tier: tests/test_ptx_replay.py, tests/test_ptx_replay_verify.py).
 
