@@ -17,9 +17,10 @@ from ..signature import StepOptions, View, make_binder, view_fields, view_signat
 from ..tensors import StepTensors
 from ..tiling import default_tiling, thread_layout
 from ..validation import check_options, check_step_inputs_cached
+from ..validation.checks import check_write_target
 from .pool import StatePool
 
-__all__ = ["decode_step", "kv_update_in_kernel"]
+__all__ = ["check_pool_step", "decode_step", "kv_update_in_kernel"]
 
 
 def kv_update_in_kernel(headdim: int, dstate: int, mimo: int, state_dtype, tile_D: int | None,
@@ -113,6 +114,7 @@ def decode_step(*args, **kwargs) -> torch.Tensor:
     x = call["x"]
     tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
     in_kernel = kv_update_in_kernel(pool.headdim, pool.dstate, pool.mimo, pool.state_dtype, call["tile_D"], tokens)
+    check_pool_step(pool, layer, tensors, call["stochastic_rounding"], in_kernel)
     options = StepOptions(**{name: call.get(name) for name in StepOptions._fields if name not in POOL_SUPPLIED},
                           update_kv_state=in_kernel)
     out = run_step(tensors, options)
@@ -131,33 +133,64 @@ decode_step.__signature__ = view_signature(_VIEW).replace(return_annotation="tor
 _NOT_WITH_REPLAY_VERIFY = {("dst_slots", "dst_state_batch_indices"): "a verify step keeps its drafts in its row's ring"}
 
 
-def _replay_step(pool: StatePool, layer: int, tensors: StepTensors, call: dict) -> torch.Tensor:
-    """A step of a replay pool (:class:`~mamba3_step.serving.ReplayStatePool`): :func:`mamba3_step.replay_step_fn`
-    on the layer's rows and ring, with every ``out`` stepwise decoding's, bit for bit. A verify step (x with
-    a token axis of at most ``pool.replay_draft`` drafts) keeps its drafts in the ring; ``num_accepted_tokens``
-    (B,) commits that many of each lane's last drafts first (``slots`` stays (B,): no speculative groups).
-    A one-token step's ``dst_slots`` (B,): a lane whose destination is another slot flushes into it (the
-    source slot keeps its checkpoint and ring). Refused by name, before anything is written: ``dst_slots``
-    with a verify step, more drafts than the ring has room for."""
-    accepted = tensors.num_accepted_tokens
-    tensors = tensors._replace(num_accepted_tokens=None)  # replay commits drafts of the ring: replay_step_fn's accepted
+def check_pool_step(pool: StatePool, layer: int, tensors: StepTensors, stochastic_rounding, in_kernel: bool) -> bool:
+    """What a pool's step takes beyond the step's own validation, checked before anything is written (by
+    :func:`decode_step`, and by the graph runner before it copies a byte into its buffers): with a replay
+    pool, the step it can run (no ``dst_slots`` with a verify step, no more drafts than ``replay_draft``,
+    ``stochastic_rounding`` with ``rand_seed`` exactly, on a pool whose rings keep draw offsets); and what
+    the hook writes itself writable here (``rand_seed``, whose offset it advances; ``Bstate``/``Xstate``
+    when it scatters B/x, ``in_kernel`` False): not an inference tensor outside ``torch.inference_mode``.
+    ValueError naming the argument. Returns whether the step rounds stochastically."""
     x = tensors.x
-    tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
+    token_axis = isinstance(x, torch.Tensor) and x.dim() == 4
+    if pool.replay_ring:
+        stochastic = _check_replay_call(pool, layer, tensors, stochastic_rounding, token_axis)
+    else:
+        stochastic = stochastic_rounding is True
+    inference_mode = torch.is_inference_mode_enabled()
+    if stochastic and isinstance(tensors.rand_seed, torch.Tensor):
+        check_write_target("rand_seed", tensors.rand_seed, inference_mode)
+    if not in_kernel and not pool.replay_ring:
+        for name, rows in (("Bstate", pool._Bstate), ("Xstate", pool._Xstate)):
+            check_write_target(name, rows, inference_mode)
+    return stochastic
+
+
+def _check_replay_call(pool: StatePool, layer: int, tensors: StepTensors, stochastic_rounding,
+                       token_axis: bool) -> bool:
+    """A replay pool's refusals (:func:`check_pool_step`); returns ``stochastic_rounding`` as a bool."""
+    tokens = tensors.x.shape[1] if token_axis else 1
     for (name, field), why in _NOT_WITH_REPLAY_VERIFY.items():
-        if tokens > 1 and call[field] is not None:
+        if token_axis and getattr(tensors, field) is not None:
             raise ValueError(f"{name}: expected None with a replay pool's verify step (replay_ring={pool.replay_ring}): "
                              f"{why}")
-    if tokens > 1 and tokens > pool.replay_draft:
+    if token_axis and tokens > pool.replay_draft:
         raise ValueError(f"x: a verify step of {tokens} tokens needs a ring with room for them "
                          f"(ReplayStatePool(..., replay_draft >= {tokens})), this pool has replay_draft="
                          f"{pool.replay_draft}")
-    stochastic = check_options(stochastic_rounding=call["stochastic_rounding"])["stochastic_rounding"]  # named errors
+    stochastic = check_options(stochastic_rounding=stochastic_rounding)["stochastic_rounding"]  # named errors
     if stochastic != (tensors.rand_seed is not None):
         raise ValueError(f"stochastic_rounding: expected {tensors.rand_seed is not None} with "
                          f"{'a' if tensors.rand_seed is not None else 'no'} rand_seed on a replay pool, got {stochastic}")
     if stochastic and pool.ring(layer).offset is None:
         raise ValueError(f"stochastic_rounding: a replay pool with a {dtype_name(pool.state_dtype)} state takes no "
                          f"stochastic rounding (its rings keep no draw offsets; an 8-bit pool's do)")
+    return stochastic
+
+
+def _replay_step(pool: StatePool, layer: int, tensors: StepTensors, call: dict) -> torch.Tensor:
+    """A step of a replay pool (:class:`~mamba3_step.serving.ReplayStatePool`): :func:`mamba3_step.replay_step_fn`
+    on the layer's rows and ring, with every ``out`` stepwise decoding's, bit for bit. A verify step (x with
+    a token axis of at most ``pool.replay_draft`` drafts) keeps its drafts in the ring; ``num_accepted_tokens``
+    (B,) commits that many of each lane's last drafts first (``slots`` stays (B,): no speculative groups).
+    A one-token step's ``dst_slots`` (B,): a lane whose destination is another slot flushes into it (the
+    source slot keeps its checkpoint and ring). Refused by name, before anything is written: what
+    :func:`check_pool_step` refuses (``dst_slots`` with a verify step, more drafts than the ring has room for)."""
+    accepted = tensors.num_accepted_tokens
+    tensors = tensors._replace(num_accepted_tokens=None)  # replay commits drafts of the ring: replay_step_fn's accepted
+    x = tensors.x
+    tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
+    stochastic = check_pool_step(pool, layer, tensors, call["stochastic_rounding"], True)
     if accepted is not None or call["validate_indices"]:
         check_step_inputs_cached(tensors, update_kv_state=True, rotate_pairwise=call["rotate_pairwise"],
                                  stochastic_rounding=stochastic)
