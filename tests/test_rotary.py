@@ -232,7 +232,6 @@ def _chudnovsky_pi(digits: int):
 
     with decimal.localcontext() as ctx:
         ctx.prec = digits + 20
-        C = 640320
         total, k, M, L, X, K = decimal.Decimal(13591409), 1, 1, 13591409, 1, 6
         while k < digits // 14 + 3:
             M = M * (K**3 - 16 * K) // k**3

@@ -86,7 +86,8 @@ def _runner_refusals():
         (dict(replay_ring=2), {}, two, StepForm(2), r"^x: a verify step of 2 tokens needs a ring with room"),
         (dict(replay_ring=2, replay_draft=2), dict(with_dst=True), dict(two, dst_slots="slots"), None,
          r"^dst_slots: expected None with a replay pool's verify step"),
-        (dict(replay_ring=2, state_dtype=torch.bfloat16), dict(stochastic_rounding=True, rand_seed=torch.tensor([5, 0])),
+        (dict(replay_ring=2, state_dtype=torch.bfloat16),
+         dict(stochastic_rounding=True, rand_seed=torch.tensor([5, 0])),
          lane_inputs(3, H, D, N, R, generator=g), StepForm(), r"^stochastic_rounding: a replay pool with a bfloat16"),
     ]
 
@@ -129,3 +130,29 @@ def test_runner_with_destinations_steps_replay_verify_rounds_as_decode_step(toke
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), step
         accepted = torch.randint(0, tokens + 1, (3,), generator=g, dtype=torch.int32) if verify else None
     _same(_snapshot(b), _snapshot(a))
+
+
+@pytest.mark.parametrize("buckets, error, match", [
+    (4, TypeError, r"^buckets: expected a sequence of this runner's buckets \(2, 4\) or None, got 4"),
+    ("24", TypeError, r"^buckets: expected a sequence"),
+    ([2, 3], ValueError, r"^buckets: 3 is not one of this runner's buckets \(2, 4\)"),
+    ([2, True], ValueError, r"^buckets: True is not one of"),
+])
+def test_capture_checks_every_bucket_before_capturing_any(buckets, error, match):
+    pool, _ = _filled_pool()
+    runner = CudaGraphStepRunner(pool, 0, buckets=(2, 4), **layer_weights(H, D, R))
+    with pytest.raises(error, match=match):
+        runner.capture(buckets)
+    assert runner.captured == ()
+
+
+@pytest.mark.parametrize("method", ["alloc", "alloc_spec"])
+@pytest.mark.parametrize("zero", [None, "no", 1, 0.0])
+def test_alloc_zero_must_be_a_bool_and_a_refusal_allocates_nothing(method, zero):
+    pool, _ = _filled_pool()
+    free, before = pool.num_free, _snapshot(pool)
+    args = (1,) if method == "alloc" else (1, 1)
+    with pytest.raises(TypeError, match=r"^zero: expected a bool"):
+        getattr(pool, method)(*args, zero=zero)
+    assert pool.num_free == free
+    _same(before, _snapshot(pool))

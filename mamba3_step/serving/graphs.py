@@ -20,10 +20,9 @@ from ..spec import MAX_TOKENS
 from ..tensors import LANE_FIELDS, WEIGHT_FIELDS, StepTensors
 from ..validation import check_options, check_step_inputs_cached
 from ..validation.checks import check_is_tensor
-from ..validation.table import RULE_BY_NAME
-from .buckets import DEFAULT_BUCKETS, check_buckets, choose_bucket, pad_lanes, pad_slots
+from .buckets import (DEFAULT_BUCKETS, check_buckets, checked_capture_buckets, choose_bucket, lane_buffer, pad_lanes,
+                      pad_slots)
 from .hook import POOL_SUPPLIED, check_pool_step, decode_step, kv_update_in_kernel
-from .pool import StatePool
 
 __all__ = ["CudaGraphStepRunner", "DEFAULT_BUCKETS", "StepForm", "check_buckets", "choose_bucket", "pad_lanes",
            "pad_slots"]
@@ -108,23 +107,6 @@ _INIT_VIEW = View(
         ("use_cuda_graph", None, "bool | None"), ("graph_pool", None, "Any"))))
 _INIT_NAMES = tuple(view_signature(_INIT_VIEW).parameters)
 _bind_init = make_binder("CudaGraphStepRunner", view_signature(_INIT_VIEW))
-
-#: the pool attribute holding the dtype of a rule's dtype group (the rule named, or its ``same_as``)
-_POOL_DTYPES = {"x": "x_dtype", "B": "kv_dtype"}
-
-
-def lane_buffer(pool: StatePool, name: str, shared_bc: bool = False) -> tuple[tuple[int, ...], torch.dtype]:
-    """A per-lane input's shape after the lane (and token) axes, and its dtype, for ``pool``'s
-    layers: read from the argument's row in ``validation.table`` (its letters; float32, or the
-    pool's dtype of its group). ``shared_bc``: B and C with a head axis of 1."""
-    rule = RULE_BY_NAME[name]
-    sizes = {"H": pool.nheads, "D": pool.headdim, "N": pool.dstate, "R": pool.mimo,
-             "Hbc": 1 if shared_bc else pool.nheads, "A": pool.rope_angles}
-    shape = tuple(sizes[c] for c in rule.letters.split()[1:] if not c.startswith("["))
-    if rule.dtypes == ("float32",):
-        return shape, torch.float32
-    return shape, getattr(pool, _POOL_DTYPES[rule.same_as or name])
-
 
 class CudaGraphStepRunner:
     """Runs :func:`decode_step` for one layer at a fixed set of batch-size buckets.
@@ -271,9 +253,7 @@ class CudaGraphStepRunner:
         problem = form.problem(self.with_dst)
         if problem:
             raise ValueError(f"form: {problem}")
-        for b in self.buckets if buckets is None else buckets:
-            if b not in self.buckets:
-                raise ValueError(f"buckets: {b} is not one of this runner's buckets {self.buckets}")
+        for b in checked_capture_buckets(buckets, self.buckets):  # all checked before any is captured
             if (b, form) in self._static:
                 continue
             s = self._make_static(b, form)
