@@ -15,7 +15,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .contract import KV_DTYPES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, X_DTYPES, as_torch_dtype, dtype_name, shown
+from .contract import (INT32_MAX, KV_DTYPES, MAX_GRID_Y, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, X_DTYPES, as_torch_dtype,
+                       dtype_name, shown)
 from .spec import StepSpec
 from .tensors import StepTensors
 from .validation import checks
@@ -52,7 +53,8 @@ def new_ring(rows: int, K: int, mimo: int, heads: int, dstate: int, headdim: int
     ``x_dtype`` dtypes of B's and x's groups (torch dtypes or their names), ``device`` one this process
     can use (None: the default device). Every argument is checked before anything is allocated:
     ValueError (TypeError for a dtype or ``stochastic``) naming it, with what was expected and got."""
-    rows, heads = checked_int("rows", rows, 1), checked_int("heads", heads, 1)
+    rows = checked_int("rows", rows, 1, INT32_MAX, " (pool rows: int32 slot ids)")
+    heads = checked_int("heads", heads, 1, MAX_GRID_Y, " (the step's most heads)")
     K = checked_int("K", K, 2, 16, " (the flush length)")
     for name, value, sizes in (("mimo", mimo, SUPPORTED_R), ("dstate", dstate, SUPPORTED_N),
                                ("headdim", headdim, SUPPORTED_D)):

@@ -1,7 +1,7 @@
 """The fuzz harness's worker (run by tests/test_fuzz_surface.py in a subprocess: a crash must not
 take the test runner with it).
 
-    python tests/fuzz_surface_worker.py EXAMPLES SEED [step|replay]
+    python tests/fuzz_surface_worker.py EXAMPLES SEED [step|replay|helpers]
 
 Hypothesis draws an entry point of the public surface (``mamba3_step_fn``, ``mamba3_step_op``,
 ``plan_step`` / ``StepPlan.run``, ``decode_step``, ``CudaGraphStepRunner.step`` on its CPU path, a
@@ -12,7 +12,9 @@ odd scalar), calls it with otherwise valid arguments, and
 records a failure when the call raises anything but a named ``TypeError``/``ValueError`` (the
 pool's ``SlotError``/``PoolExhaustedError`` included) or, refused, changed a byte of the pool or
 of the allocator. Prints ``RESULT {"examples": n, "failures": [...]}``. With ``replay`` as the
-third argument it fuzzes replay's surface instead (``tests/fuzz_replay_surface.py``).
+third argument it fuzzes replay's surface instead (``tests/fuzz_replay_surface.py``), with ``helpers`` the
+ring's helpers, a replay pool's allocator, the runner's methods and stochastic steps
+(``tests/fuzz_helper_surface.py``, whose judge compares every tensor reachable from the arguments).
 
 The surface's pool has an angle pool (S = 8), so the rotary arguments are fuzzed with the rest.
 
@@ -39,7 +41,8 @@ from mamba3_step import cli, mamba3_step_fn, mamba3_step_op, plan_step
 from mamba3_step.serving import CudaGraphStepRunner, PoolExhaustedError, StatePool, decode_step
 from mamba3_step.testing import lane_inputs, layer_weights, poison_pool
 
-from fuzz_replay_surface import ReplaySurface, replay_example  # noqa: E402  (tests/ is the script's folder)
+from fuzz_helper_surface import HelperSurface, helper_example  # noqa: E402  (tests/ is the script's folder)
+from fuzz_replay_surface import ReplaySurface, replay_example  # noqa: E402
 
 H, D, N, R, P, B = 2, 32, 32, 2, 6, 3
 NAMED = re.compile(r"^[A-Za-z_][\w/\[\].]*[:\s]")  # a message that starts by naming something
@@ -294,9 +297,11 @@ def main(examples: int, seed_value: int) -> None:
     _report(count[0], failures)
 
 
-def main_replay(examples: int, seed_value: int) -> None:
-    """The replay surface (``tests/fuzz_replay_surface.py``), with the same odd values and judge."""
-    rs = ReplaySurface()
+def main_replay(examples: int, seed_value: int, surface: str = "replay") -> None:
+    """The replay surface (``tests/fuzz_replay_surface.py``) or the helpers' (``tests/fuzz_helper_surface.py``),
+    with the same odd values and judge."""
+    rs = ReplaySurface() if surface == "replay" else HelperSurface()
+    example = replay_example if surface == "replay" else helper_example
     failures, count = [], [0]
 
     @seed(seed_value)
@@ -311,7 +316,7 @@ def main_replay(examples: int, seed_value: int) -> None:
                 return ODD_SCALARS[which]
             return _odd_tensor(which, base if isinstance(base, torch.Tensor) else rs.slots)
 
-        label, problem = replay_example(rs, arg, odd_value, _judged)
+        label, problem = example(rs, arg, odd_value, _judged)
         if problem:
             failures.append(f"{label} <- {kind} {which}: {problem}")
 
@@ -322,4 +327,7 @@ def main_replay(examples: int, seed_value: int) -> None:
 if __name__ == "__main__":
     os.environ["MAMBA3_STEP_CACHE_DIR"] = tempfile.mkdtemp(prefix="mamba3-fuzz-cache-")  # precompile writes
     surface = sys.argv[3] if len(sys.argv) > 3 else "step"
-    (main_replay if surface == "replay" else main)(int(sys.argv[1]), int(sys.argv[2]))
+    if surface == "step":
+        main(int(sys.argv[1]), int(sys.argv[2]))
+    else:
+        main_replay(int(sys.argv[1]), int(sys.argv[2]), surface)

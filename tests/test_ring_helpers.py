@@ -117,12 +117,14 @@ GOOD = dict(rows=3, K=2, mimo=2, heads=2, dstate=32, headdim=32, kv_dtype=torch.
 
 
 @pytest.mark.parametrize("name, value, error, match", [
-    ("rows", 0, ValueError, r"rows: expected an int >= 1, got 0"),
-    ("rows", 2.0, ValueError, r"rows: expected an int >= 1, got 2.0"),
+    ("rows", 0, ValueError, r"rows: expected an int in \[1, 2147483647\] \(pool rows: int32 slot ids\), got 0"),
+    ("rows", 2.0, ValueError, r"rows: expected an int in \[1, 2147483647\].*got 2.0"),
+    ("rows", 2**31, ValueError, r"rows: expected an int in \[1, 2147483647\].*got 2147483648"),
     ("K", 1, ValueError, r"K: expected an int in \[2, 16\] \(the flush length\), got 1"),
     ("K", True, ValueError, r"K: expected an int in \[2, 16\].*got True"),
     ("mimo", 3, ValueError, r"mimo: expected one of \(1, 2, 4, 8\).*got 3"),
-    ("heads", -1, ValueError, r"heads: expected an int >= 1, got -1"),
+    ("heads", -1, ValueError, r"heads: expected an int in \[1, 65535\] \(the step's most heads\), got -1"),
+    ("heads", 2**31, ValueError, r"heads: expected an int in \[1, 65535\].*got 2147483648"),
     ("dstate", 48, ValueError, r"dstate: expected one of \(32, 64, 128, 256\).*got 48"),
     ("headdim", "32", ValueError, r"headdim: expected an int >= 1, got '32'"),
     ("draft", 17, ValueError, r"draft: expected an int in \[0, 16\].*got 17"),

@@ -11,8 +11,8 @@ import threading
 
 import torch
 
-from ..contract import (KV_DTYPES, PAD_SLOT_ID, SCALED_STATE_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N,
-                        SUPPORTED_R, X_DTYPES, dtype_name, shown)
+from ..contract import (INT32_MAX, KV_DTYPES, MAX_GRID_Y, PAD_SLOT_ID, SCALED_STATE_DTYPES, STATE_DTYPES,
+                        SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, X_DTYPES, dtype_name, shown)
 from ..spec import MAX_TOKENS
 from ..validation.checks import check_bool_option
 from .pool_args import checked_device, checked_dtype, checked_size
@@ -85,8 +85,8 @@ class StatePool:
         reserve_null_slot: bool = False,
         rope_angles: int = 0,
     ):
-        num_layers, num_slots, nheads = (checked_size(n, v) for n, v in (
-            ("num_layers", num_layers), ("num_slots", num_slots), ("nheads", nheads)))
+        num_layers, num_slots, nheads = (checked_size(n, v, top=top) for n, v, top in (  # rows: int32 slot ids
+            ("num_layers", num_layers, None), ("num_slots", num_slots, INT32_MAX), ("nheads", nheads, MAX_GRID_Y)))
         headdim = checked_size("headdim", headdim, SUPPORTED_D)
         dstate = checked_size("dstate", dstate, SUPPORTED_N)
         mimo = checked_size("mimo", mimo, SUPPORTED_R)

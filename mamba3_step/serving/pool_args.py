@@ -14,10 +14,13 @@ from .slots import is_int
 __all__ = ["checked_device", "checked_dtype", "checked_size"]
 
 
-def checked_size(name: str, v, supported=None) -> int:
-    """``v`` as a positive int (one of ``supported`` when given); ValueError naming ``name`` otherwise."""
+def checked_size(name: str, v, supported=None, top=None) -> int:
+    """``v`` as a positive int (one of ``supported`` when given, at most ``top`` when given); ValueError naming
+    ``name`` otherwise."""
     if not is_int(v) or v < 1:
         raise ValueError(f"{name}: expected a positive int, got {shown(v)}")
+    if top is not None and v > top:
+        raise ValueError(f"{name}: expected a positive int of at most {top}, got {shown(v)}")
     if supported is not None and v not in supported:
         raise ValueError(f"{name}: expected one of {supported} (the sizes the step supports), got {shown(v)}")
     return int(v)
