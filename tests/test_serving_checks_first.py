@@ -164,6 +164,6 @@ def test_alloc_zero_must_be_a_bool_and_a_refusal_allocates_nothing(method, zero)
 def test_pool_sizes_past_the_steps_limits_are_refused_before_allocating(name, value, match):
     """Slot ids are int32 and the step takes at most 65535 heads: larger pools are refused by name, not by
     an allocation failure."""
-    kw = dict(num_layers=1, num_slots=P, nheads=H, headdim=D, dstate=N, mimo=R, **{name: value})
+    kw = dict(dict(num_layers=1, num_slots=P, nheads=H, headdim=D, dstate=N, mimo=R), **{name: value})
     with pytest.raises(ValueError, match=match):
         StatePool(**kw)
