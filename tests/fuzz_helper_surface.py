@@ -176,19 +176,25 @@ def helper_example(surface: HelperSurface, arg: int, odd_value, judged) -> tuple
     inference = arg // 7919 % 7 == 0 and isinstance(base, torch.Tensor)
     value = _inference_copy(base) if inference else odd_value(base)
     fn, roots = surface.call(entry, name, value)
+    label = f"{entry} {name}" + (" (an inference-mode copy)" if inference else "")
+    return label, judged_reachable(judged, fn, roots,
+                                   lambda: (surface.replay.num_free, tuple(surface.replay.allocated_slots())))
+
+
+def judged_reachable(judged, fn, roots, bookkeeping):
+    """``judged(fn, snapshot, unchanged)`` with the snapshot of every tensor reachable from ``roots``
+    (:func:`reachable`, as bytes) and ``bookkeeping()`` (the allocator's state), compared after a refusal."""
     tensors = reachable(*roots)
 
     def snapshot():
-        return [as_bytes(t) for t in tensors], (surface.replay.num_free, tuple(surface.replay.allocated_slots()))
+        return [as_bytes(t) for t in tensors], bookkeeping()
 
     def unchanged(snap):
         before, book = snap
         now = [as_bytes(t) for t in tensors]
-        book_now = (surface.replay.num_free, tuple(surface.replay.allocated_slots()))
-        return book == book_now and all(a is None or b is None or torch.equal(a, b) for a, b in zip(before, now))
+        return book == bookkeeping() and all(a is None or b is None or torch.equal(a, b) for a, b in zip(before, now))
 
-    label = f"{entry} {name}" + (" (an inference-mode copy)" if inference else "")
-    return label, judged(fn, snapshot, unchanged)
+    return judged(fn, snapshot, unchanged)
 
 
 def _valid(surface: HelperSurface, entry: str, name: str):
