@@ -85,6 +85,8 @@ def checked_int(name: str, v, low: int, high: Optional[int] = None, what: str = 
 
 def checked_dtype(dtype, name: str, group: tuple[str, ...]) -> torch.dtype:
     """``dtype`` (a name or a torch dtype) as a torch dtype of ``group``; TypeError naming ``name`` otherwise."""
+    if not isinstance(dtype, (str, torch.dtype)):  # nothing else is compared (a freed tensor cannot be)
+        raise TypeError(f"{name}: expected a torch dtype or its name, got {shown(dtype)}")
     t = as_torch_dtype(dtype, name)
     if dtype_name(t) not in group:
         raise TypeError(f"{name}: expected one of {', '.join('torch.' + g for g in group)}, got {t}")
@@ -219,6 +221,8 @@ def check_fork_row(tensors: StepTensors, ring: Ring, src, dst) -> list:
         checks.check_storage(name, value)
         checks.check_write_target(name, value, inference_mode)
     null = tensors.null_slot_id
+    if null is not None and (not isinstance(null, numbers.Integral) or isinstance(null, bool)):
+        raise TypeError(f"null_slot_id: expected None or an int, got {shown(null)}")
     for name, row in (("src", src), ("dst", dst)):
         if not isinstance(row, numbers.Integral) or isinstance(row, bool):
             raise TypeError(f"{name}: expected an int (a pool row), got {shown(row)}")

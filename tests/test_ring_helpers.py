@@ -155,3 +155,29 @@ def test_new_ring_builds_what_it_is_asked_for():
     rounded = new_ring(**GOOD, stochastic=True)
     assert rounded.offset.shape == (3, 1, 2) and rounded.angle is None
     assert all(not bool(f.any()) for f in rounded if f is not None)
+
+
+def _freed(t):
+    u = t.clone()
+    u.untyped_storage().resize_(0)
+    return u
+
+
+@pytest.mark.parametrize("name, error, match", [
+    ("kv_dtype", TypeError, r"^kv_dtype: expected a torch dtype or its name, got a tensor"),
+    ("x_dtype", TypeError, r"^x_dtype: expected a torch dtype or its name, got a tensor"),
+    ("K", ValueError, r"^K: expected an int in \[2, 16\]"),
+])
+def test_new_ring_never_compares_a_tensor_given_for_a_scalar(name, error, match):
+    """A tensor whose storage was freed reads freed memory when compared: it is refused by its kind."""
+    with pytest.raises(error, match=match):
+        new_ring(**dict(GOOD, **{name: _freed(torch.zeros(3))}))
+
+
+@pytest.mark.parametrize("null", [_freed(torch.tensor([1, 0, 2], dtype=torch.int32)), 0.0, True])
+def test_fork_row_refuses_a_null_slot_id_that_is_not_an_int(null):
+    t, ring = _rows(null_slot_id=null)
+    before = _snapshot(t._replace(null_slot_id=None), ring)
+    with pytest.raises(TypeError, match=r"^null_slot_id: expected None or an int"):
+        fork_row(t, ring, 1, 2)
+    _unchanged(before, t._replace(null_slot_id=None), ring)
