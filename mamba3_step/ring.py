@@ -15,15 +15,15 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .contract import (INT32_MAX, KV_DTYPES, MAX_GRID_Y, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, X_DTYPES, as_torch_dtype,
-                       dtype_name, shown)
+from .contract import (INT32_MAX, KV_DTYPES, MAX_GRID_Y, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, X_DTYPES,
+                       as_torch_dtype, dtype_name, shown)
 from .spec import StepSpec
 from .tensors import StepTensors
 from .validation import checks
 from .validation.step import check_step_inputs
 
-__all__ = ["Ring", "check_accepted", "check_fork_row", "check_replay_arguments", "check_replay_step", "check_ring", "checked_device",
-           "checked_dtype", "checked_int", "new_ring"]
+__all__ = ["Ring", "check_accepted", "check_fork_row", "check_replay_arguments", "check_replay_step", "check_ring",
+           "checked_device", "checked_dtype", "checked_int", "new_ring"]
 
 Tensor = torch.Tensor
 
@@ -98,7 +98,8 @@ def checked_device(device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as e:
-        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {shown(device)} ({e})") from None
+        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {shown(device)} "
+                         f"({e})") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device: expected a device this process can use, got {shown(device)}, but CUDA "

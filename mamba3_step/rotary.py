@@ -145,9 +145,9 @@ def angle_from_radians(theta: torch.Tensor) -> torch.Tensor:
     int64 angles of ``angle_state``: for every finite input the nearest multiple of 2**-62 turn, exactly
     (the reduction modulo a turn is exact, whatever the size of ``theta``: no float division by 2 pi).
 
-    Host arithmetic in Python integers, one element at a time (a prefill's conversion, not a step's);
-    the result lies on ``theta``'s device. TypeError for a non-float tensor, ValueError naming ``theta``
-    for a NaN or an infinity (no angle)."""
+    Host arithmetic in Python integers, one element at a time (about 2 us an element: a prefill's
+    conversion, not a step's); the result lies on ``theta``'s device. TypeError for a non-float tensor,
+    ValueError naming ``theta`` for a NaN or an infinity (no angle)."""
     if not isinstance(theta, torch.Tensor) or not theta.dtype.is_floating_point:
         raise TypeError(f"theta: expected a floating-point tensor of radians, got "
                         f"{getattr(theta, 'dtype', type(theta).__name__)}")

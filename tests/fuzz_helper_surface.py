@@ -82,7 +82,8 @@ class HelperSurface:
     def __init__(self):
         self.g = torch.Generator().manual_seed(31)
         self.weights = layer_weights(H, D, R, generator=self.g)
-        self.weights.update(B_bias=torch.randn(R, H, N, generator=self.g), C_bias=torch.randn(R, H, N, generator=self.g))
+        self.weights.update(B_bias=torch.randn(R, H, N, generator=self.g),
+                            C_bias=torch.randn(R, H, N, generator=self.g))
         self.replay = ReplayStatePool(1, P, H, D, N, R, state_dtype=torch.int8, rope_angles=S, replay_ring=K,
                                       replay_draft=T, reserve_null_slot=True)
         self.half = StatePool(1, P, H, D, N, R, state_dtype=torch.bfloat16, reserve_null_slot=True)

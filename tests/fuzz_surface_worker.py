@@ -42,7 +42,8 @@ from mamba3_step import cli, mamba3_step_fn, mamba3_step_op, plan_step
 from mamba3_step.serving import CudaGraphStepRunner, PoolExhaustedError, StatePool, decode_step
 from mamba3_step.testing import lane_inputs, layer_weights, poison_pool
 
-from fuzz_helper_surface import HelperSurface, helper_example, judged_reachable  # noqa: E402  (tests/ is the script's folder)
+# tests/ is the script's folder
+from fuzz_helper_surface import HelperSurface, helper_example, judged_reachable  # noqa: E402
 from fuzz_replay_surface import ReplaySurface, replay_example  # noqa: E402
 
 H, D, N, R, P, B = 2, 32, 32, 2, 6, 3

@@ -158,9 +158,10 @@ def test_alloc_zero_must_be_a_bool_and_a_refusal_allocates_nothing(method, zero)
     _same(before, _snapshot(pool))
 
 
-@pytest.mark.parametrize("name, value, match", [("num_slots", 2**31, r"^num_slots: expected a positive int of at most "
-                                                                         r"2147483647, got 2147483648"),
-                                                ("nheads", 65536, r"^nheads: expected a positive int of at most 65535")])
+@pytest.mark.parametrize("name, value, match", [
+    ("num_slots", 2**31, r"^num_slots: expected a positive int of at most 2147483647, got 2147483648"),
+    ("nheads", 65536, r"^nheads: expected a positive int of at most 65535"),
+])
 def test_pool_sizes_past_the_steps_limits_are_refused_before_allocating(name, value, match):
     """Slot ids are int32 and the step takes at most 65535 heads: larger pools are refused by name, not by
     an allocation failure."""

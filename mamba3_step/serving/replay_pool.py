@@ -33,8 +33,8 @@ class ReplayStatePool(StatePool):
     The rings are one ``(L, P, ...)`` allocation per field, among the pool's row allocations: ``reset``
     empties a row's ring with its checkpoint, ``copy``/``fork`` copy it with the row (nothing is
     replayed), ``bytes_per_slot`` counts it. A slot allocated (again) always starts reset, ``zero`` or
-    not: an empty ring and zero rows in every layer, so the last request's tokens never reach the next. A 16-bit pool's rings keep no draw offsets: its steps take
-    no stochastic rounding (refused by name).
+    not: an empty ring and zero rows in every layer, so the last request's tokens never reach the next.
+    A 16-bit pool's rings keep no draw offsets: its steps take no stochastic rounding (refused by name).
 
     Measured on an H200 (docs/performance.md 3d): replay pays for an fp32 state at K = 2; with
     ``rope_angles`` or an 8-bit state every step measured slower than a :class:`StatePool`'s.
