@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .api import mamba3_step_fn
-from .contract import as_torch_dtype
+from .contract import KV_DTYPES, PROJ_DTYPES, X_DTYPES, as_torch_dtype, dtype_name
 from .reference import mamba3_step_reference
 from .tensors import StepTensors
 
@@ -79,6 +79,27 @@ class LayerDtypes(NamedTuple):
         kv = as_torch_dtype(kv, "kv")
         return cls(as_torch_dtype(state, "state"), kv, kv if x is None else as_torch_dtype(x, "x"),
                    as_torch_dtype(proj, "proj"))
+
+
+#: the dtypes each field of :class:`LayerDtypes` may take in this layer (the step's groups, the state's
+#: without the 8-bit ones: the layer's pools carry no scales and its decode no seed)
+_LAYER_DTYPES = {"state": ("float32", "bfloat16", "float16"), "kv": KV_DTYPES, "x": X_DTYPES, "proj": PROJ_DTYPES}
+
+
+def _checked_dtypes(dtypes) -> LayerDtypes:
+    """``dtypes`` (None: the defaults) as a :class:`LayerDtypes` the layer can decode with; TypeError naming
+    ``dtypes`` and the field otherwise, before anything is built."""
+    if dtypes is None:
+        return LayerDtypes()
+    if not isinstance(dtypes, LayerDtypes):
+        raise TypeError(f"dtypes: expected a LayerDtypes (LayerDtypes.of(...)) or None, got {type(dtypes).__name__}")
+    for field, allowed in _LAYER_DTYPES.items():
+        value = getattr(dtypes, field)
+        if not isinstance(value, torch.dtype) or dtype_name(value) not in allowed:
+            why = " (an 8-bit state needs scales and a seed, which decode does not take)" if field == "state" else ""
+            raise TypeError(f"dtypes.{field}: expected one of {', '.join('torch.' + a for a in allowed)}{why}, "
+                            f"got {value}")
+    return dtypes
 
 
 class LayerPools(NamedTuple):
@@ -154,7 +175,9 @@ class Mamba3DecodeLayer(nn.Module):
         is_mimo: MIMO (rank ``mimo_rank``, mimo_x/z/o projections; rotary pairs (i, i + N/2)) or SISO
             (rank 1, unit projections; pairs (2i, 2i + 1): upstream's ``rotate_pairwise``).
         A_floor: A is at most ``-A_floor``.
-        dtypes: a :class:`LayerDtypes` (default: fp32 state, bf16 B/x, fp32 projections).
+        dtypes: a :class:`LayerDtypes` (default: fp32 state, bf16 B/x, fp32 projections). The state is
+            fp32, bf16 or fp16: an 8-bit state needs scale rows and a seed, which :class:`LayerPools` and
+            :meth:`Mamba3DecodeLayer.decode` do not carry (refused here, TypeError naming ``dtypes``).
         device: where the parameters live (the pools and inputs must live there too).
     """
 
@@ -175,7 +198,7 @@ class Mamba3DecodeLayer(nn.Module):
         self.mimo_rank = R = mimo_rank if is_mimo else 1
         self.num_rope_angles = int(d_state * rope_fraction) // 2
         self.rotate_pairwise = not self.is_mimo  # upstream: MIMO pairs i with i + N/2, SISO 2i with 2i + 1
-        self.dtypes = LayerDtypes() if dtypes is None else dtypes
+        self.dtypes = _checked_dtypes(dtypes)
         bc = R * ngroups * d_state
         self._split = [self.d_inner, self.d_inner, bc, bc, H, H, H, self.num_rope_angles]
         self.in_proj = nn.Linear(d_model, sum(self._split), bias=False, device=device)

@@ -37,13 +37,13 @@ from .contract import lane_is_live, shown
 from .reference import epilogue, mamba3_step_reference, rotated_bc
 from .rotary import advance_angle
 from .rounding import dequantize_rows
-from .ring import Ring, check_replay_arguments, check_replay_step, check_ring, new_ring
+from .ring import Ring, check_fork_row, check_replay_arguments, check_replay_step, check_ring, new_ring
 from .tensors import StepTensors
 from .validation import checks
 
-# Ring, new_ring and the checks: mamba3_step.ring
-__all__ = ["Current", "Ring", "check_materialize", "check_replay_arguments", "check_replay_step", "check_ring",
-           "fork_row", "materialize", "new_ring", "output_from_checkpoint", "replay_step",
+# Ring, new_ring and the checks (fork_row's too): mamba3_step.ring
+__all__ = ["Current", "Ring", "check_fork_row", "check_materialize", "check_replay_arguments", "check_replay_step",
+           "check_ring", "fork_row", "materialize", "new_ring", "output_from_checkpoint", "replay_step",
            "rotated_output_from_checkpoint"]
 
 Tensor = torch.Tensor
@@ -406,8 +406,13 @@ def materialize(tensors: StepTensors, ring: Ring, rows, *, rotate_pairwise: bool
 
 
 def fork_row(tensors: StepTensors, ring: Ring, src: int, dst: int) -> None:
-    """Row ``dst`` becomes a copy of row ``src``: the checkpoint, ``Bstate``/``Xstate`` and the ring
-    with its length (no replay: the ring is copied as it is)."""
-    for pool in (tensors.state, tensors.Bstate, tensors.Xstate, tensors.state_scale, tensors.angle_state, *ring):
-        if pool is not None:
-            pool[dst] = pool[src]
+    """Row ``dst`` becomes a copy of row ``src``: the checkpoint, ``Bstate``/``Xstate`` (the scale and angle
+    rows with them) and the ring with its length (no replay: the ring is copied as it is).
+
+    Checked before any row is written (:func:`check_fork_row`): ``tensors`` a :class:`StepTensors` and ``ring``
+    a :class:`Ring` whose row tensors are strided tensors of ``P`` rows (``state``'s) on ``state``'s device,
+    writable here; ``src``/``dst`` ints naming real rows (in ``[0, P)``, not ``tensors.null_slot_id``: a
+    padding id names no row). TypeError/ValueError naming the argument."""
+    pools = check_fork_row(tensors, ring, src, dst)
+    for pool in pools:
+        pool[dst] = pool[src]

@@ -85,15 +85,82 @@ def rotate_pairs(v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairwise
     return out
 
 
+def _pi_times(scale: int) -> int:
+    """``floor(pi * scale)`` (to within one unit) for a power of two ``scale``, from Machin's formula
+    ``pi = 16 atan(1/5) - 4 atan(1/239)`` in Python integers with 64 guard bits."""
+    work = scale << 64
+
+    def atan_inv(n: int) -> int:  # atan(1/n) * work, by its alternating series
+        total, power, k, n2 = 0, work // n, 1, n * n
+        while power:
+            total += power // k if k % 4 == 1 else -(power // k)
+            power //= n2
+            k += 2
+        return total
+
+    return (16 * atan_inv(5) - 4 * atan_inv(239)) >> 64
+
+
+#: the bits of 1/(2 pi): ``_INV_TWO_PI``, ``2**_INV_BITS / (2 pi)`` within 1.1 units. A float64 is below
+#: 2**1024, so 1280 bits leave more than 190 guard bits below the 2**-62 turn
+_INV_BITS = 1280
+
+
+def _inv_two_pi(bits: int) -> int:
+    """``2**bits / (2 pi)`` within 1.1 units (the denominator ``2 pi 2**bits`` is floored)."""
+    return (1 << (2 * bits)) // ((2 * _pi_times(1 << (bits + 64))) >> 64)
+
+
+_INV_TWO_PI = _inv_two_pi(_INV_BITS)
+_TURN_BITS = 62  # angle_from_radians's resolution: 2**-62 turn
+
+
+def _units_of_turn(theta: float) -> int:
+    """``round(theta / (2 pi) * 2**62)`` modulo ``2**62``, exactly (Payne-Hanek: the integer mantissa times
+    enough bits of 1/(2 pi)). Ties cannot occur (pi is irrational) but at 0; where the bits at hand cannot
+    decide the rounding, more are taken."""
+    num, den = abs(theta).as_integer_ratio()  # den: a power of two
+    if num == 0:
+        return 0
+    shift_den = den.bit_length() - 1
+    bits, inv = _INV_BITS, _INV_TWO_PI
+    while True:
+        # theta / (2 pi) * 2**62 = num * 2**(62 - shift_den) * inv / 2**bits, inv within 1.1 units of
+        # 2**bits / (2 pi): the true product lies within 2 num of product
+        shift = bits + shift_den - _TURN_BITS
+        product = num * inv
+        half = 1 << (shift - 1)
+        rest = product & ((1 << shift) - 1)
+        if abs(rest - half) > 2 * num:  # the rounding is decided
+            units = (product + half) >> shift
+            break
+        bits *= 2  # more bits of 1/(2 pi)
+        inv = _inv_two_pi(bits)
+    units &= (1 << _TURN_BITS) - 1
+    return units if theta > 0 else (-units) & ((1 << _TURN_BITS) - 1)
+
+
 def angle_from_radians(theta: torch.Tensor) -> torch.Tensor:
-    """Angles in radians (any float dtype, any size: upstream's unreduced fp32 ``angle_dt_state``)
-    -> the fixed-point int64 angles of ``angle_state`` (nearest representable, 2**-62 turn)."""
+    """Angles in radians (any float dtype: upstream's unreduced fp32 ``angle_dt_state``) -> the fixed-point
+    int64 angles of ``angle_state``: for every finite input the nearest multiple of 2**-62 turn, exactly
+    (the reduction modulo a turn is exact, whatever the size of ``theta``: no float division by 2 pi).
+
+    Host arithmetic in Python integers, one element at a time (about 2 us an element: a prefill's
+    conversion, not a step's); the result lies on ``theta``'s device. TypeError for a non-float tensor,
+    ValueError naming ``theta`` for a NaN or an infinity (no angle)."""
     if not isinstance(theta, torch.Tensor) or not theta.dtype.is_floating_point:
         raise TypeError(f"theta: expected a floating-point tensor of radians, got "
                         f"{getattr(theta, 'dtype', type(theta).__name__)}")
-    turns = theta.to(torch.float64) / (2 * math.pi)
-    frac = turns - torch.round(turns)  # [-0.5, 0.5]
-    return torch.round(frac * _TWO62).to(torch.int64) * 4  # +-0.5 turn wraps to -2**63
+    values = theta.detach().to("cpu", torch.float64)
+    finite = torch.isfinite(values)
+    if not bool(finite.all()):
+        bad = values[~finite]
+        raise ValueError(f"theta: expected finite radians, got {bad.numel()} non-finite value(s) "
+                         f"({bad[:4].tolist()} ...) at index {(~finite).nonzero()[0].tolist()}")
+    top, wrap = 1 << 63, 1 << 64
+    words = [(_units_of_turn(v) << 2) for v in values.flatten().tolist()]  # 2**-64 turn units in [0, 2**64)
+    signed = [w - wrap if w >= top else w for w in words]
+    return torch.tensor(signed, dtype=torch.int64).view(theta.shape).to(theta.device)
 
 
 def angle_to_radians(angle: torch.Tensor, dtype=torch.float32) -> torch.Tensor:

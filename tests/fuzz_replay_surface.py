@@ -9,7 +9,8 @@ field of the ring, ``num_accepted_tokens``, ``replay_flush_length``, an option, 
 itself) and an odd value for it (the worker's odd tensors and scalars), calls it with otherwise
 valid arguments, and records a failure when the call raises anything but a named
 ``TypeError``/``ValueError`` or, refused, changed a byte of the pool's rows, its ring or its
-allocator. Valid calls are one-token steps and T = 2 verify steps (with ``num_accepted_tokens``) on
+allocator, the runner's buffers, the weights or the odd value itself (every tensor reachable from
+the call's arguments). Valid calls are one-token steps and T = 2 verify steps (with ``num_accepted_tokens``) on
 a pool made for 2 drafts, so the rings move through appends, flushes and commits while the harness
 runs.
 
@@ -27,6 +28,8 @@ from mamba3_step.serving import CudaGraphStepRunner, ReplayStatePool, decode_ste
 from mamba3_step.signature import StepOptions
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import lane_inputs, layer_weights, poison_pool
+
+from fuzz_helper_surface import judged_reachable  # noqa: E402  (tests/ is the script's folder)
 
 H, D, N, R, P, B, K, T = 2, 32, 32, 2, 6, 3, 3, 2
 
@@ -83,17 +86,6 @@ class ReplaySurface:
         ring = self.pool.ring(0)
         room = ring.B.shape[1] - ring.length[self.slots.clamp(min=0).long(), 0]
         return room.clamp(0, T).to(torch.int32)
-
-    def snapshot(self) -> tuple:
-        """Every byte a refused call must leave alone: the layer's rows, its ring, the allocator."""
-        tensors = [t for t in (*self.pool.layer_rows(0).values(), *self.pool.ring(0)) if t is not None]
-        return [t.clone() for t in tensors], (self.pool.num_free, tuple(self.pool.allocated_slots()))
-
-    def unchanged(self, snap) -> bool:
-        before, book = snap
-        now, book_now = self.snapshot()
-        return book == book_now and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                                        for a, b in zip(before, now))
 
     def call(self, entry: str, name: str, value, tokens):
         """``entry`` with argument ``name`` replaced by ``value`` (``tokens``: None, a one-token step,
@@ -171,7 +163,9 @@ def replay_example(surface: ReplaySurface, arg: int, odd_value, judged) -> tuple
     tokens = T if arg // 7919 % 2 and entry not in (*_POOL_METHODS, "materialize_fn") else None
     value = odd_value(_valid(surface, name, tokens))
     label = f"{entry} {name}" + (f" (verify step, T = {tokens})" if tokens else "")
-    problem = judged(lambda: surface.call(entry, name, value, tokens), surface.snapshot, surface.unchanged)
+    problem = judged_reachable(judged, lambda: surface.call(entry, name, value, tokens),
+                               (surface.pool, surface.runner, surface.weights, value),
+                               lambda: (surface.pool.num_free, tuple(surface.pool.allocated_slots())))
     return label, problem
 
 

@@ -1,7 +1,7 @@
 """The fuzz harness's worker (run by tests/test_fuzz_surface.py in a subprocess: a crash must not
 take the test runner with it).
 
-    python tests/fuzz_surface_worker.py EXAMPLES SEED [step|replay]
+    python tests/fuzz_surface_worker.py EXAMPLES SEED [step|replay|helpers]
 
 Hypothesis draws an entry point of the public surface (``mamba3_step_fn``, ``mamba3_step_op``,
 ``plan_step`` / ``StepPlan.run``, ``decode_step``, ``CudaGraphStepRunner.step`` on its CPU path, a
@@ -11,8 +11,11 @@ arguments and an odd value for it (an odd tensor kind, dtype, rank, size, stride
 odd scalar), calls it with otherwise valid arguments, and
 records a failure when the call raises anything but a named ``TypeError``/``ValueError`` (the
 pool's ``SlotError``/``PoolExhaustedError`` included) or, refused, changed a byte of the pool or
-of the allocator. Prints ``RESULT {"examples": n, "failures": [...]}``. With ``replay`` as the
-third argument it fuzzes replay's surface instead (``tests/fuzz_replay_surface.py``).
+of the allocator or of any tensor reachable from the call's arguments (the runner's buffers and
+fixed tensors, the odd value itself). Prints ``RESULT {"examples": n, "failures": [...]}``. With ``replay`` as the
+third argument it fuzzes replay's surface instead (``tests/fuzz_replay_surface.py``), with ``helpers`` the
+ring's helpers, a replay pool's allocator, the runner's methods and stochastic steps
+(``tests/fuzz_helper_surface.py``, whose judge compares every tensor reachable from the arguments).
 
 The surface's pool has an angle pool (S = 8), so the rotary arguments are fuzzed with the rest.
 
@@ -40,7 +43,9 @@ from mamba3_step import mamba3_step_fn, mamba3_step_op, plan_step
 from mamba3_step.serving import CudaGraphStepRunner, PoolExhaustedError, StatePool, decode_step
 from mamba3_step.testing import lane_inputs, layer_weights, poison_pool
 
-from fuzz_replay_surface import ReplaySurface, replay_example  # noqa: E402  (tests/ is the script's folder)
+# tests/ is the script's folder
+from fuzz_helper_surface import HelperSurface, helper_example, judged_reachable  # noqa: E402
+from fuzz_replay_surface import ReplaySurface, replay_example  # noqa: E402
 
 H, D, N, R, P, B = 2, 32, 32, 2, 6, 3
 NAMED = re.compile(r"^[A-Za-z_][\w/\[\].]*[:\s]")  # a message that starts by naming something
@@ -150,21 +155,6 @@ def _cli_outcome(argv: list) -> str | None:
     return None
 
 
-def _rows(pool: StatePool) -> list:
-    return [t for t in pool.layer_rows(0).values() if t is not None]
-
-
-def _snapshot(pool: StatePool, groups=None):
-    return [t.clone() for t in _rows(pool)], _bookkeeping(pool, groups)
-
-
-def _same(pool: StatePool, snap, groups=None) -> bool:
-    rows, book = snap
-    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in
-               zip([t.contiguous() for t in _rows(pool)], [t.contiguous() for t in rows])) and \
-        _bookkeeping(pool, groups) == book
-
-
 class Surface:
     """One pool, its layer's weights and lane inputs, and a plan and a runner built on them."""
 
@@ -225,10 +215,6 @@ def _judged(fn, snapshot, unchanged) -> str | None:
         return f"{type(e).__name__}: {str(e)[:160]}"
 
 
-def _outcome(fn, pool: StatePool, groups=None) -> str | None:
-    return _judged(fn, lambda: _snapshot(pool, groups), lambda snap: _same(pool, snap, groups))
-
-
 #: the CLI families the short run draws from (a valid ``verify`` compiles and executes a kernel: the
 #: long run only, where it gets its share without dominating the default suite's time)
 LONG_RUN = 5000
@@ -287,7 +273,8 @@ def main(examples: int, seed_value: int) -> None:
                 value = ODD_SCALARS[which]
             fn = (lambda: s.call(entry, name, value))
             label = f"{entry} {name}"
-        problem = _outcome(fn, pool, groups)
+        roots = (pool, args) if entry == "pool" else (pool, s.runner, s.valid, value)
+        problem = judged_reachable(_judged, fn, roots, lambda: _bookkeeping(pool, groups))
         if problem:
             failures.append(f"{label} <- {kind} {which}: {problem}")
 
@@ -295,9 +282,11 @@ def main(examples: int, seed_value: int) -> None:
     _report(count[0], failures)
 
 
-def main_replay(examples: int, seed_value: int) -> None:
-    """The replay surface (``tests/fuzz_replay_surface.py``), with the same odd values and judge."""
-    rs = ReplaySurface()
+def main_replay(examples: int, seed_value: int, surface: str = "replay") -> None:
+    """The replay surface (``tests/fuzz_replay_surface.py``) or the helpers' (``tests/fuzz_helper_surface.py``),
+    with the same odd values and judge."""
+    rs = ReplaySurface() if surface == "replay" else HelperSurface()
+    example = replay_example if surface == "replay" else helper_example
     failures, count = [], [0]
 
     @seed(seed_value)
@@ -312,7 +301,7 @@ def main_replay(examples: int, seed_value: int) -> None:
                 return ODD_SCALARS[which]
             return _odd_tensor(which, base if isinstance(base, torch.Tensor) else rs.slots)
 
-        label, problem = replay_example(rs, arg, odd_value, _judged)
+        label, problem = example(rs, arg, odd_value, _judged)
         if problem:
             failures.append(f"{label} <- {kind} {which}: {problem}")
 
@@ -323,4 +312,7 @@ def main_replay(examples: int, seed_value: int) -> None:
 if __name__ == "__main__":
     os.environ["MAMBA3_STEP_CACHE_DIR"] = tempfile.mkdtemp(prefix="mamba3-fuzz-cache-")  # precompile writes
     surface = sys.argv[3] if len(sys.argv) > 3 else "step"
-    (main_replay if surface == "replay" else main)(int(sys.argv[1]), int(sys.argv[2]))
+    if surface == "step":
+        main(int(sys.argv[1]), int(sys.argv[2]))
+    else:
+        main_replay(int(sys.argv[1]), int(sys.argv[2]), surface)

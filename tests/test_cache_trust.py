@@ -417,3 +417,33 @@ def test_supported_arches_are_the_dsls():
     from mamba3_step.arch import SUPPORTED_ARCHS
 
     assert set(SUPPORTED_ARCHS) == set(enums.Arch.__members__)  # aliases (sm_101 = sm_110) included
+
+
+@pytest.mark.parametrize("manifest", [
+    b"[" * 200_000 + b"]" * 200_000,  # the json module recurses once per level
+    b'{"key": ' * 5000 + b"0" + b"}" * 5000,
+    b'{"key": "' + b"x" * (1 << 16) + b'"}',  # past the size bound
+    b"\xff\xfe not text",
+])
+def test_a_manifest_that_cannot_be_parsed_within_bounds_is_corrupt_and_rebuilt(manifest, isolated_cache):
+    """Any entry whose manifest is not a JSON object within the size and depth bounds is discarded and
+    rebuilt, on every lookup path, without an exception escaping."""
+    _, _, _, entry = cc.obtain(SMALL, ARCH)
+    (entry / "manifest.json").write_bytes(manifest)
+    cc.reset_memory_cache()
+    (_, how, _, got), warned = _obtain_warned()
+    assert (how, got, warned) == ("rebuilt", entry, [])
+    assert cc.COUNTERS.rebuilds == 1
+    cc.reset_memory_cache()
+    assert cc.obtain(SMALL, ARCH)[1] == "loaded"
+
+
+def test_manifest_depth_bound_leaves_room_for_real_manifests(isolated_cache):
+    """The bound refuses no manifest the cache writes (3 levels), and counts brackets in strings as text."""
+    _, _, _, entry = cc.obtain(SMALL, ARCH)
+    data = (entry / "manifest.json").read_bytes()
+    assert store.parse_manifest(data) == json.loads(data)
+    deep_text = json.dumps({"key": "[" * 100, "n": [[[1]]]}).encode()
+    assert store.parse_manifest(deep_text) == json.loads(deep_text)
+    with pytest.raises(ValueError, match="nests deeper"):
+        store.parse_manifest(b"[" * (store.MANIFEST_MAX_DEPTH + 1) + b"]" * (store.MANIFEST_MAX_DEPTH + 1))

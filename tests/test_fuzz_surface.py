@@ -5,7 +5,10 @@ of the pool and nothing in its allocator.
 The harness runs in a subprocess (``tests/fuzz_surface_worker.py``; a crash there is a failure
 here, not the end of the test run), once for the stepwise surface and once for replay's
 (``tests/fuzz_replay_surface.py``: ``mamba3_step_fn``'s replay mode, ``check_replay_inputs``, a replay plan's ``run``,
-``decode_step`` and ``materialize`` on a replay pool). The default budget is 400 examples each;
+``decode_step`` and ``materialize`` on a replay pool), and once for the helpers'
+(``tests/fuzz_helper_surface.py``: ``new_ring``, ``fork_row``, a replay pool's ``alloc``/``alloc_spec``,
+the graph runner's ``capture``/``step`` and stochastic ``decode_step``, each refusal compared byte for byte
+on every tensor reachable from the arguments). The default budget is 400 examples each;
 ``--fuzz-long`` runs 20,000 (docs/verification-log.md has the last long run's count).
 """
 
@@ -22,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 import pytest
 
 
-@pytest.mark.parametrize("surface", ["step", "replay"])
+@pytest.mark.parametrize("surface", ["step", "replay", "helpers"])
 def test_the_public_surface_survives_odd_input_and_refuses_it_by_name(fuzz_examples, surface):
     r = subprocess.run([sys.executable, str(HERE / "fuzz_surface_worker.py"), str(fuzz_examples), "20261124", surface],
                        cwd=HERE.parent, capture_output=True, text=True, timeout=3600)

@@ -208,7 +208,7 @@ def test_replay_refuses_what_it_does_not_take_yet_and_bad_ring_lengths():
         assert torch.equal(d.replay_pools[k], v)
     for a, b in zip(d.ring, ring_before):
         assert (a is None and b is None) or torch.equal(a, b)
-    with pytest.raises(ValueError, match="K must be"):
+    with pytest.raises(ValueError, match=r"K: expected an int in \[2, 16\]"):
         new_ring(4, 1, 2, 2, 32, 32, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="rows must be"):
         materialize(t, d.ring, [6])

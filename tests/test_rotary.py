@@ -105,7 +105,8 @@ def test_radians_round_trip():
     q = angle_from_radians(theta)
     assert q.dtype == torch.int64
     back = angle_to_radians(q, torch.float64)
-    assert bool(((back >= -math.pi) & (back < math.pi)).all())
+    # [-pi, pi): float64's pi lies below pi, so a value just under half a turn may round to it
+    assert bool(((back >= -math.pi) & (back <= math.pi)).all())
     tol = 4e-16 * theta.abs().clamp(min=1.0)  # theta / (2 pi) is rounded once, in float64
     assert bool((_wrapped(back - theta).abs() <= tol).all())
     # and the other way: a stored angle survives radians exactly up to the 2**-62 turn of from_radians
@@ -116,9 +117,10 @@ def test_radians_round_trip():
 
 def test_radians_special_values_and_float32():
     assert angle_from_radians(torch.tensor([0.0])).item() == 0
-    assert angle_from_radians(torch.tensor([math.pi], dtype=torch.float64)).item() == -2**63  # half turn
-    assert angle_from_radians(torch.tensor([-math.pi], dtype=torch.float64)).item() == -2**63
-    assert angle_from_radians(torch.tensor([math.pi / 2], dtype=torch.float64)).item() == 2**62
+    # float64's pi is pi - 1.22e-16: 360 units of 2**-64 turn short of half a turn (exact reduction)
+    assert angle_from_radians(torch.tensor([math.pi], dtype=torch.float64)).item() == 2**63 - 360
+    assert angle_from_radians(torch.tensor([-math.pi], dtype=torch.float64)).item() == -(2**63 - 360)
+    assert angle_from_radians(torch.tensor([math.pi / 2], dtype=torch.float64)).item() == 2**62 - 180
     assert angle_to_radians(torch.tensor([-2**63])).item() == np.float32(-math.pi)  # float32 by default
     assert angle_to_radians(torch.tensor([2**62]), torch.float64).item() == math.pi / 2
     theta32 = torch.tensor([1e5, -12345.678, 3.0, -3.0], dtype=torch.float32)  # upstream's fp32 state
@@ -212,3 +214,67 @@ def test_rotate_pairs_against_a_naive_loop(pairwise, S):
         list(range(S)), list(range(N // 2, N // 2 + S)))
     norm = v[..., idx[0]] ** 2 + v[..., idx[1]] ** 2
     torch.testing.assert_close(got[..., idx[0]] ** 2 + got[..., idx[1]] ** 2, norm)
+
+
+# ----------------------------------------------------------------------------- exact reduction
+def _chudnovsky_pi(digits: int):
+    """pi to ``digits`` significant decimal digits, by the Chudnovsky series (14 digits a term), in
+    ``decimal``: written here, independent of the library's reduction."""
+    import decimal
+
+    with decimal.localcontext() as ctx:
+        ctx.prec = digits + 20
+        total, k, M, L, X, K = decimal.Decimal(13591409), 1, 1, 13591409, 1, 6
+        while k < digits // 14 + 3:
+            M = M * (K**3 - 16 * K) // k**3
+            L += 545140134
+            X *= -262537412640768000
+            total += decimal.Decimal(M * L) / X
+            K += 12
+            k += 1
+        return decimal.Decimal(426880) * decimal.Decimal(10005).sqrt() / total
+
+
+def _exact_units(theta: float, two_pi) -> int:
+    """round(theta / (2 pi) * 2**62) modulo 2**62, times 4, as a signed int64: in ``decimal`` at 500
+    digits (a float64 below 1.8e308 times 2**62 leaves more than 150 digits after the point)."""
+    import decimal
+
+    with decimal.localcontext() as ctx:
+        ctx.prec = 500
+        t = decimal.Decimal(theta) * (2**62) / two_pi  # Decimal(float) is exact
+        q = int(t.to_integral_value(rounding=decimal.ROUND_HALF_EVEN)) % 2**62
+    word = q * 4
+    return word - 2**64 if word >= 2**63 else word
+
+
+def test_from_radians_exact_over_the_whole_exponent_range():
+    """Every finite float64 (random mantissas at every binary exponent, subnormals, the named worst
+    cases 1e4 and 1.4e18, values next to multiples of pi) maps to the exactly rounded 2**-62 turn."""
+    import decimal
+
+    pi = _chudnovsky_pi(520)
+    with decimal.localcontext() as ctx:
+        ctx.prec = 510
+        two_pi = 2 * pi
+    rng = np.random.default_rng(17)
+    exponents = np.arange(-1074, 1024)
+    mantissas = rng.uniform(0.5, 1.0, exponents.size) * rng.choice([-1.0, 1.0], exponents.size)
+    values = [math.ldexp(float(m), int(e)) for m, e in zip(mantissas, exponents)]
+    values += [1e4, -1e4, 1.4e18, -1.4e18, 5e-324, 1.7976931348623157e308, -1.7976931348623157e308, 0.0, -0.0,
+               math.pi, 2 * math.pi, 1e22 * math.pi, 6381956970095103 * 2.0**797]
+    values += list(rng.uniform(-1e6, 1e6, 200)) + list(rng.normal(0, 10, 200))
+    values = [v for v in values if math.isfinite(v)]
+    got = angle_from_radians(torch.tensor(values, dtype=torch.float64)).tolist()
+    want = [_exact_units(v, two_pi) for v in values]
+    wrong = [(v, g, w) for v, g, w in zip(values, got, want) if g != w]
+    assert not wrong, f"{len(wrong)} of {len(values)} off, e.g. {wrong[:3]}"
+    # fp32 inputs (upstream's angle state) convert exactly too
+    v32 = torch.tensor([1e4, 1.4e18, -3e38, 1e-45], dtype=torch.float32)
+    assert angle_from_radians(v32).tolist() == [_exact_units(float(v), two_pi) for v in v32.double().tolist()]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_from_radians_refuses_nan_and_inf_by_name(bad):
+    with pytest.raises(ValueError, match="theta: expected finite radians"):
+        angle_from_radians(torch.tensor([0.5, bad], dtype=torch.float64))

@@ -45,8 +45,9 @@ try:
 except ImportError:  # pragma: no cover - not POSIX: no advisory locks
     fcntl = None
 
-__all__ = ["LOCK_TIMEOUT_S", "discard", "entry_lock", "ffi_signature", "find_linker", "make_private_dirs",
-           "memory_callable", "store", "tree_problem", "try_load", "writable_dir"]
+__all__ = ["LOCK_TIMEOUT_S", "MANIFEST_MAX_BYTES", "MANIFEST_MAX_DEPTH", "discard", "entry_lock", "ffi_signature",
+           "find_linker", "make_private_dirs", "memory_callable", "parse_manifest", "store", "tree_problem", "try_load",
+           "writable_dir"]
 
 #: seconds a process waits for another process's lock on one entry before compiling anyway
 LOCK_TIMEOUT_S = 600.0
@@ -54,6 +55,10 @@ _ARTIFACT = "kernel.so"
 _MANIFEST = "manifest.json"
 _MODULES: list = []  # keeps loaded tvm-ffi modules (and their shared libraries) alive
 _GO_WRITE = stat.S_IWGRP | stat.S_IWOTH
+#: a manifest is parsed only within these bounds (a few hundred bytes and 3 levels in practice): a larger
+#: or deeper one is corrupt, so that parsing any entry takes bounded time and stack
+MANIFEST_MAX_BYTES = 1 << 16
+MANIFEST_MAX_DEPTH = 16
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -152,12 +157,13 @@ def writable_dir(path: Path) -> Optional[str]:
     return None
 
 
-def read_private_file(path: Path) -> bytes:
+def read_private_file(path: Path, max_bytes: Optional[int] = None) -> bytes:
     """The bytes of ``path`` if it is a regular file this user owns and only it can write.
 
     Opened with ``O_NOFOLLOW`` (a symbolic link is refused) and ``O_NONBLOCK`` (a FIFO cannot
     block the open), then checked on the open descriptor, so what is checked is what is read.
-    Raises OSError (UntrustedError for a file of the wrong kind, owner or mode).
+    Raises OSError (UntrustedError for a file of the wrong kind, owner or mode), and ValueError
+    for a file longer than ``max_bytes`` (None: any length), read no further.
     """
     fd = os.open(path, _READ_FLAGS)
     try:
@@ -167,12 +173,15 @@ def read_private_file(path: Path) -> bytes:
         problem = _private_problem(path, st)
         if problem:
             raise UntrustedError(problem)
-        chunks = []
+        chunks, size = [], 0
         while True:
             chunk = os.read(fd, 1 << 20)
             if not chunk:
                 return b"".join(chunks)
             chunks.append(chunk)
+            size += len(chunk)
+            if max_bytes is not None and size > max_bytes:
+                raise ValueError(f"{path} is longer than {max_bytes} bytes")
     finally:
         os.close(fd)
 
@@ -243,6 +252,30 @@ def load_library(path: Path, function_name: str):
     return fn
 
 
+def parse_manifest(data: bytes):
+    """The JSON value of a manifest's bytes, parsed only if it nests at most ``MANIFEST_MAX_DEPTH`` arrays
+    and objects deep (counted in one pass over the bytes, strings skipped): ValueError otherwise, or for
+    text that is not JSON. With ``MANIFEST_MAX_BYTES`` this bounds the time and stack of any parse."""
+    depth, in_string, escaped = 0, False, False
+    for byte in data:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > MANIFEST_MAX_DEPTH:
+                raise ValueError(f"the manifest nests deeper than {MANIFEST_MAX_DEPTH} levels")
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return json.loads(data)
+
+
 def try_load(entry: Path, key: dict):
     """``(fn, None)`` for a valid entry, ``(None, None)`` when absent, ``(None, why)`` when bad.
 
@@ -263,9 +296,9 @@ def try_load(entry: Path, key: dict):
     if problem:
         return None, f"untrusted entry: {problem}"
     try:
-        manifest = json.loads(read_private_file(entry / _MANIFEST))
-    except (OSError, ValueError) as e:
-        return None, f"unreadable manifest ({type(e).__name__}: {e})"
+        manifest = parse_manifest(read_private_file(entry / _MANIFEST, MANIFEST_MAX_BYTES))
+    except (OSError, ValueError, RecursionError) as e:
+        return None, f"unreadable manifest ({type(e).__name__}: {str(e)[:200]})"
     if not isinstance(manifest, dict) or manifest.get("key") != key:
         return None, "stale entry: its key differs from this process's key"
     artifact = manifest.get("artifact")

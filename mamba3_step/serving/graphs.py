@@ -20,10 +20,9 @@ from ..spec import MAX_TOKENS
 from ..tensors import LANE_FIELDS, WEIGHT_FIELDS, StepTensors
 from ..validation import check_options, check_step_inputs_cached
 from ..validation.checks import check_is_tensor
-from ..validation.table import RULE_BY_NAME
-from .buckets import DEFAULT_BUCKETS, check_buckets, choose_bucket, pad_lanes, pad_slots
-from .hook import POOL_SUPPLIED, decode_step, kv_update_in_kernel
-from .pool import StatePool
+from .buckets import (DEFAULT_BUCKETS, check_buckets, checked_capture_buckets, choose_bucket, lane_buffer, pad_lanes,
+                      pad_slots)
+from .hook import POOL_SUPPLIED, check_pool_step, decode_step, kv_update_in_kernel
 
 __all__ = ["CudaGraphStepRunner", "DEFAULT_BUCKETS", "StepForm", "check_buckets", "choose_bucket", "pad_lanes",
            "pad_slots"]
@@ -109,23 +108,6 @@ _INIT_VIEW = View(
 _INIT_NAMES = tuple(view_signature(_INIT_VIEW).parameters)
 _bind_init = make_binder("CudaGraphStepRunner", view_signature(_INIT_VIEW))
 
-#: the pool attribute holding the dtype of a rule's dtype group (the rule named, or its ``same_as``)
-_POOL_DTYPES = {"x": "x_dtype", "B": "kv_dtype"}
-
-
-def lane_buffer(pool: StatePool, name: str, shared_bc: bool = False) -> tuple[tuple[int, ...], torch.dtype]:
-    """A per-lane input's shape after the lane (and token) axes, and its dtype, for ``pool``'s
-    layers: read from the argument's row in ``validation.table`` (its letters; float32, or the
-    pool's dtype of its group). ``shared_bc``: B and C with a head axis of 1."""
-    rule = RULE_BY_NAME[name]
-    sizes = {"H": pool.nheads, "D": pool.headdim, "N": pool.dstate, "R": pool.mimo,
-             "Hbc": 1 if shared_bc else pool.nheads, "A": pool.rope_angles}
-    shape = tuple(sizes[c] for c in rule.letters.split()[1:] if not c.startswith("["))
-    if rule.dtypes == ("float32",):
-        return shape, torch.float32
-    return shape, getattr(pool, _POOL_DTYPES[rule.same_as or name])
-
-
 class CudaGraphStepRunner:
     """Runs :func:`decode_step` for one layer at a fixed set of batch-size buckets.
 
@@ -147,7 +129,7 @@ class CudaGraphStepRunner:
     supplies ``angle_state``). An 8-bit pool (int8 / float8_e4m3fn) supplies ``state_scale`` the same
     way; its runner needs ``stochastic_rounding=True`` and ``rand_seed`` (else its steps and captures
     are refused). With ``with_dst=True`` a static destination-slot buffer is captured
-    too and :meth:`step` takes ``dst_slots`` (prefix caching).
+    too and :meth:`step` takes ``dst_slots`` (prefix caching; a replay pool's verify step takes none).
     Capture happens lazily on first use of a bucket, or eagerly with :meth:`capture`.
 
     Multi-token steps (speculative decoding's verify pass): the per-lane inputs may carry a token
@@ -206,22 +188,30 @@ class CudaGraphStepRunner:
                 return buf[:n]
             return torch.empty(shape, dtype=dtype, device=p.device)
 
+        x = inputs["x"]
+        token_axis = isinstance(x, torch.Tensor) and x.dim() == 4
         if dst_slots is not None:
             dst = stand_in("dst", dst_slots)
-        else:  # a with_dst runner's default destination is (n,)
-            dst = stand_in("dst", None, (n,)) if self.with_dst else None
+        else:  # a with_dst runner's default destination is (n,), but for a replay pool's verify step
+            dst = stand_in("dst", None, (n,)) if self._default_dst(token_axis) else None
         nat = None if num_accepted_tokens is None else stand_in("nat", num_accepted_tokens)
         tensors = StepTensors(
             **p.layer_rows(self.layer), **{f: inputs.get(f) for f in LANE_FIELDS},
             **self._weights, out=None if s is None else s["out"][:n], state_batch_indices=stand_in("slots", slots),
             dst_state_batch_indices=dst, null_slot_id=p.null_slot_id, num_accepted_tokens=None if p.replay_ring else nat,
         )  # a replay pool's num_accepted_tokens commits drafts of its ring: checked below, not as a group's
-        x = inputs["x"]
-        tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
+        tokens = x.shape[1] if token_axis else 1
         in_kernel = kv_update_in_kernel(p.headdim, p.dstate, p.mimo, p.state_dtype, self.tile_D, tokens)
         check_step_inputs_cached(tensors, update_kv_state=in_kernel, **self._options)
         if p.replay_ring and nat is not None:  # a replay pool's accepted drafts: (n,) beside (n,) slots
             check_accepted(tensors, nat, "num_accepted_tokens")
+        check_pool_step(p, self.layer, tensors, self.stochastic_rounding, in_kernel)  # what decode_step refuses
+
+    def _default_dst(self, token_axis: bool) -> bool:
+        """Whether a step without ``dst_slots`` gets the default destination (each lane's source row): with
+        ``with_dst``, except a replay pool's verify step (a token axis), which keeps its drafts in the
+        ring and takes no destination (as ``decode_step`` takes it)."""
+        return self.with_dst and not (self.pool.replay_ring and token_axis)
 
     # static buffers -------------------------------------------------------------------
     def _make_static(self, bucket: int, form: StepForm) -> dict[str, torch.Tensor]:
@@ -236,7 +226,7 @@ class CudaGraphStepRunner:
                 s[name] = torch.zeros(lanes + shape, dtype=dtype, device=dev)
         if form.candidates or form.accepted:
             s["nat"] = torch.ones((bucket,), dtype=torch.int32, device=dev)
-        if self.with_dst:
+        if self._default_dst(form.tokens is not None):
             dst_shape = (bucket, form.tokens) if form.dst_per_token else (bucket,)
             s["dst"] = torch.full(dst_shape, p.pad_id, dtype=torch.int32, device=dev)
         out_shape = lanes + ((H, Dh) if self.outproj is not None else (R, H, Dh))
@@ -263,9 +253,7 @@ class CudaGraphStepRunner:
         problem = form.problem(self.with_dst)
         if problem:
             raise ValueError(f"form: {problem}")
-        for b in self.buckets if buckets is None else buckets:
-            if b not in self.buckets:
-                raise ValueError(f"buckets: {b} is not one of this runner's buckets {self.buckets}")
+        for b in checked_capture_buckets(buckets, self.buckets):  # all checked before any is captured
             if (b, form) in self._static:
                 continue
             s = self._make_static(b, form)
@@ -407,7 +395,8 @@ class CudaGraphStepRunner:
     def _eager(self, slots, inputs: dict, dst_slots, num_accepted_tokens) -> torch.Tensor:
         """The step, unpadded, through :func:`decode_step` (validated there)."""
         dev = self.pool.device
-        if dst_slots is None and self.with_dst and slots.dim() == 1:
+        x = inputs["x"]
+        if dst_slots is None and self._default_dst(x.dim() == 4) and slots.dim() == 1:
             dst_slots = slots
 
         def moved(t):
@@ -426,8 +415,8 @@ class CudaGraphStepRunner:
             s["nat"][:n].copy_(num_accepted_tokens)
             s["nat"][n:].fill_(1)
         if "dst" in s:
-            if dst_slots is None:  # the default destination: each lane's source row
-                dst_slots = slots if "nat" not in s else source_rows(s["slots"][:n], s["nat"][:n])
+            if dst_slots is None:  # the default destination: each lane's source row ((n,) slots: itself)
+                dst_slots = slots if s["slots"].dim() == 1 else source_rows(s["slots"][:n], s["nat"][:n])
             s["dst"][:n].copy_(dst_slots)
             s["dst"][n:].fill_(self.pool.pad_id)
         for name, t in inputs.items():

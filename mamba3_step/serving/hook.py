@@ -17,9 +17,10 @@ from ..signature import StepOptions, View, make_binder, view_fields, view_signat
 from ..tensors import StepTensors
 from ..tiling import default_tiling, thread_layout
 from ..validation import check_options
+from ..validation.checks import check_write_target
 from .pool import StatePool
 
-__all__ = ["decode_step", "kv_update_in_kernel"]
+__all__ = ["check_pool_step", "decode_step", "kv_update_in_kernel"]
 
 
 def kv_update_in_kernel(headdim: int, dstate: int, mimo: int, state_dtype, tile_D: int | None,
@@ -40,9 +41,9 @@ def kv_update_in_kernel(headdim: int, dstate: int, mimo: int, state_dtype, tile_
 
 
 #: what the pool supplies: its layer's rows (the angle's and an 8-bit state's scales too), its null
-#: slot, a replay pool's ring and flush length (outputs stepwise decoding's); the hook decides update_kv_state
+#: slot; the hook decides update_kv_state
 POOL_SUPPLIED = frozenset({"state", "Bstate", "Xstate", "angle_state", "state_scale", "state_out", "null_slot_id",
-                           "update_kv_state", "replay_ring", "replay_flush_length", "replay_from_checkpoint"})
+                           "update_kv_state"})
 _VIEW = View(
     leading=(Parameter("pool", Parameter.POSITIONAL_OR_KEYWORD, annotation="StatePool"),
              Parameter("layer", Parameter.POSITIONAL_OR_KEYWORD, annotation="int")),
@@ -98,9 +99,8 @@ def decode_step(*args, **kwargs) -> torch.Tensor:
     padded lanes and padding tokens go to a hidden scratch row). With ``stochastic_rounding`` the
     hook then advances ``rand_seed``'s offset by ``T`` in place, on its device (so the next step, or
     the next replay of a captured one, draws fresh bits). A replay pool's rows are checkpoints: the
-    step is the step's replay mode (``replay_ring``: the state written every ``replay_flush_length``
-    tokens, the rest to the ring; a token axis is a verify step whose drafts stay in the ring). Returns
-    ``out``.
+    step goes through the step's replay mode (the state written every F tokens, the rest to the ring;
+    a token axis is a verify step whose drafts stay in the ring). Returns ``out``.
     """
     values = _bind(*args, **kwargs)
     pool, layer, call = values[0], values[1], dict(zip(_FIELDS, values[2:]))
@@ -114,6 +114,7 @@ def decode_step(*args, **kwargs) -> torch.Tensor:
     x = call["x"]
     tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
     in_kernel = kv_update_in_kernel(pool.headdim, pool.dstate, pool.mimo, pool.state_dtype, call["tile_D"], tokens)
+    check_pool_step(pool, layer, tensors, call["stochastic_rounding"], in_kernel)
     options = StepOptions(**{name: call.get(name) for name in StepOptions._fields if name not in POOL_SUPPLIED},
                           update_kv_state=in_kernel)
     out = run_step(tensors, options)
@@ -132,33 +133,65 @@ decode_step.__signature__ = view_signature(_VIEW).replace(return_annotation="tor
 _NOT_WITH_REPLAY_VERIFY = {("dst_slots", "dst_state_batch_indices"): "a verify step keeps its drafts in its row's ring"}
 
 
-def _replay_step(pool: StatePool, layer: int, tensors: StepTensors, call: dict) -> torch.Tensor:
-    """A step of a replay pool (:class:`~mamba3_step.serving.ReplayStatePool`): the step's replay mode on the
-    layer's rows and ring (``replay_ring``), with every ``out`` stepwise decoding's, bit for bit. A verify step (x with
-    a token axis of at most ``pool.replay_draft`` drafts) keeps its drafts in the ring; ``num_accepted_tokens``
-    (B,) commits that many of each lane's last drafts first (``slots`` stays (B,): no speculative groups).
-    A one-token step's ``dst_slots`` (B,): a lane whose destination is another slot flushes into it (the
-    source slot keeps its checkpoint and ring). Refused by name, before anything is written: ``dst_slots``
-    with a verify step, more drafts than the ring has room for."""
-    accepted = tensors.num_accepted_tokens  # with a ring: the drafts to commit
-    tensors = tensors._replace(replay_ring=pool.ring(layer))
+def check_pool_step(pool: StatePool, layer: int, tensors: StepTensors, stochastic_rounding, in_kernel: bool) -> bool:
+    """What a pool's step takes beyond the step's own validation, checked before anything is written (by
+    :func:`decode_step`, and by the graph runner before it copies a byte into its buffers): with a replay
+    pool, the step it can run (no ``dst_slots`` with a verify step, no more drafts than ``replay_draft``,
+    ``stochastic_rounding`` with ``rand_seed`` exactly, on a pool whose rings keep draw offsets); and what
+    the hook writes itself writable here (``rand_seed``, whose offset it advances; ``Bstate``/``Xstate``
+    when it scatters B/x, ``in_kernel`` False): not an inference tensor outside ``torch.inference_mode``.
+    ValueError naming the argument. Returns whether the step rounds stochastically."""
     x = tensors.x
-    tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
+    token_axis = isinstance(x, torch.Tensor) and x.dim() == 4
+    if pool.replay_ring:
+        stochastic = _check_replay_call(pool, layer, tensors, stochastic_rounding, token_axis)
+    else:
+        stochastic = stochastic_rounding is True
+    inference_mode = torch.is_inference_mode_enabled()
+    if stochastic and isinstance(tensors.rand_seed, torch.Tensor):
+        check_write_target("rand_seed", tensors.rand_seed, inference_mode)
+    if not in_kernel and not pool.replay_ring:
+        for name, rows in (("Bstate", pool._Bstate), ("Xstate", pool._Xstate)):
+            check_write_target(name, rows, inference_mode)
+    return stochastic
+
+
+def _check_replay_call(pool: StatePool, layer: int, tensors: StepTensors, stochastic_rounding,
+                       token_axis: bool) -> bool:
+    """A replay pool's refusals (:func:`check_pool_step`); returns ``stochastic_rounding`` as a bool."""
+    tokens = tensors.x.shape[1] if token_axis else 1
     for (name, field), why in _NOT_WITH_REPLAY_VERIFY.items():
-        if tokens > 1 and call[field] is not None:
+        if token_axis and getattr(tensors, field) is not None:
             raise ValueError(f"{name}: expected None with a replay pool's verify step (replay_ring={pool.replay_ring}): "
                              f"{why}")
-    if tokens > 1 and tokens > pool.replay_draft:
+    if token_axis and tokens > pool.replay_draft:
         raise ValueError(f"x: a verify step of {tokens} tokens needs a ring with room for them "
                          f"(ReplayStatePool(..., replay_draft >= {tokens})), this pool has replay_draft="
                          f"{pool.replay_draft}")
-    stochastic = check_options(stochastic_rounding=call["stochastic_rounding"])["stochastic_rounding"]  # named errors
+    stochastic = check_options(stochastic_rounding=stochastic_rounding)["stochastic_rounding"]  # named errors
     if stochastic != (tensors.rand_seed is not None):
         raise ValueError(f"stochastic_rounding: expected {tensors.rand_seed is not None} with "
                          f"{'a' if tensors.rand_seed is not None else 'no'} rand_seed on a replay pool, got {stochastic}")
     if stochastic and pool.ring(layer).offset is None:
         raise ValueError(f"stochastic_rounding: a replay pool with a {dtype_name(pool.state_dtype)} state takes no "
                          f"stochastic rounding (its rings keep no draw offsets; an 8-bit pool's do)")
+    return stochastic
+
+
+def _replay_step(pool: StatePool, layer: int, tensors: StepTensors, call: dict) -> torch.Tensor:
+    """A step of a replay pool (:class:`~mamba3_step.serving.ReplayStatePool`): the step's replay mode on the
+    layer's rows and ring (``replay_ring``), with every ``out`` stepwise decoding's, bit for bit. A verify step (x with
+    a token axis of at most ``pool.replay_draft`` drafts) keeps its drafts in the ring; ``num_accepted_tokens``
+    (B,) commits that many of each lane's last drafts first (``slots`` stays (B,): no speculative groups).
+    A one-token step's ``dst_slots`` (B,): a lane whose destination is another slot flushes into it (the
+    source slot keeps its checkpoint and ring). Refused by name, before anything is written: what
+    :func:`check_pool_step` refuses (``dst_slots`` with a verify step, more drafts than the ring has room for)
+    and what the step's replay mode refuses."""
+    accepted = tensors.num_accepted_tokens  # with a ring: the drafts to commit
+    tensors = tensors._replace(replay_ring=pool.ring(layer))
+    x = tensors.x
+    tokens = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 4 else 1
+    stochastic = check_pool_step(pool, layer, tensors, call["stochastic_rounding"], True)
     options = StepOptions(update_kv_state=True, tile_D=call["tile_D"], num_warps=call["num_warps"],
                           rotate_pairwise=call["rotate_pairwise"], stochastic_rounding=stochastic,
                           replay_flush_length=pool.replay_ring)

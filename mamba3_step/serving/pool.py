@@ -11,9 +11,10 @@ import threading
 
 import torch
 
-from ..contract import (KV_DTYPES, PAD_SLOT_ID, SCALED_STATE_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N,
-                        SUPPORTED_R, X_DTYPES, dtype_name, shown)
+from ..contract import (INT32_MAX, KV_DTYPES, MAX_GRID_Y, PAD_SLOT_ID, SCALED_STATE_DTYPES, STATE_DTYPES,
+                        SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, X_DTYPES, dtype_name, shown)
 from ..spec import MAX_TOKENS
+from ..validation.checks import check_bool_option
 from .pool_args import checked_device, checked_dtype, checked_size
 from .slots import PoolExhaustedError, SlotError, int_list, is_int
 from .speculative import SpecGroups, SpecIndices
@@ -84,8 +85,8 @@ class StatePool:
         reserve_null_slot: bool = False,
         rope_angles: int = 0,
     ):
-        num_layers, num_slots, nheads = (checked_size(n, v) for n, v in (
-            ("num_layers", num_layers), ("num_slots", num_slots), ("nheads", nheads)))
+        num_layers, num_slots, nheads = (checked_size(n, v, top=top) for n, v, top in (  # rows: int32 slot ids
+            ("num_layers", num_layers, None), ("num_slots", num_slots, INT32_MAX), ("nheads", nheads, MAX_GRID_Y)))
         headdim = checked_size("headdim", headdim, SUPPORTED_D)
         dstate = checked_size("dstate", dstate, SUPPORTED_N)
         mimo = checked_size("mimo", mimo, SUPPORTED_R)
@@ -239,13 +240,13 @@ class StatePool:
     def alloc(self, n: int, *, zero: bool = False) -> torch.Tensor:
         """Allocate ``n`` slots (the lowest free ones). Returns ``(n,)`` int32 on the CPU.
 
-        With ``zero=True`` their rows are reset (all layers) before returning. Raises
+        With ``zero=True`` (a bool) their rows are reset (all layers) before returning. Raises
         :class:`PoolExhaustedError` (allocating nothing) when fewer than ``n`` are free.
         Thread-safe (like every allocator method): the pool's lock is held throughout.
         """
         if not is_int(n) or n < 0:
             raise ValueError(f"n: expected a non-negative int, got {shown(n)}")
-        n = int(n)
+        n, zero = int(n), check_bool_option("zero", zero)
         with self._lock:
             return self._alloc_locked(n, zero)
 
@@ -374,7 +375,7 @@ class StatePool:
             raise ValueError(f"n: expected a non-negative int (the number of requests), got {shown(n)}")
         if not is_int(T) or not 1 <= T <= MAX_TOKENS:
             raise ValueError(f"T: expected an int in [1, {MAX_TOKENS}] (tokens per verify step), got {shown(T)}")
-        n, T = int(n), int(T)
+        n, T, zero = int(n), int(T), check_bool_option("zero", zero)
         with self._lock:
             if n * T > len(self._free_heap):
                 raise PoolExhaustedError(f"StatePool exhausted: asked for {n} speculative group(s) of T={T} rows "

@@ -32,8 +32,9 @@ class ReplayStatePool(StatePool):
 
     The rings are one ``(L, P, ...)`` allocation per field, among the pool's row allocations: ``reset``
     empties a row's ring with its checkpoint, ``copy``/``fork`` copy it with the row (nothing is
-    replayed), ``bytes_per_slot`` counts it. A 16-bit pool's rings keep no draw offsets: its steps take
-    no stochastic rounding (refused by name).
+    replayed), ``bytes_per_slot`` counts it. A slot allocated (again) always starts reset, ``zero`` or
+    not: an empty ring and zero rows in every layer, so the last request's tokens never reach the next.
+    A 16-bit pool's rings keep no draw offsets: its steps take no stochastic rounding (refused by name).
 
     Measured on an H200 (docs/performance.md 3d): replay pays for an fp32 state at K = 2; with
     ``rope_angles`` or an 8-bit state every step measured slower than a :class:`StatePool`'s.
@@ -54,6 +55,12 @@ class ReplayStatePool(StatePool):
                         stochastic=dtype_name(self.state_dtype) in SCALED_STATE_DTYPES, rope_angles=self.rope_angles,
                         device=self.device)
         self._ring = Ring(*(None if t is None else t.view((L, P) + tuple(t.shape[1:])) for t in flat))
+
+    def _alloc_locked(self, n: int, zero: bool) -> torch.Tensor:
+        """Every slot handed out (``alloc``, ``alloc_spec``, ``fork``) is reset first, ``zero`` or not: its ring
+        is empty and its rows zero, whatever the caller writes next (a prefill written into the state rows
+        is then the current state, not a checkpoint behind the last request's tokens)."""
+        return super()._alloc_locked(n, True)
 
     def ring(self, layer: int) -> Ring:
         """Layer ``layer``'s ring: views of the pool's ring allocations."""
