@@ -272,7 +272,7 @@ def host_step(spec: StepSpec, tensors: StepTensors) -> None:
     if spec.replay_ring:
         ring, accepted = tensors.replay_ring, tensors.num_accepted_tokens
         replay_step(tensors._replace(replay_ring=None, num_accepted_tokens=None), ring, spec.replay_ring,
-                    accepted=accepted, rotate_pairwise=spec.rotate_pairwise,
+                    num_accepted_tokens=accepted, rotate_pairwise=spec.rotate_pairwise,
                     exact_outputs=not spec.replay_from_checkpoint)
         return
     mamba3_step_reference(tensors, update_kv_state=spec.update_kv_state, rotate_pairwise=spec.rotate_pairwise,

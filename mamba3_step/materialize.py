@@ -3,15 +3,15 @@
 CPU tensors take the CPU path (:func:`mamba3_step.replay.materialize`). On CUDA the state comes
 from the replay kernel itself, so that it is the stepwise kernel's bit for bit (PyTorch's math on
 the device orders its multiply-adds differently): the kernel's **flush form** is a verify step
-with flush length ``K = 1`` run on copies of the rows. Every row with committed entries flushes
+with flush length ``F = 1`` run on copies of the rows. Every row with committed entries flushes
 them (``c >= 1``) into its copy with the step's math and storage rounding, as a verify step at a
 flush does; two drafts of zero inputs follow (the kernel has no verify step without drafts) and
 are discarded with their ring entries. ``accepted`` is zero, given so that the ring may hold more
 entries than the two drafts (``StepSpec.replay_draft``).
 
-A verify step replays at most ``K - 1 + 16`` entries (the draft room is at most 16), so rows with
-more than 16 committed entries (rings of more than 16 entries: ``K - 1 + T_max > 16``) go to a
-second launch with ``K = L - 15``. The copies are the returned tensors: pool rows ``0 .. n - 1``
+A verify step replays at most ``F - 1 + 16`` entries (the draft room is at most 16), so rows with
+more than 16 committed entries (rings of more than 16 entries: ``F - 1 + T_max > 16``) go to a
+second launch with ``F = L - 15``. The copies are the returned tensors: pool rows ``0 .. n - 1``
 of the launches.
 
 Letters: n rows asked for, b rows of one launch, H heads, D head dim, N state size, R MIMO rank,
@@ -103,10 +103,10 @@ def _flush_form(tensors: StepTensors, ring: Ring, rows: torch.Tensor, length: to
     current = Current(*(None if t is None else t[rows].clone() for t in
                         (tensors.state, tensors.Bstate, tensors.Xstate, tensors.state_scale, tensors.angle_state)))
     L, launches = ring.B.shape[1], []
-    for first, last, K in flush_groups(L):
+    for first, last, flush_length in flush_groups(L):
         pick = ((length >= first) & (length <= last)).nonzero().squeeze(1)
         if pick.numel():
-            launches.append(_launch(tensors, ring, rows, current, pick, K, rotate_pairwise))
+            launches.append(_launch(tensors, ring, rows, current, pick, flush_length, rotate_pairwise))
     return current, launches
 
 
@@ -150,12 +150,12 @@ def _check_rows_and_ring(tensors: StepTensors, ring: Ring, rotate_pairwise: bool
     check_ring(probe._replace(num_accepted_tokens=None, x=probe.x[:, 0]), ring, 1)  # any L: the copy has the room
 
 
-def _launch(tensors: StepTensors, ring: Ring, rows: torch.Tensor, current: Current, pick: torch.Tensor, K: int,
+def _launch(tensors: StepTensors, ring: Ring, rows: torch.Tensor, current: Current, pick: torch.Tensor, flush_length: int,
             rotate_pairwise: bool) -> FlushLaunch:
     """The launch for the rows at positions ``pick`` of ``rows`` (their copies: ``current``'s rows
-    ``pick``), flush length ``K``: a ring copy of ``L' = max(2, min(L, K - 1 + 16))`` entries."""
+    ``pick``), flush length ``F``: a ring copy of ``L' = max(2, min(L, F - 1 + 16))`` entries."""
     L = ring.B.shape[1]
-    entries = flush_entries(L, K)
+    entries = flush_entries(L, flush_length)
     kept = min(L, entries)
     copies = []
     for field, t in zip(Ring._fields, ring):
@@ -170,5 +170,5 @@ def _launch(tensors: StepTensors, ring: Ring, rows: torch.Tensor, current: Curre
     kernel_view = step._replace(num_accepted_tokens=None)
     spec = check_step_inputs(kernel_view, update_kv_state=True, rotate_pairwise=rotate_pairwise,
                              stochastic_rounding=tensors.rand_seed is not None)
-    spec = checked_replay_spec(spec.replace(num_accepted=True), kernel_view, step, ring_copy, K, who="materialize_fn")
+    spec = checked_replay_spec(spec.replace(num_accepted=True), kernel_view, step, ring_copy, flush_length, who="materialize_fn")
     return FlushLaunch(spec, step, ring_copy)

@@ -1,24 +1,24 @@
 """Replay: a pool row as a checkpoint of the state and a ring of the inputs since (the CPU path).
 
-docs/design/replay.md, has the design and the model that picks K; docs/contract.md, "Replay",
+docs/design/replay.md, has the design and the model that picks F; docs/contract.md, "Replay",
 the rules. The kernel's replay specialisation (``StepSpec.replay_ring``: one-token plain steps and
 verify steps; outputs replayed, or from the checkpoint) is held to this module.
 
 Letters (docs/contract.md): P pool rows, B lanes, T draft tokens, H heads, D head dim, N state
-size, R MIMO rank; K the flush length, L = K - 1 + draft the ring's entries.
+size, R MIMO rank; F the flush length, L = F - 1 + draft the ring's entries.
 
 A row's current state is the checkpoint (``state``, with ``Bstate``/``Xstate`` the token before
 the ring) advanced by the ``ring.length`` committed tokens in the ring. With ``accepted``, a step
 first commits that many of the row's pending drafts. Then, for a live lane whose row holds ``m``
 committed tokens:
 
-* one token, ``m < K - 1`` (append): ``out`` from the checkpoint and the ring without the new
+* one token, ``m < F - 1`` (append): ``out`` from the checkpoint and the ring without the new
   state (:func:`output_from_checkpoint`; with ``exact_outputs`` the replayed state's); the token's
   B, x, A, dt, trap go to entry ``m``; ``length = m + 1``. The state row is not written.
-* one token, ``m >= K - 1`` (flush): the committed tokens and this one replayed on the checkpoint
+* one token, ``m >= F - 1`` (flush): the committed tokens and this one replayed on the checkpoint
   with the step's math and storage rounding (the T-token CPU path: T one-token steps bit for bit);
   the new checkpoint, this token's B/x as ``Bstate``/``Xstate``, ``length = 0``; the stepwise ``out``.
-* T draft tokens (verify): if ``m >= K`` the committed tokens are flushed first; each draft's
+* T draft tokens (verify): if ``m >= F`` the committed tokens are flushed first; each draft's
   ``out`` from the checkpoint (the flush's new one, if it flushed), the committed tokens since and
   the drafts before it (with ``exact_outputs`` the replayed state's); the drafts go to the entries
   after the committed ones, uncommitted (``length = m``): rollback is not accepting them.
@@ -234,14 +234,14 @@ def _row_lengths(ring: Ring, rows: Tensor, who: str) -> Tensor:
     return lengths[:, 0]
 
 
-def _committed(ring: Ring, rows: Tensor, lanes: Tensor, accepted: Optional[Tensor]) -> Tensor:
+def _committed(ring: Ring, rows: Tensor, lanes: Tensor, num_accepted_tokens: Optional[Tensor]) -> Tensor:
     """Each live lane's committed ring length after ``accepted`` (B,) of its row's drafts are taken;
     refused by name when it leaves ``[0, capacity]`` or the heads of a row disagree."""
     m = _row_lengths(ring, rows, "replay_step")
-    if accepted is not None:
-        if not isinstance(accepted, torch.Tensor) or accepted.dtype != torch.int32 or accepted.dim() != 1:
+    if num_accepted_tokens is not None:
+        if not isinstance(num_accepted_tokens, torch.Tensor) or num_accepted_tokens.dtype != torch.int32 or num_accepted_tokens.dim() != 1:
             raise TypeError("replay_step: accepted must be an int32 tensor of shape (B,)")
-        m = m + accepted.to(device=m.device, dtype=torch.int64)[lanes]
+        m = m + num_accepted_tokens.to(device=m.device, dtype=torch.int64)[lanes]
     bad = (m < 0) | (m > ring.B.shape[1])
     if bool(bad.any()):
         raise ValueError(f"replay_step: ring.length (plus accepted) must be in [0, {ring.B.shape[1]}] at the lanes' "
@@ -249,7 +249,7 @@ def _committed(ring: Ring, rows: Tensor, lanes: Tensor, accepted: Optional[Tenso
     return m
 
 
-def _lane_writes(t: StepTensors, ring: Ring, K: int, ln: Tensor, rw: Tensor, m: int, cd, pairwise: bool,
+def _lane_writes(t: StepTensors, ring: Ring, flush_length: int, ln: Tensor, rw: Tensor, m: int, cd, pairwise: bool,
                  dst: Optional[Tensor] = None, exact: bool = False) -> tuple:
     """``(out, writes)`` of the live lanes ``ln`` (rows ``rw``) whose rows hold ``m`` committed tokens;
     a one-token step with ``dst`` (live rows other than ``rw``) flushes into ``dst``; ``exact``: every
@@ -265,7 +265,7 @@ def _lane_writes(t: StepTensors, ring: Ring, K: int, ln: Tensor, rw: Tensor, m: 
     z = None if t.z is None else (t.z[ln][:, None] if one else t.z[ln])
     writes = []
     T = now["x"].shape[1]
-    if (one and (m >= K - 1 or dst is not None)) or (not one and m >= K):  # flush the committed (and this) tokens
+    if (one and (m >= flush_length - 1 or dst is not None)) or (not one and m >= flush_length):  # flush the committed (and this) tokens
         tokens = _cat(committed, now) if one else committed
         C_last = _rotated_C(t, C[:, -1], tokens, tokens["x"].shape[1] - 1, pairwise, cd) if one else C[:, -1]
         *flushed, out = _replay(t, base, _rotated(t, tokens, pairwise, cd), C_last,
@@ -298,10 +298,10 @@ def _lane_writes(t: StepTensors, ring: Ring, K: int, ln: Tensor, rw: Tensor, m: 
     return (outs[0] if one else torch.stack(outs, 1)), writes
 
 
-def replay_step(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[Tensor] = None,
-                rotate_pairwise: bool = False, exact_outputs: bool = False,
+def replay_step(tensors: StepTensors, ring: Ring, flush_length: int, *,
+                num_accepted_tokens: Optional[Tensor] = None, rotate_pairwise: bool = False, exact_outputs: bool = False,
                 compute_dtype: torch.dtype = torch.float32) -> Tensor:
-    """One decode step of a pool with replay and flush length ``K`` (module docstring; docs/contract.md,
+    """One decode step of a pool with replay and flush length ``F`` (module docstring; docs/contract.md,
     "Replay").
 
     ``tensors`` is a pool-mode step (``state`` the checkpoints, ``Bstate``/``Xstate`` the tokens before
@@ -312,13 +312,13 @@ def replay_step(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[
     ``state``, ``Bstate``, ``Xstate`` (flushing lanes) and the ring in place and returns ``out``; every
     value is computed, and whatever is refused is refused by name, before anything is written.
     """
-    check_replay_step(tensors, ring, K, accepted, rotate_pairwise)
+    check_replay_step(tensors, ring, flush_length, num_accepted_tokens, rotate_pairwise)
     t = tensors.with_out()
     P = t.state.shape[0]
     src = t.state_batch_indices.to(device=t.x.device, dtype=torch.int64)
     lanes = lane_is_live(src, P, t.null_slot_id).nonzero().squeeze(1)
     rows = src[lanes]
-    m = _committed(ring, rows, lanes, accepted)
+    m = _committed(ring, rows, lanes, num_accepted_tokens)
     # 0: written back to its row; 1: flushed into another live row; 2: a padding destination, nothing written
     kind = torch.zeros_like(rows)
     dst = rows
@@ -326,7 +326,7 @@ def replay_step(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[
         dst = t.dst_state_batch_indices.to(device=t.x.device, dtype=torch.int64)[lanes]
         kind = torch.where(lane_is_live(dst, P, t.null_slot_id), (dst != rows).long(), torch.full_like(rows, 2))
     if t.x.dim() == 4:
-        room = torch.where(m >= K, 0, m) + t.tokens > ring.B.shape[1]
+        room = torch.where(m >= flush_length, 0, m) + t.tokens > ring.B.shape[1]
         if bool(room.any()):
             raise ValueError(f"replay_step: no room for {t.tokens} drafts after {m[room].tolist()} committed tokens "
                              f"at rows {rows[room].tolist()} (ring of {ring.B.shape[1]} entries)")
@@ -337,7 +337,7 @@ def replay_step(tensors: StepTensors, ring: Ring, K: int, *, accepted: Optional[
             for k in range(3):
                 pick = ((m == count) & (kind == k)).nonzero().squeeze(1)
                 if pick.numel():
-                    out, lane_writes = _lane_writes(t, ring, K, lanes[pick], rows[pick], count, compute_dtype,
+                    out, lane_writes = _lane_writes(t, ring, flush_length, lanes[pick], rows[pick], count, compute_dtype,
                                                     rotate_pairwise, dst[pick] if k == 1 else None, exact_outputs)
                     result[lanes[pick]] = out.to(result.dtype)
                     writes += lane_writes if k < 2 else []

@@ -28,11 +28,11 @@ __all__ = ["Ring", "check_accepted", "check_fork_row", "check_replay_arguments",
 Tensor = torch.Tensor
 
 
-def new_ring(rows: int, K: int, mimo: int, heads: int, dstate: int, headdim: int, *,
+def new_ring(rows: int, flush_length: int, mimo: int, heads: int, dstate: int, headdim: int, *,
              kv_dtype: torch.dtype, x_dtype: torch.dtype, draft: int = 0, stochastic: bool = False,
              rope_angles: int = 0, device=None) -> Ring:
-    """An empty ring for ``rows`` pool rows, flush length ``K`` (2 to 16) and room for verify steps of
-    up to ``draft`` tokens (0 to 16): ``K - 1 + draft`` entries; ``stochastic`` (a bool): with the offsets
+    """An empty ring for ``rows`` pool rows, flush length ``F`` (2 to 16) and room for verify steps of
+    up to ``draft`` tokens (0 to 16): ``F - 1 + draft`` entries; ``stochastic`` (a bool): with the offsets
     a stochastically rounded state's flush draws at; ``rope_angles`` S (0 to ``dstate / 2``) > 0: with
     each token's angle. ``mimo``, ``dstate``, ``headdim`` are sizes the step supports, ``kv_dtype`` /
     ``x_dtype`` dtypes of B's and x's groups (torch dtypes or their names), ``device`` one this process
@@ -40,7 +40,7 @@ def new_ring(rows: int, K: int, mimo: int, heads: int, dstate: int, headdim: int
     ValueError (TypeError for a dtype or ``stochastic``) naming it, with what was expected and got."""
     rows = checked_int("rows", rows, 1, INT32_MAX, " (pool rows: int32 slot ids)")
     heads = checked_int("heads", heads, 1, MAX_GRID_Y, " (the step's most heads)")
-    K = checked_int("K", K, 2, 16, " (the flush length)")
+    flush_length = checked_int("flush_length", flush_length, 2, 16, " (the flush length)")
     for name, value, sizes in (("mimo", mimo, SUPPORTED_R), ("dstate", dstate, SUPPORTED_N),
                                ("headdim", headdim, SUPPORTED_D)):
         if checked_int(name, value, 1) not in sizes:
@@ -50,7 +50,7 @@ def new_ring(rows: int, K: int, mimo: int, heads: int, dstate: int, headdim: int
     kv_dtype, x_dtype = checked_dtype(kv_dtype, "kv_dtype", KV_DTYPES), checked_dtype(x_dtype, "x_dtype", X_DTYPES)
     checks.check_bool_option("stochastic", stochastic)
     device = None if device is None else checked_device(device)
-    L = K - 1 + draft
+    L = flush_length - 1 + draft
     return Ring(torch.zeros(rows, L, mimo, heads, dstate, dtype=kv_dtype, device=device),
                 torch.zeros(rows, L, heads, headdim, dtype=x_dtype, device=device),
                 torch.zeros(rows, L, heads, 3, dtype=torch.float32, device=device),
@@ -103,10 +103,10 @@ _RING_HINTS = dict(offset=" (stochastic rounding: new_ring(..., stochastic=True)
                    "rope_angles=S))", drawn_for=" (stochastic rounding: new_ring(..., stochastic=True))")
 
 
-def check_replay_arguments(tensors, ring, K, who: str = "replay_step", from_checkpoint: bool = False) -> None:
+def check_replay_arguments(tensors, ring, flush_length, who: str = "replay_step", from_checkpoint: bool = False) -> None:
     """``tensors`` is a :class:`StepTensors` and ``ring`` (``replay_ring``) a :class:`Ring` whose
     required fields are strided tensors and optional ones strided tensors or None (``TypeError``
-    naming the argument, ``who`` the entry point); ``K`` (``replay_flush_length``) an int in [2, 16]
+    naming the argument, ``who`` the entry point); ``F`` (``replay_flush_length``) an int in [2, 16]
     and ``from_checkpoint`` (``replay_from_checkpoint``) a bool: run on every call, before anything
     reads a ring tensor's shape or strides or the scalars' values. What the tensors hold (storage
     included) is :func:`check_ring`'s to judge."""
@@ -120,14 +120,14 @@ def check_replay_arguments(tensors, ring, K, who: str = "replay_step", from_chec
             continue
         if not isinstance(value, Tensor) or value.is_nested or value.layout is not torch.strided:
             checks.check_is_tensor(f"replay_ring.{field}", value, optional=field in Ring._field_defaults)
-    if type(K) is not int or not 2 <= K <= 16:
-        raise ValueError(f"{who}: replay_flush_length must be an int in [2, 16], got {shown(K)}")
+    if type(flush_length) is not int or not 2 <= flush_length <= 16:
+        raise ValueError(f"{who}: replay_flush_length must be an int in [2, 16], got {shown(flush_length)}")
     checks.check_bool_option("replay_from_checkpoint", from_checkpoint)
 
 
-def check_ring(t: StepTensors, ring: Ring, K: int) -> None:
+def check_ring(t: StepTensors, ring: Ring, flush_length: int) -> None:
     """What replay takes: pool mode, the state written back to its source, a ring that fits ``t`` and the
-    flush length ``K`` (refused by name, ``ValueError``), after :func:`check_replay_arguments`."""
+    flush length ``F`` (refused by name, ``ValueError``), after :func:`check_replay_arguments`."""
     unsupported = {"num_accepted_tokens": t.num_accepted_tokens, "state_out": t.state_out}
     for name, v in unsupported.items():
         if v is not None:
@@ -142,9 +142,9 @@ def check_ring(t: StepTensors, ring: Ring, K: int) -> None:
     P, H, D, N = t.state.shape
     R, L = t.xproj.shape[0], ring.B.shape[1]
     drafts = t.tokens if t.x.dim() == 4 else 0
-    if L < K - 1 + drafts:
-        raise ValueError(f"replay_ring: the ring holds {L} entries; replay_flush_length = {K} with {drafts}-token "
-                         f"drafts needs {K - 1 + drafts} (new_ring(..., draft={drafts}))")
+    if L < flush_length - 1 + drafts:
+        raise ValueError(f"replay_ring: the ring holds {L} entries; replay_flush_length = {flush_length} with {drafts}-token "
+                         f"drafts needs {flush_length - 1 + drafts} (new_ring(..., draft={drafts}))")
     S = 0 if t.angle_state is None else t.angle_state.shape[-1]
     want = {"B": (P, L, R, H, N), "x": (P, L, H, D), "coef": (P, L, H, 3), "length": (P, H), "offset": (P, L, H),
             "drawn_for": (P, L, H), "angle": (P, L, H, S)}
@@ -163,28 +163,28 @@ def check_ring(t: StepTensors, ring: Ring, K: int) -> None:
                              f"{_RING_HINTS.get(name, '')}, got {got}")
 
 
-def check_accepted(t: StepTensors, accepted, name: str = "accepted") -> None:
+def check_accepted(t: StepTensors, num_accepted_tokens, name: str = "num_accepted_tokens") -> None:
     """``accepted`` (called ``name``): a (B,) int32 tensor with unit stride on the step's device (its
     values are the kernel's to judge: a count that leaves the ring makes the lane padding,
     docs/contract.md, "Replay"). ``t`` is validated already."""
-    checks.check_is_tensor(name, accepted)
-    checks.check_shape(name, accepted, "B", (t.batch,))
-    checks.check_dtype(name, accepted, ("int32",))
-    checks.check_device(name, accepted, t.x.device)
-    checks.check_unit_inner_stride(name, accepted)
+    checks.check_is_tensor(name, num_accepted_tokens)
+    checks.check_shape(name, num_accepted_tokens, "B", (t.batch,))
+    checks.check_dtype(name, num_accepted_tokens, ("int32",))
+    checks.check_device(name, num_accepted_tokens, t.x.device)
+    checks.check_unit_inner_stride(name, num_accepted_tokens)
 
 
-def check_replay_step(tensors, ring, K, accepted=None, rotate_pairwise: bool = False,
+def check_replay_step(tensors, ring, flush_length, num_accepted_tokens=None, rotate_pairwise: bool = False,
                       who: str = "replay_step") -> StepSpec:
     """Everything the CPU path checks before it computes, in the kernel path's order: the arguments'
     types (:func:`check_replay_arguments`), the step's (with ``update_kv_state``), ``accepted``, the
     ring's (:func:`check_ring`). Returns the step's validated spec."""
-    check_replay_arguments(tensors, ring, K, who)
+    check_replay_arguments(tensors, ring, flush_length, who)
     spec = check_step_inputs(tensors, update_kv_state=True, rotate_pairwise=rotate_pairwise,
                              stochastic_rounding=tensors.rand_seed is not None)
-    if accepted is not None:
-        check_accepted(tensors, accepted)
-    check_ring(tensors, ring, K)
+    if num_accepted_tokens is not None:
+        check_accepted(tensors, num_accepted_tokens)
+    check_ring(tensors, ring, flush_length)
     return spec
 
 

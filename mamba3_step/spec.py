@@ -121,7 +121,7 @@ class StepSpec:
 
     @property
     def ring_entries(self) -> int:
-        """L, the most committed ring entries a replay step replays: ``K - 1 + max(need,
+        """L, the most committed ring entries a replay step replays: ``F - 1 + max(need,
         replay_draft)``, the step's own need ``T`` for a verify step and 0 for a one-token step; 0
         without replay."""
         if not self.replay_ring:
@@ -130,12 +130,12 @@ class StepSpec:
 
     @property
     def draft_need(self) -> int:
-        """The ring entries beyond ``K - 1`` this step itself needs: its T drafts, or none for one token."""
+        """The ring entries beyond ``F - 1`` this step itself needs: its T drafts, or none for one token."""
         return self.tokens if self.tokens > 1 else 0
 
     @property
     def carried_tokens(self) -> int:
-        """Tokens the state is carried through in registers: T, or K with replay (its flush)."""
+        """Tokens the state is carried through in registers: T, or F with replay (its flush)."""
         return self.replay_ring or self.tokens
 
     def replace(self, **changes) -> "StepSpec":
@@ -283,7 +283,7 @@ _REPLAY_NEEDS = (("pool", True, "pool mode"), ("update_kv_state", True, "update_
                  "token before the ring)"))
 
 
-#: the drafts of materialize's flush form (a verify step with K = 1; the fewest a verify step has)
+#: the drafts of materialize's flush form (a verify step with F = 1; the fewest a verify step has)
 FLUSH_DRAFTS = 2
 
 
@@ -292,41 +292,41 @@ def flush_specs(spec: StepSpec, L: int) -> list:
     hold ``L`` entries (one launch group each, :func:`flush_groups`), at their default tiling: what
     :func:`mamba3_step.materialize_fn` compiles on CUDA (``precompile --materialize-ring L``)."""
     out = []
-    for _, _, K in flush_groups(L):
-        room = flush_entries(L, K) - (K - 1)
-        out.append(spec.replace(tokens=FLUSH_DRAFTS, num_accepted=True, replay_ring=K,
+    for _, _, flush_length in flush_groups(L):
+        room = flush_entries(L, flush_length) - (flush_length - 1)
+        out.append(spec.replace(tokens=FLUSH_DRAFTS, num_accepted=True, replay_ring=flush_length,
                                 replay_draft=room if room > FLUSH_DRAFTS else 0, has_z=False, has_outproj=False,
                                 has_dst=False, dst_per_token=False, shared_bc=False, replay_from_checkpoint=False,
                                 padded_state_rows=False, tile_D=0, num_warps=0).with_default_tiling())
     return out
 
 
-def flush_entries(L: int, K: int) -> int:
-    """The entries of the ring copy a flush launch of flush length ``K`` reads, for rings of ``L``:
+def flush_entries(L: int, flush_length: int) -> int:
+    """The entries of the ring copy a flush launch of flush length ``F`` reads, for rings of ``L``:
     room for the committed entries it takes and for its two drafts."""
-    return max(FLUSH_DRAFTS, min(L, K - 1 + MAX_TOKENS))
+    return max(FLUSH_DRAFTS, min(L, flush_length - 1 + MAX_TOKENS))
 
 
 def flush_groups(L: int) -> list:
-    """The flush form's launches for rings of ``L`` entries: ``(first, last, K)``, the committed counts
-    each takes and its flush length (a verify step replays at most ``K - 1 + 16`` entries)."""
+    """The flush form's launches for rings of ``L`` entries: ``(first, last, F)``, the committed counts
+    each takes and its flush length (a verify step replays at most ``F - 1 + 16`` entries)."""
     most = min(L, MAX_TOKENS)
     return [(1, most, 1)] + ([(MAX_TOKENS + 1, L, L - (MAX_TOKENS - 1))] if L > MAX_TOKENS else [])
 
 
 def replay_problem(spec: StepSpec) -> str | None:
     """Why ``spec``'s replay field cannot go with the rest, or None."""
-    K, room = spec.replay_ring, spec.replay_draft
+    flush_length, room = spec.replay_ring, spec.replay_draft
     need = spec.draft_need
     if isinstance(room, bool) or not isinstance(room, int) or not (room == 0 or need < room <= MAX_TOKENS):
         return f"replay_draft must be 0 or an int in ({need}, {MAX_TOKENS}] (above the step's own need), got {room!r}"
-    if room and not (K and spec.num_accepted):
+    if room and not (flush_length and spec.num_accepted):
         return "replay_draft needs replay_ring and num_accepted (a ring made for longer verify steps)"
-    if K == 0:
+    if flush_length == 0:
         return "replay_from_checkpoint needs replay_ring > 0" if spec.replay_from_checkpoint else None
-    if isinstance(K, bool) or not isinstance(K, int) or not (2 <= K <= MAX_TOKENS or (K == 1 and spec.tokens > 1)):
-        return (f"replay_ring (K) must be 0, an int in [2, {MAX_TOKENS}], or 1 with a verify step (tokens > 1: "
-                f"materialize's flush form), got {K!r}")
+    if isinstance(flush_length, bool) or not isinstance(flush_length, int) or not (2 <= flush_length <= MAX_TOKENS or (flush_length == 1 and spec.tokens > 1)):
+        return (f"replay_ring (F) must be 0, an int in [2, {MAX_TOKENS}], or 1 with a verify step (tokens > 1: "
+                f"materialize's flush form), got {flush_length!r}")
     for field, value, what in _REPLAY_NEEDS:
         if getattr(spec, field) != value:
             return f"replay_ring needs {what}, got {field}={getattr(spec, field)!r}"

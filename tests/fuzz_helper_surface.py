@@ -26,7 +26,7 @@ from mamba3_step.testing import lane_inputs, layer_weights, poison_pool
 
 H, D, N, R, P, B, K, T, S = 2, 32, 32, 2, 6, 3, 2, 2, 4
 
-NEW_RING = dict(rows=P, K=K, mimo=R, heads=H, dstate=N, headdim=D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16,
+NEW_RING = dict(rows=P, flush_length=K, mimo=R, heads=H, dstate=N, headdim=D, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16,
                 draft=T, stochastic=True, rope_angles=S, device="cpu")
 ROW_FIELDS = ("state", "Bstate", "Xstate", "state_scale", "angle_state")
 RING_FIELDS = tuple(f"ring.{f}" for f in Ring._fields)

@@ -386,7 +386,7 @@ def test_replay_bytes_by_hand():
     verify = flagship_spec(tokens=4, has_dst=True, dst_per_token=True, num_accepted=True)
     v = replay_bytes(verify, 8, B, H, 2)  # a flush every 8 tokens, 4 accepted a round: half a row write
     assert v["state"] == B * H * D * N * 4 * 1.5 and v["ring"] == (2 + 4) * entry
-    with pytest.raises(ValueError, match="K must be"):
+    with pytest.raises(ValueError, match="flush_length must be"):
         replay_bytes(spec, 1, B, H)
     with pytest.raises(ValueError, match="position"):
         replay_bytes(spec, K, B, H, K)

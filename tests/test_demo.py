@@ -208,8 +208,10 @@ def test_demo_replay_round_catches_a_wrong_commit(capsys, monkeypatch):
     from mamba3_step.tools.demo import replay as demo_replay
     real = demo_replay.replay_step
 
-    def over_commit(t, ring, K, accepted=None, **kw):
-        return real(t, ring, K, accepted=None if accepted is None else (accepted + 1).clamp(max=3), **kw)
+    def over_commit(t, ring, flush_length, num_accepted_tokens=None, **kw):
+        accepted = num_accepted_tokens
+        return real(t, ring, flush_length, num_accepted_tokens=None if accepted is None else (accepted + 1).clamp(max=3),
+                    **kw)
 
     monkeypatch.setattr(demo_replay, "replay_step", over_commit)
     rc = cli.main(["demo", "--steps", "1", "--quiet", "--seed", "1"])

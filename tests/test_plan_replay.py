@@ -271,7 +271,7 @@ def test_the_cpu_path_checks_the_step_then_accepted_by_name():
     accepted = torch.zeros(len(INDEX), dtype=torch.int32)
     nested = call._replace(x=torch.nested.nested_tensor([call.x[0].float(), call.x[1].float()]))
     entries = ((lambda c, a: replay_fn(c, layer.ring, K, num_accepted_tokens=a), "num_accepted_tokens"),
-               (lambda c, a: replay.replay_step(c, layer.ring, K, accepted=a), "accepted"))
+               (lambda c, a: replay.replay_step(c, layer.ring, K, num_accepted_tokens=a), "num_accepted_tokens"))
     for entry, name in entries:
         with pytest.raises(TypeError, match="^x: expected a strided"):
             entry(nested, accepted)

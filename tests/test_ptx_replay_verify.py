@@ -207,7 +207,7 @@ def _verify_rounds(name: str, layer: Layer, specs: list, all_accepted) -> tuple:
         acc = torch.tensor(accepted, dtype=torch.int32)
         run_step_ptx(spec, layer.call(layer.pools["replay"], lane, index, got[:, 0] if one else got)
                      ._replace(num_accepted_tokens=acc), ring=layer.rings["replay"])
-        cpu = replay_step(layer.call(layer.pools["cpu"], lane, index), layer.rings["cpu"], K, accepted=acc,
+        cpu = replay_step(layer.call(layer.pools["cpu"], lane, index), layer.rings["cpu"], K, num_accepted_tokens=acc,
                           exact_outputs=not spec.replay_from_checkpoint, rotate_pairwise=spec.rotate_pairwise)
         want = layer.drafts_stepwise(lane, index)
         for b, row in enumerate(lanes):

@@ -208,7 +208,7 @@ def test_replay_refuses_what_it_does_not_take_yet_and_bad_ring_lengths():
         assert torch.equal(d.replay_pools[k], v)
     for a, b in zip(d.ring, ring_before):
         assert (a is None and b is None) or torch.equal(a, b)
-    with pytest.raises(ValueError, match=r"K: expected an int in \[2, 16\]"):
+    with pytest.raises(ValueError, match=r"flush_length: expected an int in \[2, 16\]"):
         new_ring(4, 1, 2, 2, 32, 32, kv_dtype=torch.bfloat16, x_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="rows must be"):
         materialize(t, d.ring, [6])
@@ -251,13 +251,13 @@ def test_verify_steps_and_rollback_by_the_cursor_equal_stepwise_speculative_deco
         if kind == "P":
             lane = lane_inputs(3, H, D, N, R, generator=d.g, **d.io)
             d.stepwise(lane, indices)
-            replay_step(d.tensors(d.replay_pools, lane, indices), d.ring, K, accepted=pending)
+            replay_step(d.tensors(d.replay_pools, lane, indices), d.ring, K, num_accepted_tokens=pending)
             d.advance()
         else:
             lane = lane_inputs(3, H, D, N, R, tokens=T, generator=d.g, **d.io)
             before = {k: v.clone() for k, v in d.replay_pools.items()}
             ring_before = Ring(*(None if v is None else v.clone() for v in d.ring))
-            got = replay_step(d.tensors(d.replay_pools, lane, indices), d.ring, K, accepted=pending)
+            got = replay_step(d.tensors(d.replay_pools, lane, indices), d.ring, K, num_accepted_tokens=pending)
             for b, row in enumerate(indices.tolist()):
                 m = int(ring_before.length[row, 0]) + (0 if pending is None else int(pending[b]))
                 flushed_before_verify += m >= K

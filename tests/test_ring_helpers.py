@@ -113,15 +113,15 @@ def test_fork_row_refuses_an_inference_tensor_outside_inference_mode_before_writ
     assert torch.equal(t.state[1], t.state[0]) and torch.equal(ring.length[1], ring.length[0])
 
 
-GOOD = dict(rows=3, K=2, mimo=2, heads=2, dstate=32, headdim=32, kv_dtype=torch.bfloat16, x_dtype=torch.float32)
+GOOD = dict(rows=3, flush_length=2, mimo=2, heads=2, dstate=32, headdim=32, kv_dtype=torch.bfloat16, x_dtype=torch.float32)
 
 
 @pytest.mark.parametrize("name, value, error, match", [
     ("rows", 0, ValueError, r"rows: expected an int in \[1, 2147483647\] \(pool rows: int32 slot ids\), got 0"),
     ("rows", 2.0, ValueError, r"rows: expected an int in \[1, 2147483647\].*got 2.0"),
     ("rows", 2**31, ValueError, r"rows: expected an int in \[1, 2147483647\].*got 2147483648"),
-    ("K", 1, ValueError, r"K: expected an int in \[2, 16\] \(the flush length\), got 1"),
-    ("K", True, ValueError, r"K: expected an int in \[2, 16\].*got True"),
+    ("flush_length", 1, ValueError, r"flush_length: expected an int in \[2, 16\] \(the flush length\), got 1"),
+    ("flush_length", True, ValueError, r"flush_length: expected an int in \[2, 16\].*got True"),
     ("mimo", 3, ValueError, r"mimo: expected one of \(1, 2, 4, 8\).*got 3"),
     ("heads", -1, ValueError, r"heads: expected an int in \[1, 65535\] \(the step's most heads\), got -1"),
     ("heads", 2**31, ValueError, r"heads: expected an int in \[1, 65535\].*got 2147483648"),
@@ -166,7 +166,7 @@ def _freed(t):
 @pytest.mark.parametrize("name, error, match", [
     ("kv_dtype", TypeError, r"^kv_dtype: expected a torch dtype or its name, got a tensor"),
     ("x_dtype", TypeError, r"^x_dtype: expected a torch dtype or its name, got a tensor"),
-    ("K", ValueError, r"^K: expected an int in \[2, 16\]"),
+    ("flush_length", ValueError, r"^flush_length: expected an int in \[2, 16\]"),
 ])
 def test_new_ring_never_compares_a_tensor_given_for_a_scalar(name, error, match):
     """A tensor whose storage was freed reads freed memory when compared: it is refused by its kind."""

@@ -98,7 +98,7 @@ def test_replay_pool_rows_rings_and_bytes():
 
 @pytest.mark.parametrize("bad", [0, 1, 17, -2, 2.0, True, "4"])
 def test_replay_ring_is_checked(bad):
-    with pytest.raises(ValueError, match=r"^replay_ring: expected an int K in \[2, 16\]"):
+    with pytest.raises(ValueError, match=r"^replay_ring: expected an int F in \[2, 16\]"):
         ReplayStatePool(1, P, H, D, N, R, replay_ring=bad)
 
 

@@ -67,7 +67,7 @@ class StatePool:
     is None and ``pad_id`` is ``-1``.
     """
 
-    replay_ring = 0  #: K, the flush length of a replay pool (ReplayStatePool); 0: the state rows are current
+    replay_ring = 0  #: F, the flush length of a replay pool (ReplayStatePool); 0: the state rows are current
 
     def __init__(
         self,

@@ -2,7 +2,7 @@
 replay ring per layer (docs/contract.md, "Replay"; docs/integration.md, section 11).
 
 Letters (docs/contract.md): ``P`` pool rows (slots), ``H`` heads, ``D`` head dim, ``N`` state size,
-``R`` MIMO rank, ``L`` layers, ``K`` the flush length.
+``R`` MIMO rank, ``L`` layers, ``F`` the flush length.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ __all__ = ["ReplayStatePool"]
 
 
 class ReplayStatePool(StatePool):
-    """A :class:`StatePool` (same arguments) plus ``replay_ring=K`` (an int in ``[2, 16]``) and
+    """A :class:`StatePool` (same arguments) plus ``replay_ring=F`` (an int in ``[2, 16]``) and
     ``replay_draft=T`` (an int in ``[0, 16]``, default 0: the most draft tokens of a verify step): per
-    layer ``l`` a :class:`~mamba3_step.replay.Ring`, ``ring(l)``, of ``K - 1 + T`` entries a row, with
+    layer ``l`` a :class:`~mamba3_step.replay.Ring`, ``ring(l)``, of ``F - 1 + T`` entries a row, with
     draw offsets for an 8-bit state and angles with ``rope_angles``. The ``state`` rows are checkpoints;
     :meth:`materialize` gives a row's current state, and ``decode_step`` (and the graph runner) step
     the pool through the step's replay mode (``replay_ring``): one-token steps, or verify steps of up to ``T`` drafts (kept in
@@ -36,14 +36,14 @@ class ReplayStatePool(StatePool):
     not: an empty ring and zero rows in every layer, so the last request's tokens never reach the next.
     A 16-bit pool's rings keep no draw offsets: its steps take no stochastic rounding (refused by name).
 
-    Measured on an H200 (docs/performance.md 3d): replay pays for an fp32 state at K = 2; with
+    Measured on an H200 (docs/performance.md 3d): replay pays for an fp32 state at F = 2; with
     ``rope_angles`` or an 8-bit state every step measured slower than a :class:`StatePool`'s.
     """
 
     def __init__(self, *args, replay_ring: int, replay_draft: int = 0, **kwargs):
         if not is_int(replay_ring) or not 2 <= replay_ring <= 16:
-            raise ValueError(f"replay_ring: expected an int K in [2, 16] (the state written every K tokens, a ring "
-                             f"of the K - 1 tokens since), got {shown(replay_ring)}")
+            raise ValueError(f"replay_ring: expected an int F in [2, 16] (the state written every F tokens, a ring "
+                             f"of the F - 1 tokens since), got {shown(replay_ring)}")
         if not is_int(replay_draft) or not 0 <= replay_draft <= 16:
             raise ValueError(f"replay_draft: expected an int T in [0, 16] (the most draft tokens of a verify step), "
                              f"got {shown(replay_draft)}")

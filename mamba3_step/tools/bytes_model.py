@@ -347,26 +347,26 @@ def upstream_pipeline_bytes(spec: StepSpec, batch: int, heads: int, pools: bool 
     return out
 
 
-def replay_bytes(spec: StepSpec, K: int, batch: int, heads: int, position: int | None = None) -> dict:
+def replay_bytes(spec: StepSpec, flush_length: int, batch: int, heads: int, position: int | None = None) -> dict:
     """Bytes of one pool-mode step with replay (docs/design/replay.md), every lane live, at ring
-    ``position`` (committed tokens before the step; None: the average over positions 0..K-1, each
+    ``position`` (committed tokens before the step; None: the average over positions 0..F-1, each
     as often, as requests at every position share a batch). ``spec`` is the stepwise step's
     (``update_kv_state``; ``spec.tokens`` = T > 1 a verify step, its destinations not used).
 
     Per live lane and head, on top of the step's inputs, ``out``, weights and indices (as
     :func:`bytes_per_step`): the state and ``Bstate``/``Xstate`` rows read; ``position`` ring entries
     read and T entries written (an entry: B ``R N`` kv bytes, x ``D`` x bytes, A/dt/trap 12); the
-    ring length, one per head, read and written (4 + 4 a lane and head). A one-token step at position K - 1 flushes: it
+    ring length, one per head, read and written (4 + 4 a lane and head). A one-token step at position F - 1 flushes: it
     writes the state and ``Bstate``/``Xstate`` rows and no entry. A verify step (T drafts) pays the
-    flushes its accepted tokens cause, at most one per K tokens: ``min(1, T / K)`` of a state,
+    flushes its accepted tokens cause, at most one per F tokens: ``min(1, T / F)`` of a state,
     Bstate and Xstate write. Returns ``{entry: bytes, "total": bytes}``."""
-    if not isinstance(K, int) or not 2 <= K <= 16:
-        raise ValueError(f"K must be an int in [2, 16], got {K!r}")
+    if not isinstance(flush_length, int) or not 2 <= flush_length <= 16:
+        raise ValueError(f"flush_length must be an int in [2, 16], got {flush_length!r}")
     if position is None:
-        rows = [replay_bytes(spec, K, batch, heads, m) for m in range(K)]
-        return {k: sum(r[k] for r in rows) / K for k in rows[0]}
-    if not isinstance(position, int) or not 0 <= position <= K - 1:
-        raise ValueError(f"position must be an int in [0, K - 1], got {position!r}")
+        rows = [replay_bytes(spec, flush_length, batch, heads, m) for m in range(flush_length)]
+        return {k: sum(r[k] for r in rows) / flush_length for k in rows[0]}
+    if not isinstance(position, int) or not 0 <= position <= flush_length - 1:
+        raise ValueError(f"position must be an int in [0, F - 1], got {position!r}")
     T = spec.tokens
     step = _kernel_bytes(spec.replace(update_kv_state=False, has_dst=False, dst_per_token=False), batch, batch,
                          heads, pool=True)
@@ -374,10 +374,10 @@ def replay_bytes(spec: StepSpec, K: int, batch: int, heads: int, position: int |
     row = {"state": H * D * N * DTYPE_BYTES[spec.state_dtype], "Bstate": R * H * N * DTYPE_BYTES[spec.kv_dtype],
            "Xstate": H * D * DTYPE_BYTES[spec.x_dtype]}
     entry = H * (R * N * DTYPE_BYTES[spec.kv_dtype] + D * DTYPE_BYTES[spec.x_dtype] + 3 * _F32)
-    flush = (1.0 if position == K - 1 else 0.0) if T == 1 else min(1.0, T / K)
+    flush = (1.0 if position == flush_length - 1 else 0.0) if T == 1 else min(1.0, T / flush_length)
     for name, b in row.items():
         step[name] = batch * b * (1 + flush)
-    appended = 0 if (T == 1 and position == K - 1) else T
+    appended = 0 if (T == 1 and position == flush_length - 1) else T
     step["ring"] = batch * entry * (position + appended)
     step["ring.length"] = batch * H * 2 * _I32
     step["total"] = sum(step.values())

@@ -86,9 +86,9 @@ def issue_model(warp_instructions_per_slab: float, bytes_per_slab: float, gpu: G
 
 
 #: executed PTX warp-instructions per state slab of the flagship (pool mode, update_kv_state; one live
-#: (lane, head)), stepwise and with replay: ``(K, from_checkpoint) -> (num_warps, counts at ring positions
-#: 0..K-1)`` at the default tiling. Measured by the PTX execution tier (``python bench/issue_model.py``
-#: prints them; tests/test_issue_model.py re-executes K = 2 and 4 and holds these equal).
+#: (lane, head)), stepwise and with replay: ``(F, from_checkpoint) -> (num_warps, counts at ring positions
+#: 0..F-1)`` at the default tiling. Measured by the PTX execution tier (``python bench/issue_model.py``
+#: prints them; tests/test_issue_model.py re-executes F = 2 and 4 and holds these equal).
 REPLAY_EXECUTED = {
     "stepwise": 6152,
     (2, False): (4, (6284, 9422)),
@@ -102,10 +102,10 @@ REPLAY_EXECUTED = {
 
 #: executed PTX warp-instructions per state slab of the flagship's T = 4 verify step: ``"today"``, the
 #: stepwise verify step (T tokens, (B, T) sources with num_accepted_tokens, a destination row per
-#: token; its default 8 warps), and per K the replay verify kernel's at the committed-token counts
-#: the steady state visits when every draft is accepted by the next step (K = 2 and 4: 4 every step,
-#: a flush; K = 8: 4, then 8 with a flush). Measured by the PTX execution tier
-#: (``mamba3_step.tools.verify.verify_instructions``; tests/test_issue_model.py re-executes K = 2, 4 and today's).
+#: token; its default 8 warps), and per F the replay verify kernel's at the committed-token counts
+#: the steady state visits when every draft is accepted by the next step (F = 2 and 4: 4 every step,
+#: a flush; F = 8: 4, then 8 with a flush). Measured by the PTX execution tier
+#: (``mamba3_step.tools.verify.verify_instructions``; tests/test_issue_model.py re-executes F = 2, 4 and today's).
 VERIFY_EXECUTED = {"today": 25362, 2: {4: 33053}, 4: {4: 33069}, 8: {4: 32947, 8: 44901}}
 #: the same with ``replay_from_checkpoint``: no draft stepped, their outputs by the algebra from the checkpoint
 #: (a flush's, the committed tokens replayed; else the row's, the committed tokens in the sums; 2026-11-28)
@@ -113,7 +113,7 @@ VERIFY_FROM_STATE_EXECUTED = {2: {4: 25697}, 4: {4: 25830}, 8: {4: 16382, 8: 383
 VERIFY_TOKENS = 4
 
 
-def replay_verify_issue_model(K: int, gpu: GPU, batch: int = 256, heads: int = 48,
+def replay_verify_issue_model(flush_length: int, gpu: GPU, batch: int = 256, heads: int = 48,
                               from_checkpoint: bool = False) -> dict:
     """The flagship's T = 4 replay verify step against today's verify step on ``gpu``, every draft
     accepted, averaged over the steady state's steps: ``ratio`` (issue / memory time), ``time`` (the
@@ -122,33 +122,33 @@ def replay_verify_issue_model(K: int, gpu: GPU, batch: int = 256, heads: int = 4
     :data:`VERIFY_FROM_STATE_EXECUTED`) and :func:`mamba3_step.tools.bytes_model.replay_bytes`."""
     today = flagship_spec(tokens=VERIFY_TOKENS, has_dst=True, dst_per_token=True, num_accepted=True)
     base = issue_model(VERIFY_EXECUTED["today"], slab_bytes(today, batch, heads), gpu)
-    counts = (VERIFY_FROM_STATE_EXECUTED if from_checkpoint else VERIFY_EXECUTED)[K]
+    counts = (VERIFY_FROM_STATE_EXECUTED if from_checkpoint else VERIFY_EXECUTED)[flush_length]
     per_step = sum(counts.values()) / len(counts)
-    replay = issue_model(per_step, replay_bytes(today, K, batch, heads)["total"] / (batch * heads), gpu)
+    replay = issue_model(per_step, replay_bytes(today, flush_length, batch, heads)["total"] / (batch * heads), gpu)
     return {"ratio": replay["ratio"], "time": max(replay["issue_us"], replay["memory_us"])
             / max(base["issue_us"], base["memory_us"]), "instructions": per_step / VERIFY_EXECUTED["today"],
             "today_ratio": base["ratio"]}
 
 
-def replay_issue_model(K: int, from_checkpoint: bool, gpu: GPU, batch: int = 256, heads: int = 48) -> dict:
-    """The flagship's replay step against its stepwise step on ``gpu``, averaged over the K ring
+def replay_issue_model(flush_length: int, from_checkpoint: bool, gpu: GPU, batch: int = 256, heads: int = 48) -> dict:
+    """The flagship's replay step against its stepwise step on ``gpu``, averaged over the F ring
     positions (requests at every position share the SMs): ``ratio`` (issue / memory time) and
     ``time`` (the larger of the two, relative to the stepwise step's), from
     :data:`REPLAY_EXECUTED` and :func:`mamba3_step.tools.bytes_model.replay_bytes`."""
     spec = flagship_spec()
     stepwise = issue_model(REPLAY_EXECUTED["stepwise"], slab_bytes(spec, batch, heads), gpu)
-    counts = REPLAY_EXECUTED[(K, from_checkpoint)][1]
-    replay = issue_model(sum(counts) / K, replay_bytes(spec, K, batch, heads)["total"] / (batch * heads), gpu)
+    counts = REPLAY_EXECUTED[(flush_length, from_checkpoint)][1]
+    replay = issue_model(sum(counts) / flush_length, replay_bytes(spec, flush_length, batch, heads)["total"] / (batch * heads), gpu)
     base = max(stepwise["issue_us"], stepwise["memory_us"])
     return {"ratio": replay["ratio"], "time": max(replay["issue_us"], replay["memory_us"]) / base,
-            "instructions": sum(counts) / K / REPLAY_EXECUTED["stepwise"],
+            "instructions": sum(counts) / flush_length / REPLAY_EXECUTED["stepwise"],
             "stepwise_ratio": stepwise["ratio"]}
 
 
 #: executed PTX warp-instructions per slab of the flagship with Mamba-3's other per-request states,
 #: stepwise and replayed (outputs replayed, or with ``"from_checkpoint"`` from the checkpoint, each at
-#: its default tiling, sm_90a): ``name -> (the stepwise spec's changes to the flagship, K, the
-#: stepwise count, counts at ring positions 0..K-1)``. ``"rotary"`` is the rotary flagship
+#: its default tiling, sm_90a): ``name -> (the stepwise spec's changes to the flagship, F, the
+#: stepwise count, counts at ring positions 0..F-1)``. ``"rotary"`` is the rotary flagship
 #: (``flagship_rotary_spec``). Measured 2026-11-27 (from the checkpoint 2026-11-28) by the PTX
 #: execution tier (``python bench/issue_model.py --replay-states`` prints them;
 #: tests/test_issue_model.py re-executes them with --full-matrix).
@@ -157,7 +157,7 @@ REPLAY_STATES_EXECUTED = {
     "bf16 state, stochastic rounding": ({"state_dtype": "bfloat16", "stochastic_rounding": True}, 4, 11508,
                                         (11493, 19917, 28405, 36877)),
     "int8 state": ({"state_dtype": "int8", "stochastic_rounding": True}, 2, 14704, (15339, 27529)),
-    "int8 state, K = 4": ({"state_dtype": "int8", "stochastic_rounding": True}, 4, 14704,
+    "int8 state, F = 4": ({"state_dtype": "int8", "stochastic_rounding": True}, 4, 14704,
                           (15845, 27561, 39285, 51409)),
     "rotary, from the checkpoint": ({"rotary": True, "from_checkpoint": True}, 4, 6559, (5469, 6696, 7911, 17306)),
     "bf16 state, stochastic rounding, from the checkpoint": (
@@ -165,24 +165,24 @@ REPLAY_STATES_EXECUTED = {
         (4870, 5564, 6247, 36885)),
     "int8 state, from the checkpoint": ({"state_dtype": "int8", "stochastic_rounding": True, "from_checkpoint": True},
                                         2, 14704, (5393, 27801)),
-    "int8 state, K = 4, from the checkpoint": (
+    "int8 state, F = 4, from the checkpoint": (
         {"state_dtype": "int8", "stochastic_rounding": True, "from_checkpoint": True}, 4, 14704,
         (5542, 6236, 6919, 51701)),
 }
 
 
 def replay_states_spec(name: str) -> tuple[StepSpec, int]:
-    """``(the stepwise spec, K)`` of a :data:`REPLAY_STATES_EXECUTED` entry."""
-    changes, K = dict(REPLAY_STATES_EXECUTED[name][0]), REPLAY_STATES_EXECUTED[name][1]
+    """``(the stepwise spec, F)`` of a :data:`REPLAY_STATES_EXECUTED` entry."""
+    changes, flush_length = dict(REPLAY_STATES_EXECUTED[name][0]), REPLAY_STATES_EXECUTED[name][1]
     changes.pop("from_checkpoint", None)
-    return (flagship_rotary_spec() if changes.pop("rotary", False) else flagship_spec(**changes)), K
+    return (flagship_rotary_spec() if changes.pop("rotary", False) else flagship_spec(**changes)), flush_length
 
 
 def replay_states_replay_spec(name: str) -> StepSpec:
     """The replay spec of a :data:`REPLAY_STATES_EXECUTED` entry, at its default tiling."""
-    spec, K = replay_states_spec(name)
+    spec, flush_length = replay_states_spec(name)
     fc = REPLAY_STATES_EXECUTED[name][0].get("from_checkpoint", False)
-    return spec.replace(replay_ring=K, replay_from_checkpoint=fc).with_default_tiling()
+    return spec.replace(replay_ring=flush_length, replay_from_checkpoint=fc).with_default_tiling()
 
 
 def replay_states_issue_model(name: str, gpu: GPU, batch: int = 256, heads: int = 48) -> dict:
@@ -192,12 +192,12 @@ def replay_states_issue_model(name: str, gpu: GPU, batch: int = 256, heads: int 
     two, relative to the stepwise step's). The bytes are :func:`~mamba3_step.tools.bytes_model.replay_bytes`'
     for the state dtype; it leaves out the angle rows, an 8-bit state's scales and the ring's
     angles and offsets (under 2% of a row's bytes for the fp32 flagship, under 4% for int8)."""
-    spec, K = replay_states_spec(name)
+    spec, flush_length = replay_states_spec(name)
     stepwise_count, counts = REPLAY_STATES_EXECUTED[name][2], REPLAY_STATES_EXECUTED[name][3]
     step_bytes = slab_bytes(spec, batch, heads)
-    replayed_bytes = replay_bytes(spec, K, batch, heads)["total"] / (batch * heads)
+    replayed_bytes = replay_bytes(spec, flush_length, batch, heads)["total"] / (batch * heads)
     stepwise = issue_model(stepwise_count, step_bytes, gpu)
-    replay = issue_model(sum(counts) / K, replayed_bytes, gpu)
-    return {"bytes": replayed_bytes / step_bytes, "instructions": sum(counts) / K / stepwise_count,
+    replay = issue_model(sum(counts) / flush_length, replayed_bytes, gpu)
+    return {"bytes": replayed_bytes / step_bytes, "instructions": sum(counts) / flush_length / stepwise_count,
             "ratio": replay["ratio"], "stepwise_ratio": stepwise["ratio"],
             "time": max(replay["issue_us"], replay["memory_us"]) / max(stepwise["issue_us"], stepwise["memory_us"])}

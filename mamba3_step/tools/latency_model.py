@@ -383,7 +383,7 @@ FLAGSHIP_TRIPS = 4
 #: branches, so its count is an upper bound (bench/latency_model.py models one position's path with the
 #: stepwise kernel's round trips); the bench re-reads them and says when they differ
 KERNEL_LATENCY_FACTS = {"fp32": (4, 3), "bf16, round to nearest": (4, 3), "bf16, stochastic rounding": (4, 2),
-                        "fp32 replay K = 2": (10, 3), "fp32 replay K = 4": (12, 2)}
+                        "fp32 replay F = 2": (10, 3), "fp32 replay F = 4": (12, 2)}
 
 
 def flagship_designs(spec, warp_instructions: float, bytes_per_slab: float, state_read_bytes: float,

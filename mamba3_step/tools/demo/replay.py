@@ -3,8 +3,8 @@ machine (the replay kernel's plain and verify steps are checked against the exec
 by the PTX tier: tests/test_ptx_replay.py, tests/test_ptx_replay_verify.py).
 
 One layer's pool is decoded twice from the same rows: stepwise (the pool-mode CPU path with
-``update_kv_state``) and with replay (:mod:`mamba3_step.replay`: a checkpoint and a ring of K - 1
-tokens, the state written every K tokens). A request leaves and a new one joins half-way, then
+``update_kv_state``) and with replay (:mod:`mamba3_step.replay`: a checkpoint and a ring of F - 1
+tokens, the state written every F tokens). A request leaves and a new one joins half-way, then
 verify steps of T tokens take a random number of them (the rest rolled back by the ring's
 cursor). After every plain step each request's materialised state must equal the stepwise pool's
 row bit for bit.
@@ -67,14 +67,14 @@ class _Pools:
                 self.stepwise[k][row] = getattr(t, k)[0]
 
 
-def run_replay_decode(*, steps: int = 10, rounds: int = 3, K: int = 4, T: int = 3, slots: int = 8,
+def run_replay_decode(*, steps: int = 10, rounds: int = 3, flush_length: int = 4, T: int = 3, slots: int = 8,
                       requests: int = 3, seed: int = 0) -> ReplayResult:
     """Decode ``steps`` plain steps, then ``rounds`` verify steps of ``T`` tokens each followed by a
     plain step, stepwise and with replay; check every plain step (module docstring)."""
     g = torch.Generator().manual_seed(seed)
     sizes = (2, 32, 32, 2)  # H, D, N, R: small, the CPU path runs it
     pools = _Pools(slots, sizes, g)
-    ring = new_ring(slots, K, sizes[3], sizes[0], sizes[2], sizes[1], kv_dtype=torch.bfloat16,
+    ring = new_ring(slots, flush_length, sizes[3], sizes[0], sizes[2], sizes[1], kv_dtype=torch.bfloat16,
                     x_dtype=torch.float32, draft=T)
     rows = list(range(1, requests + 1))
     counts = dict(flushes=0, appends=0, verified=0, accepted=0)
@@ -90,7 +90,7 @@ def run_replay_decode(*, steps: int = 10, rounds: int = 3, K: int = 4, T: int = 
         verify = s >= steps and (s - steps) % 2 == 0
         lane = lane_inputs(len(rows), *sizes, tokens=T if verify else None, x_dtype="float32", generator=g)
         committed = ring.length[index, 0].long() + (0 if pending is None else pending.long())
-        got = replay_step(pools.step(pools.replay, lane, index), ring, K, accepted=pending)
+        got = replay_step(pools.step(pools.replay, lane, index), ring, flush_length, num_accepted_tokens=pending)
         if verify:
             accepted = [int(v) for v in torch.randint(0, T + 1, (len(rows),), generator=g)]
             pools.advance_stepwise(lane, rows, accepted)
@@ -99,7 +99,7 @@ def run_replay_decode(*, steps: int = 10, rounds: int = 3, K: int = 4, T: int = 
             pending = torch.tensor(accepted, dtype=torch.int32)
             continue
         pending = None
-        flushed = int((committed >= K - 1).sum())
+        flushed = int((committed >= flush_length - 1).sum())
         counts["flushes"] += flushed
         counts["appends"] += len(rows) - flushed
         want = mamba3_step_reference(pools.step(pools.stepwise, lane, index), update_kv_state=True)

@@ -1,5 +1,5 @@
 """``verify`` of materialize's flush form (``--materialize-ring L``): the check of one flush
-specialisation (``StepSpec.replay_ring = 1``, or a second launch's ``K = L - 15``), executed from
+specialisation (``StepSpec.replay_ring = 1``, or a second launch's ``F = L - 15``), executed from
 its PTX on the CPU against the executed stepwise kernel (docs/contract.md, "Replay").
 
 The rings are built by the stepwise kernel itself: each pool row steps its own tokens, one
@@ -34,10 +34,10 @@ _ROWS = ("state", "Bstate", "Xstate", "state_scale", "angle_state")
 
 def flush_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) -> dict:
     """The row of ``verify`` for a flush specialisation (module docstring); ``batch`` pool rows."""
-    L, K = spec.ring_entries, spec.replay_ring
+    L, flush_length = spec.ring_entries, spec.replay_ring
     stepwise = spec.replace(replay_ring=0, tokens=1, num_accepted=False, replay_draft=0, tile_D=0,
                             num_warps=0).with_default_tiling()
-    lo, hi = next((first, last) for first, last, k in flush_groups(L) if k == K)  # the counts it takes
+    lo, hi = next((first, last) for first, last, k in flush_groups(L) if k == flush_length)  # the counts it takes
     counts = [([0] + list(range(lo, hi + 1)))[p % (hi - lo + 2)] for p in range(batch)]
     pools = inputs_for(stepwise, batch, batch, heads, seed)
     start = {k: pools[k].clone() for k in _ROWS if pools.get(k) is not None}
@@ -68,9 +68,9 @@ def _stepped_ring(stepwise: StepSpec, pools: dict, weights: dict, counts: list, 
     the executed stepwise kernel as it is recorded (module docstring); poison after the counts."""
     P, H = len(counts), pools["state"].shape[1]
     D, N = pools["state"].shape[2:]
-    K = max(2, L - MAX_TOKENS + 1)  # a pool's K and T_max with K - 1 + T_max = L
-    ring = new_ring(P, K, stepwise.mimo, H, N, D, kv_dtype=pools["Bstate"].dtype, x_dtype=pools["Xstate"].dtype,
-                    draft=L - K + 1, rope_angles=stepwise.rope_angles, stochastic=stepwise.stochastic_rounding)
+    flush_length = max(2, L - MAX_TOKENS + 1)  # a pool's F and T_max with F - 1 + T_max = L
+    ring = new_ring(P, flush_length, stepwise.mimo, H, N, D, kv_dtype=pools["Bstate"].dtype, x_dtype=pools["Xstate"].dtype,
+                    draft=L - flush_length + 1, rope_angles=stepwise.rope_angles, stochastic=stepwise.stochastic_rounding)
     for f in ("B", "x", "coef", "offset", "drawn_for", "angle"):
         if getattr(ring, f) is not None:
             poison_(getattr(ring, f), seed=seed)

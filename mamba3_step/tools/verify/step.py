@@ -20,7 +20,7 @@ PTX executed by :mod:`ptx_executor` (docs/ptx-tier.md). Per specialisation, one 
 * ``races``: bytes shared between CTAs with a write, or touched by two threads of a CTA
   between the same barriers with one of them writing (global and shared memory).
 
-A replay specialisation (``--replay-ring K``) is checked over 2K + 1 executed steps against the
+A replay specialisation (``--replay-ring F``) is checked over 2K + 1 executed steps against the
 executed stepwise kernel instead: ``parity`` covers every ``out`` the contract makes bit-identical
 and every row at its flush, ``err_out`` appends from the checkpoint against float64. With
 ``--tokens T --num-accepted`` (verify steps) each step accepts every draft of the row's last one.
@@ -185,7 +185,7 @@ def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) 
     of the last step. A verify specialisation (T drafts) accepts every draft of a row's last step,
     and the stepwise T-token kernel steps them all: the same drafts, the same states (with
     ``replay_from_checkpoint`` the drafts' outputs against the float64 algebra from the checkpoint)."""
-    K, T = spec.replay_ring, spec.tokens
+    flush_length, T = spec.replay_ring, spec.tokens
     stepwise = spec.replace(replay_ring=0, replay_from_checkpoint=False, num_accepted=False, replay_draft=0, tile_D=0,
                             num_warps=0).with_default_tiling()
     start, _ = _inputs(stepwise, batch, heads, seed)
@@ -193,12 +193,12 @@ def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) 
                     if getattr(start, k) is not None)
     pools = {kind: {k: getattr(start, k).clone() for k in rows_of} for kind in ("r", "s")}
     P, H, D, N = start.state.shape
-    ring = new_ring(P, K, spec.mimo, H, N, D, kv_dtype=start.Bstate.dtype, x_dtype=start.Xstate.dtype,
-                    draft=spec.ring_entries - (K - 1),  # the room the step's specialisation replays
+    ring = new_ring(P, flush_length, spec.mimo, H, N, D, kv_dtype=start.Bstate.dtype, x_dtype=start.Xstate.dtype,
+                    draft=spec.ring_entries - (flush_length - 1),  # the room the step's specialisation replays
                     rope_angles=spec.rope_angles, stochastic=spec.stochastic_rounding)
     row = dict(err_out=0.0, budget_out=0.0, err_state=None, budget_state=None, parity=True, accurate=True)
     pending = set()  # rows whose last verify step's drafts the stepwise kernel has stepped
-    for step in range(2 * K + 1):
+    for step in range(2 * flush_length + 1):
         fresh, kinds = _inputs(stepwise, batch, heads, seed + 1 + step)  # this step's tokens and lanes
         call = start._replace(**{f: getattr(fresh, f) for f in (*LANE_FIELDS, "state_batch_indices",
                                                               "dst_state_batch_indices")})
@@ -214,7 +214,7 @@ def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) 
                   if getattr(ring, f) is not None}
         base = tuple(pools["r"][k].clone() for k in ("state", "Bstate", "Xstate", "state_scale") if k in pools["r"])
         held = {k: v.clone() for k, v in pools["s"].items()}  # the state after the committed tokens
-        result = run_step_ptx(spec, mine, arch=arch, ring=ring, record_shared=step == 2 * K, record=step == 2 * K)
+        result = run_step_ptx(spec, mine, arch=arch, ring=ring, record_shared=step == 2 * flush_length, record=step == 2 * flush_length)
         run_step_ptx(stepwise, theirs, arch=arch, record=False)
         for b, r in enumerate(rows):
             if not live[b]:
@@ -224,16 +224,16 @@ def _replay_check(spec: StepSpec, arch: str, batch: int, heads: int, seed: int) 
             moved = dsts[b] != r  # a destination elsewhere: the lane flushes there (or, padding, writes nothing)
             if T > 1 and spec.replay_from_checkpoint:  # the drafts from the checkpoint (a flush's: stepwise's)
                 now = tuple(held[k] for k in ("state", "Bstate", "Xstate", "state_scale") if k in held)
-                since = (now, 0) if count >= K else (base, count)
+                since = (now, 0) if count >= flush_length else (base, count)
                 _account(row, mine.out[b], *(draft_references(call, since[0], before, since[1], r, b, cd)
                                              for cd in _PRECISIONS))
-            elif T > 1 or not spec.replay_from_checkpoint or count == K - 1 or moved:
+            elif T > 1 or not spec.replay_from_checkpoint or count == flush_length - 1 or moved:
                 row["parity"] &= bits_equal(mine.out[b], theirs.out[b])
             else:
                 angle = None if ring.angle is None else ring.angle[r, count]  # the one the step stored
                 _account(row, mine.out[b], *(append_reference(call, base, before, r, b, cd, angle, spec.rotate_pairwise)
                                              for cd in _PRECISIONS))
-            if T > 1 and count >= K:  # a verify step's flush: the state after the committed tokens
+            if T > 1 and count >= flush_length:  # a verify step's flush: the state after the committed tokens
                 row["parity"] &= all(bits_equal(pools["r"][k][r], held[k][r]) for k in pools["r"])
             elif moved and kinds[b] == "live":  # the destination holds the state after this token
                 row["parity"] &= all(bits_equal(pools["r"][k][dsts[b]], pools["s"][k][dsts[b]]) for k in pools["r"])
@@ -325,17 +325,17 @@ def executed_facts(spec: StepSpec, arch: str = "sm_90a", batch: int = 4, heads: 
 
 def replay_instructions(spec: StepSpec, arch: str = "sm_90a", seed: int = 0) -> tuple[int, ...]:
     """Executed warp-instructions of one live (lane, head) slab of the replay specialisation ``spec``
-    (``spec.replay_ring`` = K) at each ring position 0..K-1 (the row's committed tokens before the
+    (``spec.replay_ring`` = F) at each ring position 0..F-1 (the row's committed tokens before the
     step); with ``spec.replay_ring = 0`` the stepwise step's, as a 1-tuple. Inputs from the one input
     factory, one lane, one head, ``tile_D = D``."""
-    K = spec.replay_ring
+    flush_length = spec.replay_ring
     tensors, _ = _inputs(spec.replace(replay_ring=0, replay_from_checkpoint=False), 1, 1, seed, live_only=True)
     counts = []
-    for position in range(max(K, 1)):
+    for position in range(max(flush_length, 1)):
         ring = None
-        if K:
+        if flush_length:
             P, H, D, N = tensors.state.shape
-            ring = new_ring(P, K, spec.mimo, H, N, D, kv_dtype=tensors.Bstate.dtype, x_dtype=tensors.Xstate.dtype,
+            ring = new_ring(P, flush_length, spec.mimo, H, N, D, kv_dtype=tensors.Bstate.dtype, x_dtype=tensors.Xstate.dtype,
                             stochastic=spec.stochastic_rounding, rope_angles=spec.rope_angles)
             ring.length.fill_(position)
         t = tensors._replace(state=tensors.state.clone(), Bstate=tensors.Bstate.clone(),
@@ -346,7 +346,7 @@ def replay_instructions(spec: StepSpec, arch: str = "sm_90a", seed: int = 0) -> 
 
 def verify_instructions(spec: StepSpec, committed: int, arch: str = "sm_90a", seed: int = 0) -> int:
     """Executed warp-instructions of one live (lane, head) slab of the replay verify specialisation
-    ``spec`` (``replay_ring`` = K, ``tokens`` = T, ``num_accepted``) whose row holds ``committed``
+    ``spec`` (``replay_ring`` = F, ``tokens`` = T, ``num_accepted``) whose row holds ``committed``
     tokens once the step's ``accepted`` are taken (``accepted = min(committed, T)``, the rest already
     in the ring). Inputs from the one input factory, one lane, one head, ``tile_D = D``."""
     T = spec.tokens
