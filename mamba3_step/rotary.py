@@ -15,7 +15,7 @@ in [-1, 1]; the increment is ``2 * rint(w_f * 2**62)`` units, added with wrap-ar
 ``w`` the only rounding is of ``w_f * 2**62`` to an integer (at most one unit, 2**-64 turn, and
 none at all when ``|w_f| >= 2**-39``): over 10^6 steps the stored angle stays within
 10^6 x 2**-64 turn (3.4e-13 rad) of the float64 sum
-of the same fp32 increments, whatever their signs (tests/test_rotary.py iterates 10^6 steps).
+of the same fp32 increments, whatever their signs (tests/contract/test_rotary.py iterates 10^6 steps).
 
 ``cos``/``sin`` of a stored angle: the top bits are the quadrant, ``k = round(q / 2**62)``; the
 rest, ``r = q - k 2**62`` in [-2**61, 2**61), is at most an eighth of a turn; ``x = r * 2 pi / 2**64``

@@ -223,14 +223,14 @@ REPLAY_WARPS = {(32, 32, 4, "float32"): 4}
 #: path's R x R tables and the ring's terms beside a flush's slab used stack at the replayed default in
 #: 16 of the 28 shapes that compile clean at the K-token default on sm_90a and 15 of 27 on sm_100a
 #: (every N, D and 16/32-bit state at K = 4, 2026-11-27); at R <= 4 none that was clean there did
-#: (the known spills, tests/test_kernel_compile.py's REPLAY_SPILLS, stay).
+#: (the known spills, tests/kernel/test_kernel_compile.py's REPLAY_SPILLS, stay).
 CHECKPOINT_REPLAY_MAX_MIMO = 4
 
 
 #: replayed verify steps' warps, by (N, D, R, state dtype), where the replay default used stack:
 #: the fewest at which the K = 4, T = 4 verify step compiled with none on both sm_90a and sm_100a
 #: (a sweep at 2, 4 and 8 warps of every shape that spilled, 2026-11-27: at their default each ran
-#: at the 255-register cap; tests/test_kernel_compile.py's full matrix checks every shape at its
+#: at the 255-register cap; tests/kernel/test_kernel_compile.py's full matrix checks every shape at its
 #: default). N = 256, D = 128 with a 16-bit state is not here: it uses stack at 8 warps, and at 16
 #: (the register cap halved to 128; compiled with the layout forced to keep the state, which the
 #: register model refuses) R = 4 bf16 spilled 660 bytes on sm_90a (2026-11-27). A verify thread
@@ -252,7 +252,7 @@ VERIFY_WARPS = {
 #: at their default 8-200 bytes, the append's re-staged B~ or rounded operands beside the R x R tables).
 #: No warp count was clean for bf16 N = 128 D = 128 R = 8 on sm_90a, int8 N = 256 D = 128 R = 2, rotary
 #: N = 128 D = 128 R = 4 (sm_90a) and R = 8, rotary N = 256 D = 64 R = 8 (8-88 bytes at 8 warps; 16 has no
-#: layout): they keep their defaults (tests/test_kernel_compile.py's REPLAY_STATES_SPILLS). One exception
+#: layout): they keep their defaults (tests/kernel/test_kernel_compile.py's REPLAY_STATES_SPILLS). One exception
 #: to "the fewest": bf16 N = 128 D = 128 R = 1 compiled clean at 4 warps only at the 255-register cap on
 #: both targets, so it takes 16 (121 registers). The flagship's rotary layer (B/C shared by the heads) is
 #: clean at its default and not listed. Their speed at these warps is not measured.
@@ -278,7 +278,7 @@ CHECKPOINT_STATES_WARPS = {
 #: T = 4). N = 256 D = 64 R = 1 fp16 is clean at 4 warps only at 254 registers and takes 16 (94). Left:
 #: N = 256 D = 64 R = 1 fp32 on sm_90a (8 bytes at 8 warps, the only count with a layout) and N = 256
 #: D = 128 R = 8 with a 16-bit state (160-264 bytes at 8 warps, as the replayed verify step):
-#: tests/test_kernel_compile.py's CHECKPOINT_VERIFY_SPILLS. Their speed at these warps is not measured.
+#: tests/kernel/test_kernel_compile.py's CHECKPOINT_VERIFY_SPILLS. Their speed at these warps is not measured.
 CHECKPOINT_VERIFY_WARPS = {
     (32, 32, 1, "float32"): 4,
     (32, 64, 2, "bfloat16"): 4,

@@ -27,12 +27,24 @@ process.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from mamba3_step import compile_cache as cc
 from mamba3_step.compile_cache import front
+
+#: the suite's folders, by the layer they test: contract/ (the contract and the CPU path), kernel/
+#: (compiles and their facts), ptx/ (the kernel's PTX executed), serving/, tools/, package/ (the
+#: package's shape and docs), gpu/. The shared helpers (helpers.py, ptx_harness.py, the fuzz surfaces)
+#: stay in tests/, and kernel/test_kernel_compile.py's specialisation tables are imported by the PTX
+#: tier's tests: both folders are importable from every test.
+TESTS = Path(__file__).resolve().parent
+for _folder in (TESTS, TESTS / "kernel"):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 
 # --------------------------------------------------------------------------- options, markers
@@ -47,7 +59,7 @@ def pytest_addoption(parser):
         "--fuzz-long",
         action="store_true",
         default=False,
-        help="run the public-surface fuzz harness (tests/test_fuzz_surface.py) for 20,000 examples",
+        help="run the public-surface fuzz harness (tests/contract/test_fuzz_surface.py) for 20,000 examples",
     )
 
 

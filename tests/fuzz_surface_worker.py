@@ -1,4 +1,4 @@
-"""The fuzz harness's worker (run by tests/test_fuzz_surface.py in a subprocess: a crash must not
+"""The fuzz harness's worker (run by tests/contract/test_fuzz_surface.py in a subprocess: a crash must not
 take the test runner with it).
 
     python tests/fuzz_surface_worker.py EXAMPLES SEED [step|replay|helpers]

@@ -141,7 +141,7 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
         The compiled function is called through tvm-ffi, which passes a tuple argument as an ffi
         Array (about twice the host cost of flat arguments), so the launcher keeps one parameter per
         field, and the compiled signature shows their names. The list is written out here;
-        tests/test_kernel_parts.py checks that it is ``KERNEL_ARGUMENT_NAMES`` plus the stream.
+        tests/kernel/test_kernel_parts.py checks that it is ``KERNEL_ARGUMENT_NAMES`` plus the stream.
         """
         self.launch(KernelArgs(
             state=state, Bstate=Bstate, Xstate=Xstate, A=A, B=B, C=C, D=D, x=x, dt=dt, trap=trap, xproj=xproj,

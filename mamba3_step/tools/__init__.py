@@ -1,6 +1,6 @@
 """The project's tools: what a developer runs, never what a server imports.
 
-``import mamba3_step`` loads none of these (tests/test_architecture.py holds it). They sit above
+``import mamba3_step`` loads none of these (tests/package/test_architecture.py holds it). They sit above
 the runtime and import from it; nothing in the runtime imports them.
 
 * :mod:`.cli`: ``python -m mamba3_step {demo,verify,inspect,precompile}``

@@ -88,7 +88,7 @@ def issue_model(warp_instructions_per_slab: float, bytes_per_slab: float, gpu: G
 #: executed PTX warp-instructions per state slab of the flagship (pool mode, update_kv_state; one live
 #: (lane, head)), stepwise and with replay: ``(F, from_checkpoint) -> (num_warps, counts at ring positions
 #: 0..F-1)`` at the default tiling. Measured by the PTX execution tier (``python bench/issue_model.py``
-#: prints them; tests/test_issue_model.py re-executes F = 2 and 4 and holds these equal).
+#: prints them; tests/tools/test_issue_model.py re-executes F = 2 and 4 and holds these equal).
 REPLAY_EXECUTED = {
     "stepwise": 6152,
     (2, False): (4, (6284, 9422)),
@@ -105,7 +105,7 @@ REPLAY_EXECUTED = {
 #: token; its default 8 warps), and per F the replay verify kernel's at the committed-token counts
 #: the steady state visits when every draft is accepted by the next step (F = 2 and 4: 4 every step,
 #: a flush; F = 8: 4, then 8 with a flush). Measured by the PTX execution tier
-#: (``mamba3_step.tools.verify.verify_instructions``; tests/test_issue_model.py re-executes F = 2, 4 and today's).
+#: (``mamba3_step.tools.verify.verify_instructions``; tests/tools/test_issue_model.py re-executes F = 2, 4 and today's).
 VERIFY_EXECUTED = {"today": 25362, 2: {4: 33053}, 4: {4: 33069}, 8: {4: 32947, 8: 44901}}
 #: the same with ``replay_from_checkpoint``: no draft stepped, their outputs by the algebra from the checkpoint
 #: (a flush's, the committed tokens replayed; else the row's, the committed tokens in the sums; 2026-11-28)
@@ -151,7 +151,7 @@ def replay_issue_model(flush_length: int, from_checkpoint: bool, gpu: GPU, batch
 #: stepwise count, counts at ring positions 0..F-1)``. ``"rotary"`` is the rotary flagship
 #: (``flagship_rotary_spec``). Measured 2026-11-27 (from the checkpoint 2026-11-28) by the PTX
 #: execution tier (``python bench/issue_model.py --replay-states`` prints them;
-#: tests/test_issue_model.py re-executes them with --full-matrix).
+#: tests/tools/test_issue_model.py re-executes them with --full-matrix).
 REPLAY_STATES_EXECUTED = {
     "rotary": ({"rotary": True}, 4, 6559, (6898, 10207, 13591, 17006)),
     "bf16 state, stochastic rounding": ({"state_dtype": "bfloat16", "stochastic_rounding": True}, 4, 11508,

@@ -375,7 +375,7 @@ def percent_of_copy(design: Design, batch: int, heads: int, gpu_name: str, compu
 
 #: dependent global round trips of the flagship's CTA today, as :func:`global_round_trips` reads them from
 #: its SASS on sm_90a and sm_100a (index; staging + 9 (sm_100a: 8) of 16 state loads; the other 7 (8);
-#: the epilogue's operands); tests/test_latency_model.py holds them equal
+#: the epilogue's operands); tests/tools/test_latency_model.py holds them equal
 FLAGSHIP_TRIPS = 4
 #: ``(round trips, CTAs per SM)`` of today's kernel for each state form the designs' table models
 #: (sm_90a, default tiling; the replay kernel with replayed outputs), as :func:`global_round_trips` and the

@@ -1,7 +1,7 @@
 """GPU suite for the replay kernel (skipped without CUDA; docs/contract.md, "Replay").
 
 Passed on an H200 (2026-11-27). The checks the PTX tier makes on the CPU
-(tests/test_ptx_replay.py), on the real kernel and at batch sizes the tier cannot afford:
+(tests/ptx/test_ptx_replay.py), on the real kernel and at batch sizes the tier cannot afford:
 
 * a decode crossing several flushes, rows at staggered ring positions, every padding kind:
   ``mamba3_step_fn``'s replay mode bit-identical to the stepwise kernel (``mamba3_step_fn``, pool mode with

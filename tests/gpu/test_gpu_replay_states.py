@@ -3,7 +3,7 @@ with scales (skipped without CUDA; docs/contract.md, "Replay").
 
 Passed on an H200 (2026-11-28), after the run found that the graph runner's capture warm-up advanced
 ``rand_seed`` (fixed in ``CudaGraphStepRunner.capture``); the PTX tier executes the same kernel code on the CPU
-(tests/test_ptx_replay.py and test_ptx_replay_verify.py: the rotary, stochastically rounded and
+(tests/ptx/test_ptx_replay.py and test_ptx_replay_verify.py: the rotary, stochastically rounded and
 8-bit specialisations). On the real kernel, against the stepwise pool of the same kind:
 
 * a replay pool of the flagship rotary layer (S = 32 angles, B/C biases, B/C shared by the heads):

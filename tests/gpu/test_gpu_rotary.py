@@ -1,7 +1,7 @@
 """GPU suite for the rotary specialisations (skipped without CUDA; docs/contract.md, "Rotary angle").
 
 Passed on an H200 (2026-11-27). The same checks the PTX tier makes on the CPU
-(tests/test_ptx_rotary.py), on the real kernel and at batch sizes the tier cannot afford:
+(tests/ptx/test_ptx_rotary.py), on the real kernel and at batch sizes the tier cannot afford:
 
 * pool mode bit-identical to gather -> dense kernel -> scatter (angle rows included) for the
   layer's flagship rotary, SISO pairwise with rope fraction 1.0, fp16 per-head B/C, every padding

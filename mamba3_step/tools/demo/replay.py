@@ -1,6 +1,6 @@
 """The demo's replay round (docs/design/replay.md), on the CPU path, so that it runs on any
 machine (the replay kernel's plain and verify steps are checked against the executed stepwise kernel
-by the PTX tier: tests/test_ptx_replay.py, tests/test_ptx_replay_verify.py).
+by the PTX tier: tests/ptx/test_ptx_replay.py, tests/ptx/test_ptx_replay_verify.py).
 
 One layer's pool is decoded twice from the same rows: stepwise (the pool-mode CPU path with
 ``update_kv_state``) and with replay (:mod:`mamba3_step.replay`: a checkpoint and a ring of F - 1

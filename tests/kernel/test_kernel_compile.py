@@ -258,7 +258,7 @@ REPLAY_SMALL = {
 
 #: verify steps with fewer drafts than their ring holds (a ring made for T = 3, StepSpec.replay_draft),
 #: and a one-token step committing drafts, beside the T = 3 step that fills the ring:
-#: tests/test_ptx_replay_verify.py alternates them
+#: tests/ptx/test_ptx_replay_verify.py alternates them
 _SMALL_VERIFY = REPLAY_VERIFY["N32-D64-R2-bf16state-replay-K2-verify-T2-noz"]
 REPLAY_VERIFY_MIXED = {
     "N32-D64-R2-bf16state-replay-K2-verify-T3-noz": _SMALL_VERIFY.replace(tokens=3),
@@ -767,7 +767,7 @@ def test_replayed_steps_take_two_warps_where_the_one_token_default_is_one():
 #: replay with a launch bound of 3 CTAs per SM (StepSpec.min_ctas_per_sm, an experiment's knob: the
 #: stepwise step's residency, which replay needed to pay on the H200; docs/performance.md 3d): the rotary
 #: layer at K = 2 and fp32 at K = 4, 194 registers (2 CTAs) without it. The PTX tier executes them
-#: (tests/test_ptx_replay.py); the stack each uses under the bound, by arch (2026-11-28), is asserted exactly.
+#: (tests/ptx/test_ptx_replay.py); the stack each uses under the bound, by arch (2026-11-28), is asserted exactly.
 LAUNCH_BOUND = {
     "flagship-rotary-replay-K2-3ctas": flagship_rotary_spec(replay_ring=2, min_ctas_per_sm=3),
     "flagship-replay-K4-3ctas": flagship_spec(replay_ring=4, min_ctas_per_sm=3),

@@ -26,13 +26,13 @@ from mamba3_step.tensors import KERNEL_ARGUMENT_NAMES, LANE_FIELDS, RING_FIELDS,
 from mamba3_step.validation.table import RULE_BY_NAME, RULES
 from mamba3_step.testing import make_inputs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DECLARED = StepTensors._fields + StepOptions._fields
 #: the functions allowed more than 12 parameters (self/cls not counted; *args and **kwargs one each)
 MAX_PARAMETERS = 12
 #: the one flat public signature, and the kernel's launcher: tvm-ffi passes a bundle as an ffi Array (about
 #: twice the host cost of flat arguments), so it takes one parameter per KernelArgs field
-#: (tests/test_kernel_parts.py checks the list)
+#: (tests/kernel/test_kernel_parts.py checks the list)
 LONG_SIGNATURES = {("api.py", "mamba3_step_fn"), ("step.py", "__call__")}
 
 

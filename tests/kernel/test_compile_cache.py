@@ -30,7 +30,7 @@ from mamba3_step.compile_cache import key, store
 from mamba3_step.spec import StepSpec, flagship_spec
 from mamba3_step.tensors import KERNEL_ARGUMENT_NAMES
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ARCH = "sm_90a"
 SMALL = flagship_spec(dstate=32, headdim=32, mimo=1)  # the cheapest real compile (~0.6 s)
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

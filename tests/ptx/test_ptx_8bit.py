@@ -6,7 +6,7 @@ speculative step):
 
 1. given the same fp32 new state, the executed kernel stores the codes and scales the CPU path
    stores, bit for bit, for the same seed and offset (docs/contract.md, "8-bit states"). The
-   inputs make the update's fp32 arithmetic the same in both (as tests/test_ptx_rounding.py:
+   inputs make the update's fp32 arithmetic the same in both (as tests/ptx/test_ptx_rounding.py:
    A = 0, trap = 1, a power-of-two dt, bf16 operands); the old state ``q * scale`` is a general
    fp32 value, so the absmax, the two IEEE divisions and the product ``new * inv`` are exercised
    on arbitrary values;

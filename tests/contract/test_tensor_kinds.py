@@ -21,7 +21,7 @@ import pytest
 
 from mamba3_step.tensors import StepTensors
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KINDS = ("nested", "sparse", "mkldnn", "quantized", "meta", "freed", "complex", "bool")
 PATHS = ("fn", "fn cached", "plan.run", "op", "decode_step", "runner", "replay fn", "replay plan.run")
 ARGS = ("x", "A", "state", "state_batch_indices", "D", "angle_state", "angle_proj", "B_bias")

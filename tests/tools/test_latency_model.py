@@ -203,7 +203,7 @@ def test_refused_inputs():
 
 
 def _bench():
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
     if bench not in sys.path:
         sys.path.insert(0, bench)
     spec = importlib.util.spec_from_file_location("bench_latency_model", os.path.join(bench, "latency_model.py"))

@@ -17,7 +17,7 @@ import pytest
 from mamba3_step import api, compile_cache, launch
 from mamba3_step import plan as plan_module
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
 
 
 def _load():

@@ -19,7 +19,7 @@ from mamba3_step.testing import LayerShape
 
 SMALL = LayerShape(H=2, D=32, N=32, R=2)  # a small layer, quick on the CPU path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _max_err(text: str) -> float:

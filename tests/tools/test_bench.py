@@ -21,7 +21,7 @@ from mamba3_step.tools.issue_model import GPUS, REPLAY_STATES_EXECUTED, replay_s
 from mamba3_step.spec import flagship_spec
 from mamba3_step.testing import bits_equal
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
 
 
 def _load(name):

@@ -5,11 +5,11 @@
 * the state is read as ``q * scale`` and stored by ``rounding.quantize_rows`` with the step's bits;
   untouched rows and padding keep every code and scale;
 * T tokens equal T one-token steps at offsets offset + t (codes and scales, bit for bit:
-  tests/test_stochastic_step.py, with the 16-bit states);
+  tests/contract/test_stochastic_step.py, with the 16-bit states);
 * the stored state is unbiased: its mean over many offsets is the fp32 new state (a statistical
   test with a stated false-failure rate);
 * the op and a plan run it like ``mamba3_step_fn`` (pool mode = gather -> dense -> scatter:
-  tests/test_stochastic_step.py, with the 16-bit states).
+  tests/contract/test_stochastic_step.py, with the 16-bit states).
 
 Letters: B lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
 """

@@ -24,7 +24,7 @@ from mamba3_step.tools import cli  # noqa: E402
 from mamba3_step.tools import inspection as I  # noqa: E402
 from mamba3_step.specsets import spec_label, specs_from_args  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PTXAS = shutil.which("ptxas")
 needs_ptxas = pytest.mark.skipif(PTXAS is None, reason="ptxas not installed (cross-check only)")
 needs_nvdisasm = pytest.mark.skipif(I.find_nvdisasm() is None, reason="nvidia-cuda-nvdisasm not installed")

@@ -19,7 +19,7 @@ from mamba3_step.testing import speculative_indices
 
 def _dtypes(draw) -> dict:
     """Storage dtypes; 8-bit states (stochastic rounding and scales) have their own tests
-    (tests/test_ptx_8bit.py, tests/test_eight_bit_step.py)."""
+    (tests/ptx/test_ptx_8bit.py, tests/contract/test_eight_bit_step.py)."""
     return {name: draw(st.sampled_from(group)) for name, group in (
         ("state_dtype", [d for d in STATE_DTYPES if d not in SCALED_STATE_DTYPES]), ("kv_dtype", KV_DTYPES), ("x_dtype", X_DTYPES), ("proj_dtype", PROJ_DTYPES))}
 
