@@ -1,4 +1,4 @@
-"""Benchmark: cold compile vs warm load of the step kernel through the disk cache (issue 4).
+"""Benchmark: cold compile vs warm load of the step kernel through the disk cache.
 
 Prints, for the flagship specialisation (N=128, D=64, R=4, fp32 state, bf16 B/x/z/proj, pool
 mode, update_kv_state, z, outproj), each figure measured in fresh Python processes:
@@ -11,7 +11,7 @@ mode, update_kv_state, z, outproj), each figure measured in fresh Python process
   from ``import mamba3_step`` to a loaded flagship kernel;
 * per configuration: warm loads of several specialisations in one fresh process.
 
-Targets (issue 4): warm load <= 50 ms per configuration and >= 20x faster than a cold compile.
+Targets: warm load <= 50 ms per configuration and >= 20x faster than a cold compile.
 ``import mamba3_step`` imports torch and (since the compile cache's store imports it at module
 level) tvm_ffi; the first load in a process still pays the first library load once.
 Nothing is launched (no GPU needed): kernels are compiled for ``--arch`` and loaded.

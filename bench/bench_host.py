@@ -1,4 +1,4 @@
-"""Host overhead of one step (issue 11): the time from the Python call to the kernel launch, on the CPU.
+"""Host overhead of one step: the time from the Python call to the kernel launch, on the CPU.
 
     python bench/bench_host.py [--batches 1,64,256] [--calls 4000] [--rounds 5] [--inference-mode]
                                [--out DIR] [--no-plot]
@@ -290,8 +290,8 @@ def _plot(plt, rows, path) -> None:
         ax.bar([x + i * width for x in xs], [r[case] for r in rows], width, label=case)
     ax.set_xticks([x + width * (len(CASES) - 1) / 2 for x in xs])
     ax.set_xticklabels([f"B={r['batch']}" for r in rows])
-    ax.axhline(15, color="gray", linestyle="--", linewidth=0.8, label="issue 11 target, eager (15 us)")
-    ax.axhline(5, color="gray", linestyle=":", linewidth=0.8, label="issue 11 target, plan/run (5 us)")
+    ax.axhline(15, color="gray", linestyle="--", linewidth=0.8, label="target, eager (15 us)")
+    ax.axhline(5, color="gray", linestyle=":", linewidth=0.8, label="target, plan/run (5 us)")
     ax.set_ylabel("median us per call (host only)")
     ax.set_title("mamba3_step host overhead, flagship, CPU (launch is a no-op)")
     ax.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08))

@@ -1,5 +1,5 @@
 """Drift benchmark (CPU, about a minute): how far a recurrent state stored in fewer bits drifts from the
-unrounded trajectory over a long decode (issue 21, item 3).
+unrounded trajectory over a long decode.
 
     python bench/drift_bench.py [--out DIR] [--steps 8192] [--heads 4] [--seed 0] [--no-plot]
 

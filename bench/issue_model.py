@@ -7,7 +7,7 @@ Compiles the flagship as servers run it (pool mode with update_kv_state; N=128, 
 state, bf16 B/x/proj, z and outproj) for sm_90a and sm_100a, counts its SASS, executes its PTX
 on the CPU (``--no-execute`` skips that), and prints
 
-1. the comparison table of issue #11: SASS instructions per thread, threads per CTA,
+1. the comparison table against upstream: SASS instructions per thread, threads per CTA,
    warp-instructions per (64 x 128) state slab and registers, upstream's dense kernel as a
    stated constant (``mamba3_step.tools.issue_model.UPSTREAM``, with its source) next to this
    project's kernel;
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     compiled = compiled_rows(spec)
     executed = None if args.no_execute else executed_facts(spec)["warp_instructions_per_cta"]["total"]
     rows = model_rows(spec, compiled, executed)
-    print("warp-instructions per (64 x 128) state slab, flagship (upstream: stated constant, issue #11)")
+    print("warp-instructions per (64 x 128) state slab, flagship (upstream: stated constant)")
     print(_util.format_table(compiled, TABLE))
     print("\nissue model per SM and slab: issue time = warp-instructions / (4 per clock x clock), memory "
           "time = bytes per slab / (HBM bandwidth / SMs)")

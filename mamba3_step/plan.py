@@ -48,7 +48,6 @@ serving loops; under ``torch.compile`` call ``mamba3_step_fn`` (it becomes the c
 
 from __future__ import annotations
 
-from inspect import Parameter
 
 import torch
 
@@ -58,16 +57,14 @@ from .launch import kernel_for
 from .replay_validation import check_replay_inputs, is_replay_call
 from .ring_guard import RingGuard
 from .spec import StepSpec
-from .signature import STEP_SIGNATURE, TENSOR_SIGNATURE, StepOptions, make_binder, split_call, validated_options
-from .tensors import StepTensors, kernel_arguments
+from .signature import STEP_SIGNATURE, StepOptions, make_binder, split_call, validated_options
+from .tensors import Ring, StepTensors, kernel_arguments
 from .validation import CheckedSignature, check_options, check_step_inputs
 from .validation.cache import ADMIT
 
 __all__ = ["StepPlan", "StepPlanMismatch", "plan_step"]
 
 _OUT = StepTensors._fields.index("out")
-#: a run's call bound as the StepTensors fields (Python's own binding of TENSOR_SIGNATURE)
-_bind_run = make_binder("run", TENSOR_SIGNATURE)
 _bind_plan = make_binder("plan_step", STEP_SIGNATURE)
 _X = StepTensors._fields.index("x")
 _RING = StepTensors._fields.index("replay_ring")
@@ -119,16 +116,29 @@ class StepPlan:
         one_token_axis = x.dim() == 4 and x.shape[1] == 1
         self._fast = self._kernel is not None and not one_token_axis and not validate_indices
 
-    def run(self, *args, **kwargs) -> torch.Tensor:
+    def run(self, state: torch.Tensor, Bstate: torch.Tensor, Xstate: torch.Tensor, A: torch.Tensor,
+            B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+            trap: torch.Tensor, xproj: torch.Tensor, outproj: torch.Tensor | None = None,
+            state_out: torch.Tensor | None = None, out: torch.Tensor | None = None, z: torch.Tensor | None = None,
+            zproj: torch.Tensor | None = None, *, state_batch_indices: torch.Tensor | None = None,
+            dst_state_batch_indices: torch.Tensor | None = None, null_slot_id: int | None = None,
+            num_accepted_tokens: torch.Tensor | None = None, angle_state: torch.Tensor | None = None,
+            angle_proj: torch.Tensor | None = None, B_bias: torch.Tensor | None = None,
+            C_bias: torch.Tensor | None = None, rand_seed: torch.Tensor | None = None,
+            rand_rows: torch.Tensor | None = None, state_scale: torch.Tensor | None = None,
+            replay_ring: Ring | None = None) -> torch.Tensor:
         """One step of the planned signature: ``mamba3_step_fn``'s tensor arguments (shapes: its
         docstring; ``replay_ring`` for a replay plan), without its options. Returns ``out``
-        (allocated when None, like ``mamba3_step_fn``).
+        (allocated when None, like ``mamba3_step_fn``). The parameters are written out (the per-step
+        path binds no call; tests/contract/test_declaration.py holds them to the declaration).
 
         Raises:
             TypeError, ValueError: bad input, exactly as ``mamba3_step_fn`` raises it.
             StepPlanMismatch: a valid call of another signature (the message names what changed).
         """
-        call = _bind_run(*args, **kwargs)
+        call = (state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj,
+                state_batch_indices, dst_state_batch_indices, null_slot_id, num_accepted_tokens, angle_state,
+                angle_proj, B_bias, C_bias, rand_seed, rand_rows, state_scale, replay_ring)
         out = call[_OUT]
         if (torch.is_inference_mode_enabled() is not self._inference or self._sig.admits(call) != ADMIT
                 or (call[_RING] is not None if self._ring is None else not self._ring.admits(call))):
@@ -209,6 +219,4 @@ def plan_step(*args, **kwargs) -> StepPlan:
 
 
 plan_step.__signature__ = STEP_SIGNATURE.replace(return_annotation="StepPlan")
-StepPlan.run.__signature__ = TENSOR_SIGNATURE.replace(
-    parameters=[Parameter("self", Parameter.POSITIONAL_OR_KEYWORD), *TENSOR_SIGNATURE.parameters.values()],
-    return_annotation="torch.Tensor")
+

@@ -14,9 +14,8 @@ The public signature (:data:`STEP_SIGNATURE`) is those fields in that order: the
 by keyword. ``mamba3_step_fn`` is written out flat (it is the documented function; a test holds
 it equal to :data:`STEP_SIGNATURE`). Every other entry point takes ``*args, **kwargs``, carries
 its signature as ``__signature__`` (so ``inspect.signature`` and ``help`` show the real
-parameters) and binds a call with a function generated from that signature
-(:func:`make_binder`): Python's own argument binding, so a wrong call gets Python's TypeError
-naming the entry point, at the cost of one extra call. An entry point that supplies some
+parameters) and binds a call with :func:`make_binder`, which follows Python's own rules for a
+function of that signature, so a wrong call gets Python's TypeError naming the entry point. An entry point that supplies some
 arguments itself (``decode_step`` takes the rows and ``null_slot_id`` from a pool) or names them
 differently declares a :class:`View` of the signature instead of a list of parameters.
 
@@ -120,24 +119,87 @@ def split_call(values: tuple) -> tuple[StepTensors, StepOptions]:
     return tuple.__new__(StepTensors, values[:_NUM_TENSORS]), tuple.__new__(StepOptions, values[_NUM_TENSORS:end])
 
 
+class _Required:
+    """The marker of a parameter without a default, in a binder's template."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+_REQUIRED = _Required()
+
+
+def _positional_range(low: int, high: int) -> str:
+    return str(high) if low == high else f"from {low} to {high}"
+
+
 def make_binder(name: str, signature: Signature) -> Callable[..., tuple]:
-    """A function named ``name`` with exactly ``signature`` that returns its arguments as a tuple,
-    in the signature's order: the entry points' argument binding, done by Python itself."""
-    params, names, defaults, star = [], [], {}, False
-    for i, p in enumerate(signature.parameters.values()):
-        if p.kind is Parameter.KEYWORD_ONLY and not star:
-            params.append("*")
-            star = True
-        text = p.name
-        if p.default is not Parameter.empty:
-            defaults[f"_default{i}"] = p.default
-            text += f"=_default{i}"
-        params.append(text)
-        names.append(p.name)
-    source = f"def {name}({', '.join(params)}):\n    return ({', '.join(names)},)\n"
-    namespace = dict(defaults)
-    exec(compile(source, f"<{name} arguments>", "exec"), namespace)  # noqa: S102 - generated from the declaration
-    return namespace[name]
+    """A function named ``name`` binding a call to exactly ``signature``: it returns the arguments as a
+    tuple, in the signature's order, defaults filled in, and refuses a call Python would refuse for a
+    function of that signature with Python's ``TypeError`` (naming ``name``): too many positional
+    arguments, an unknown keyword, a value given twice, a required argument missing."""
+    params = list(signature.parameters.values())
+    names = tuple(p.name for p in params)
+    known = frozenset(names)
+    positional = sum(p.kind in (Parameter.POSITIONAL_ONLY, Parameter.POSITIONAL_OR_KEYWORD) for p in params)
+    template = tuple(_REQUIRED if p.default is Parameter.empty else p.default for p in params)
+    required = [i for i, p in enumerate(params) if p.default is Parameter.empty]
+    least = sum(1 for i in required if i < positional)
+    # per count of positional arguments given: the names they took, and the required names still to come
+    taken = [frozenset(names[:n]) for n in range(positional + 1)]
+    still_required = [frozenset(names[i] for i in required if i >= n) for n in range(positional + 1)]
+
+    def refuse(given: int, kwargs: dict) -> TypeError:
+        """Python's TypeError for a call this signature does not take (the call is known to be wrong)."""
+        if given > positional:
+            return TypeError(f"{name}() takes {_positional_range(least, positional)} positional arguments but "
+                             f"{given} were given")
+        for key in kwargs:
+            if key not in known:
+                return TypeError(f"{name}() got an unexpected keyword argument '{key}'")
+            if key in taken[given]:
+                return TypeError(f"{name}() got multiple values for argument '{key}'")
+        missing = [n for n in names if n in still_required[given] and n not in kwargs]
+        kind = "positional" if names.index(missing[0]) < positional else "keyword-only"
+        listed = " and ".join(f"'{m}'" for m in missing) if len(missing) < 3 else \
+            ", ".join(f"'{m}'" for m in missing[:-1]) + f", and '{missing[-1]}'"
+        return TypeError(f"{name}() missing {len(missing)} required {kind} argument{'s' if len(missing) > 1 else ''}: "
+                         f"{listed}")
+
+    required_by_keyword = still_required[0]
+
+    index = {n: i for i, n in enumerate(names)}
+
+    def traced(args: tuple, kwargs: dict) -> tuple:
+        """The same binding in plain loops, which torch.compile traces (set operations on a dict's
+        keys it does not)."""
+        given = len(args)
+        if given > positional or any(key not in index or index[key] < given for key in kwargs):
+            raise refuse(given, kwargs)
+        values = list(args) + [kwargs[n] if n in kwargs else template[i] for i, n in enumerate(names) if i >= given]
+        if any(values[i] is _REQUIRED for i in required):
+            raise refuse(given, kwargs)
+        return tuple(values)
+
+    def bind(*args, **kwargs) -> tuple:
+        if torch.compiler.is_compiling():
+            return traced(args, kwargs)
+        keys = kwargs.keys()
+        if not args:  # every argument by keyword: a server's usual call
+            if keys <= known and required_by_keyword <= keys:
+                return tuple(map(kwargs.get, names, template))
+            raise refuse(0, kwargs)
+        given = len(args)
+        if given > positional or not keys <= known or not still_required[given] <= keys or \
+                not keys.isdisjoint(taken[given]):
+            raise refuse(given, kwargs)
+        return args + tuple(map(kwargs.get, names[given:], template[given:]))
+
+    bind.__name__ = bind.__qualname__ = name
+    bind.__signature__ = signature
+    return bind
 
 
 # ---------------------------------------------------------------------- views

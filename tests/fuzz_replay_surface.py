@@ -1,4 +1,4 @@
-"""The fuzz harness's replay surface (issue 23), run by ``tests/fuzz_surface_worker.py replay``.
+"""The fuzz harness's replay surface, run by ``tests/fuzz_surface_worker.py replay``.
 
 Hypothesis draws a replay entry point (``mamba3_step_fn``'s replay mode, ``check_replay_inputs`` --
 the validation every device's path runs first --, ``materialize_fn`` (its checks, then the CPU

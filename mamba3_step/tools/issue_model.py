@@ -65,7 +65,7 @@ GPUS = {
 #: upstream's dense step kernel (state-spaces/mamba's CuteDSL ``mamba3_step_fn`` as its Mamba3
 #: module calls it: tile_D 64, 4 warps) for the flagship (N=128, D=64, R=4, fp32 state, bf16
 #: B/x/proj, z and outproj), compiled with nvidia-cutlass-dsl 4.8.1 and counted from its SASS,
-#: as reported in this project's issue #11; upstream's code is not part of this project
+#: counted for this project; upstream's code is not part of it
 UPSTREAM = {
     "sm_90a": {"instructions_per_thread": 1947, "threads": 128, "warp_instructions_per_slab": 7788,
                "registers": 110},

@@ -1,4 +1,4 @@
-/* The per-call admission check of a CheckedSignature, in C (issue 11: plan/run host overhead).
+/* The per-call admission check of a CheckedSignature, in C (plan/run host overhead).
  *
  * mamba3_step/validation/cache.py holds the definition: CheckedSignature.admits (Python) answers
  * MISS, ADMIT or RECHECK for a call laid out like StepTensors. This module answers the same

@@ -141,7 +141,7 @@ def test_compiled_toy_layer_fullgraph_same_bytes_as_eager(backend):
         assert bits_equal(a, b)
 
 
-# --------------------------------------------------------------------------- issue 13, item 7
+# --------------------------------------------------------------------------- the op's messages say what arrived
 def _call_args(seed=7):
     pool, w, inp, slots, dst = _setup(seed)
     st, bs, xs = (t.clone() for t in pool.layer_tensors(0))

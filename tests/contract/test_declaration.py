@@ -33,7 +33,7 @@ MAX_PARAMETERS = 12
 #: the one flat public signature, and the kernel's launcher: tvm-ffi passes a bundle as an ffi Array (about
 #: twice the host cost of flat arguments), so it takes one parameter per KernelArgs field
 #: (tests/kernel/test_kernel_parts.py checks the list)
-LONG_SIGNATURES = {("api.py", "mamba3_step_fn"), ("step.py", "__call__")}
+LONG_SIGNATURES = {("api.py", "mamba3_step_fn"), ("step.py", "__call__"), ("plan.py", "run")}
 
 
 def _names(fn) -> tuple:
@@ -43,6 +43,15 @@ def _names(fn) -> tuple:
 def test_mamba3_step_fn_is_the_declared_signature():
     assert inspect.signature(mamba3_step_fn).replace(return_annotation=inspect.Signature.empty) == STEP_SIGNATURE
     assert _names(mamba3_step_fn) == DECLARED
+
+
+def test_a_plans_run_is_the_declared_tensor_signature():
+    """``StepPlan.run`` is written out flat (the per-step path binds no call): its parameters are the
+    declared tensors', in order, with their kinds, defaults and annotations."""
+    got = inspect.signature(StepPlan.run)
+    assert list(got.parameters)[0] == "self"
+    assert got.replace(parameters=list(got.parameters.values())[1:],
+                       return_annotation=inspect.Signature.empty) == TENSOR_SIGNATURE
 
 
 @pytest.mark.parametrize("entry", [mamba3_step_op, plan_step, ptx_step_fn])

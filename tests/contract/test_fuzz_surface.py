@@ -1,4 +1,4 @@
-"""One fuzz harness for the public surface (issue 22): every entry point fed odd tensors and odd
+"""One fuzz harness for the public surface: every entry point fed odd tensors and odd
 scalars survives, refuses with a named TypeError/ValueError, and a refused call changes no byte
 of the pool and nothing in its allocator.
 

@@ -1,4 +1,4 @@
-"""Plan once, run many (issue 11): ``plan_step`` validates a call signature once; ``StepPlan.run``
+"""Plan once, run many: ``plan_step`` validates a call signature once; ``StepPlan.run``
 checks only what can change between steps and then does exactly what ``mamba3_step_fn`` does.
 
 * ``run`` equals ``mamba3_step_fn`` bit for bit on CPU tensors (every byte of every argument and

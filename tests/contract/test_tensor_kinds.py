@@ -1,4 +1,4 @@
-"""Every tensor kind gets a named refusal on every path, and the process survives (issue 22, item 2).
+"""Every tensor kind gets a named refusal on every path, and the process survives.
 
 A nested tensor on a call signature that was already validated used to reach torch's C++ tensor
 guard and abort the interpreter; a tensor whose storage was freed (``resize_(0)``) passed the

@@ -390,9 +390,9 @@ def test_validate_indices_refuses_under_graph_capture(monkeypatch):
         check_indices(torch.tensor([0, 1], dtype=torch.int32), None, 4)
 
 
-# --------------------------------------------------------------------------- issue 13, item 7
+# --------------------------------------------------------------------------- messages that say what arrived
 def test_numpy_bool_update_kv_state_is_refused_with_a_message_that_says_what_arrived():
-    """Used to say "expected a bool, got bool" (numpy's bool type is also called bool)."""
+    """Says which bool arrived: numpy's bool type is also called bool."""
     np = pytest.importorskip("numpy")
     msg = raises(TypeError, "update_kv_state", pool_call(update_kv_state=np.bool_(True)), "numpy")
     assert "got bool" not in msg
@@ -412,8 +412,7 @@ def test_numpy_integers_are_accepted_where_ints_are():
 
 @pytest.mark.parametrize("null_slot_id", [P, P + 3])
 def test_validate_indices_accepts_a_null_slot_at_or_beyond_P(null_slot_id):
-    """Lanes holding null_slot_id are padding whatever its value; they used to be reported as
-    'indices >= P ... padding must be negative or null_slot_id', which they were."""
+    """Lanes holding null_slot_id are padding whatever its value: never reported as 'indices >= P'."""
     src, dst = [0, null_slot_id, 2, -1], [3, 4, null_slot_id, -1]
     kw = _pool_indices_call(src, dst, null_slot_id=null_slot_id)
     expected = gather_dense_scatter(kw, kw["state_batch_indices"], kw["dst_state_batch_indices"],

@@ -1,4 +1,4 @@
-"""The validation cache (issue 11, host overhead): a repeated call signature is validated once, and
+"""The validation cache (host overhead): a repeated call signature is validated once, and
 afterwards only its addresses are checked; nothing the full validation refuses is ever admitted,
 and every refusal is the full validation's own named error.
 

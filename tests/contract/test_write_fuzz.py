@@ -1,5 +1,5 @@
 """Fuzz (hypothesis): random write-target defects and aliasing patterns are refused with a named
-error, and a refused call changes no byte of any input (issue 13; docs/contract.md, "Written
+error, and a refused call changes no byte of any input (docs/contract.md, "Written
 tensors and aliasing").
 
 Each example draws a valid call (pool mode, dense mode, dense mode with ``state_out``; with or

@@ -1,5 +1,5 @@
 """A failed step changes nothing, and a written tensor may not share memory with anything else
-(issue 13, items 3 and 4; docs/contract.md, "Written tensors and aliasing").
+(docs/contract.md, "Written tensors and aliasing").
 
 Every case is a call that must be refused up front with a named error; afterwards every input is
 compared byte for byte with a snapshot taken before the call.

@@ -1,4 +1,4 @@
-"""The compile cache's trust model (issue 13, items 1 and 2; docs/compile-cache.md, "Trust model").
+"""The compile cache's trust model (docs/compile-cache.md, "Trust model").
 
 Nothing is loaded from a cache directory that another user could have written: the directory,
 the directories above it and every entry are checked (owner, mode, file type) before a byte is
@@ -134,7 +134,7 @@ def test_library_planted_in_a_cache_chowned_to_another_user_is_never_loaded(tmp_
 
 
 def test_world_writable_cache_directory_is_refused(tmp_path, monkeypatch, isolated_cache):
-    """A 0777 cache directory (root-owned or not) used to be used without a word."""
+    """A 0777 cache directory (root-owned or not) is not used silently."""
     cc.set_builder(StandIn().builder)
     marker = tmp_path / "constructor-ran"
     _plant_entry(SMALL, _planted_library(tmp_path, marker))
@@ -148,7 +148,7 @@ def test_world_writable_cache_directory_is_refused(tmp_path, monkeypatch, isolat
 def test_a_cache_path_through_a_link_and_dotdot_is_checked_where_it_is_read(tmp_path, monkeypatch):
     """``private/link/../cache`` with ``link`` pointing into a world-writable directory: checked
     lexically it was ``private/cache`` (trusted), opened it was ``shared/cache``, where a library
-    planted by anyone was loaded (issue 22, item 1). The resolved directory is the one checked."""
+    planted by anyone was loaded. The resolved directory is the one checked."""
     cc.set_builder(StandIn().builder)
     private, shared = tmp_path / "private", tmp_path / "shared"
     private.mkdir(mode=0o700)
@@ -241,7 +241,7 @@ def test_entry_owned_by_another_user_inside_a_trusted_cache_is_rebuilt(isolated_
 
 # ------------------------------------------------------------------ item 2: how the cache touches the disk
 def test_cache_directories_and_files_are_private_even_under_umask_000(tmp_path, monkeypatch):
-    """Directories used to be created 0755 (0777 under umask 000), missing parents included."""
+    """Directories are created private (not 0755, nor 0777 under umask 000), missing parents included."""
     root = tmp_path / "a" / "b" / "cache"
     monkeypatch.setenv(cc.ENV_CACHE_DIR, str(root))
     old = os.umask(0)

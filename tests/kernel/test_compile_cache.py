@@ -1,4 +1,4 @@
-"""The compile cache (issue 4): one compile per specialisation, persistent AOT disk cache, precompile.
+"""The compile cache: one compile per specialisation, persistent AOT disk cache, precompile.
 
 Letters (docs/contract.md): B batch lanes, P pool rows, H heads, D head dim, N state size, R MIMO rank.
 

@@ -58,7 +58,7 @@ def _speculative(**changes) -> dict:
     return dict(pool=True, has_dst=True, dst_per_token=True, num_accepted=True, **changes)
 
 
-# Multi-token steps (issue 10): every T-specific path (per-token and final destinations, accepted
+# Multi-token steps: every T-specific path (per-token and final destinations, accepted
 # counts, dense with state_out, several CTAs per lane, each state dtype) at least once.
 MULTI_TOKEN = {
     "flagship-T2-spec": flagship_spec(tokens=2, **_speculative()),
@@ -88,7 +88,7 @@ def with_tokens(spec: StepSpec, T: int) -> StepSpec:
     return s if tiling_problem(s.with_default_tiling()) is None else s.replace(tile_D=0, num_warps=0)
 
 
-# Rotary (issue 20): the layer's flagship form, SISO pairwise with rope fraction 1.0, a 16-bit
+# Rotary: the layer's flagship form, SISO pairwise with rope fraction 1.0, a 16-bit
 # state in dense mode, fp16 with separate destinations, and a speculative step.
 ROTARY = {
     "flagship-rotary": flagship_rotary_spec(),
@@ -106,7 +106,7 @@ ROTARY = {
 #: the state dtypes without a scale (8-bit states need stochastic rounding and state_scale: EIGHT_BIT)
 UNSCALED = tuple(d for d in STATE_DTYPES if d not in SCALED_STATE_DTYPES)
 
-# Stochastic rounding of 16-bit states (issue 21): bf16 and fp16, pool, dense, a speculative step.
+# Stochastic rounding of 16-bit states: bf16 and fp16, pool, dense, a speculative step.
 STOCHASTIC = {
     "flagship-bf16state-sr": flagship_spec(state_dtype="bfloat16", stochastic_rounding=True),
     "flagship-fp16state-sr": flagship_spec(state_dtype="float16", stochastic_rounding=True),
@@ -123,7 +123,7 @@ STOCHASTIC = {
         128, 128, 8, "float16", pool=True, has_dst=True, update_kv_state=True, stochastic_rounding=True),
 }
 
-# 8-bit states with scales (issue 21): int8 and e4m3, pool, dense (with rand_rows), R = 8, a speculative step.
+# 8-bit states with scales: int8 and e4m3, pool, dense (with rand_rows), R = 8, a speculative step.
 EIGHT_BIT = {
     "flagship-int8state": flagship_spec(state_dtype="int8", stochastic_rounding=True),
     "flagship-fp8state": flagship_spec(state_dtype="float8_e4m3fn", stochastic_rounding=True),
@@ -137,7 +137,7 @@ EIGHT_BIT = {
                                                 **_speculative()),
 }
 
-# Replay (issue 23): the flagship at K = 4 (the plain-decode default), K = 2 with a bf16 state, K = 8
+# Replay: the flagship at K = 4 (the plain-decode default), K = 2 with a bf16 state, K = 8
 # with an fp16 state and B/C shared by the heads, R = 8 without outproj, fp32 x and out; outputs from
 # the checkpoint (replay_from_checkpoint) for the flagship at K = 4 and 8 and R = 8 at K = 3; the
 # flagship at K = 4 replayed at 8 warps (128 registers, 16 warps per SM: what gpu_bench.py --suite replay
@@ -479,8 +479,8 @@ def test_covering_set_covers_every_supported_value():
 
 
 #: the flagship's budgets of warp-instructions per (64 x 128) state slab, per state dtype and arch. fp32
-#: (issue #11): at least 15% fewer than the upstream dense kernel's 7,788 (sm_90a) and 7,268 (sm_100a).
-#: A stochastically rounded 16-bit state (issue 21): measured 7,864 / 7,852 (bf16) and 9,260 / 9,248
+#:: at least 15% fewer than the upstream dense kernel's 7,788 (sm_90a) and 7,268 (sm_100a).
+#: A stochastically rounded 16-bit state: measured 7,864 / 7,852 (bf16) and 9,260 / 9,248
 #: (fp16) on sm_90a / sm_100a, Philox4x32-10 about 1,290 of them (docs/performance.md, "Stochastic
 #: rounding in the kernel")
 FLAGSHIP_SLAB_BUDGET = {"float32": {"sm_90a": 6600, "sm_100a": 6200},
@@ -854,7 +854,7 @@ def test_the_one_token_default_holds_at_most_64_state_values_per_thread():
 
 
 def test_flagship_issue_model_leaves_hbm_the_bottleneck_on_h100():
-    """Issue time per slab <= 0.35 x memory time per slab on an H100 SM (issue #11's target)."""
+    """Issue time per slab <= 0.35 x memory time per slab on an H100 SM ."""
     spec = flagship_spec()
     model = issue_model(slab_warp_instructions(facts_for(spec, "sm_90a"), spec), slab_bytes(spec), GPUS["H100"])
     assert model["ratio"] <= 0.35, model

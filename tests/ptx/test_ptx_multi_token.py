@@ -1,6 +1,6 @@
 """The multi-token kernel, executed: its PTX run on the CPU for the multi-token specialisations.
 
-The same checks as the one-token kernel's (test_ptx_kernel.py), for T tokens per lane (issue 10),
+The same checks as the one-token kernel's (test_ptx_kernel.py), for T tokens per lane,
 on the specialisations test_kernel_compile.py compiles (``MULTI_TOKEN``: per-token and final
 destinations, accepted-token sources, dense with state_out, several CTAs per lane, each state
 dtype, T from 2 to 8):

@@ -191,7 +191,7 @@ def test_fork_allocates_copies():
 
 @pytest.mark.parametrize("src,n", [([0, 1], 3), (torch.tensor([0, 1]), 1), ([], 2), ([0, 1], 2), (7, 1), (0, 9)])
 def test_a_refused_fork_takes_no_slot_and_writes_no_row(src, n):
-    """Used to take its n slots before the copy refused a source of the wrong length."""
+    """A source of the wrong length is refused before any slot is taken."""
     pool = make_pool(L=1, P=8, seed=3)
     pool.alloc(2)
     before, free = snapshot(pool), pool.num_free
@@ -447,7 +447,7 @@ def test_demo_style_decode_detects_a_stray_write():
     assert not bits_equal(pool.state(0), base[0][0])
 
 
-# ---- issue 13: misuse of the serving pieces ---------------------------------------------------
+# ---- misuse of the serving pieces -------------------------------------------------------------
 def _bad_lane_inputs(n):
     """(named argument, inputs) pairs, each one defect that copy_ would broadcast or cast away."""
     good = lane_inputs(n, H, D, N, R, generator=torch.Generator().manual_seed(50))
@@ -536,7 +536,7 @@ def test_allocator_is_thread_safe(monkeypatch):
 
 
 def test_pool_refuses_unsupported_sizes_at_construction():
-    """headdim 48 / dstate 48 / mimo 3 used to be accepted and fail only at the first step."""
+    """headdim 48 / dstate 48 / mimo 3 are refused at construction, not at the first step."""
     from mamba3_step.contract import SUPPORTED_D, SUPPORTED_N, SUPPORTED_R
 
     for name, kw, listing in (("headdim", dict(headdim=48), SUPPORTED_D), ("dstate", dict(dstate=48), SUPPORTED_N),

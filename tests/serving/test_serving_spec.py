@@ -1,4 +1,4 @@
-"""CPU tests of speculative decoding in mamba3_step.serving (issue 10, "Serving").
+"""CPU tests of speculative decoding in mamba3_step.serving.
 
 * ``StatePool``'s speculative groups: ``alloc_spec`` / ``spec_indices`` / ``commit_accepted`` (rollback
   by index: no row is touched) / ``current_rows`` / ``free_spec``, their named errors (a failed call

@@ -121,7 +121,7 @@ def test_demo_as_module_subprocess():
     assert "PARITY HELD" in proc.stdout and "device=cpu" in proc.stdout
 
 
-# ---- the speculative-decoding round (issue 10) ----------------------------------------------------
+# ---- the speculative-decoding round ----------------------------------------------------
 _SPEC_SUMMARY = (r"speculative decoding: (\d+) verify steps x (\d+) layers, T=(\d+) tokens each \((\d+) random "
                  r"drafts\), (\d+) of (\d+) tokens accepted")
 
