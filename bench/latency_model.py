@@ -12,7 +12,7 @@ Prints (``mamba3_step.tools.latency_model``; every figure *modelled* unless its 
 3. the model against a measured table (``--measured``: a ``bench/gpu_bench.py`` JSON, pool mode,
    CUDA-graph replay) on the H200, side by side;
 4. the candidate designs (today, one round trip, small-batch path, pipeline) for the fp32 flagship, a
-   bf16 state rounded to nearest and stochastically, and replay K = 2 and 4: modelled % of the copy
+   bf16 state rounded to nearest and stochastically, and replay F = 2 and 4: modelled % of the copy
    bandwidth at B = 1 .. 512 on the H200.
 
 Writes ``latency_model.json`` to the output folder (default ``bench/results``); ``--json`` prints it.
@@ -77,7 +77,7 @@ def state_forms() -> dict:
              "bf16, stochastic rounding": (sr, REPLAY_STATES_EXECUTED["bf16 state, stochastic rounding"][2], None, sr)}
     for K in (2, 4):
         counts = REPLAY_EXECUTED[(K, False)][1]
-        forms[f"fp32 replay K = {K}"] = (fp32, sum(counts) / K, K, flagship_spec(replay_ring=K))
+        forms[f"fp32 replay F = {K}"] = (fp32, sum(counts) / K, K, flagship_spec(replay_ring=K))
     return forms
 
 

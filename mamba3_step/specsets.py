@@ -15,7 +15,7 @@ new one) names them the same way, through :func:`add_spec_arguments` and
   ``--dst-per-token`` ((B, T) destinations) and ``--num-accepted`` ((B, K) sources picked by
   ``num_accepted_tokens``), the multi-token flags; ``--rope-angles S``, ``--rotate-pairwise``,
   ``--bc-bias``, ``--shared-bc``, the rotary flags; ``--stochastic-rounding`` (with a 16-bit
-  ``--state-dtype``); ``--replay-ring K``, ``--replay-from-checkpoint``, ``--replay-draft T_MAX``,
+  ``--state-dtype``); ``--replay-ring F``, ``--replay-from-checkpoint``, ``--replay-draft T_MAX``,
   the replay flags; ``--materialize-ring L``: ``materialize_fn``'s flush forms for a replay pool
   whose rows the other flags name and whose rings hold L entries (``spec.flush_specs``);
 * ``--tile-d``, ``--num-warps``: the tiling (default: per configuration);
@@ -145,15 +145,15 @@ def add_spec_arguments(parser: argparse.ArgumentParser, *, modes: bool = True, a
         g.add_argument("--shared-bc", action="store_true", help="B/C with a head axis of 1 (shared by the heads)")
         g.add_argument("--stochastic-rounding", action="store_true",
                        help="store a 16-bit state with stochastic rounding (rand_seed [seed, offset])")
-        g.add_argument("--replay-ring", type=int, default=0, metavar="K",
-                       help="replay: a checkpoint and a ring, the state written every K tokens (0: stepwise)")
+        g.add_argument("--replay-ring", type=int, default=0, metavar="F",
+                       help="replay: a checkpoint and a ring, the state written every F tokens (0: stepwise)")
         g.add_argument("--replay-from-checkpoint", action="store_true",
                        help="replay: an append's out from the checkpoint and the ring (needs --replay-ring)")
         g.add_argument("--replay-draft", type=int, default=0, metavar="T_MAX",
                        help="replay: a verify step on a ring made for T_MAX > T drafts (StepSpec.replay_draft; "
                             "needs --replay-ring and --num-accepted)")
         g.add_argument("--materialize-ring", type=int, default=0, metavar="L",
-                       help="materialize_fn's flush forms for a replay pool with rings of L = K - 1 + T_MAX "
+                       help="materialize_fn's flush forms for a replay pool with rings of L = F - 1 + T_MAX "
                             "entries (1 to 31), instead of the step the other flags name")
     if arch:
         g.add_argument("--arch", default=None, help=f"target architecture, e.g. sm_90a, sm_100a "
@@ -182,9 +182,9 @@ def specs_from_args(args: argparse.Namespace) -> list[StepSpec]:
         if args.rope_angles < 0:
             raise ValueError(f"--rope-angles: expected S >= 0, got {args.rope_angles}")
         if args.replay_from_checkpoint and args.replay_ring <= 0:
-            raise ValueError("--replay-from-checkpoint needs --replay-ring K > 0")
+            raise ValueError("--replay-from-checkpoint needs --replay-ring F > 0")
         if args.replay_ring != 0 and not 2 <= args.replay_ring <= MAX_TOKENS:
-            raise ValueError(f"--replay-ring: expected K = 0 or in [2, {MAX_TOKENS}], got {args.replay_ring} (K = 1 is "
+            raise ValueError(f"--replay-ring: expected F = 0 or in [2, {MAX_TOKENS}], got {args.replay_ring} (F = 1 is "
                              f"materialize's flush form: --materialize-ring L)")
         _check_materialize_ring(args)
         changes.update(pool=args.mode == "pool", has_dst=args.dst or args.dst_per_token,
@@ -212,7 +212,7 @@ def _check_materialize_ring(args: argparse.Namespace) -> None:
     if L == 0:
         return
     if not 1 <= L <= 2 * MAX_TOKENS - 1:
-        raise ValueError(f"--materialize-ring: expected L = K - 1 + T_MAX in [1, {2 * MAX_TOKENS - 1}], got {L}")
+        raise ValueError(f"--materialize-ring: expected L = F - 1 + T_MAX in [1, {2 * MAX_TOKENS - 1}], got {L}")
     clashes = [flag for flag, on in (("--replay-ring", args.replay_ring), ("--tokens", args.tokens > 1),
                                      ("--num-accepted", args.num_accepted), ("--replay-draft", args.replay_draft),
                                      ("--replay-from-checkpoint", args.replay_from_checkpoint),

@@ -43,7 +43,7 @@ NAME = "replay-states"
 BATCHES = "256"
 #: command-line name -> the REPLAY_STATES_EXECUTED entry (its replayed form; "<entry>, from the checkpoint" the other)
 FORMS = {"rotary": "rotary", "bf16-sr": "bf16 state, stochastic rounding", "int8": "int8 state",
-         "int8-K4": "int8 state, K = 4"}
+         "int8-F4": "int8 state, F = 4"}
 #: the fields a step's inputs change each step (the rest: rows, weights, the seed)
 LANE_FIELDS = ("A", "B", "C", "x", "dt", "trap", "z", "angle_proj")
 

@@ -7,7 +7,7 @@ the slab, the update, the epilogue, the random bits), and holds the state's stor
 :mod:`.ptx_ops` the single PTX instructions, :mod:`.compile` the compile function.
 
 Without a GPU the compiled kernel is verified by executing its PTX on the CPU
-(:mod:`mamba3_step.ptx_tier`, docs/ptx-tier.md).
+(:mod:`mamba3_step.tools.ptx_tier`, docs/ptx-tier.md).
 
 Where this package sits (docs/design/architecture.md): it imports cutlass, so only the build
 layer (:mod:`mamba3_step.build`) imports it, on the first compile. Launching goes through

@@ -9,7 +9,7 @@ here, not the end of the test run), once for the stepwise surface and once for r
 (``tests/fuzz_helper_surface.py``: ``new_ring``, ``fork_row``, a replay pool's ``alloc``/``alloc_spec``,
 the graph runner's ``capture``/``step`` and stochastic ``decode_step``, each refusal compared byte for byte
 on every tensor reachable from the arguments). The default budget is 400 examples each;
-``--fuzz-long`` runs 20,000 (docs/verification-log.md has the last long run's count).
+``--fuzz-long`` runs 20,000 (docs/measured/ keeps the long runs' logs).
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parents[1]  # tests/: the worker and its surfaces
-
-
 import pytest
+
+HERE = Path(__file__).resolve().parents[1]  # tests/: the worker and its surfaces
 
 
 @pytest.mark.parametrize("surface", ["step", "replay", "helpers"])

@@ -447,7 +447,7 @@ def test_the_one_entry_point_packs_the_ring_for_the_kernel():
     entries and lengths, and the flushed rows, equal ``mamba3_step_fn``'s CPU path bit for bit, and
     every ``out`` agrees with it within bf16 rounding."""
     from mamba3_step import mamba3_step_fn
-    from mamba3_step.ptx_tier import ptx_step_fn
+    from mamba3_step.tools.ptx_tier import ptx_step_fn
 
     H, D, N, R, K, B = 2, 32, 32, 1, 2, 2
     g = torch.Generator().manual_seed(41)

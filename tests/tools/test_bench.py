@@ -267,7 +267,7 @@ def test_gpu_benchmark_without_cuda_says_so(suite, tmp_path, capsys):
     (["--heads", "0"], "--heads: expected an int >= 1, got 0"),
     (["--suite", "replay", "--ks", "2,four"], "--ks: expected comma-separated ints"),
     (["--suite", "replay", "--replay-warps", "8,"], None),
-    (["--suite", "replay-states", "--forms", "int8,int4"], "--forms: expected some of rotary,bf16-sr,int8,int8-K4"),
+    (["--suite", "replay-states", "--forms", "int8,int4"], "--forms: expected some of rotary,bf16-sr,int8,int8-F4"),
     (["--suite", "replay-verify", "--tokens", "1"], "--tokens: expected an int in [2, 16], got 1"),
     (["--suite", "replay-verify", "--outputs", "replayed,stepped"], "--outputs: expected a comma-separated subset"),
 ])

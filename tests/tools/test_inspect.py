@@ -445,8 +445,8 @@ def test_materialize_ring_flag_names_the_flush_forms(capsys):
     assert (spec.replay_ring, spec.tokens, spec.num_accepted, spec.replay_draft, spec.ring_entries) == (1, 2, True, 7, 7)
     args = cli.build_parser().parse_args(["inspect", "--materialize-ring", "31"])
     assert [s.replay_ring for s in specs_from_args(args)] == [1, 16]
-    for argv, message in ((["--replay-ring", "1", "--tokens", "2", "--num-accepted"], "--replay-ring: expected K = 0"),
-                          (["--materialize-ring", "32"], "--materialize-ring: expected L = K - 1 + T_MAX in [1, 31]"),
+    for argv, message in ((["--replay-ring", "1", "--tokens", "2", "--num-accepted"], "--replay-ring: expected F = 0"),
+                          (["--materialize-ring", "32"], "--materialize-ring: expected L = F - 1 + T_MAX in [1, 31]"),
                           (["--materialize-ring", "3", "--replay-ring", "4", "--tokens", "2"],
                            "leave out --replay-ring, --tokens"),
                           (["--materialize-ring", "3", "--num-warps", "8"], "leave out --num-warps")):

@@ -228,5 +228,5 @@ def test_bench_prints_the_model_beside_a_measured_table(tmp_path, capsys):
     model = lm.step_time(lm.Design("today", 4, REPLAY_EXECUTED["stepwise"], design.bytes_per_slab), 64, 48, "H200",
                          4.0e12)
     assert row["modelled us"] == pytest.approx(model["seconds"] * 1e6)
-    assert {r["state"] for r in payload["designs"]} >= {"fp32", "bf16, stochastic rounding", "fp32 replay K = 4"}
+    assert {r["state"] for r in payload["designs"]} >= {"fp32", "bf16, stochastic rounding", "fp32 replay F = 4"}
     assert "modelled" in capsys.readouterr().out

@@ -75,7 +75,7 @@ def inspect_spec(spec, arch: str = "sm_90a", batch: int = 256, heads: int = 48,
         "batch": batch,
         "heads": heads,
         # a replay step's: averaged over its ring positions (bytes_model.replay_bytes); None for
-        # materialize's flush form (K = 1), which is no decode step
+        # materialize's flush form (F = 1), which is no decode step
         "bytes_per_step": (None if spec.replay_ring == 1 else
                            replay_bytes(spec.replace(replay_ring=0, replay_from_checkpoint=False, replay_draft=0),
                                         spec.replay_ring, batch, heads) if spec.replay_ring
@@ -136,7 +136,7 @@ def format_report(report: dict) -> str:
             lines.append(f"    {title + ':' if i == 0 else '':<8}" + "  ".join(row[i : i + 6]))
     bps = report["bytes_per_step"]
     if bps is None:
-        lines.append("  bytes per step    not modelled: materialize's flush form (K = 1), not a decode step")
+        lines.append("  bytes per step    not modelled: materialize's flush form (F = 1), not a decode step")
         return "\n".join(lines)
     average = " averaged over ring positions" if s.get("replay_ring") else ""
     lines.append(f"  bytes per step    B={report['batch']} H={report['heads']} (all lanes live, modelled{average}):")
