@@ -347,11 +347,15 @@ def replay_step(tensors: StepTensors, ring: Ring, flush_length: int, *,
     return t.out
 
 
+#: the integer dtypes ``rows`` may have (not bool, floating, complex or quantized ones)
+_ROW_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
 def _rows(rows, device) -> Tensor:
     """``rows`` as an int64 vector on ``device``, or the named TypeError."""
     if isinstance(rows, Tensor):
         checks.check_is_tensor("rows", rows)
-        if rows.is_meta or rows.is_complex() or rows.is_floating_point() or rows.dtype == torch.bool or rows.dim() > 1:
+        if rows.is_meta or rows.dtype not in _ROW_DTYPES or rows.dim() > 1:
             raise TypeError(f"rows: expected an integer tensor of at most one dimension holding data, got "
                             f"{rows.dtype} of shape {tuple(rows.shape)} on {rows.device}")
         return rows.to(device=device, dtype=torch.int64).reshape(-1)

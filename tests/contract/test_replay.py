@@ -214,6 +214,23 @@ def test_replay_refuses_what_it_does_not_take_yet_and_bad_ring_lengths():
         materialize(t, d.ring, [6])
 
 
+@pytest.mark.parametrize("kind", ["quantized", "bool", "float", "complex", "meta", "2-D"])
+def test_materialize_refuses_rows_of_every_other_kind_by_name_and_changes_nothing(kind):
+    """``rows`` a tensor of any kind but an integer vector holding data: the named TypeError, before
+    anything is read or written (a quantized tensor included: it never reaches ``.to(int64)``)."""
+    d = Decode(6, 2, 32, 32, 2, 4, "float32", seed=3)
+    t = d.tensors(d.replay_pools, lane_inputs(2, 2, 32, 32, 2, generator=d.g, **d.io),
+                  torch.tensor([0, 1], dtype=torch.int32))
+    rows = {"quantized": torch.quantize_per_tensor(torch.tensor([0.0, 1.0]), 1.0, 0, torch.qint8),
+            "bool": torch.tensor([True]), "float": torch.tensor([1.0]), "complex": torch.tensor([1j]),
+            "meta": torch.empty(2, dtype=torch.int64, device="meta"),
+            "2-D": torch.zeros(1, 2, dtype=torch.int64)}[kind]
+    before = {k: v.clone() for k, v in d.replay_pools.items()}
+    with pytest.raises(TypeError, match=r"^rows: expected an integer tensor of at most one dimension"):
+        materialize(t, d.ring, rows)
+    assert all(torch.equal(d.replay_pools[k], v) for k, v in before.items())
+
+
 def _advance_stepwise(d: Decode, lane: dict, indices, accepted: list):
     """The stepwise pools after each lane's first ``accepted[b]`` draft tokens (a dense T-token step on
     the lane's row, which equals that many one-token steps)."""
