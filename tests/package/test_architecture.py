@@ -8,6 +8,7 @@ function-level imports alike), so nothing here depends on what happens to be imp
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -166,24 +167,27 @@ def test_long_modules_are_still_long():
         assert len(sources.module_file(module).read_text().splitlines()) > MAX_MODULE_LINES, module
 
 
-def test_importing_the_package_and_its_commands_loads_no_cutlass():
-    """Only a compile imports the DSL: the API, the launcher, the cache and the CLI do not."""
-    code = ("import sys, mamba3_step, mamba3_step.launch, mamba3_step.tools.cli, mamba3_step.serving; "
-            "print('cutlass' in sys.modules)")
+def _loaded_by(modules: str, packages: tuple) -> list:
+    """The modules of ``packages`` (each a package or a module, with its submodules) that importing
+    ``modules`` (comma-separated) loads, in a fresh interpreter."""
+    code = (f"import json, sys, {modules}; print(json.dumps(sorted(m for m in sys.modules "
+            f"if any(m == p or m.startswith(p + '.') for p in {list(packages)!r}))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "False"
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
+
+def test_importing_the_package_and_its_commands_loads_no_cutlass():
+    """Only a compile imports the DSL: the API, the launcher, the cache and the CLI do not."""
+    assert _loaded_by("mamba3_step, mamba3_step.launch, mamba3_step.tools.cli, mamba3_step.serving",
+                      ("cutlass",)) == []
 
 
 def test_importing_the_package_loads_no_tool_and_no_ptx_executor():
     """The runtime stands without its tools: ``import mamba3_step`` (and the serving layer, the layer and
     the launcher) loads no module of ``mamba3_step.tools`` and none of the PTX executor."""
-    code = ("import sys, mamba3_step, mamba3_step.serving, mamba3_step.layer, mamba3_step.launch; "
-            "print(sorted(m for m in sys.modules if m.startswith(('mamba3_step.tools', 'ptx_executor'))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]"
+    assert _loaded_by("mamba3_step, mamba3_step.serving, mamba3_step.layer, mamba3_step.launch",
+                      ("mamba3_step.tools", "ptx_executor")) == []
 
 
 def test_the_ptx_executor_imports_nothing_of_the_runtime():
