@@ -22,8 +22,8 @@ Public API::
 
 from __future__ import annotations
 
-from .errors import (BarrierError, ExecutionFault, MemoryFault, PTXError, PTXSyntaxError, UnsupportedInstruction,
-                     WarpSyncError)
+from .errors import (AsyncCopyError, BarrierError, ExecutionFault, MemoryFault, PTXError, PTXSyntaxError,
+                     UnsupportedInstruction, WarpSyncError)
 from .machine import Machine, Program, RunResult
 from .memory import GlobalMemory
 from .host import host_signature, launch_config
@@ -32,8 +32,8 @@ from .ir import Module
 from .parse import parse_module
 
 __all__ = [
-    "BarrierError", "ExecutionFault", "GlobalMemory", "LType", "Machine", "MemoryFault", "Module", "PTXError",
-    "PTXSyntaxError", "Program", "RunResult", "UnsupportedInstruction", "WarpSyncError", "host_signature",
+    "AsyncCopyError", "BarrierError", "ExecutionFault", "GlobalMemory", "LType", "Machine", "MemoryFault", "Module",
+    "PTXError", "PTXSyntaxError", "Program", "RunResult", "UnsupportedInstruction", "WarpSyncError", "host_signature",
     "launch_config", "pack",
     "parse_llvm_type", "parse_module", "run",
 ]
@@ -41,7 +41,7 @@ __all__ = [
 
 def run(module: Module | str, *, grid: tuple, block: tuple, params: list, memory: GlobalMemory,
         entry: str | None = None, dynamic_smem: int = 0, record: bool = True,
-        record_shared: bool = False) -> RunResult:
+        record_shared: bool = False, async_copies: str = "modelled") -> RunResult:
     """Execute one launch of ``entry`` (the module's only entry by default).
 
     Args:
@@ -53,6 +53,10 @@ def run(module: Module | str, *, grid: tuple, block: tuple, params: list, memory
         dynamic_smem: bytes of dynamic shared memory.
         record: log every global access (needed by :mod:`.analysis`).
         record_shared: log shared accesses too (bank-conflict analysis).
+        async_copies: ``"modelled"`` (default): a ``cp.async`` lands in shared memory at the
+            ``cp.async.wait_group``/``wait_all`` that completes it, and touching its bytes
+            before that raises :class:`AsyncCopyError`; ``"immediate"``: every copy lands
+            when it is issued (no pending state, no findings).
     """
     if isinstance(module, str):
         module = parse_module(module)
@@ -66,5 +70,5 @@ def run(module: Module | str, *, grid: tuple, block: tuple, params: list, memory
         by_name[p.name] = bytes(value)
     program = Program(module, e, by_name)
     machine = Machine(program, memory, by_name, dynamic_smem=dynamic_smem, record=record,
-                      record_shared=record_shared)
+                      record_shared=record_shared, async_copies=async_copies)
     return machine.run(grid, block)

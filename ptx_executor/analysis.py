@@ -39,7 +39,9 @@ def classify(opcode: str) -> str:
         return "FFMA"
     if base == "shfl":
         return "shuffle"
-    if base in ("ld", "st", "cp", "atom", "red", "ldu"):
+    if base == "cp":  # cp.async: a global read (its shared write is the same request); commit/wait: other
+        return "global" if "global" in mods else "other"
+    if base in ("ld", "st", "atom", "red", "ldu"):
         if "shared" in mods:
             return "shared"
         if "global" in mods or not mods & {"param", "local", "const"}:

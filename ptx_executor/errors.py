@@ -60,3 +60,9 @@ class BarrierError(ExecutionFault):
 
 class WarpSyncError(ExecutionFault):
     """A ``shfl.sync``/``vote.sync`` whose member mask names lanes not executing it."""
+
+
+class AsyncCopyError(ExecutionFault):
+    """A misuse of ``cp.async`` the asynchronous-copy model exposes: shared bytes read or written
+    while a copy is still filling them, a global store to the source of a copy in flight, or a
+    thread exiting with copies in flight (:mod:`ptx_executor.isa_async`)."""

@@ -80,7 +80,7 @@ class Frame:
 
     def __init__(self, entry: Entry, *, first_cta: int, n_cta: int, grid: tuple, block: tuple,
                  memory: GlobalMemory, layout: VarLayout, params: dict,
-                 log: AccessLog | None, log_shared: AccessLog | None):
+                 log: AccessLog | None, log_shared: AccessLog | None, async_copies: str = "modelled"):
         self.entry = entry
         self.first_cta = first_cta
         self.n_cta = n_cta
@@ -98,6 +98,9 @@ class Frame:
         self.local = np.zeros((self.n, max(layout.local_size, 1)), np.uint8)
         self.serial = 0  # execution counter: one per instruction a group executes
         self.epoch = 0  # barrier epoch: bumped when the chunk's CTAs pass a barrier
+        self.async_copies = async_copies  # "modelled" or "immediate" (see ptx_executor.isa_async)
+        self.async_pending = 0  # cp.async copies issued and not yet landed; 0 keeps every hook idle
+        self.async_state = None  # the in-flight copies, created by the first cp.async
         t = np.arange(self.n, dtype=np.int64)
         self.cta_local = t // self.nt
         self.tlin = t % self.nt

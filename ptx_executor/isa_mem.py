@@ -5,6 +5,10 @@ checked, every access logged), ``.shared`` (the CTA's array; bounds against the
 variables' allocations), ``.local`` (the thread's array), ``.param`` (the launch's
 parameter bytes, read-only) and generic addresses (``ld``/``st`` without a space), which
 resolve through the windows ``cvta`` maps shared and local addresses into.
+
+While ``cp.async`` copies are in flight (``F.async_pending``), shared accesses and global
+stores are checked against them (:mod:`.isa_async`); with none in flight the check is one
+integer test.
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ def load_bytes(F, ins, space, addr, width, threads) -> np.ndarray:
         _check_window(F, ins, space, addr, width, threads)
         cols = addr.astype(np.int64)[:, None] + np.arange(width)[None, :]
         if space == "shared":
+            if F.async_pending:
+                F.async_state.shared_access(F, ins, addr, width, threads, write=False)
             if F.log_shared is not None:
                 F.log_shared.append(ins.line, F.serial, F.first_thread + threads, addr, width, False, F.epoch)
             return F.shared[F.cta_local[threads][:, None], cols]
@@ -119,6 +125,8 @@ def load_bytes(F, ins, space, addr, width, threads) -> np.ndarray:
 def store_bytes(F, ins, space, addr, width, threads, data: np.ndarray) -> None:
     if space == "global":
         where = _check_global(F, ins, addr, width, threads, write=True)
+        if F.async_pending:
+            F.async_state.global_write(F, ins, addr, width, threads)
         for k in np.unique(where):
             sel = where == k
             r = F.memory.regions[k]
@@ -130,6 +138,8 @@ def store_bytes(F, ins, space, addr, width, threads, data: np.ndarray) -> None:
         _check_window(F, ins, space, addr, width, threads)
         cols = addr.astype(np.int64)[:, None] + np.arange(width)[None, :]
         if space == "shared":
+            if F.async_pending:
+                F.async_state.shared_access(F, ins, addr, width, threads, write=True)
             if F.log_shared is not None:
                 F.log_shared.append(ins.line, F.serial, F.first_thread + threads, addr, width, True, F.epoch)
             F.shared[F.cta_local[threads][:, None], cols] = data

@@ -8,7 +8,8 @@ leavers wait at the exit for the rest. This is "min-PC" reconvergence; it never 
 thread ahead of a barrier its CTA has not passed.
 
 * ``bra`` splits a group by its guard; ``bra.uni`` must be uniform per warp (checked).
-* ``ret``/``exit`` retire the executing threads.
+* ``ret``/``exit`` retire the executing threads (none may have ``cp.async`` copies in
+  flight: :mod:`ptx_executor.isa_async`).
 * ``bar.sync``/``barrier.sync`` park a group until no group can run; then every CTA with
   parked threads must have *all* its threads parked at the same barrier id, warps not
   split across barrier instructions, or :class:`~ptx_executor.errors.BarrierError`
@@ -26,12 +27,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import isa_alu, isa_bits, isa_cvt, isa_mem, isa_warp  # noqa: F401  (register the opcode handlers)
+from . import isa_alu, isa_async, isa_bits, isa_cvt, isa_mem, isa_warp  # noqa: F401  (register the opcode handlers)
 from .errors import BarrierError, PTXError, WarpSyncError
 from .frame import Frame, storage_of
 from .isa import Context, compile_instruction, unsupported
 from .memory import AccessLog, GlobalMemory, VarLayout
 from .ir import Entry, Imm, Module, Sym
+
+#: how ``cp.async`` copies complete (:mod:`ptx_executor.isa_async`)
+ASYNC_MODES = ("modelled", "immediate")
 
 #: register-file bytes one chunk of CTAs may use (chunks hold at least one CTA)
 CHUNK_REGISTER_BYTES = 96 << 20
@@ -143,7 +147,7 @@ class Machine:
     """Runs one compiled :class:`Program` over a grid (see the module docstring)."""
 
     def __init__(self, program: Program, memory: GlobalMemory, params: dict, *, dynamic_smem: int = 0,
-                 record: bool = True, record_shared: bool = False):
+                 record: bool = True, record_shared: bool = False, async_copies: str = "modelled"):
         self.program = program
         self.entry = program.entry
         self.memory = memory
@@ -151,6 +155,9 @@ class Machine:
         self.layout = VarLayout.build(program.module.variables + self.entry.variables, dynamic_smem)
         self.record = record
         self.record_shared = record_shared
+        if async_copies not in ASYNC_MODES:
+            raise ValueError(f"async_copies must be one of {ASYNC_MODES}, got {async_copies!r}")
+        self.async_copies = async_copies
 
     def run(self, grid: tuple, block: tuple) -> RunResult:
         grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
@@ -168,7 +175,7 @@ class Machine:
             for first in range(0, n_cta, chunk):
                 F = Frame(self.entry, first_cta=first, n_cta=min(chunk, n_cta - first), grid=grid, block=block,
                           memory=self.memory, layout=self.layout, params=self.params, log=log,
-                          log_shared=shared_log)
+                          log_shared=shared_log, async_copies=self.async_copies)
                 self._run_chunk(F, issued)
                 chunks += 1
         return RunResult(self.entry, issued, log, shared_log, grid, block, chunks)
@@ -190,6 +197,8 @@ class Machine:
                 g.warps = _warps(F, g.idx)
             while True:
                 if g.pc >= len(ops):  # fell off the end: an implicit exit
+                    if F.async_pending:
+                        F.async_state.exiting(F, ops[-1].ins, F.threads(g.idx), fell_off=True)
                     F.exited[F.threads(g.idx)] = True
                     groups.remove(g)
                     break
@@ -209,6 +218,8 @@ class Machine:
                     if eff is not None and not len(eff):
                         g.pc += 1
                     else:
+                        if F.async_pending:
+                            F.async_state.exiting(F, op.ins, F.threads(eff))
                         F.exited[F.threads(eff)] = True
                         rest = None if eff is None else _minus(F, g.idx, eff)
                         if rest is None or not len(rest):
