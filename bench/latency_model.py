@@ -82,16 +82,19 @@ def state_forms() -> dict:
 
 
 def kernel_latency_facts(compile_kernels: bool) -> dict:
-    """form -> (round trips, CTAs per SM) of today's kernel on sm_90a: read from the SASS when
-    ``compile_kernels``, else ``mamba3_step.tools.latency_model.KERNEL_LATENCY_FACTS``."""
+    """form -> (round trips, CTAs per SM) of today's kernel on sm_90a, and ``(form, "async")`` -> those of the
+    asynchronous state copy for the stepwise forms: read from the SASS when ``compile_kernels``, else
+    ``mamba3_step.tools.latency_model.KERNEL_LATENCY_FACTS`` and ``ASYNC_LATENCY_FACTS``."""
     if not compile_kernels:
-        return dict(lm.KERNEL_LATENCY_FACTS)
+        return {**lm.KERNEL_LATENCY_FACTS, **{(form, "async"): v for form, v in lm.ASYNC_LATENCY_FACTS["sm_90a"].items()}}
     from mamba3_step.tools.inspection import kernel_facts
     from mamba3_step.kernel import compile_step_kernel
     facts = {}
-    for form, (*_, kernel_spec) in state_forms().items():
-        f = kernel_facts(compile_step_kernel(kernel_spec, "sm_90a"))
-        facts[form] = (lm.global_round_trips(f.sass_text).round_trips, f.occupancy()["ctas_per_sm"])
+    for form, (_, _, K, kernel_spec) in state_forms().items():
+        for key, spec in ((form, kernel_spec), ((form, "async"), None if K else kernel_spec.replace(async_state_copy=True))):
+            if spec is not None:
+                f = kernel_facts(compile_step_kernel(spec, "sm_90a"))
+                facts[key] = (lm.global_round_trips(f.sass_text).round_trips, f.occupancy()["ctas_per_sm"])
     return facts
 
 
@@ -107,13 +110,17 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
         # a replay kernel's live path falls through every ring position's branches: an upper bound; one
         # position's path is modelled with the stepwise kernel's round trips (and the replay kernel's CTAs)
         trips = facts["fp32"][0] if K else path_trips
-        for name in ("today", "one round trip", "small-batch path", "pipeline"):
-            row = {"state": form, "design": name, "SASS path trips": path_trips,
-                   "trips": trips if name == "today" else 2,
-                   "CTAs/SM": ctas if name != "pipeline" else int(lm.assumption("pipeline_ctas_per_sm"))}
+        copied = facts.get((form, "async"))
+        names = ("today", "one round trip", "small-batch path", "pipeline") + (("asynchronous state copy",) if copied else ())
+        for name in names:
+            row = {"state": form, "design": name, "SASS path trips": copied[0] if name.startswith("async") else path_trips,
+                   "trips": {"today": trips, "asynchronous state copy": copied and copied[0]}.get(name, 2),
+                   "CTAs/SM": {"pipeline": int(lm.assumption("pipeline_ctas_per_sm")),
+                               "asynchronous state copy": copied and copied[1]}.get(name, ctas)}
             for batch in BATCHES:
                 total = _bytes(spec, K, batch)
-                d = lm.flagship_designs(spec, warp_instr, total / (batch * HEADS), state_read, trips, ctas)[name]
+                d = lm.flagship_designs(spec, warp_instr, total / (batch * HEADS), state_read, trips, ctas,
+                                        async_copy=copied)[name]
                 r = lm.percent_of_copy(d, batch, HEADS, gpu, total, copy_bw, **overrides)
                 row[f"B{batch}"] = r["percent"]
                 row[f"us_B{batch}"] = r["seconds"] * 1e6
@@ -160,7 +167,8 @@ def report(args, overrides: dict) -> dict:
                               ("KiB per SM", "KiB in flight per SM needed", ">.1f")]))
     sass = [] if args.no_compile else sass_rows(overrides)
     facts = kernel_latency_facts(not args.no_compile)
-    stale = [f for f in facts if facts[f] != lm.KERNEL_LATENCY_FACTS.get(f)]
+    stated = {**lm.KERNEL_LATENCY_FACTS, **{(f, "async"): v for f, v in lm.ASYNC_LATENCY_FACTS["sm_90a"].items()}}
+    stale = [f for f in facts if facts[f] != stated.get(f)]
     if sass:
         print("\n2. read from the flagship's SASS (pool mode, update_kv_state): round trips of a live CTA and the "
               "bytes in flight per SM (time average: modelled at B = 256)")

@@ -87,6 +87,11 @@ class StepSpec:
             must; 0, the default, leaves the choice to it. NVVM compiles the kernel under the bound
             (other PTX, not only the directive), so the PTX tier executes such a specialisation like
             any other. Not a public option: an experiment's (docs/performance.md, 3d).
+        async_state_copy: the slab arrives in shared memory by asynchronous copies (``cp.async``,
+            16 bytes each), all issued right after the row index and before every other load,
+            and a thread reads its rows from there when the update needs them (docs/design/kernel.md,
+            "The asynchronous state copy"). False, the default, loads the slab into registers. Not
+            a public option until a GPU measures it faster: a benchmark's and the PTX tier's.
     """
 
     dstate: int
@@ -118,6 +123,7 @@ class StepSpec:
     replay_draft: int = 0
     padded_state_rows: bool = False
     min_ctas_per_sm: int = 0
+    async_state_copy: bool = False
 
     @property
     def ring_entries(self) -> int:
@@ -217,7 +223,7 @@ def flagship_spec(**changes) -> StepSpec:
 _KEY_OMITTED_AT_DEFAULT = frozenset({"rope_angles", "rotate_pairwise", "has_bc_bias", "shared_bc",
                                      "stochastic_rounding", "has_rand_rows", "replay_ring",
                                      "replay_from_checkpoint", "replay_draft", "padded_state_rows",
-                                     "min_ctas_per_sm"})
+                                     "min_ctas_per_sm", "async_state_copy"})
 
 
 def flagship_rotary_spec(**changes) -> StepSpec:

@@ -39,6 +39,8 @@ __all__ = ["CONFIG_HELP", "add_spec_arguments", "arch_from_args", "parse_spec_ar
            "specs_for_config", "specs_from_args"]
 
 CONFIG_HELP = "flagship | all | N,D,R[,state_dtype[,kv_dtype[,x_dtype[,proj_dtype]]]] (repeatable)"
+#: ``--kernel``: which kernel a command compiles (StepSpec.async_state_copy off, on, or each)
+KERNELS = ("registers", "async-copy", "both")
 _DTYPE_FIELDS = (("state_dtype", STATE_DTYPES), ("kv_dtype", KV_DTYPES), ("x_dtype", X_DTYPES),
                  ("proj_dtype", PROJ_DTYPES))
 
@@ -100,7 +102,8 @@ def spec_label(spec: StepSpec) -> str:
                              (f"replay{spec.replay_ring}", spec.replay_ring > 0),
                              ("fromCheckpoint", spec.replay_from_checkpoint),
                              (f"draft{spec.replay_draft}", spec.replay_draft > 0),
-                             (f"{spec.min_ctas_per_sm}ctas", spec.min_ctas_per_sm > 0)) if on]
+                             (f"{spec.min_ctas_per_sm}ctas", spec.min_ctas_per_sm > 0),
+                             ("asyncState", spec.async_state_copy)) if on]
     tokens = f"T{spec.tokens} " if spec.tokens > 1 else ""
     return (f"N{spec.dstate} D{spec.headdim} R{spec.mimo} {spec.state_dtype}/{spec.kv_dtype}/"
             f"{spec.x_dtype}/{spec.proj_dtype} tD{spec.tile_D} w{spec.num_warps} {tokens}"
@@ -124,6 +127,9 @@ def add_spec_arguments(parser: argparse.ArgumentParser, *, modes: bool = True, a
     g.add_argument("--num-warps", type=int, default=0, help="warps per CTA (default: per config)")
     g.add_argument("--min-ctas", type=int, default=0,
                    help="launch bound: CTAs per SM the compiler keeps registers for (an experiment's; default: none)")
+    g.add_argument("--kernel", choices=KERNELS, default="registers",
+                   help="the register kernel (default), the asynchronous state copy (StepSpec.async_state_copy: "
+                        "not the default until a GPU measures it), or both, each specialisation twice")
     if modes:
         g.add_argument("--mode", choices=("pool", "dense"), default="pool",
                        help="pool mode (state_batch_indices given; default) or dense mode")
@@ -197,11 +203,13 @@ def specs_from_args(args: argparse.Namespace) -> list[StepSpec]:
                        replay_from_checkpoint=args.replay_from_checkpoint, replay_draft=args.replay_draft)
     specs = []
     L = getattr(args, "materialize_ring", 0)
+    copies = {"registers": (False,), "async-copy": (True,), "both": (False, True)}[getattr(args, "kernel", "registers")]
     for config in args.config or ["flagship"]:
         for spec in specs_for_config(config, **changes):
             for named in flush_specs(spec, L) if L else [spec]:
-                if named not in specs:
-                    specs.append(named)
+                for copied in copies:
+                    if named.replace(async_state_copy=copied) not in specs:
+                        specs.append(named.replace(async_state_copy=copied))
     return specs
 
 

@@ -18,6 +18,8 @@ server runs it), for every batch size.
 padding untouched). ``--dense-rows`` adds pool mode whose indices name dense mode's rows in order (set
 ``s`` at batch ``B``: rows ``s*B ... s*B + B - 1``): pool against it isolates where the rows are, it
 against dense isolates the wait for ``state_batch_indices``; pool mode's check covers it.
+``--async-copy`` adds pool mode through the asynchronous state copy (``StepSpec.async_state_copy``,
+the kernel beside the register kernel), checked bit for bit against pool mode first.
 
 Reports microseconds per step, GB/s (the bytes of ``mamba3_step.tools.bytes_model``, compulsory bytes of the
 mode, over the time) and percent of the copy bandwidth. A guard stops timing new batches after 270 s.
@@ -37,7 +39,7 @@ from mamba3_step.tools.bytes_model import bytes_per_step
 from mamba3_step.spec import flagship_spec
 
 from .common import Run
-from .step_checks import (check_batch, dense_step, gather_scatter_step, make_lanes, make_pool, make_shared,
+from .step_checks import (async_copy_step_fn, check_batch, dense_step, gather_scatter_step, make_lanes, make_pool, make_shared,
                           padded_copy, pool_step)
 from .timing import GraphUnavailable, Timer, capture, copy_bandwidth, n_sets, time_round
 
@@ -48,8 +50,11 @@ MODES = ("pool", "gather_scatter", "dense")
 PADDED_MODE = "pool_padded"
 #: with --dense-rows: pool mode whose indices name dense mode's rows, in order
 DENSE_ROWS_MODE = "pool_dense_rows"
+#: with --async-copy: pool mode through the asynchronous state copy
+ASYNC_MODE = "pool_async_copy"
 MODE_LABELS = {"pool": "pool", "gather_scatter": "gather->dense->scatter", "dense": "dense",
-               PADDED_MODE: "pool, padded rows", DENSE_ROWS_MODE: "pool, dense's rows"}
+               PADDED_MODE: "pool, padded rows", DENSE_ROWS_MODE: "pool, dense's rows",
+               ASYNC_MODE: "pool, asynchronous state copy"}
 TIME_GUARD_S = 270.0
 
 
@@ -59,6 +64,7 @@ class Options:
     batches: tuple[int, ...]
     padded_rows: bool
     dense_rows: bool
+    async_copy: bool = False
     step_fn: object = None
     reference_fn: object = None
 
@@ -70,10 +76,13 @@ def add_arguments(parser) -> None:
     group.add_argument("--dense-rows", action="store_true",
                        help="also time pool mode with indices naming dense mode's rows in order (where the rows "
                             "are vs waiting for the index)")
+    group.add_argument("--async-copy", action="store_true",
+                       help="also time pool mode through the asynchronous state copy (StepSpec.async_state_copy)")
 
 
 def configure(args, run: Run, step_fn=None, reference_fn=None) -> Options:
-    return Options(run, run.batches_or(BATCHES), args.padded_rows, args.dense_rows, step_fn, reference_fn)
+    return Options(run, run.batches_or(BATCHES), args.padded_rows, args.dense_rows, args.async_copy, step_fn,
+                   reference_fn)
 
 
 def check(opts: Options) -> list[str]:
@@ -83,18 +92,19 @@ def check(opts: Options) -> list[str]:
     for batch in opts.batches:
         try:
             failures += check_batch(spec, batch, run.heads, torch.device(run.device), opts.step_fn, opts.reference_fn,
-                                    graphs=run.graphs and run.cuda, padded=opts.padded_rows)
+                                    graphs=run.graphs and run.cuda, padded=opts.padded_rows,
+                                    async_copy=opts.async_copy)
         except GraphUnavailable as e:
             run.env["graph_error"] = str(e)
             run.graphs = False
             failures += check_batch(spec, batch, run.heads, torch.device(run.device), opts.step_fn, opts.reference_fn,
-                                    graphs=False, padded=opts.padded_rows)
+                                    graphs=False, padded=opts.padded_rows, async_copy=opts.async_copy)
     return failures
 
 
 def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dict, step_fn,
                 l2_bytes: int, graphs: bool, target_s: float, gen: torch.Generator,
-                padded: dict | None = None, dense_rows: bool = False) -> list[dict]:
+                padded: dict | None = None, dense_rows: bool = False, async_copy: bool = False) -> list[dict]:
     """Time the three modes at one batch size, pool mode on ``padded`` (a :func:`padded_copy` of
     ``pool``) when given, and pool mode on dense mode's rows with ``dense_rows``; one row per
     (mode, eager|graph)."""
@@ -104,7 +114,8 @@ def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dic
     sets = n_sets(per_set, l2_bytes, max_sets=max(1, P // batch))
     round_of = _rounds(spec, batch, heads, device, pool, shared, step_fn, sets, gen, padded)
     rows = []
-    extra = ((PADDED_MODE,) if padded is not None else ()) + ((DENSE_ROWS_MODE,) if dense_rows else ())
+    extra = (((PADDED_MODE,) if padded is not None else ()) + ((DENSE_ROWS_MODE,) if dense_rows else ())
+             + ((ASYNC_MODE,) if async_copy else ()))
     for mode in MODES + extra:
         nbytes = bytes_per_step(spec, batch, heads, mode=mode if mode in MODES else "pool")["total"]
         for kind in ["eager"] + (["graph"] if graphs else []):
@@ -134,10 +145,11 @@ def _rounds(spec, batch: int, heads: int, device, pool: dict, shared: dict, step
     scratch = {k: torch.empty((batch,) + tuple(v.shape[1:]), dtype=v.dtype, device=device) for k, v in pool.items()}
 
     def round_of(mode):
-        if mode in ("pool", PADDED_MODE, DENSE_ROWS_MODE):
+        if mode in ("pool", PADDED_MODE, DENSE_ROWS_MODE, ASYNC_MODE):
             rows_of = padded if mode == PADDED_MODE else pool
             idx = in_order if mode == DENSE_ROWS_MODE else idx32
-            calls = [lambda s=s: pool_step(step_fn, spec, rows_of, shared, lanes[s], idx[s]) for s in range(sets)]
+            fn = async_copy_step_fn if mode == ASYNC_MODE else step_fn
+            calls = [lambda s=s: pool_step(fn, spec, rows_of, shared, lanes[s], idx[s]) for s in range(sets)]
         elif mode == "gather_scatter":
             calls = [lambda s=s: gather_scatter_step(step_fn, spec, pool, scratch, shared, lanes[s], idx64[s])
                      for s in range(sets)]
@@ -172,7 +184,8 @@ def measure(opts: Options) -> dict:
             continue
         rows += bench_batch(spec, batch, run.heads, device, pool=pool, shared=shared,
                             step_fn=opts.step_fn or mamba3_step_fn, l2_bytes=run.env["l2_bytes"], graphs=graphs,
-                            target_s=run.target_s(60.0, 60.0), gen=gen, padded=padded, dense_rows=opts.dense_rows)
+                            target_s=run.target_s(60.0, 60.0), gen=gen, padded=padded, dense_rows=opts.dense_rows,
+                            async_copy=opts.async_copy)
     return {
         "what": "pool vs gather->dense->scatter vs dense; GB/s use the compulsory bytes of mamba3_step.tools.bytes_model",
         "checks": ("pool == gather->dense->scatter bit for bit; pool and dense within PyTorch float32's error of a "

@@ -11,6 +11,10 @@ from __future__ import annotations
 import torch
 
 from mamba3_step import mamba3_step_fn
+from mamba3_step.api import prepare_step
+from mamba3_step.launch import kernel_for
+from mamba3_step.signature import STEP_SIGNATURE, make_binder, split_call
+from mamba3_step.tensors import kernel_arguments
 from mamba3_step.reference import mamba3_step_reference
 from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import bits_equal, lane_inputs, layer_weights, row_tensors
@@ -55,6 +59,23 @@ def padded_copy(pool: dict, pad: int = 4) -> dict:
 
 
 # ------------------------------------------------------------------------------ the three paths
+_bind_step = make_binder("async_copy_step_fn", STEP_SIGNATURE)
+
+
+def async_copy_step_fn(*args, **kwargs) -> torch.Tensor:
+    """``mamba3_step_fn`` (its validation included) launched through the asynchronous state copy
+    (``StepSpec.async_state_copy``: not a public option, so launched here as ``mamba3_step_fn``
+    launches its kernel); on CPU tensors its PTX, executed (mamba3_step.tools.ptx_tier)."""
+    tensors, options = split_call(_bind_step(*args, **kwargs))
+    spec, tensors, out = prepare_step(tensors, **options._asdict())
+    if tensors.batch > 0 and tensors.x.is_cuda:
+        kernel_for(spec.replace(async_state_copy=True), tensors.x)(*kernel_arguments(tensors))
+    elif tensors.batch > 0:
+        from mamba3_step.tools.ptx_tier import run_step_ptx
+        run_step_ptx(spec.replace(async_state_copy=True), tensors, record=False)
+    return out
+
+
 def pool_step(step_fn, spec, pool: dict, shared: dict, lanes: dict, idx: torch.Tensor):
     """Pool mode: one launch over the pool, rows ``idx`` (B,) int32, in place."""
     return step_fn(
@@ -116,9 +137,10 @@ def _clone(d: dict) -> dict:
 
 
 def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn=None,
-                graphs: bool = False, seed: int = 0, padded: bool = False) -> list[str]:
+                graphs: bool = False, seed: int = 0, padded: bool = False, async_copy: bool = False) -> list[str]:
     """Run every mode once on fresh random data and check it (see the module docstring); with
-    ``padded``, pool mode on state rows of a padded D stride too, bit for bit pool mode's.
+    ``padded``, pool mode on state rows of a padded D stride too, bit for bit pool mode's; with
+    ``async_copy``, pool mode through the asynchronous state copy, bit for bit pool mode's.
 
     Returns the list of failures (empty when all checks pass).
     """
@@ -152,6 +174,12 @@ def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn
             failures.append(f"B={batch}: pool-mode {k} differs from gather->dense->scatter")
     if padded:
         failures += _check_padded(spec, step_fn, pool0, shared, lanes, idx, pool_k, lanes_k, batch)
+    if async_copy:  # the asynchronous state copy: pool mode's bits
+        pool_a, lanes_a = _clone(pool0), _clone(lanes)
+        pool_step(async_copy_step_fn, spec, pool_a, shared, lanes_a, idx)
+        for k, a, b in (("out", lanes_a["out"], lanes_k["out"]), *((k, pool_a[k], pool_k[k]) for k in pool_k)):
+            if not bits_equal(a, b):
+                failures.append(f"B={batch}: the asynchronous state copy's {k} differs from pool mode's")
 
     # the PyTorch path, float32 and float64
     p32, l32, p64, l64 = _references(spec, pool0, lanes, shared, idx, reference_fn)

@@ -40,6 +40,7 @@ class Cta(NamedTuple):
     src_live: Any  # Boolean: src is a real row (else the lane is padding)
     dst_live: Any  # Boolean: dst is a real row (and src too)
     seed: Any = None  # (seed, offset, row) from rand_seed (and rand_rows), read once (stochastic rounding only)
+    scales: Any = None  # per row group, an 8-bit state's scales loaded with the asynchronous state copy
 
 
 class Shared(NamedTuple):
@@ -57,6 +58,7 @@ class Shared(NamedTuple):
     sW: Any = None  # (flush_length + 1,): the tokens' weights w_j and the decay product P (replay's checkpoint outputs only)
     sWp: Any = None  # (flush_length,): with rotary, w_j's trapezoid part (token j's B~ rounded, as token j + 1 reads it)
     drafts: Any = None  # Drafts: a verify step's tokens, staged at once (replay's checkpoint outputs with T > 1)
+    sS: Any = None  # (tile_D, N) in the state dtype: the slab, copied asynchronously (async_state_copy only)
 
 
 class Drafts(NamedTuple):

@@ -44,10 +44,13 @@ class Slab:
         return cute.local_tile(gT[d, None], (self.layout.VN,), (c * self.layout.TPR + cta.lane,))
 
     @cute.jit
-    def load_state(self, m: KernelArgs, g: int, cta: Cta) -> RowGroup:
+    def load_state(self, m: KernelArgs, g: int, cta: Cta, shared=None) -> RowGroup:
         """Row group ``g`` of the thread's share of pool row ``src``: 16-byte loads into a
         ``(VN, rows_per_group, CPT)`` register fragment in the state dtype (and, for an 8-bit
-        state, each row's scale)."""
+        state, each row's scale). With the asynchronous state copy, read from the staged slab
+        in ``shared`` instead (:meth:`~.async_state.AsyncStateCopy.staged_rows`)."""
+        if cutlass.const_expr(self.async_state):
+            return self.staged_rows(g, shared.sS, cta)
         lay = self.layout
         rows = self.thread_rows(cta, g)
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.state_dtype, num_bits_per_copy=128)

@@ -13,6 +13,8 @@ mixin per module, and holds the state's storage format (:mod:`.state_formats`, c
 1   ``select_rows``     here             lane -> (src, dst, src_live, dst_live); padding lanes go
                                          straight to ``zero_out`` (epilogue); replay: ``ring_count``
 2   ``load_state``      :mod:`.slab`     the thread's rows of the slab, 16-byte loads, issued first
+                                         (``async_state_copy``: :mod:`.async_state` copies them to
+                                         shared memory here and stage 5 reads them from there)
 3   ``stage_operands``  :mod:`.staging`  B, Bstate, C -> (R, N) fp32 in shared memory, and per tile
                                          row the coefficients; with rotary ``advance_angles`` first
                                          and B, C rotated (:mod:`.rotary`)
@@ -44,6 +46,7 @@ from ..rounding import N_PER_CALL
 from ..spec import StepSpec
 from ..tensors import KernelArgs
 from ..tiling import launch_grid, thread_layout, tiling_problem
+from .async_state import AsyncStateCopy
 from .bundles import CUTLASS_DTYPES, Cta, Shared
 from .checkpoint import CheckpointOutputs
 from .drafts import DraftOutputs
@@ -60,8 +63,8 @@ from .update import StateUpdate
 __all__ = ["Mamba3StepKernel"]
 
 
-class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Staging, Rotary, Slab, StateUpdate,
-                       Epilogue, RandomBits):
+class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Staging, Rotary, Slab, AsyncStateCopy,
+                       StateUpdate, Epilogue, RandomBits):
     """One specialisation of the step kernel (see :class:`~mamba3_step.spec.StepSpec`)."""
 
     def __init__(self, spec: StepSpec):
@@ -129,6 +132,8 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
         self.epilogue_masks = [1 << k for k in range(self.epilogue_split.bit_length() - 1)]
         #: how the state is held and stored (plain, stochastically rounded, 8-bit with scales), chosen once
         self.storage = state_format(self)
+        #: the slab arrives in shared memory by cp.async (:mod:`.async_state`), else by loads into registers
+        self.async_state = spec.async_state_copy
 
     @cute.jit(preprocess=False)
     def __call__(self, state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, zproj, outproj, z, out, state_out,
@@ -186,8 +191,15 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
             cta = Cta(b, h, dtile, tidx, lane, self.lane_permutation(lane), src, dst, src_live, dst_live,
                       self.rng_source(m, b) if const_expr(self.stochastic) else None)
             groups = []  # RowGroup per row group, loaded up front with preload (else by token_step)
-            for g in cutlass.range_constexpr(self.layout.row_groups if self.layout.preload else 1):
-                groups.append(self.load_state(m, g, cta))
+            if const_expr(self.async_state):  # the slab to shared memory; read by row group when updated
+                scales = self.issue_state_copies(m, shared.sS, cta)
+                cta = cta._replace(scales=scales if const_expr(self.scaled) else None)
+                if const_expr(self.replay):  # the replay forms read the whole slab before their tokens
+                    for g in cutlass.range_constexpr(self.layout.row_groups):
+                        groups.append(self.load_state(m, g, cta, shared))
+            else:
+                for g in cutlass.range_constexpr(self.layout.row_groups if self.layout.preload else 1):
+                    groups.append(self.load_state(m, g, cta))
             if const_expr(self.replay):
                 self.replay_tokens(m, count, cta, shared, groups)
             else:
@@ -222,6 +234,8 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
             sWp=smem.allocate_tensor(Float32, cute.make_layout(-(-self.flush_length // 4) * 4), 16)
             if const_expr(self.checkpoint_outputs and self.T == 1 and self.rope_angles > 0) else None,
             drafts=self.allocate_drafts(smem) if const_expr(self.checkpoint_draft_outputs) else None,
+            sS=smem.allocate_tensor(self.state_dtype, cute.make_layout((self.tile_D, self.N), stride=(self.N, 1)), 16)
+            if const_expr(self.async_state) else None,
         )
 
     @cute.jit

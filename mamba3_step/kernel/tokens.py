@@ -76,7 +76,7 @@ class TokenSteps:
         operands = self.load_operands(tok, shared, cta)
         for g in cutlass.range_constexpr(self.layout.row_groups):
             if const_expr(g >= len(groups)):  # without preload: this group's loads now
-                groups.append(self.load_state(m, g, cta))
+                groups.append(self.load_state(m, g, cta, shared))
             tYrY = self.update_rows(groups[g], operands, tok, shared, cta)
             self.reduce_rows(tYrY, shared.sY, cta, g)
             if const_expr(self.store_each):

@@ -386,21 +386,37 @@ KERNEL_LATENCY_FACTS = {"fp32": (4, 3), "bf16, round to nearest": (4, 3), "bf16,
                         "fp32 replay F = 2": (10, 3), "fp32 replay F = 4": (12, 2)}
 
 
+#: ``(round trips, CTAs per SM)`` of the asynchronous state copy (``StepSpec.async_state_copy``), read from the
+#: SASS as KERNEL_LATENCY_FACTS are: each state form on sm_90a, the fp32 flagship on sm_100a (136 registers:
+#: 3 CTAs; 128 and no spill under a launch bound of 4). The third trip is the epilogue's operands, which the
+#: compiler issues after the staging loads' first use and waits on after the update;
+#: tests/kernel/test_async_state_compile.py holds the fp32 flagship's equal
+ASYNC_LATENCY_FACTS = {"sm_90a": {"fp32": (3, 4), "bf16, round to nearest": (3, 3), "bf16, stochastic rounding": (3, 2)},
+                       "sm_100a": {"fp32": (3, 3)}}
+
+
 def flagship_designs(spec, warp_instructions: float, bytes_per_slab: float, state_read_bytes: float,
-                     trips_today: int = FLAGSHIP_TRIPS, ctas_today: int = 3) -> dict[str, Design]:
+                     trips_today: int = FLAGSHIP_TRIPS, ctas_today: int = 3,
+                     async_copy: tuple[int, int] | None = None) -> dict[str, Design]:
     """Today's kernel and the three candidate designs for one state format: ``"today"`` (``trips_today``
     round trips), ``"one round trip"`` (the index, then every other load), ``"small-batch path"``
     (one round trip, D split over up to 4 CTAs while B x H < 2 x SMs) and ``"pipeline"`` (persistent
-    CTAs, :data:`ASSUMPTIONS`' stages and resident CTAs, a stage = half a slab's state read). The
-    instructions are today's per slab for every design, and the register designs keep today's
-    ``ctas_today`` resident CTAs (assumptions: the same arithmetic, the same registers)."""
+    CTAs, :data:`ASSUMPTIONS`' stages and resident CTAs, a stage = half a slab's state read), and with
+    ``async_copy`` (its round trips and CTAs per SM, :data:`ASYNC_LATENCY_FACTS`) ``"asynchronous state
+    copy"``, the kernel ``StepSpec.async_state_copy`` compiles. The instructions are today's per slab for
+    every design, and the register designs keep today's ``ctas_today`` resident CTAs (assumptions: the
+    same arithmetic, the same registers)."""
     common = dict(warp_instructions=warp_instructions, bytes_per_slab=bytes_per_slab, warps=spec.num_warps)
     pipeline = dict(common)
     common["ctas_per_sm"] = ctas_today
-    return {
+    designs = {
         "today": Design("today", trips_today, **common),
         "one round trip": Design("one round trip", 2, **common),
         "small-batch path": Design("small-batch path", 2, split=True, **common),
         "pipeline": Design("pipeline", 2, ctas_per_sm=int(assumption("pipeline_ctas_per_sm")),
                            stages=int(assumption("pipeline_stages")), stage_bytes=state_read_bytes / 2, **pipeline),
     }
+    if async_copy is not None:
+        designs["asynchronous state copy"] = Design("asynchronous state copy", async_copy[0], ctas_per_sm=async_copy[1],
+                                                    **pipeline)
+    return designs

@@ -6,6 +6,8 @@ and the drift benchmark on a short run."""
 
 from __future__ import annotations
 
+import functools
+
 import importlib.util
 import json
 import os
@@ -837,3 +839,24 @@ def test_issue_model_takes_a_measured_result_only_beside_its_replay_states_table
         issue_model.main(["--replay-states", "--measured", str(tmp_path / "absent.json"), "--out", str(tmp_path)])
     assert exc.value.code == 2 and "--measured: no such file" in capsys.readouterr().err
     assert not (tmp_path / "issue_model.json").exists()
+
+
+def test_gpu_bench_async_copy_check_runs_the_asynchronous_state_copy_beside_pool_mode(monkeypatch):
+    """--async-copy's check: pool mode through the asynchronous state copy must write pool mode's bits;
+    a copy that writes other bits is reported. On CPU tensors both kernels' PTX, executed (pool mode's
+    through ptx_step_fn, as a GPU runs the register kernel)."""
+    from mamba3_step.tools.ptx_tier import ptx_step_fn
+
+    check = functools.partial(step_checks.check_batch, flagship_spec(), 2, 1, torch.device("cpu"), ptx_step_fn,
+                              async_copy=True)
+    assert check() == []
+    real = step_checks.async_copy_step_fn
+
+    def off_by_one_ulp(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out.view(torch.int16)[0, 0, 0] += 1
+        return out
+
+    monkeypatch.setattr(step_checks, "async_copy_step_fn", off_by_one_ulp)
+    failures = check()
+    assert failures == ["B=2: the asynchronous state copy's out differs from pool mode's"]

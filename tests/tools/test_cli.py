@@ -32,6 +32,16 @@ def test_spec_flags_mean_the_same_in_every_subcommand(command):
                                      flagship_spec(**changes)]
 
 
+@pytest.mark.parametrize("kernel, copies", [("registers", [False]), ("async-copy", [True]), ("both", [False, True])])
+def test_the_kernel_flag_names_the_register_kernel_the_asynchronous_copy_or_both(kernel, copies):
+    args = _args("inspect", "--kernel", kernel, "--config", "flagship", "--config", "64,32,2")
+    want = [s.replace(async_state_copy=c) for s in (flagship_spec(), flagship_spec(dstate=64, headdim=32, mimo=2))
+            for c in copies]
+    assert specs_from_args(args) == want
+    with pytest.raises(SystemExit):
+        _args("inspect", "--kernel", "pipeline")
+
+
 def test_demo_takes_the_config_and_dtype_flags():
     args = _args("demo", "--config", "32,32,2", "--kv-dtype", "float16", "--x-dtype", "float16")
     (spec,) = specs_from_args(args)

@@ -95,7 +95,8 @@ def format_report(report: dict) -> str:
     s = report["spec"]
     mode = "pool" if s["pool"] else "dense"
     flags = [k for k in ("has_dst", "dst_per_token", "num_accepted", "update_kv_state", "has_z", "has_outproj",
-                         "has_state_out", "shared_bc", "stochastic_rounding", "replay_from_checkpoint") if s.get(k)]
+                         "has_state_out", "shared_bc", "stochastic_rounding", "replay_from_checkpoint",
+                         "async_state_copy") if s.get(k)]
     for key in ("tokens", "rope_angles", "replay_ring", "replay_draft", "min_ctas_per_sm"):  # counts not at the default
         if s.get(key, 0) > (key == "tokens"):
             flags.insert(0, f"{key}={s[key]}")
