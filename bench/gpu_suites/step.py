@@ -1,6 +1,6 @@
 """Suite ``step``: pool mode vs gather -> dense -> scatter vs dense mode, at the flagship configuration
-(N=128, D=64, R=4, fp32 state, bf16 B/C/x/z and projections, z and outproj, ``update_kv_state`` as a
-server runs it), for every batch size.
+(N=128, D=64, R=4, fp32 state (``--step-state-dtype``: a 16-bit one, rounded to nearest), bf16
+B/C/x/z and projections, z and outproj, ``update_kv_state`` as a server runs it), for every batch size.
 
 1. Check (``step_checks.check_batch``): on fresh random data, pool mode bit-identical to
    gather -> dense -> scatter (out, and every row of state / Bstate / Xstate, untouched rows included);
@@ -19,7 +19,9 @@ padding untouched). ``--dense-rows`` adds pool mode whose indices name dense mod
 ``s`` at batch ``B``: rows ``s*B ... s*B + B - 1``): pool against it isolates where the rows are, it
 against dense isolates the wait for ``state_batch_indices``; pool mode's check covers it.
 ``--async-copy`` adds pool mode through the asynchronous state copy (``StepSpec.async_state_copy``,
-the kernel beside the register kernel), checked bit for bit against pool mode first.
+the kernel beside the register kernel), checked bit for bit against pool mode first. ``--upstream
+PATH`` adds the peer: upstream's own CuteDSL dense step from the state-spaces/mamba checkout at PATH,
+with the gather and scatter a server needs around it (:mod:`.upstream`), checked first.
 
 Reports microseconds per step, GB/s (the bytes of ``mamba3_step.tools.bytes_model``, compulsory bytes of the
 mode, over the time) and percent of the copy bandwidth. A guard stops timing new batches after 270 s.
@@ -39,6 +41,7 @@ from mamba3_step.tools.bytes_model import bytes_per_step
 from mamba3_step.spec import flagship_spec
 
 from .common import Run
+from .upstream import upstream_step
 from .step_checks import (async_copy_step_fn, check_batch, dense_step, gather_scatter_step, make_lanes, make_pool, make_shared,
                           padded_copy, pool_step)
 from .timing import GraphUnavailable, Timer, capture, copy_bandwidth, n_sets, time_round
@@ -52,9 +55,11 @@ PADDED_MODE = "pool_padded"
 DENSE_ROWS_MODE = "pool_dense_rows"
 #: with --async-copy: pool mode through the asynchronous state copy
 ASYNC_MODE = "pool_async_copy"
+#: with --upstream: upstream's dense step, gathered and scattered
+UPSTREAM_MODE = "upstream"
 MODE_LABELS = {"pool": "pool", "gather_scatter": "gather->dense->scatter", "dense": "dense",
                PADDED_MODE: "pool, padded rows", DENSE_ROWS_MODE: "pool, dense's rows",
-               ASYNC_MODE: "pool, asynchronous state copy"}
+               ASYNC_MODE: "pool, asynchronous state copy", UPSTREAM_MODE: "upstream dense, gathered/scattered"}
 TIME_GUARD_S = 270.0
 
 
@@ -65,6 +70,8 @@ class Options:
     padded_rows: bool
     dense_rows: bool
     async_copy: bool = False
+    state_dtype: str = "float32"
+    upstream_fn: object = None
     step_fn: object = None
     reference_fn: object = None
 
@@ -76,35 +83,46 @@ def add_arguments(parser) -> None:
     group.add_argument("--dense-rows", action="store_true",
                        help="also time pool mode with indices naming dense mode's rows in order (where the rows "
                             "are vs waiting for the index)")
+    group.add_argument("--step-state-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                       help="the flagship's state dtype in this suite (16-bit: rounded to nearest; default float32)")
+    group.add_argument("--upstream", default=None, metavar="PATH",
+                       help="also time upstream's CuteDSL mamba3_step_fn from the state-spaces/mamba checkout at PATH "
+                            "(gathered and scattered; its code at PATH is executed)")
     group.add_argument("--async-copy", action="store_true",
                        help="also time pool mode through the asynchronous state copy (StepSpec.async_state_copy)")
 
 
 def configure(args, run: Run, step_fn=None, reference_fn=None) -> Options:
-    return Options(run, run.batches_or(BATCHES), args.padded_rows, args.dense_rows, args.async_copy, step_fn,
-                   reference_fn)
+    upstream_fn = None
+    if args.upstream is not None:
+        from .upstream import load_upstream_step
+        upstream_fn = load_upstream_step(args.upstream)
+    return Options(run, run.batches_or(BATCHES), args.padded_rows, args.dense_rows, args.async_copy,
+                   args.step_state_dtype, upstream_fn, step_fn, reference_fn)
 
 
 def check(opts: Options) -> list[str]:
     """Every check at every batch size; on a failed graph capture, graph timing is dropped (``env``
     records why) and the checks go on without it."""
-    run, spec, failures = opts.run, flagship_spec(), []
+    run, spec, failures = opts.run, flagship_spec(state_dtype=opts.state_dtype), []
     for batch in opts.batches:
         try:
             failures += check_batch(spec, batch, run.heads, torch.device(run.device), opts.step_fn, opts.reference_fn,
                                     graphs=run.graphs and run.cuda, padded=opts.padded_rows,
-                                    async_copy=opts.async_copy)
+                                    async_copy=opts.async_copy, upstream_fn=opts.upstream_fn)
         except GraphUnavailable as e:
             run.env["graph_error"] = str(e)
             run.graphs = False
             failures += check_batch(spec, batch, run.heads, torch.device(run.device), opts.step_fn, opts.reference_fn,
-                                    graphs=False, padded=opts.padded_rows, async_copy=opts.async_copy)
+                                    graphs=False, padded=opts.padded_rows, async_copy=opts.async_copy,
+                                    upstream_fn=opts.upstream_fn)
     return failures
 
 
 def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dict, step_fn,
                 l2_bytes: int, graphs: bool, target_s: float, gen: torch.Generator,
-                padded: dict | None = None, dense_rows: bool = False, async_copy: bool = False) -> list[dict]:
+                padded: dict | None = None, dense_rows: bool = False, async_copy: bool = False,
+                upstream_fn=None) -> list[dict]:
     """Time the three modes at one batch size, pool mode on ``padded`` (a :func:`padded_copy` of
     ``pool``) when given, and pool mode on dense mode's rows with ``dense_rows``; one row per
     (mode, eager|graph)."""
@@ -112,12 +130,13 @@ def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dic
     P = pool["state"].shape[0]
     per_set = bytes_per_step(spec, batch, heads, mode="pool")["total"]
     sets = n_sets(per_set, l2_bytes, max_sets=max(1, P // batch))
-    round_of = _rounds(spec, batch, heads, device, pool, shared, step_fn, sets, gen, padded)
+    round_of = _rounds(spec, batch, heads, device, pool, shared, step_fn, sets, gen, padded, upstream_fn)
     rows = []
     extra = (((PADDED_MODE,) if padded is not None else ()) + ((DENSE_ROWS_MODE,) if dense_rows else ())
-             + ((ASYNC_MODE,) if async_copy else ()))
+             + ((ASYNC_MODE,) if async_copy else ()) + ((UPSTREAM_MODE,) if upstream_fn is not None else ()))
     for mode in MODES + extra:
-        nbytes = bytes_per_step(spec, batch, heads, mode=mode if mode in MODES else "pool")["total"]
+        moved = "gather_scatter" if mode == UPSTREAM_MODE else mode if mode in MODES else "pool"
+        nbytes = bytes_per_step(spec, batch, heads, mode=moved)["total"]
         for kind in ["eager"] + (["graph"] if graphs else []):
             row = {"mode": mode, "kind": kind, "batch": batch, "sets": sets, "bytes": nbytes}
             try:
@@ -132,7 +151,8 @@ def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dic
     return rows
 
 
-def _rounds(spec, batch: int, heads: int, device, pool: dict, shared: dict, step_fn, sets: int, gen, padded):
+def _rounds(spec, batch: int, heads: int, device, pool: dict, shared: dict, step_fn, sets: int, gen, padded,
+            upstream_fn=None):
     """``round_of(mode)``: a function running one step of ``mode`` on each of ``sets`` input sets."""
     P = pool["state"].shape[0]
     perm = torch.randperm(P, generator=gen)[: sets * batch].view(sets, batch)
@@ -150,6 +170,9 @@ def _rounds(spec, batch: int, heads: int, device, pool: dict, shared: dict, step
             idx = in_order if mode == DENSE_ROWS_MODE else idx32
             fn = async_copy_step_fn if mode == ASYNC_MODE else step_fn
             calls = [lambda s=s: pool_step(fn, spec, rows_of, shared, lanes[s], idx[s]) for s in range(sets)]
+        elif mode == UPSTREAM_MODE:
+            calls = [lambda s=s: upstream_step(upstream_fn, spec, pool, scratch, shared, lanes[s], idx64[s])
+                     for s in range(sets)]
         elif mode == "gather_scatter":
             calls = [lambda s=s: gather_scatter_step(step_fn, spec, pool, scratch, shared, lanes[s], idx64[s])
                      for s in range(sets)]
@@ -168,7 +191,7 @@ def _rounds(spec, batch: int, heads: int, device, pool: dict, shared: dict, step
 def measure(opts: Options) -> dict:
     """The copy bandwidth, then every batch size's rows (until the time guard)."""
     t_start = time.perf_counter()
-    run, spec = opts.run, flagship_spec()
+    run, spec = opts.run, flagship_spec(state_dtype=opts.state_dtype)
     device = torch.device(run.device)
     graphs = run.graphs and run.cuda
     copy_bps = copy_bandwidth(device, nbytes=(1 << 30) if run.cuda else (1 << 24))
@@ -185,7 +208,7 @@ def measure(opts: Options) -> dict:
         rows += bench_batch(spec, batch, run.heads, device, pool=pool, shared=shared,
                             step_fn=opts.step_fn or mamba3_step_fn, l2_bytes=run.env["l2_bytes"], graphs=graphs,
                             target_s=run.target_s(60.0, 60.0), gen=gen, padded=padded, dense_rows=opts.dense_rows,
-                            async_copy=opts.async_copy)
+                            async_copy=opts.async_copy, upstream_fn=opts.upstream_fn)
     return {
         "what": "pool vs gather->dense->scatter vs dense; GB/s use the compulsory bytes of mamba3_step.tools.bytes_model",
         "checks": ("pool == gather->dense->scatter bit for bit; pool and dense within PyTorch float32's error of a "

@@ -137,10 +137,13 @@ def _clone(d: dict) -> dict:
 
 
 def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn=None,
-                graphs: bool = False, seed: int = 0, padded: bool = False, async_copy: bool = False) -> list[str]:
+                graphs: bool = False, seed: int = 0, padded: bool = False, async_copy: bool = False,
+                upstream_fn=None) -> list[str]:
     """Run every mode once on fresh random data and check it (see the module docstring); with
     ``padded``, pool mode on state rows of a padded D stride too, bit for bit pool mode's; with
-    ``async_copy``, pool mode through the asynchronous state copy, bit for bit pool mode's.
+    ``async_copy``, pool mode through the asynchronous state copy, bit for bit pool mode's; with
+    ``upstream_fn`` (upstream's dense step, :mod:`.upstream`), the peer's server step within PyTorch
+    float32's error of the float64 evaluation and its Bstate/Xstate rows this step's B and x.
 
     Returns the list of failures (empty when all checks pass).
     """
@@ -190,6 +193,8 @@ def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn
                            p32["state"][idx64], p64["state"][idx64])
     if msg:
         failures.append(msg)
+    if upstream_fn is not None:
+        failures += _check_upstream(spec, upstream_fn, pool0, shared, lanes, idx64, scratch, p32, l32, l64, p64, batch)
     untouched = torch.ones(P, dtype=torch.bool, device=device)
     untouched[idx64] = False
     for k in ("state", "Bstate", "Xstate"):
@@ -218,6 +223,23 @@ def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn
                                       pool_k, lanes_k, dense_k, lanes_d)
         except Exception as e:
             raise GraphUnavailable(f"{type(e).__name__}: {e}") from e
+    return failures
+
+
+def _check_upstream(spec, upstream_fn, pool0, shared, lanes, idx64, scratch, p32, l32, l64, p64, batch) -> list[str]:
+    """The peer's server step (gather -> upstream's dense step -> scatter) on the check data."""
+    from .upstream import upstream_step
+
+    pool_u, lanes_u = _clone(pool0), _clone(lanes)
+    upstream_step(upstream_fn, spec, pool_u, scratch, shared, lanes_u, idx64)
+    failures = [msg for msg in (
+        within_reference(f"B={batch}: upstream's out", lanes_u["out"], l32["out"], l64["out"]),
+        within_reference(f"B={batch}: upstream's new state rows", pool_u["state"][idx64], p32["state"][idx64],
+                         p64["state"][idx64])) if msg]
+    for k in ("Bstate", "Xstate") if spec.update_kv_state else ():
+        if not bits_equal(pool_u[k][idx64], p32[k][idx64]):
+            failures.append(f"B={batch}: upstream's server step left {k} rows other than this step's "
+                            f"{'B' if k == 'Bstate' else 'x'}")
     return failures
 
 

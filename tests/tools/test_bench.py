@@ -40,6 +40,7 @@ angle_bench = _load("angle_bench")
 static_bench = _load("static_bench")
 gpu_bench = _load("gpu_bench")
 gpu_replay_probe = _load("gpu_replay_probe")
+gpu_async_probe = _load("gpu_async_probe")
 gpu_results = _load("gpu_results")
 drift_bench = _load("drift_bench")
 
@@ -436,6 +437,13 @@ def test_gpu_bench_replay_plot_speedups(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists")
+def test_gpu_async_probe_without_cuda_says_so_and_refuses_unknown_kernels(capsys):
+    assert gpu_async_probe.main(["--batch", "1"]) == 0
+    assert capsys.readouterr().out.strip() == "no CUDA device: nothing to profile"
+    with pytest.raises(SystemExit):
+        gpu_async_probe.main(["--kernels", "registers,pipeline"])
+
+
 def test_gpu_replay_probe_without_cuda_says_so(capsys):
     assert gpu_replay_probe.main(["--batch", "2"]) == 0
     assert capsys.readouterr().out.strip() == "no CUDA device: nothing to profile"
@@ -453,7 +461,7 @@ def test_gpu_replay_probe_profiles_the_variants_in_its_stated_order():
     assert bits_equal(runs[0][1](), runs[1][1]())
 
 
-@pytest.mark.parametrize("script", ["gpu_diagnose.sh", "gpu_all.sh"])
+@pytest.mark.parametrize("script", ["gpu_diagnose.sh", "gpu_all.sh", "gpu_async.sh"])
 def test_gpu_scripts_parse(script):
     assert subprocess.run(["bash", "-n", os.path.join(BENCH, script)], capture_output=True).returncode == 0
 
@@ -477,6 +485,15 @@ def test_gpu_bench_plumbing_on_cpu(tmp_path, capsys):
     assert result["copy_bandwidth_bytes_per_s"] > 0
     for t in result["table"]:
         assert t["pct_copy_eager"] == pytest.approx(100 * t["gbps_eager"] * 1e9 / result["copy_bandwidth_bytes_per_s"])
+
+
+def test_gpu_bench_step_state_dtype_runs_the_flagship_with_a_bf16_state(tmp_path, capsys):
+    """--step-state-dtype bfloat16: the same modes, checked and timed, with a bf16 state's bytes."""
+    assert gpu_bench.main(CPU_ARGS + ["--step-state-dtype", "bfloat16", "--batches", "1", "--out", str(tmp_path)]) == 0
+    result = _suite_result(tmp_path, "step")
+    assert result["spec"]["state_dtype"] == "bfloat16"
+    for r in result["rows"]:
+        assert r["bytes"] == bytes_per_step(flagship_spec(state_dtype="bfloat16"), 1, 1, mode=r["mode"])["total"]
 
 
 def test_gpu_bench_padded_rows_times_the_run_time_stride_kernel_beside_pool_mode(tmp_path, capsys):
@@ -860,3 +877,64 @@ def test_gpu_bench_async_copy_check_runs_the_asynchronous_state_copy_beside_pool
     monkeypatch.setattr(step_checks, "async_copy_step_fn", off_by_one_ulp)
     failures = check()
     assert failures == ["B=2: the asynchronous state copy's out differs from pool mode's"]
+
+
+#: a stand-in for a state-spaces/mamba checkout: its dense step is this project's CPU path, called as
+#: upstream's Mamba3.step calls upstream's (positional tensors, then keywords and its tiling)
+STUB_UPSTREAM = """
+from mamba3_step import mamba3_step_fn as ours
+
+CALLS = []
+
+
+def mamba3_step_fn(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj=None, state_out=None, out=None,
+                   z=None, zproj=None, tile_D=64, num_warps=2):
+    CALLS.append((tuple(state.shape), tile_D, num_warps))
+    ours(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj, state_out, out, z, zproj)
+"""
+
+
+def _stub_checkout(root, text=STUB_UPSTREAM):
+    from gpu_suites.upstream import UPSTREAM_FILE
+
+    path = root / UPSTREAM_FILE
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    return root
+
+
+def test_gpu_bench_upstream_peer_is_loaded_from_the_checkout_checked_and_timed(tmp_path, capsys):
+    """--upstream PATH: upstream's dense step loaded from the checkout's file, run as a server runs it
+    (gather, the dense step in place, scatter, B/x stored), checked, then timed with gather/scatter's bytes."""
+    checkout = _stub_checkout(tmp_path / "mamba")
+    assert gpu_bench.main(CPU_ARGS + ["--upstream", str(checkout), "--out", str(tmp_path / "out")]) == 0
+    assert "upstream dense, gathered/scattered" in capsys.readouterr().out
+    rows = [r for r in _suite_result(tmp_path / "out", "step")["rows"] if r["mode"] == "upstream"]
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["us"] > 0 for r in rows)
+    assert all(r["bytes"] == bytes_per_step(flagship_spec(), r["batch"], 1, mode="gather_scatter")["total"]
+               for r in rows)
+    calls = sys.modules["upstream_mamba3_step_fn"].CALLS
+    assert calls and all(shape[1:] == (1, 64, 128) and (tD, w) == (64, 4) for shape, tD, w in calls)
+
+
+@pytest.mark.parametrize("what", ["missing", "no_function", "import"])
+def test_gpu_bench_upstream_refuses_a_checkout_it_cannot_use(what, tmp_path, capsys):
+    if what == "missing":
+        checkout, message = tmp_path / "nothing", "expected a state-spaces/mamba checkout holding"
+    else:
+        text = "import quack_is_not_installed_here\n" if what == "import" else "x = 1\n"
+        checkout = _stub_checkout(tmp_path / "mamba", text)
+        message = "needs quack_is_not_installed_here" if what == "import" else "defines no mamba3_step_fn"
+    with pytest.raises(SystemExit):
+        gpu_bench.main(CPU_ARGS + ["--upstream", str(checkout), "--out", str(tmp_path / "out")])
+    assert message in capsys.readouterr().err
+
+
+def test_the_upstream_check_fails_on_a_peer_that_computes_something_else(tmp_path):
+    wrong = STUB_UPSTREAM.replace("    ours(state,", "    dt = dt * 1.01\n    ours(state,")
+    from gpu_suites.upstream import load_upstream_step
+
+    sys.modules.pop("upstream_mamba3_step_fn", None)
+    fn = load_upstream_step(str(_stub_checkout(tmp_path / "mamba", wrong)))
+    failures = step_checks.check_batch(flagship_spec(), 2, 1, torch.device("cpu"), upstream_fn=fn)
+    assert failures and all(f.startswith("B=2: upstream's") for f in failures), failures
