@@ -30,8 +30,11 @@ def _tensors(spec: StepSpec, B: int, seed: int) -> StepTensors:
         kw = {k: v for k, v in kw.items() if v is not None}
     if spec.has_state_out:
         inputs["state_out"] = poison_(torch.empty_like(inputs["state"]))
+    if spec.has_rand_rows:
+        inputs["rand_rows"] = torch.randperm(3 * B, device="cuda")[:B].to(torch.int32)
     _, tensors, _ = prepare_step(StepTensors(**inputs, **kw), update_kv_state=spec.update_kv_state,
-                                 stochastic_rounding=spec.stochastic_rounding, tile_D=spec.tile_D,
+                                 stochastic_rounding=spec.stochastic_rounding,
+                                 rotate_pairwise=spec.rotate_pairwise, tile_D=spec.tile_D,
                                  num_warps=spec.num_warps)
     return tensors._replace(out=poison_(tensors.out))
 

@@ -59,12 +59,15 @@ def _prepared(spec: StepSpec, B: int, seed: int) -> tuple:
         kw = {k: v for k, v in kw.items() if v is not None}
     if spec.has_state_out:
         inputs["state_out"] = poison_(torch.empty_like(inputs["state"]))
+    if spec.has_rand_rows:  # dense mode drawing each lane's bits for another row
+        inputs["rand_rows"] = torch.randperm(3 * B, generator=torch.Generator().manual_seed(seed))[:B].to(torch.int32)
     x = inputs["x"]
     lead = x.shape[:-2]
     inputs["out"] = poison_(torch.empty((*lead, x.shape[-2], x.shape[-1]) if spec.has_outproj else
                                         (*lead, spec.mimo, x.shape[-2], x.shape[-1]), dtype=x.dtype))
     prepared, tensors, _ = prepare_step(StepTensors(**inputs, **kw), update_kv_state=spec.update_kv_state,
-                                        stochastic_rounding=spec.stochastic_rounding, tile_D=spec.tile_D,
+                                        stochastic_rounding=spec.stochastic_rounding,
+                                        rotate_pairwise=spec.rotate_pairwise, tile_D=spec.tile_D,
                                         num_warps=spec.num_warps)
     assert prepared == spec, (prepared, spec)
     return tensors, kinds
