@@ -30,7 +30,7 @@ import _util  # noqa: E402  (also puts the repository on sys.path)
 
 from mamba3_step.tools import latency_model as lm  # noqa: E402
 from mamba3_step.tools.bytes_model import bytes_per_step, replay_bytes  # noqa: E402
-from mamba3_step.tools.issue_model import GPUS, REPLAY_EXECUTED, REPLAY_STATES_EXECUTED, issue_model  # noqa: E402
+from mamba3_step.tools.issue_model import GPUS, REPLAY_EXECUTED, STATE_FORMS_EXECUTED, issue_model  # noqa: E402
 from mamba3_step.spec import flagship_spec  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 64, 256, 512)
@@ -71,10 +71,8 @@ def state_forms() -> dict:
     the spec whose kernel today's design is)."""
     fp32, bf16 = flagship_spec(), flagship_spec(state_dtype="bfloat16")
     sr = flagship_spec(state_dtype="bfloat16", stochastic_rounding=True)
-    forms = {"fp32": (fp32, REPLAY_EXECUTED["stepwise"], None, fp32),
-             # no executed count of the round-to-nearest form: the fp32 flagship's (an assumption)
-             "bf16, round to nearest": (bf16, REPLAY_EXECUTED["stepwise"], None, bf16),
-             "bf16, stochastic rounding": (sr, REPLAY_STATES_EXECUTED["bf16 state, stochastic rounding"][2], None, sr)}
+    forms = {form: (spec, STATE_FORMS_EXECUTED[form][0], None, spec)
+             for form, spec in (("fp32", fp32), ("bf16, round to nearest", bf16), ("bf16, stochastic rounding", sr))}
     for K in (2, 4):
         counts = REPLAY_EXECUTED[(K, False)][1]
         forms[f"fp32 replay F = {K}"] = (fp32, sum(counts) / K, K, flagship_spec(replay_ring=K))
@@ -119,13 +117,14 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
                                "asynchronous state copy": copied and copied[1]}.get(name, ctas)}
             for batch in BATCHES:
                 total = _bytes(spec, K, batch)
-                d = lm.flagship_designs(spec, warp_instr, total / (batch * HEADS), state_read, trips, ctas,
+                instr = STATE_FORMS_EXECUTED[form][1] if name == "asynchronous state copy" else warp_instr
+                d = lm.flagship_designs(spec, instr, total / (batch * HEADS), state_read, trips, ctas,
                                         async_copy=copied)[name]
                 r = lm.percent_of_copy(d, batch, HEADS, gpu, total, copy_bw, **overrides)
                 row[f"B{batch}"] = r["percent"]
                 row[f"us_B{batch}"] = r["seconds"] * 1e6
             bw = lm.COPY_BANDWIDTH[gpu][0] if copy_bw is None else copy_bw
-            issue = issue_model(warp_instr, _bytes(spec, K, 256) / (256 * HEADS), GPUS[gpu])
+            issue = issue_model(instr, _bytes(spec, K, 256) / (256 * HEADS), GPUS[gpu])
             row["issue/memory"] = issue["ratio"] * bw / GPUS[gpu].hbm_bytes_per_s  # memory time at copy speed
             rows.append(row)
     return rows

@@ -45,7 +45,7 @@ from ..contract import SCALED_STATE_DTYPES
 from ..rounding import N_PER_CALL
 from ..spec import StepSpec
 from ..tensors import KernelArgs
-from ..tiling import launch_grid, thread_layout, tiling_problem
+from ..tiling import async_copy_layout, launch_grid, thread_layout, tiling_problem
 from .async_state import AsyncStateCopy
 from .bundles import CUTLASS_DTYPES, Cta, Shared
 from .checkpoint import CheckpointOutputs
@@ -77,6 +77,8 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
         self.tile_D = spec.tile_D
         lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo,
                             spec.carried_tokens, spec.stochastic_rounding)
+        if spec.async_state_copy:  # the slab in shared memory: a one-token step's row groups are small
+            lay = async_copy_layout(lay, spec.state_dtype, spec.stochastic_rounding, spec.carried_tokens)
         self.layout = lay
         self.num_threads = lay.num_threads
         self.state_dtype = CUTLASS_DTYPES[spec.state_dtype]

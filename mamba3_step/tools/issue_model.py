@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from .bytes_model import bytes_per_step, replay_bytes
 from ..spec import StepSpec, flagship_rotary_spec, flagship_spec
 
-__all__ = ["GPUS", "GPU", "ISSUE_PER_CLOCK", "REPLAY_EXECUTED", "REPLAY_STATES_EXECUTED", "UPSTREAM",
-           "VERIFY_EXECUTED", "VERIFY_FROM_STATE_EXECUTED", "VERIFY_TOKENS", "issue_model", "replay_issue_model",
+__all__ = ["GPUS", "GPU", "ISSUE_PER_CLOCK", "REPLAY_EXECUTED", "REPLAY_STATES_EXECUTED", "STATE_FORMS_EXECUTED",
+           "UPSTREAM", "VERIFY_EXECUTED", "VERIFY_FROM_STATE_EXECUTED", "VERIFY_TOKENS", "issue_model", "replay_issue_model",
            "replay_states_issue_model", "replay_states_replay_spec", "replay_states_spec", "replay_verify_issue_model",
            "slab_bytes"]
 
@@ -85,6 +85,13 @@ def issue_model(warp_instructions_per_slab: float, bytes_per_slab: float, gpu: G
     return {"issue_us": issue * 1e6, "memory_us": memory * 1e6, "ratio": issue / memory}
 
 
+#: executed PTX warp-instructions per state slab of the flagship's stepwise step (pool mode, update_kv_state) in
+#: each state form the latency model tabulates: ``form -> (the register kernel's, the asynchronous state copy's
+#: (StepSpec.async_state_copy))``, measured by the PTX execution tier
+#: (``mamba3_step.tools.verify.step.executed_facts``: B = 4, H = 2, every lane live; tests/tools/test_issue_model.py
+#: re-executes them)
+STATE_FORMS_EXECUTED = {"fp32": (6152, 6344), "bf16, round to nearest": (6788, 7148),
+                        "bf16, stochastic rounding": (11508, 11512)}
 #: executed PTX warp-instructions per state slab of the flagship (pool mode, update_kv_state; one live
 #: (lane, head)), stepwise and with replay: ``(F, from_checkpoint) -> (num_warps, counts at ring positions
 #: 0..F-1)`` at the default tiling. Measured by the PTX execution tier (``python bench/issue_model.py``

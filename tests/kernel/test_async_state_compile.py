@@ -61,15 +61,22 @@ def test_the_asynchronous_copy_compiles_clean(name, arch):
         check_padding_guard(f.sass_text, where, loads=2 + spec.num_accepted)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_the_flagship_issues_every_state_copy_in_its_second_round_trip(arch):
-    spec = flagship_spec(async_state_copy=True)
+#: the state forms latency_model.ASYNC_LATENCY_FACTS states, as flagship specialisations
+FORMS = {"fp32": {}, "bf16, round to nearest": dict(state_dtype="bfloat16"),
+         "bf16, stochastic rounding": dict(state_dtype="bfloat16", stochastic_rounding=True)}
+
+
+@pytest.mark.parametrize("arch, form", [(arch, form) for arch, forms in ASYNC_LATENCY_FACTS.items() for form in forms])
+def test_the_flagship_issues_every_state_copy_in_its_second_round_trip(arch, form):
+    spec = flagship_spec(async_state_copy=True, **FORMS[form])
     f = _facts(spec, arch)
     trips = global_round_trips(f.sass_text)
     copies = [trip for _, text, trip, _ in trips.loads if "LDGSTS" in text]
+    vectors = 16 if form == "fp32" else 8
     assert trips.trips[0]["loads"] == 1, "the index alone in the first round trip"
-    assert len(copies) == 16 and set(copies) == {2}, f"state copies by round trip: {copies}"
-    assert trips.trips[1]["by_width"].get(16) == 16
-    rounds, ctas = ASYNC_LATENCY_FACTS[arch]["fp32"]
-    assert trips.round_trips == rounds, f"{arch}: {trips.round_trips} round trips"
-    assert f.occupancy()["ctas_per_sm"] == ctas, f"{arch}: {f.registers} registers, {f.occupancy()}"
+    assert len(copies) == vectors and set(copies) == {2}, f"state copies by round trip: {copies}"
+    assert trips.trips[1]["by_width"].get(16) == vectors
+    rounds, ctas = ASYNC_LATENCY_FACTS[arch][form]
+    assert trips.round_trips == rounds, f"{arch} {form}: {trips.round_trips} round trips"
+    assert f.occupancy()["ctas_per_sm"] == ctas, f"{arch} {form}: {f.registers} registers, {f.occupancy()}"
+    assert f.spill_bytes == 0 and f.stack_bytes == 0

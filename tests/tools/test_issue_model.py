@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from mamba3_step.tools.bytes_model import bytes_per_step, replay_bytes
-from mamba3_step.tools.issue_model import (GPUS, REPLAY_EXECUTED, REPLAY_STATES_EXECUTED, UPSTREAM, VERIFY_EXECUTED, VERIFY_FROM_STATE_EXECUTED, issue_model, replay_issue_model, replay_states_replay_spec, replay_states_spec, replay_verify_issue_model, slab_bytes)
+from mamba3_step.tools.issue_model import (GPUS, REPLAY_EXECUTED, REPLAY_STATES_EXECUTED, STATE_FORMS_EXECUTED, UPSTREAM, VERIFY_EXECUTED, VERIFY_FROM_STATE_EXECUTED, issue_model, replay_issue_model, replay_states_replay_spec, replay_states_spec, replay_verify_issue_model, slab_bytes)
 from mamba3_step.spec import flagship_spec
-from mamba3_step.tools.verify.step import replay_instructions, verify_instructions
+from mamba3_step.tools.verify.step import executed_facts, replay_instructions, verify_instructions
 
 
 def test_clock_is_derived_from_the_fp32_peak():
@@ -47,6 +47,18 @@ def test_replay_counts_are_what_the_ptx_tier_executes(K, from_checkpoint):
     assert spec.num_warps == warps
     assert replay_instructions(spec) == counts
     assert replay_instructions(flagship_spec()) == (REPLAY_EXECUTED["stepwise"],)
+
+
+@pytest.mark.parametrize("form, copied", [
+    pytest.param(form, copied, id=f"{form}-{'async' if copied else 'registers'}",
+                 marks=[] if (form, copied) == ("fp32", True) else [pytest.mark.full_matrix])
+    for form in STATE_FORMS_EXECUTED for copied in (False, True)])
+def test_state_form_counts_are_what_the_ptx_tier_executes(form, copied):
+    changes = {"fp32": {}, "bf16, round to nearest": dict(state_dtype="bfloat16"),
+               "bf16, stochastic rounding": dict(state_dtype="bfloat16", stochastic_rounding=True)}[form]
+    facts = executed_facts(flagship_spec(async_state_copy=copied, **changes))
+    assert facts["warp_instructions_per_cta"]["total"] == STATE_FORMS_EXECUTED[form][copied]
+    assert facts["bytes_agree"]
 
 
 @pytest.mark.full_matrix  # 40 s of flagship T = 4 executions: model inputs, re-read after a kernel change

@@ -300,6 +300,8 @@ def executed_facts(spec: StepSpec, arch: str = "sm_90a", batch: int = 4, heads: 
     """
     tensors, _ = _inputs(spec, batch, heads, seed, live_only=True)  # every lane live, on rows of its own
     s, tensors, _ = prepare_step(tensors, update_kv_state=spec.update_kv_state, **_tiling(spec))
+    # the kernel choices no call names (not public options) are the spec's
+    s = s.replace(async_state_copy=spec.async_state_copy, min_ctas_per_sm=spec.min_ctas_per_sm)
     result = run_step_ptx(s, tensors, arch=arch, record_shared=True)
     ctas = result.grid[0] * result.grid[1] * result.grid[2]
     coalescing = analysis.coalescing(result)
