@@ -22,3 +22,7 @@ python -c "from mamba3_step.spec import flagship_spec; from mamba3_step.tools.ve
 python bench/latency_model.py
 # suite_working_tree.log: the default suite at the working tree (2 cores)
 MAMBA3_STEP_REQUIRE_NATIVE=1 python -m pytest -q -p no:cacheprovider
+# async_compile_full_matrix_final.log: the compile facts, --full-matrix, after the row groups (76 passed)
+python -m pytest -q -p no:cacheprovider -n 1 --full-matrix tests/kernel/test_async_state_compile.py
+# ci_fresh_clone.log: CI on a fresh clone of main at eb4af21
+git clone /work/main /work/ci_clone3 && (cd /work/ci_clone3 && CI=true bash .ci/run)
