@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from async_state_cases import ASYNC_DEFAULT
+from async_state_cases import ASYNC_DEFAULT, prepared_call
 
-from mamba3_step.api import prepare_step
 from mamba3_step.launch import kernel_for
-from mamba3_step.spec import StepSpec
 from mamba3_step.tensors import StepTensors, kernel_arguments
-from mamba3_step.testing import bits_equal, inputs_for, poison_, pool_rows, step_indices
+from mamba3_step.testing import bits_equal
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -21,29 +19,11 @@ pytestmark = [pytest.mark.gpu,
 WRITTEN = ("out", "state", "state_out", "Bstate", "Xstate", "angle_state", "state_scale")
 
 
-def _tensors(spec: StepSpec, B: int, seed: int) -> StepTensors:
-    P = pool_rows(spec, B) if spec.pool else None
-    inputs = inputs_for(spec, B, P, H=4, seed=seed, device="cuda")
-    kw = {}
-    if spec.pool:
-        kw, _ = step_indices(spec, B, P, null_slot_id=2, seed=seed, device="cuda")
-        kw = {k: v for k, v in kw.items() if v is not None}
-    if spec.has_state_out:
-        inputs["state_out"] = poison_(torch.empty_like(inputs["state"]))
-    if spec.has_rand_rows:
-        inputs["rand_rows"] = torch.randperm(3 * B, device="cuda")[:B].to(torch.int32)
-    _, tensors, _ = prepare_step(StepTensors(**inputs, **kw), update_kv_state=spec.update_kv_state,
-                                 stochastic_rounding=spec.stochastic_rounding,
-                                 rotate_pairwise=spec.rotate_pairwise, tile_D=spec.tile_D,
-                                 num_warps=spec.num_warps)
-    return tensors._replace(out=poison_(tensors.out))
-
-
 @pytest.mark.parametrize("name", list(ASYNC_DEFAULT))
 @pytest.mark.parametrize("B", [1, 37])
 def test_the_asynchronous_copy_writes_the_register_kernels_bits_on_the_gpu(name, B):
     spec = ASYNC_DEFAULT[name].with_default_tiling()
-    tensors = _tensors(spec, B, seed=B)
+    tensors, _ = prepared_call(spec, B, seed=B, device="cuda")
     copies = []
     for copied in (False, True):
         t = StepTensors(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in tensors._asdict().items()})

@@ -1,10 +1,14 @@
 """The specialisations the asynchronous state copy (``StepSpec.async_state_copy``) is compiled and
 executed at: the covering set and one of each feature set by default (``ASYNC_DEFAULT``), the feature
-sets' other forms with ``--full-matrix`` (``ASYNC_FULL``)."""
+sets' other forms with ``--full-matrix`` (``ASYNC_FULL``); and the one call factory of their tests
+(``prepared_call``)."""
 
 from __future__ import annotations
 
 from test_kernel_compile import COVERING, EIGHT_BIT, MULTI_TOKEN, ROTARY, STOCHASTIC
+
+#: the null slot of the pool-mode calls
+NULL = 2
 
 ASYNC_DEFAULT = {**COVERING, "flagship-T4-spec": MULTI_TOKEN["flagship-T4-spec"],
                  "flagship-rotary": ROTARY["flagship-rotary"],
@@ -12,3 +16,33 @@ ASYNC_DEFAULT = {**COVERING, "flagship-T4-spec": MULTI_TOKEN["flagship-T4-spec"]
                  "flagship-int8state": EIGHT_BIT["flagship-int8state"]}
 ASYNC_FULL = {name: spec for name, spec in {**MULTI_TOKEN, **ROTARY, **STOCHASTIC, **EIGHT_BIT}.items()
               if name not in ASYNC_DEFAULT}
+
+
+def prepared_call(spec, B: int, seed: int, device: str = "cpu") -> tuple:
+    """Fresh inputs and indices for ``spec`` on ``device`` (every padding kind in pool mode), validated as a
+    user's call: ``(StepTensors, lane kinds)`` with ``out`` poisoned; the spec the call compiles to is ``spec``."""
+    import torch
+
+    from mamba3_step.api import prepare_step
+    from mamba3_step.tensors import StepTensors
+    from mamba3_step.testing import inputs_for, poison_, pool_rows, step_indices
+
+    P = pool_rows(spec, B) if spec.pool else None
+    heads = 2 if spec.dstate * spec.headdim * spec.mimo < 256 * 32 * 8 else 1
+    inputs = inputs_for(spec, B, P, H=heads, seed=seed, device=device)
+    kinds = ["live"] * B
+    kw = {}
+    if spec.pool:
+        kw, kinds = step_indices(spec, B, P, null_slot_id=NULL, seed=seed, device=device)
+        kw = {k: v for k, v in kw.items() if v is not None}
+    if spec.has_state_out:
+        inputs["state_out"] = poison_(torch.empty_like(inputs["state"]))
+    if spec.has_rand_rows:  # dense mode drawing each lane's bits for another row
+        rows = torch.randperm(3 * B, generator=torch.Generator().manual_seed(seed))[:B]
+        inputs["rand_rows"] = rows.to(torch.int32).to(device)
+    prepared, tensors, _ = prepare_step(StepTensors(**inputs, **kw), update_kv_state=spec.update_kv_state,
+                                        stochastic_rounding=spec.stochastic_rounding,
+                                        rotate_pairwise=spec.rotate_pairwise, tile_D=spec.tile_D,
+                                        num_warps=spec.num_warps)
+    assert prepared == spec.replace(async_state_copy=False), (prepared, spec)
+    return tensors._replace(out=poison_(tensors.out)), kinds

@@ -23,17 +23,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from async_state_cases import ASYNC_DEFAULT as DEFAULT, ASYNC_FULL as FULL
+from async_state_cases import ASYNC_DEFAULT as DEFAULT, ASYNC_FULL as FULL, prepared_call
 from test_kernel_compile import COVERING
 
-from mamba3_step.api import prepare_step
 from mamba3_step.spec import StepSpec
 from mamba3_step.tensors import StepTensors
-from mamba3_step.testing import bits_equal, inputs_for, poison_, pool_rows, step_indices
+from mamba3_step.testing import bits_equal
 from mamba3_step.tools.ptx_tier import run_step_ptx
 from ptx_executor import analysis
 
-NULL = 2
 #: the lane kinds of mamba3_step.testing.step_indices that read a row; every other kind is padding
 LIVE_KINDS = ("live", "live_nodst", "live_gaps")
 #: the tensors a step may write, compared bit for bit between the two kernels
@@ -47,32 +45,6 @@ def _spec(name: str) -> StepSpec:
     return {**DEFAULT, **FULL}[name].with_default_tiling()
 
 
-def _prepared(spec: StepSpec, B: int, seed: int) -> tuple:
-    """Fresh inputs and indices for ``spec`` (every padding kind in pool mode), validated as a
-    user's call: ``(StepTensors, lane kinds)``; ``out`` poisoned."""
-    P = pool_rows(spec, B) if spec.pool else None
-    inputs = inputs_for(spec, B, P, H=2 if spec.dstate * spec.headdim * spec.mimo < 256 * 32 * 8 else 1, seed=seed)
-    kinds = ["live"] * B
-    kw = {}
-    if spec.pool:
-        kw, kinds = step_indices(spec, B, P, null_slot_id=NULL, seed=seed)
-        kw = {k: v for k, v in kw.items() if v is not None}
-    if spec.has_state_out:
-        inputs["state_out"] = poison_(torch.empty_like(inputs["state"]))
-    if spec.has_rand_rows:  # dense mode drawing each lane's bits for another row
-        inputs["rand_rows"] = torch.randperm(3 * B, generator=torch.Generator().manual_seed(seed))[:B].to(torch.int32)
-    x = inputs["x"]
-    lead = x.shape[:-2]
-    inputs["out"] = poison_(torch.empty((*lead, x.shape[-2], x.shape[-1]) if spec.has_outproj else
-                                        (*lead, spec.mimo, x.shape[-2], x.shape[-1]), dtype=x.dtype))
-    prepared, tensors, _ = prepare_step(StepTensors(**inputs, **kw), update_kv_state=spec.update_kv_state,
-                                        stochastic_rounding=spec.stochastic_rounding,
-                                        rotate_pairwise=spec.rotate_pairwise, tile_D=spec.tile_D,
-                                        num_warps=spec.num_warps)
-    assert prepared == spec, (prepared, spec)
-    return tensors, kinds
-
-
 def _clone(tensors: StepTensors) -> StepTensors:
     return StepTensors(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in tensors._asdict().items()})
 
@@ -80,7 +52,7 @@ def _clone(tensors: StepTensors) -> StepTensors:
 @pytest.mark.parametrize("name", CASES)
 def test_the_asynchronous_copy_writes_the_register_kernels_bits(name):
     spec = _spec(name)
-    tensors, kinds = _prepared(spec, B=6, seed=17)
+    tensors, kinds = prepared_call(spec, B=6, seed=17)
     registers, copied = _clone(tensors), _clone(tensors)
     run_step_ptx(spec, registers, record=False)
     run_step_ptx(spec.replace(async_state_copy=True), copied, record=False)
@@ -101,7 +73,7 @@ def test_the_asynchronous_copy_writes_the_register_kernels_bits(name):
 @pytest.mark.parametrize("name", [n for n, s in COVERING.items() if s.pool] + ["flagship-T4-spec"])
 def test_padding_lanes_issue_no_copy_and_live_lanes_copy_their_rows_once(name):
     spec = _spec(name).replace(async_state_copy=True)
-    tensors, kinds = _prepared(spec.replace(async_state_copy=False), B=8, seed=5)
+    tensors, kinds = prepared_call(spec, B=8, seed=5)
     res = run_step_ptx(spec, tensors)
     log = res.log.arrays()
     lane = analysis.cta_of(res, log["thread"]) % res.grid[0]
