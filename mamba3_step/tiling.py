@@ -60,26 +60,25 @@ class ThreadLayout:
         return self.rows_per_group * self.mimo
 
 
-#: the asynchronous state copy's rows per group in a one-token step (StepSpec.async_state_copy), by the state's
-#: bytes per element and whether it is stored by stochastic rounding (8-bit states always are). Its update reads
-#: the slab from shared memory one row group at a time, so a small group holds few registers at no extra load.
-#: Read from the compiled flagship on sm_90a: a 16-bit state's 2 rows take 78-80 registers (6 CTAs per SM) where
-#: thread_layout's 8 take 166-168 (3); with stochastic rounding 104 (4 CTAs) where 8 take 210, an 8-bit state
-#: 108 where 8 take 164. One row would take 72 (7 CTAs), but for N = 64, D = 32, R = 2 (bf16, stochastic) the
-#: compiled update then rounds one element of the executed test's 24,576 one unit away from the register
-#: kernel's bits, so the stochastic forms keep 2. None keeps thread_layout's: fp32's 8 rows hold 128 registers,
-#: its 2 spill.
-ASYNC_ROWS_PER_GROUP = {(4, False): None, (2, False): 2, (2, True): 2, (1, True): 2}
+#: the asynchronous state copy's rows per group in a one-token step (StepSpec.async_state_copy) of a 16-bit or
+#: 8-bit state. Its update reads the slab from shared memory one row group at a time, so a small group holds few
+#: registers at no extra load. Read from the compiled flagship on sm_90a: a 16-bit state's 2 rows take 78-80
+#: registers (6 CTAs per SM) where thread_layout's 8 take 166-168 (3); with stochastic rounding 104 (4 CTAs)
+#: where 8 take 210, an 8-bit state 108 where 8 take 164. One row would take 72 (7 CTAs), but for N = 64,
+#: D = 32, R = 2 (bf16, stochastic) the compiled update then rounds one element of the executed test's 24,576
+#: one unit away from the register kernel's bits. An fp32 state keeps thread_layout's groups: its 8 rows hold
+#: 128 registers, 2 rows spill.
+ASYNC_ROWS_PER_GROUP = 2
 
 
-def async_copy_layout(lay: ThreadLayout, state_dtype: str, rounding: bool, tokens: int) -> ThreadLayout:
-    """``lay`` as the asynchronous state copy runs it: a one-token step's row groups of
-    :data:`ASYNC_ROWS_PER_GROUP` rows (at most the thread's); with more tokens the whole share
-    stays in registers from token to token, so ``lay`` itself."""
-    rows = ASYNC_ROWS_PER_GROUP.get((DTYPE_BYTES[state_dtype], rounding))
-    if tokens > 1 or rows is None or rows >= lay.rows_per_group:
+def async_copy_layout(lay: ThreadLayout, state_dtype: str, tokens: int) -> ThreadLayout:
+    """``lay`` as the asynchronous state copy runs it: a one-token step of a 16-bit or 8-bit state in row
+    groups of :data:`ASYNC_ROWS_PER_GROUP` rows (at most the thread's); an fp32 state, or more tokens (the
+    whole share stays in registers from token to token), ``lay`` itself."""
+    if tokens > 1 or DTYPE_BYTES[state_dtype] == 4 or ASYNC_ROWS_PER_GROUP >= lay.rows_per_group:
         return lay
-    return dataclasses.replace(lay, rows_per_group=rows, row_groups=lay.rows_per_thread // rows)
+    return dataclasses.replace(lay, rows_per_group=ASYNC_ROWS_PER_GROUP,
+                               row_groups=lay.rows_per_thread // ASYNC_ROWS_PER_GROUP)
 
 
 #: a row group's partial sums (rows x R) a thread reduces at once, at most

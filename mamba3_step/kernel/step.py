@@ -78,7 +78,7 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
         lay = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo,
                             spec.carried_tokens, spec.stochastic_rounding)
         if spec.async_state_copy:  # the slab in shared memory: a one-token step's row groups are small
-            lay = async_copy_layout(lay, spec.state_dtype, spec.stochastic_rounding, spec.carried_tokens)
+            lay = async_copy_layout(lay, spec.state_dtype, spec.carried_tokens)
         self.layout = lay
         self.num_threads = lay.num_threads
         self.state_dtype = CUTLASS_DTYPES[spec.state_dtype]
