@@ -13,6 +13,6 @@ git clone /work/main /work/ci_clone && cd /work/ci_clone && time CI=true bash .c
 # default run's 92 first, then spreads over the code paths), from the tree before it and from the tree after
 git worktree add /tmp/base a28a094 --detach && cp tests/ptx_hashes.py /tmp/base/tests/ && \
   (cd /tmp/base && PYTHONPATH=$PWD python tests/ptx_hashes.py --full-matrix --resume --out ptx_hashes_before.txt)
-mkdir -p /tmp/after && git archive HEAD | tar -x -C /tmp/after && \
+mkdir -p /tmp/after && git archive 58148d1 | tar -x -C /tmp/after && \
   (cd /tmp/after && PYTHONPATH=$PWD python tests/ptx_hashes.py --full-matrix --resume --out ptx_hashes_after.txt)
 python tests/ptx_hashes.py --compare ptx_hashes_before.txt ptx_hashes_after.txt   # "only before" lines: not yet hashed after
