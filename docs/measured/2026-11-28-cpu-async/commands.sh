@@ -26,3 +26,8 @@ MAMBA3_STEP_REQUIRE_NATIVE=1 python -m pytest -q -p no:cacheprovider
 python -m pytest -q -p no:cacheprovider -n 1 --full-matrix tests/kernel/test_async_state_compile.py
 # ci_fresh_clone.log: CI on a fresh clone of main at eb4af21
 git clone /work/main /work/ci_clone3 && (cd /work/ci_clone3 && CI=true bash .ci/run)
+# ci_fresh_clone_final.log: CI on a fresh clone at 4955689 (the hash runs shared the 2 cores for most of it)
+cd /work/ci_clone3 && git pull && CI=true bash .ci/run
+# readme_first_command_fresh_venv.log: the README's first command in a fresh venv, on the fresh clone
+python3 -m venv /work/fresh_venv && . /work/fresh_venv/bin/activate && \
+  pip install torch==2.13.0 && pip install -e '.[test]' && python -m mamba3_step demo
