@@ -62,9 +62,7 @@ class AsyncStateCopy:
         if cutlass.const_expr(g == 0):
             cute.arch.cp_async_wait_group(0)
         rows = self.thread_rows(cta, g)
-        tSrS = cute.make_rmem_tensor(
-            cute.make_layout((lay.VN, lay.rows_per_group, lay.CPT), stride=(1, lay.VN, lay.VN * lay.rows_per_group)),
-            self.state_dtype)
+        tSrS = self.row_group_fragment()
         for i in cutlass.range_constexpr(lay.rows_per_group):
             for c in cutlass.range_constexpr(lay.CPT):
                 cute.autovec_copy(self.staged_vector(sS, rows[i], c, cta), tSrS[None, i, c])

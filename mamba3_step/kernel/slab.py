@@ -54,13 +54,18 @@ class Slab:
         lay = self.layout
         rows = self.thread_rows(cta, g)
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.state_dtype, num_bits_per_copy=128)
-        tSrS = cute.make_rmem_tensor(
-            cute.make_layout((lay.VN, lay.rows_per_group, lay.CPT), stride=(1, lay.VN, lay.VN * lay.rows_per_group)),
-            self.state_dtype)
+        tSrS = self.row_group_fragment()
         for i in cutlass.range_constexpr(lay.rows_per_group):
             for c in cutlass.range_constexpr(lay.CPT):
                 cute.copy(atom, self.state_vector(m.state, cta.src, rows[i], c, cta), tSrS[None, i, c])
         return RowGroup(tSrS, rows, self.storage.load_scales(m, rows, cta))
+
+    def row_group_fragment(self) -> cute.Tensor:
+        """A row group's registers: ``(VN, rows_per_group, CPT)`` in the state dtype."""
+        lay = self.layout
+        return cute.make_rmem_tensor(
+            cute.make_layout((lay.VN, lay.rows_per_group, lay.CPT), stride=(1, lay.VN, lay.VN * lay.rows_per_group)),
+            self.state_dtype)
 
     @cute.jit
     def store_state(self, group: RowGroup, m: KernelArgs, cta: Cta):
