@@ -133,7 +133,7 @@ def pyplot():
 
 #: one colour per step mode, the same in every plot
 MODE_COLORS = {"pool": "tab:green", "gather_scatter": "tab:red", "dense": "tab:blue", "pool_padded": "tab:olive",
-               "pool_dense_rows": "tab:purple"}
+               "pool_dense_rows": "tab:purple", "pool_async_copy": "tab:orange", "upstream": "tab:gray"}
 
 
 def save_batch_plot(plt, fig, axes, batches, path) -> None:

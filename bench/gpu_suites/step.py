@@ -103,19 +103,26 @@ def configure(args, run: Run, step_fn=None, reference_fn=None) -> Options:
 
 def check(opts: Options) -> list[str]:
     """Every check at every batch size; on a failed graph capture, graph timing is dropped (``env``
-    records why) and the checks go on without it."""
+    records why) and the checks go on without it. A peer that fails its check or raises is not timed
+    (``env["upstream_not_timed"]`` says why) and does not stop this project's modes."""
     run, spec, failures = opts.run, flagship_spec(state_dtype=opts.state_dtype), []
     for batch in opts.batches:
+        peer: list[str] = []
+        kw = dict(padded=opts.padded_rows, async_copy=opts.async_copy, upstream_fn=opts.upstream_fn,
+                  peer_failures=peer)
         try:
             failures += check_batch(spec, batch, run.heads, torch.device(run.device), opts.step_fn, opts.reference_fn,
-                                    graphs=run.graphs and run.cuda, padded=opts.padded_rows,
-                                    async_copy=opts.async_copy, upstream_fn=opts.upstream_fn)
+                                    graphs=run.graphs and run.cuda, **kw)
         except GraphUnavailable as e:
             run.env["graph_error"] = str(e)
             run.graphs = False
+            peer.clear()
             failures += check_batch(spec, batch, run.heads, torch.device(run.device), opts.step_fn, opts.reference_fn,
-                                    graphs=False, padded=opts.padded_rows, async_copy=opts.async_copy,
-                                    upstream_fn=opts.upstream_fn)
+                                    graphs=False, **kw)
+        if peer:
+            run.env["upstream_not_timed"] = peer
+            opts.upstream_fn = None
+            print("PEER NOT TIMED (upstream's step failed its check):\n" + "\n".join(peer), flush=True)
     return failures
 
 
@@ -219,6 +226,7 @@ def measure(opts: Options) -> dict:
         "rows": rows,
         "table": table_rows(rows, copy_bps),
         "skipped_batches_time_guard": skipped,
+        "upstream_not_timed": run.env.get("upstream_not_timed", []),
         "seconds": round(time.perf_counter() - t_start, 1),
     }
 
@@ -277,6 +285,8 @@ def report(result: dict) -> str:
               if k.startswith("error_")]
     if errors:
         lines.append("not measured:\n" + "\n".join(errors))
+    if result.get("upstream_not_timed"):
+        lines.append("upstream's step not timed, it failed its check:\n  " + "\n  ".join(result["upstream_not_timed"]))
     if result["skipped_batches_time_guard"]:
         lines.append(f"time guard ({TIME_GUARD_S:.0f} s) reached: batches {result['skipped_batches_time_guard']} "
                      "not timed")
@@ -293,9 +303,10 @@ def plot(result: dict, title: str, path) -> bool:
     # pool and dense mode may nearly coincide: pool is drawn wide and translucent under dense
     look = {"pool": dict(lw=4.0, alpha=0.45), "gather_scatter": dict(lw=1.6, marker="o", ms=3),
             "dense": dict(lw=1.0, marker="x", ms=4), PADDED_MODE: dict(lw=1.0, ls=":", marker="+", ms=5),
-            DENSE_ROWS_MODE: dict(lw=1.0, ls="-.", marker="d", ms=4)}
+            DENSE_ROWS_MODE: dict(lw=1.0, ls="-.", marker="d", ms=4), ASYNC_MODE: dict(lw=1.6, marker="s", ms=3),
+            UPSTREAM_MODE: dict(lw=1.2, marker="^", ms=4)}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2))
-    for mode in MODES + (PADDED_MODE, DENSE_ROWS_MODE):
+    for mode in MODES + (PADDED_MODE, DENSE_ROWS_MODE, ASYNC_MODE, UPSTREAM_MODE):
         sub = sorted((r for r in trows if r["mode"] == mode), key=lambda r: r["batch"])
         for kind, style in (("graph", "-"), ("eager", "--")):
             for ax, key in ((ax1, f"us_{kind}"), (ax2, f"pct_copy_{kind}")):

@@ -138,14 +138,16 @@ def _clone(d: dict) -> dict:
 
 def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn=None,
                 graphs: bool = False, seed: int = 0, padded: bool = False, async_copy: bool = False,
-                upstream_fn=None) -> list[str]:
+                upstream_fn=None, peer_failures: list | None = None) -> list[str]:
     """Run every mode once on fresh random data and check it (see the module docstring); with
     ``padded``, pool mode on state rows of a padded D stride too, bit for bit pool mode's; with
     ``async_copy``, pool mode through the asynchronous state copy, bit for bit pool mode's; with
     ``upstream_fn`` (upstream's dense step, :mod:`.upstream`), the peer's server step within PyTorch
     float32's error of the float64 evaluation and its Bstate/Xstate rows this step's B and x.
 
-    Returns the list of failures (empty when all checks pass).
+    Returns the list of failures (empty when all checks pass). The peer's failures, an exception it
+    raises included, go to ``peer_failures`` when given (the peer is not this project's code), else
+    to the returned list.
     """
     step_fn = step_fn or mamba3_step_fn
     reference_fn = reference_fn or mamba3_step_reference
@@ -194,7 +196,11 @@ def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn
     if msg:
         failures.append(msg)
     if upstream_fn is not None:
-        failures += _check_upstream(spec, upstream_fn, pool0, shared, lanes, idx64, scratch, p32, l32, l64, p64, batch)
+        try:
+            peer = _check_upstream(spec, upstream_fn, pool0, shared, lanes, idx64, scratch, p32, l32, l64, p64, batch)
+        except Exception as e:  # the peer's own failure to run is a finding about the peer
+            peer = [f"B={batch}: upstream's step raised {type(e).__name__}: {e}"]
+        (failures if peer_failures is None else peer_failures).extend(peer)
     untouched = torch.ones(P, dtype=torch.bool, device=device)
     untouched[idx64] = False
     for k in ("state", "Bstate", "Xstate"):

@@ -1,13 +1,13 @@
 """The asynchronous state copy (``StepSpec.async_state_copy``) on a GPU (skipped without CUDA): the
 bits of the register kernel users run by default, for the specialisations the PTX tier executes
-(tests/ptx/test_ptx_async_state.py) at every padding kind. The same check as the PTX tier's, where
-the copies really are asynchronous."""
+(tests/ptx/test_ptx_async_state.py) at every padding kind, the feature sets' other forms with ``--full-matrix``. The same check as
+the PTX tier's, where the copies really are asynchronous."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from async_state_cases import ASYNC_DEFAULT, prepared_call
+from async_state_cases import ASYNC_DEFAULT, ASYNC_FULL, prepared_call
 
 from mamba3_step.launch import kernel_for
 from mamba3_step.tensors import StepTensors, kernel_arguments
@@ -19,10 +19,13 @@ pytestmark = [pytest.mark.gpu,
 WRITTEN = ("out", "state", "state_out", "Bstate", "Xstate", "angle_state", "state_scale")
 
 
-@pytest.mark.parametrize("name", list(ASYNC_DEFAULT))
+CASES = {**ASYNC_DEFAULT, **ASYNC_FULL}
+
+
+@pytest.mark.parametrize("name", [*ASYNC_DEFAULT, *(pytest.param(n, marks=pytest.mark.full_matrix) for n in ASYNC_FULL)])
 @pytest.mark.parametrize("B", [1, 37])
 def test_the_asynchronous_copy_writes_the_register_kernels_bits_on_the_gpu(name, B):
-    spec = ASYNC_DEFAULT[name].with_default_tiling()
+    spec = CASES[name].with_default_tiling()
     tensors, _ = prepared_call(spec, B, seed=B, device="cuda")
     copies = []
     for copied in (False, True):

@@ -938,3 +938,20 @@ def test_the_upstream_check_fails_on_a_peer_that_computes_something_else(tmp_pat
     fn = load_upstream_step(str(_stub_checkout(tmp_path / "mamba", wrong)))
     failures = step_checks.check_batch(flagship_spec(), 2, 1, torch.device("cpu"), upstream_fn=fn)
     assert failures and all(f.startswith("B=2: upstream's") for f in failures), failures
+
+
+def test_a_peer_that_fails_its_check_is_not_timed_and_does_not_stop_this_projects_modes(tmp_path, capsys):
+    """The peer is not this project's code: a wrong or crashing upstream step is reported and left out,
+    pool mode and the others are still checked and timed (exit 0)."""
+    crashing = STUB_UPSTREAM.replace("    ours(state,", "    raise RuntimeError('no kernel for this GPU')\n    ours(state,")
+    for text, finding in ((STUB_UPSTREAM.replace("    ours(state,", "    dt = dt * 1.01\n    ours(state,"),
+                           "B=1: upstream's "), (crashing, "B=1: upstream's step raised RuntimeError")):
+        sys.modules.pop("upstream_mamba3_step_fn", None)
+        root = tmp_path / f"m{len(finding)}"
+        assert gpu_bench.main(CPU_ARGS + ["--upstream", str(_stub_checkout(root / "mamba", text)),
+                                          "--out", str(root / "out")]) == 0
+        printed = capsys.readouterr().out
+        assert "PEER NOT TIMED" in printed and finding in printed and "not timed, it failed its check" in printed
+        result = _suite_result(root / "out", "step")
+        assert {r["mode"] for r in result["rows"]} == {"pool", "gather_scatter", "dense"}
+        assert result["upstream_not_timed"] and result["upstream_not_timed"][0].startswith(finding)
