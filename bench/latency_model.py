@@ -130,29 +130,58 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
     return rows
 
 
-def measured_rows(path: str, today: tuple[int, int], overrides: dict) -> tuple[list[dict], float]:
-    """The measured pool-mode CUDA-graph table of a gpu_bench.json beside the model at its copy bandwidth."""
-    with open(path) as f:
-        data = json.load(f)
-    copy_bw = float(data["copy_bandwidth_bytes_per_s"])
-    spec = flagship_spec()
+#: a gpu_bench step-suite mode -> (the kernel, its design in the model)
+MEASURED_KERNELS = {"pool": ("registers", "today"), "pool_async_copy": ("async", "asynchronous state copy")}
+#: a state dtype of the step suite -> its form here
+DTYPE_FORMS = {"float32": "fp32", "bfloat16": "bf16, round to nearest"}
+
+
+def measured_rows(path: str, facts: dict, overrides: dict) -> tuple[list[dict], float]:
+    """The measured CUDA-graph rows of a ``bench/gpu_bench.py`` JSON (suite step: pool mode, and the
+    asynchronous state copy when it ran) beside the model at its copy bandwidth: with the assumed
+    ``extra_cycles_per_instruction`` and with the stalls Nsight Compute measured
+    (``latency_model.MEASURED_OWN_STALLS``, where measured for the form)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        result = data["suites"]["step"] if "suites" in data else data
+        copy_bw = float(result["copy_bandwidth_bytes_per_s"])
+        dtype = result.get("spec", {}).get("state_dtype", "float32")
+        form = DTYPE_FORMS[dtype]
+        table = result["table"]
+    except OSError as e:
+        raise ValueError(f"--measured: no such file or unreadable: {path} ({e})") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"--measured: expected a bench/gpu_bench.py JSON of suite step with a float32 or bfloat16 "
+                         f"state, got {path} ({type(e).__name__}: {e})") from None
+    spec, (spec_form, instr, _, _) = flagship_spec(state_dtype=dtype), state_forms()[form]
+    state_read = spec.headdim * spec.dstate * (4 if dtype == "float32" else 2)
+    trips, ctas = facts[form]
     rows = []
-    for entry in data["table"]:
-        if entry.get("mode") != "pool" or "us_graph" not in entry:
+    for entry in table:
+        kernel, design = MEASURED_KERNELS.get(entry.get("mode"), (None, None))
+        if kernel is None or "us_graph" not in entry:
             continue
         batch, total = int(entry["batch"]), bytes_per_step(spec, int(entry["batch"]), HEADS)["total"]
-        d = lm.flagship_designs(spec, REPLAY_EXECUTED["stepwise"], total / (batch * HEADS), 0, *today)["today"]
+        executed = STATE_FORMS_EXECUTED[form][1 if kernel == "async" else 0]
+        d = lm.flagship_designs(spec, executed, total / (batch * HEADS), state_read, trips, ctas,
+                                async_copy=facts.get((form, "async")))[design]
         m = lm.percent_of_copy(d, batch, HEADS, "H200", total, copy_bw, **overrides)
-        rows.append({"B": batch, "modelled us": m["seconds"] * 1e6, "measured us": entry["us_graph"],
-                     "modelled % copy": m["percent"],
-                     "measured % copy": 100 * total / (entry["us_graph"] * 1e-6) / copy_bw,
-                     "model / measured": m["seconds"] * 1e6 / entry["us_graph"],
-                     "loaded latency us": m["loaded_latency_s"] * 1e6})
-    return sorted(rows, key=lambda r: r["B"]), copy_bw
+        row = {"state": form, "kernel": kernel, "B": batch, "modelled us": m["seconds"] * 1e6,
+               "measured us": entry["us_graph"], "modelled % copy": m["percent"]}
+        stalls = lm.MEASURED_OWN_STALLS.get((form, kernel))
+        if stalls is not None:
+            row["modelled % copy, measured stalls"] = lm.percent_of_copy(
+                d, batch, HEADS, "H200", total, copy_bw, **(overrides | {"extra_cycles_per_instruction": stalls}))["percent"]
+        row |= {"measured % copy": 100 * total / (entry["us_graph"] * 1e-6) / copy_bw,
+                "model / measured": m["seconds"] * 1e6 / entry["us_graph"],
+                "loaded latency us": m["loaded_latency_s"] * 1e6}
+        rows.append(row)
+    return sorted(rows, key=lambda r: (r["kernel"], r["B"])), copy_bw
 
 
 def _cols(keys, fmt=">.1f"):
-    formats = {"state": "<", "design": "<", "B": ">d", "trips": ">d", "SASS path trips": ">d", "CTAs/SM": ">d"}
+    formats = {"state": "<", "design": "<", "kernel": "<", "B": ">d", "trips": ">d", "SASS path trips": ">d", "CTAs/SM": ">d"}
     return [(k, k, formats.get(k, fmt)) for k in keys]
 
 
@@ -182,10 +211,11 @@ def report(args, overrides: dict) -> dict:
     if stale:
         print(f"  ! mamba3_step.tools.latency_model.KERNEL_LATENCY_FACTS differs from the SASS for {', '.join(stale)}: "
               f"{ {f: facts[f] for f in stale} }: update it")
-    measured, copy_bw = ([], None) if not args.measured else measured_rows(args.measured, facts["fp32"], overrides)
+    measured, copy_bw = ([], None) if not args.measured else measured_rows(args.measured, facts, overrides)
     if measured:
         print(f"\n3. flagship on the H200, modelled beside measured ({args.measured}; copy bandwidth "
-              f"{copy_bw / 1e9:,.0f} GB/s, the model uses it too)")
+              f"{copy_bw / 1e9:,.0f} GB/s, the model uses it too; 'measured stalls': the model with Nsight "
+              "Compute's own-dependency stalls per instruction, latency_model.MEASURED_OWN_STALLS)")
         print(_util.format_table(measured, _cols(measured[0].keys(), ">.2f")))
     design_bw = copy_bw if args.gpu == "H200" else None
     designs = design_rows(args.gpu, facts, design_bw, overrides)
@@ -203,7 +233,8 @@ def report(args, overrides: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--measured", default=None, help="a bench/gpu_bench.py JSON to compare with (pool, graph)")
+    p.add_argument("--measured", default=None, help="a bench/gpu_bench.py JSON of suite step to compare with (pool mode and the "
+                   "asynchronous state copy, CUDA graph)")
     p.add_argument("--json", action="store_true", help="print the JSON too")
     p.add_argument("--no-compile", action="store_true",
                    help="no SASS: take the round trips and CTAs of latency_model.KERNEL_LATENCY_FACTS")
@@ -214,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     overrides = {k: v * 1e-6 for k, v in (("idle_latency_s", args.latency_us), ("launch_s", args.launch_us))
                  if v is not None}
-    payload = report(args, overrides)
+    try:
+        payload = report(args, overrides)
+    except ValueError as e:
+        p.error(str(e))
     path = _util.write_json(_util.results_dir(args.out) / "latency_model.json", payload)
     if args.json:
         print(json.dumps(payload, indent=1, default=str))

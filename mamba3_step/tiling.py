@@ -62,7 +62,8 @@ class ThreadLayout:
 
 #: the asynchronous state copy's rows per group in a one-token step (StepSpec.async_state_copy) of a 16-bit or
 #: 8-bit state. Its update reads the slab from shared memory one row group at a time, so a small group holds few
-#: registers at no extra load. Read from the compiled flagship on sm_90a: a 16-bit state's 2 rows take 78-80
+#: registers, at the cost of reading the staged B and C once per group (the bf16 flagship: 120 LDS.128 where 8 rows
+#: take 40; on the H200 its shared-memory stalls cost more than the CTAs gained: docs/performance.md). Read from the compiled flagship on sm_90a: a 16-bit state's 2 rows take 78-80
 #: registers (6 CTAs per SM) where thread_layout's 8 take 166-168 (3); with stochastic rounding 104 (4 CTAs)
 #: where 8 take 210, an 8-bit state 108 where 8 take 164. One row would take 72 (7 CTAs), but for N = 64,
 #: D = 32, R = 2 (bf16, stochastic) the compiled update then rounds one element of the executed test's 24,576

@@ -7,8 +7,8 @@ bytes and theirs share one round trip, and no register holds the slab until the 
 it. The update reads a row group from shared memory when it needs it (:meth:`staged_rows`,
 called by :meth:`~.slab.Slab.load_state`); the first read waits for the copies. A thread reads
 only the vectors it copied itself, so its own wait orders them and no barrier is needed. A
-one-token step's row groups are small (``tiling.async_copy_layout``): reading them costs no extra
-loads, and fewer registers hold the state at a time.
+one-token step's row groups are small (``tiling.async_copy_layout``): fewer registers hold the
+state at a time, and the staged B and C are read once per group.
 
 An 8-bit state's scales are loaded into registers right after the copies (:meth:`issue_state_copies`
 returns them; the CTA carries them as ``Cta.scales``).

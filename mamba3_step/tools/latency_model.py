@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 
 from .issue_model import GPUS, ISSUE_PER_CLOCK, GPU
 
-__all__ = ["ASSUMPTIONS", "COPY_BANDWIDTH", "FLAGSHIP_TRIPS", "KERNEL_LATENCY_FACTS", "Design", "LoadTrips",
+__all__ = ["ASSUMPTIONS", "COPY_BANDWIDTH", "FLAGSHIP_TRIPS", "KERNEL_LATENCY_FACTS", "MEASURED_OWN_STALLS", "Design",
+           "LoadTrips",
            "average_bytes_in_flight", "bytes_in_flight_needed", "flagship_designs", "global_round_trips", "live_path",
            "mean_value_analysis", "percent_of_copy", "sass_instructions", "step_time"]
 
@@ -394,6 +395,18 @@ KERNEL_LATENCY_FACTS = {"fp32": (4, 3), "bf16, round to nearest": (4, 3), "bf16,
 #: test_async_state_compile.py holds them equal
 ASYNC_LATENCY_FACTS = {"sm_90a": {"fp32": (3, 4), "bf16, round to nearest": (3, 6), "bf16, stochastic rounding": (3, 4)},
                        "sm_100a": {"fp32": (3, 3)}}
+
+
+#: cycles a warp stalls per issued instruction on its own fixed-latency dependencies, measured by Nsight Compute
+#: on the H200 (flagship, pool mode, B = 256; docs/measured/2026-11-28-h200-async/ncu_raw_*.log): the sum of
+#: ``smsp__average_warps_issue_stalled_*_per_issue_active`` over every reason except long_scoreboard (the global
+#: loads: the model's round trips and DRAM queue), not_selected (other warps issuing: the issue queue) and selected
+#: (the issue itself). Under ncu the SM clock is locked, so these are cycles at its clock. The model's
+#: ``extra_cycles_per_instruction`` replaced by them ("measured stalls" in bench/latency_model.py --measured)
+MEASURED_OWN_STALLS = {
+    ("fp32", "registers"): 1.40, ("fp32", "async"): 4.40,
+    ("bf16, round to nearest", "registers"): 2.99, ("bf16, round to nearest", "async"): 12.85,
+}
 
 
 def flagship_designs(spec, warp_instructions: float, bytes_per_slab: float, state_read_bytes: float,

@@ -14,7 +14,7 @@ import pytest
 
 from mamba3_step.tools import latency_model as lm
 from mamba3_step.tools.bytes_model import bytes_per_step
-from mamba3_step.tools.issue_model import GPUS, REPLAY_EXECUTED
+from mamba3_step.tools.issue_model import GPUS, REPLAY_EXECUTED, STATE_FORMS_EXECUTED
 from mamba3_step.spec import flagship_spec
 
 # A live CTA: the index load, the padding branch, three loads addressed by the index (a 16-byte, an
@@ -230,3 +230,37 @@ def test_bench_prints_the_model_beside_a_measured_table(tmp_path, capsys):
     assert row["modelled us"] == pytest.approx(model["seconds"] * 1e6)
     assert {r["state"] for r in payload["designs"]} >= {"fp32", "bf16, stochastic rounding", "fp32 replay F = 4"}
     assert "modelled" in capsys.readouterr().out
+
+
+def test_bench_reads_a_step_suite_result_with_both_kernels_and_the_measured_stalls(tmp_path):
+    """gpu_bench's own JSON (suites -> step): pool mode is the register kernel ("today"), the asynchronous
+    state copy its design, each of the run's state dtype; with Nsight Compute's stalls the model is rerun."""
+    spec = flagship_spec(state_dtype="bfloat16")
+    result = {"copy_bandwidth_bytes_per_s": 4.2e12, "spec": spec.as_dict(),
+              "table": [{"mode": "pool", "batch": 256, "us_graph": 210.0},
+                        {"mode": "pool_async_copy", "batch": 256, "us_graph": 213.0},
+                        {"mode": "upstream", "batch": 256, "us_graph": 560.0}]}
+    path = tmp_path / "gpu_bench.json"
+    path.write_text(json.dumps({"environment": {}, "suites": {"step": result}}))
+    assert _bench().main(["--no-compile", "--measured", str(path), "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "latency_model.json").read_text())["measured"]
+    assert [(r["kernel"], r["state"]) for r in rows] == [("async", "bf16, round to nearest"),
+                                                         ("registers", "bf16, round to nearest")]
+    total = bytes_per_step(spec, 256, 48)["total"]
+    for r, us in zip(rows, (213.0, 210.0)):
+        assert r["measured % copy"] == pytest.approx(100 * total / (us * 1e-6) / 4.2e12)
+        # more stall cycles per instruction than the assumed 0.5: the model predicts less
+        assert r["modelled % copy, measured stalls"] < r["modelled % copy"]
+    trips, ctas = lm.ASYNC_LATENCY_FACTS["sm_90a"]["bf16, round to nearest"]
+    design = lm.Design("asynchronous state copy", trips, STATE_FORMS_EXECUTED["bf16, round to nearest"][1],
+                       total / (256 * 48), ctas_per_sm=ctas)
+    assert rows[0]["modelled us"] == pytest.approx(lm.step_time(design, 256, 48, "H200", 4.2e12)["seconds"] * 1e6)
+
+
+def test_bench_refuses_a_measured_file_it_cannot_read(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"suites": {"replay": {}}}))
+    for path, message in ((tmp_path / "absent.json", "no such file"), (bad, "expected a bench/gpu_bench.py JSON")):
+        with pytest.raises(SystemExit) as exc:
+            _bench().main(["--no-compile", "--measured", str(path), "--out", str(tmp_path)])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
