@@ -8,7 +8,7 @@ eager calls and CUDA-graph replay with CUDA events, then report a table).
                               [--ks 2,4,8] [--replay-warps 8] [--checkpoint-warps 4]   (suite replay)
                               [--forms rotary,bf16-sr,int8,int8-F4]                     (suite replay-states)
                               [--tokens 4] [--outputs replayed,checkpoint]             (suite replay-verify)
-                              [--min-ctas 3]                                  (suites replay, replay-states)
+                              [--min-ctas 3]                                  (suites step, replay, replay-states)
 
 Suites (each module's docstring under ``bench/gpu_suites/`` says what it checks and times):
 
@@ -71,7 +71,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ks", default="2,4,8", help="flush lengths K of suites replay and replay-verify (default 2,4,8)")
     p.add_argument("--min-ctas", default="",
                    help="suites replay and replay-states: also time the replayed step at these launch bounds, CTAs "
-                        "an SM (e.g. 3; StepSpec.min_ctas_per_sm)")
+                        "an SM (e.g. 3; StepSpec.min_ctas_per_sm); suite step: pool mode's kernels at them")
     for suite in SUITES.values():
         suite.add_arguments(p)
     return p

@@ -19,7 +19,9 @@ padding untouched). ``--dense-rows`` adds pool mode whose indices name dense mod
 ``s`` at batch ``B``: rows ``s*B ... s*B + B - 1``): pool against it isolates where the rows are, it
 against dense isolates the wait for ``state_batch_indices``; pool mode's check covers it.
 ``--async-copy`` adds pool mode through the asynchronous state copy (``StepSpec.async_state_copy``,
-the kernel beside the register kernel), checked bit for bit against pool mode first. ``--upstream
+the kernel beside the register kernel), checked bit for bit against pool mode first; ``--min-ctas
+4,5`` adds pool mode's kernels at those launch bounds (``StepSpec.min_ctas_per_sm``: the register
+kernel, and the copy with ``--async-copy``), checked likewise. ``--upstream
 PATH`` adds the peer: upstream's own CuteDSL dense step from the state-spaces/mamba checkout at PATH,
 with the gather and scatter a server needs around it (:mod:`.upstream`), checked first.
 
@@ -40,10 +42,10 @@ from mamba3_step import mamba3_step_fn
 from mamba3_step.tools.bytes_model import bytes_per_step
 from mamba3_step.spec import flagship_spec
 
-from .common import Run
+from .common import Run, int_list
 from .upstream import upstream_step
-from .step_checks import (async_copy_step_fn, check_batch, dense_step, gather_scatter_step, make_lanes, make_pool, make_shared,
-                          padded_copy, pool_step)
+from .step_checks import (ASYNC_MODE, check_batch, dense_step, gather_scatter_step, kernel_variants, make_lanes,
+                          make_pool, make_shared, padded_copy, pool_step)
 from .timing import GraphUnavailable, Timer, capture, copy_bandwidth, n_sets, time_round
 
 NAME = "step"
@@ -53,13 +55,17 @@ MODES = ("pool", "gather_scatter", "dense")
 PADDED_MODE = "pool_padded"
 #: with --dense-rows: pool mode whose indices name dense mode's rows, in order
 DENSE_ROWS_MODE = "pool_dense_rows"
-#: with --async-copy: pool mode through the asynchronous state copy
-ASYNC_MODE = "pool_async_copy"
 #: with --upstream: upstream's dense step, gathered and scattered
 UPSTREAM_MODE = "upstream"
 MODE_LABELS = {"pool": "pool", "gather_scatter": "gather->dense->scatter", "dense": "dense",
                PADDED_MODE: "pool, padded rows", DENSE_ROWS_MODE: "pool, dense's rows",
                ASYNC_MODE: "pool, asynchronous state copy", UPSTREAM_MODE: "upstream dense, gathered/scattered"}
+
+
+def mode_label(mode: str) -> str:
+    """A mode's label in the table; a launch-bound variant (``--min-ctas``) names its bound."""
+    base, _, bound = mode.partition("_bound")
+    return MODE_LABELS[base] + (f", launch bound {bound}" if bound else "")
 TIME_GUARD_S = 270.0
 
 
@@ -71,6 +77,7 @@ class Options:
     dense_rows: bool
     async_copy: bool = False
     state_dtype: str = "float32"
+    bounds: tuple[int, ...] = ()
     upstream_fn: object = None
     step_fn: object = None
     reference_fn: object = None
@@ -97,8 +104,9 @@ def configure(args, run: Run, step_fn=None, reference_fn=None) -> Options:
     if args.upstream is not None:
         from .upstream import load_upstream_step
         upstream_fn = load_upstream_step(args.upstream)
+    bounds = int_list(args.min_ctas, "--min-ctas", allow_empty=True)
     return Options(run, run.batches_or(BATCHES), args.padded_rows, args.dense_rows, args.async_copy,
-                   args.step_state_dtype, upstream_fn, step_fn, reference_fn)
+                   args.step_state_dtype, bounds, upstream_fn, step_fn, reference_fn)
 
 
 def check(opts: Options) -> list[str]:
@@ -109,7 +117,7 @@ def check(opts: Options) -> list[str]:
     for batch in opts.batches:
         peer: list[str] = []
         kw = dict(padded=opts.padded_rows, async_copy=opts.async_copy, upstream_fn=opts.upstream_fn,
-                  peer_failures=peer)
+                  peer_failures=peer, bounds=opts.bounds)
         try:
             failures += check_batch(spec, batch, run.heads, torch.device(run.device), opts.step_fn, opts.reference_fn,
                                     graphs=run.graphs and run.cuda, **kw)
@@ -129,18 +137,19 @@ def check(opts: Options) -> list[str]:
 def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dict, step_fn,
                 l2_bytes: int, graphs: bool, target_s: float, gen: torch.Generator,
                 padded: dict | None = None, dense_rows: bool = False, async_copy: bool = False,
-                upstream_fn=None) -> list[dict]:
+                upstream_fn=None, bounds: tuple[int, ...] = ()) -> list[dict]:
     """Time the three modes at one batch size, pool mode on ``padded`` (a :func:`padded_copy` of
-    ``pool``) when given, and pool mode on dense mode's rows with ``dense_rows``; one row per
-    (mode, eager|graph)."""
+    ``pool``) when given, pool mode on dense mode's rows with ``dense_rows``, the kernel variants
+    (``step_checks.kernel_variants``: ``async_copy``, ``bounds``) and the peer; one row per (mode, eager|graph)."""
     timer = Timer(device)
     P = pool["state"].shape[0]
     per_set = bytes_per_step(spec, batch, heads, mode="pool")["total"]
     sets = n_sets(per_set, l2_bytes, max_sets=max(1, P // batch))
-    round_of = _rounds(spec, batch, heads, device, pool, shared, step_fn, sets, gen, padded, upstream_fn)
+    variants = kernel_variants(async_copy, bounds)
+    round_of = _rounds(spec, batch, heads, device, pool, shared, step_fn, sets, gen, padded, upstream_fn, variants)
     rows = []
     extra = (((PADDED_MODE,) if padded is not None else ()) + ((DENSE_ROWS_MODE,) if dense_rows else ())
-             + ((ASYNC_MODE,) if async_copy else ()) + ((UPSTREAM_MODE,) if upstream_fn is not None else ()))
+             + tuple(variants) + ((UPSTREAM_MODE,) if upstream_fn is not None else ()))
     for mode in MODES + extra:
         moved = "gather_scatter" if mode == UPSTREAM_MODE else mode if mode in MODES else "pool"
         nbytes = bytes_per_step(spec, batch, heads, mode=moved)["total"]
@@ -159,7 +168,7 @@ def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dic
 
 
 def _rounds(spec, batch: int, heads: int, device, pool: dict, shared: dict, step_fn, sets: int, gen, padded,
-            upstream_fn=None):
+            upstream_fn=None, variants: dict | None = None):
     """``round_of(mode)``: a function running one step of ``mode`` on each of ``sets`` input sets."""
     P = pool["state"].shape[0]
     perm = torch.randperm(P, generator=gen)[: sets * batch].view(sets, batch)
@@ -172,10 +181,10 @@ def _rounds(spec, batch: int, heads: int, device, pool: dict, shared: dict, step
     scratch = {k: torch.empty((batch,) + tuple(v.shape[1:]), dtype=v.dtype, device=device) for k, v in pool.items()}
 
     def round_of(mode):
-        if mode in ("pool", PADDED_MODE, DENSE_ROWS_MODE, ASYNC_MODE):
+        if mode in ("pool", PADDED_MODE, DENSE_ROWS_MODE) or mode in (variants or {}):
             rows_of = padded if mode == PADDED_MODE else pool
             idx = in_order if mode == DENSE_ROWS_MODE else idx32
-            fn = async_copy_step_fn if mode == ASYNC_MODE else step_fn
+            fn = variants[mode][1] if mode in (variants or {}) else step_fn
             calls = [lambda s=s: pool_step(fn, spec, rows_of, shared, lanes[s], idx[s]) for s in range(sets)]
         elif mode == UPSTREAM_MODE:
             calls = [lambda s=s: upstream_step(upstream_fn, spec, pool, scratch, shared, lanes[s], idx64[s])
@@ -215,7 +224,7 @@ def measure(opts: Options) -> dict:
         rows += bench_batch(spec, batch, run.heads, device, pool=pool, shared=shared,
                             step_fn=opts.step_fn or mamba3_step_fn, l2_bytes=run.env["l2_bytes"], graphs=graphs,
                             target_s=run.target_s(60.0, 60.0), gen=gen, padded=padded, dense_rows=opts.dense_rows,
-                            async_copy=opts.async_copy, upstream_fn=opts.upstream_fn)
+                            async_copy=opts.async_copy, upstream_fn=opts.upstream_fn, bounds=opts.bounds)
     return {
         "what": "pool vs gather->dense->scatter vs dense; GB/s use the compulsory bytes of mamba3_step.tools.bytes_model",
         "checks": ("pool == gather->dense->scatter bit for bit; pool and dense within PyTorch float32's error of a "
@@ -252,7 +261,7 @@ def table_rows(rows: list[dict], copy_bps: float) -> list[dict]:
     merged: dict = {}
     for r in rows:
         m = merged.setdefault((r["batch"], r["mode"]), {
-            "batch": r["batch"], "mode": r["mode"], "mode_label": MODE_LABELS[r["mode"]],
+            "batch": r["batch"], "mode": r["mode"], "mode_label": mode_label(r["mode"]),
             "sets": r["sets"], "mib": r["bytes"] / 2**20, "bytes": r["bytes"],
         })
         if "us" in r:

@@ -62,18 +62,44 @@ def padded_copy(pool: dict, pad: int = 4) -> dict:
 _bind_step = make_binder("async_copy_step_fn", STEP_SIGNATURE)
 
 
-def async_copy_step_fn(*args, **kwargs) -> torch.Tensor:
-    """``mamba3_step_fn`` (its validation included) launched through the asynchronous state copy
-    (``StepSpec.async_state_copy``: not a public option, so launched here as ``mamba3_step_fn``
-    launches its kernel); on CPU tensors its PTX, executed (mamba3_step.tools.ptx_tier)."""
-    tensors, options = split_call(_bind_step(*args, **kwargs))
-    spec, tensors, out = prepare_step(tensors, **options._asdict())
-    if tensors.batch > 0 and tensors.x.is_cuda:
-        kernel_for(spec.replace(async_state_copy=True), tensors.x)(*kernel_arguments(tensors))
-    elif tensors.batch > 0:
-        from mamba3_step.tools.ptx_tier import run_step_ptx
-        run_step_ptx(spec.replace(async_state_copy=True), tensors, record=False)
-    return out
+def variant_step_fn(async_copy: bool = False, min_ctas: int = 0):
+    """``mamba3_step_fn`` (its validation included) launched through a kernel variant that is not a
+    public option, as ``mamba3_step_fn`` launches its kernel: the asynchronous state copy
+    (``StepSpec.async_state_copy``) and/or a launch bound of ``min_ctas`` CTAs per SM
+    (``StepSpec.min_ctas_per_sm``). On CPU tensors its PTX, executed (mamba3_step.tools.ptx_tier)."""
+
+    def step(*args, **kwargs) -> torch.Tensor:
+        tensors, options = split_call(_bind_step(*args, **kwargs))
+        spec, tensors, out = prepare_step(tensors, **options._asdict())
+        spec = spec.replace(async_state_copy=async_copy, min_ctas_per_sm=min_ctas)
+        if tensors.batch > 0 and tensors.x.is_cuda:
+            kernel_for(spec, tensors.x)(*kernel_arguments(tensors))
+        elif tensors.batch > 0:
+            from mamba3_step.tools.ptx_tier import run_step_ptx
+            run_step_ptx(spec, tensors, record=False)
+        return out
+
+    return step
+
+
+#: pool mode through the asynchronous state copy (``--async-copy``)
+async_copy_step_fn = variant_step_fn(async_copy=True)
+
+#: the step suite's mode of pool mode through the asynchronous state copy
+ASYNC_MODE = "pool_async_copy"
+
+
+def kernel_variants(async_copy: bool, bounds: tuple[int, ...] = ()) -> dict:
+    """The step suite's kernel variants of pool mode: mode -> (what it is, its step function): the
+    asynchronous state copy with ``async_copy``, and for each launch bound ``n`` of ``bounds`` the register
+    kernel (``pool_bound{n}``) and, with ``async_copy``, the copy (``pool_async_copy_bound{n}``) under it."""
+    variants = {ASYNC_MODE: ("the asynchronous state copy", async_copy_step_fn)} if async_copy else {}
+    for n in bounds:
+        variants[f"pool_bound{n}"] = (f"the register kernel at a launch bound of {n} CTAs", variant_step_fn(False, n))
+        if async_copy:
+            variants[f"{ASYNC_MODE}_bound{n}"] = (f"the asynchronous state copy at a launch bound of {n} CTAs",
+                                                  variant_step_fn(True, n))
+    return variants
 
 
 def pool_step(step_fn, spec, pool: dict, shared: dict, lanes: dict, idx: torch.Tensor):
@@ -138,10 +164,10 @@ def _clone(d: dict) -> dict:
 
 def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn=None,
                 graphs: bool = False, seed: int = 0, padded: bool = False, async_copy: bool = False,
-                upstream_fn=None, peer_failures: list | None = None) -> list[str]:
+                upstream_fn=None, peer_failures: list | None = None, bounds: tuple[int, ...] = ()) -> list[str]:
     """Run every mode once on fresh random data and check it (see the module docstring); with
     ``padded``, pool mode on state rows of a padded D stride too, bit for bit pool mode's; with
-    ``async_copy``, pool mode through the asynchronous state copy, bit for bit pool mode's; with
+    ``async_copy`` and ``bounds``, each of :func:`kernel_variants` bit for bit pool mode's; with
     ``upstream_fn`` (upstream's dense step, :mod:`.upstream`), the peer's server step within PyTorch
     float32's error of the float64 evaluation and its Bstate/Xstate rows this step's B and x.
 
@@ -179,12 +205,12 @@ def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn
             failures.append(f"B={batch}: pool-mode {k} differs from gather->dense->scatter")
     if padded:
         failures += _check_padded(spec, step_fn, pool0, shared, lanes, idx, pool_k, lanes_k, batch)
-    if async_copy:  # the asynchronous state copy: pool mode's bits
+    for what, fn in kernel_variants(async_copy, bounds).values():  # other kernels of pool mode: its bits
         pool_a, lanes_a = _clone(pool0), _clone(lanes)
-        pool_step(async_copy_step_fn, spec, pool_a, shared, lanes_a, idx)
+        pool_step(fn, spec, pool_a, shared, lanes_a, idx)
         for k, a, b in (("out", lanes_a["out"], lanes_k["out"]), *((k, pool_a[k], pool_k[k]) for k in pool_k)):
             if not bits_equal(a, b):
-                failures.append(f"B={batch}: the asynchronous state copy's {k} differs from pool mode's")
+                failures.append(f"B={batch}: {what}'s {k} differs from pool mode's")
 
     # the PyTorch path, float32 and float64
     p32, l32, p64, l64 = _references(spec, pool0, lanes, shared, idx, reference_fn)

@@ -955,3 +955,16 @@ def test_a_peer_that_fails_its_check_is_not_timed_and_does_not_stop_this_project
         result = _suite_result(root / "out", "step")
         assert {r["mode"] for r in result["rows"]} == {"pool", "gather_scatter", "dense"}
         assert result["upstream_not_timed"] and result["upstream_not_timed"][0].startswith(finding)
+
+
+def test_gpu_bench_launch_bounds_check_pool_modes_kernels_under_each_bound():
+    """--min-ctas in suite step: the register kernel and (with --async-copy) the copy at each launch bound,
+    each checked bit for bit against pool mode (on CPU tensors every kernel's PTX, executed), then timed
+    as modes labelled with their bound."""
+    from gpu_suites import step as step_suite
+    from mamba3_step.tools.ptx_tier import ptx_step_fn
+
+    assert list(step_checks.kernel_variants(True, (4,))) == ["pool_async_copy", "pool_bound4", "pool_async_copy_bound4"]
+    assert list(step_checks.kernel_variants(False, (4, 5))) == ["pool_bound4", "pool_bound5"]
+    assert step_suite.mode_label("pool_async_copy_bound5") == "pool, asynchronous state copy, launch bound 5"
+    assert step_checks.check_batch(flagship_spec(), 1, 1, torch.device("cpu"), ptx_step_fn, bounds=(4,)) == []
