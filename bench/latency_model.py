@@ -130,8 +130,10 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
     return rows
 
 
-#: a gpu_bench step-suite mode -> (the kernel, its design in the model)
-MEASURED_KERNELS = {"pool": ("registers", "today"), "pool_async_copy": ("async", "asynchronous state copy")}
+#: a gpu_bench step-suite mode -> (the kernel, its design in the model; "early epilogue": today's design at the
+#: round trips and CTAs of latency_model.EARLY_EPILOGUE_LATENCY_FACTS)
+MEASURED_KERNELS = {"pool": ("registers", "today"), "pool_async_copy": ("async", "asynchronous state copy"),
+                    "pool_early_epilogue": ("early epilogue", "today")}
 #: a state dtype of the step suite -> its form here
 DTYPE_FORMS = {"float32": "fp32", "bfloat16": "bf16, round to nearest"}
 
@@ -164,12 +166,14 @@ def measured_rows(path: str, facts: dict, overrides: dict) -> tuple[list[dict], 
             continue
         batch, total = int(entry["batch"]), bytes_per_step(spec, int(entry["batch"]), HEADS)["total"]
         executed = STATE_FORMS_EXECUTED[form][1 if kernel == "async" else 0]
-        d = lm.flagship_designs(spec, executed, total / (batch * HEADS), state_read, trips, ctas,
+        trips_k, ctas_k = lm.EARLY_EPILOGUE_LATENCY_FACTS["sm_90a"][form] if kernel == "early epilogue" else (trips, ctas)
+        d = lm.flagship_designs(spec, executed, total / (batch * HEADS), state_read, trips_k, ctas_k,
                                 async_copy=facts.get((form, "async")))[design]
         m = lm.percent_of_copy(d, batch, HEADS, "H200", total, copy_bw, **overrides)
         row = {"state": form, "kernel": kernel, "B": batch, "modelled us": m["seconds"] * 1e6,
                "measured us": entry["us_graph"], "modelled % copy": m["percent"]}
-        stalls = lm.MEASURED_OWN_STALLS.get((form, kernel))
+        # the early epilogue is the register kernel's code, its loads moved: the register kernel's stalls
+        stalls = lm.MEASURED_OWN_STALLS.get((form, "registers" if kernel == "early epilogue" else kernel))
         if stalls is not None:
             row["modelled % copy, measured stalls"] = lm.percent_of_copy(
                 d, batch, HEADS, "H200", total, copy_bw, **(overrides | {"extra_cycles_per_instruction": stalls}))["percent"]

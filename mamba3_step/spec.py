@@ -92,6 +92,11 @@ class StepSpec:
             and a thread reads its rows from there when the update needs them (docs/design/kernel.md,
             "The asynchronous state copy"). False, the default, loads the slab into registers. Not
             a public option until a GPU measures it faster: a benchmark's and the PTX tier's.
+        early_epilogue: a stepwise token loads the epilogue's global operands (D, z, zproj,
+            outproj) into registers at its start, with its staging loads, instead of after the
+            update: the CTA makes one dependent round trip fewer (docs/design/kernel.md, "The
+            epilogue's operands, loaded early"). The same arithmetic, so the same bits. Not a
+            public option until a GPU measures it faster: a benchmark's and the PTX tier's.
     """
 
     dstate: int
@@ -124,6 +129,7 @@ class StepSpec:
     padded_state_rows: bool = False
     min_ctas_per_sm: int = 0
     async_state_copy: bool = False
+    early_epilogue: bool = False
 
     @property
     def ring_entries(self) -> int:
@@ -223,7 +229,7 @@ def flagship_spec(**changes) -> StepSpec:
 _KEY_OMITTED_AT_DEFAULT = frozenset({"rope_angles", "rotate_pairwise", "has_bc_bias", "shared_bc",
                                      "stochastic_rounding", "has_rand_rows", "replay_ring",
                                      "replay_from_checkpoint", "replay_draft", "padded_state_rows",
-                                     "min_ctas_per_sm", "async_state_copy"})
+                                     "min_ctas_per_sm", "async_state_copy", "early_epilogue"})
 
 
 def flagship_rotary_spec(**changes) -> StepSpec:

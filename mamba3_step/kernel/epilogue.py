@@ -10,7 +10,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..tensors import KernelArgs
-from .bundles import Cta, Shared, Token
+from .bundles import Cta, EpilogueOperands, Shared, Token
 from .ptx_ops import mul_rn
 
 __all__ = ["Epilogue", "reduction_plan"]
@@ -91,27 +91,29 @@ class Epilogue:
         ranks = self.R // split
         h = cta.h
         lane_t = tok.lane_t
-        dskip = m.D[h]
+        early = tok.epi is not None
+        dskip = tok.epi.dskip if const_expr(early) else m.D[h]
         d0 = cta.dtile * self.tile_D
         part = cta.tidx % split
 
-        def row(d):
+        def row(d, pre=None):  # pre: the row's operands loaded early (load_epilogue_operands), or None
             mOut = m.out  # stored under a runtime `if`: a local name (see for_thread_indices)
             acc = Float32(0.0)
             if d < self.tile_D:
                 dg = d0 + d
                 zd = Float32(0.0)
                 if const_expr(self.has_z):
-                    zd = m.z[lane_t + (h, dg)].to(Float32)
+                    zd = pre[0] if const_expr(pre is not None) else m.z[lane_t + (h, dg)].to(Float32)
                 products = []
                 for j in cutlass.range_constexpr(ranks):
                     r = part * ranks + j
                     y = shared.sY[r, d] + dskip * shared.sXr[r, d]
                     if const_expr(self.has_z):
-                        gz = zd * m.zproj[r, h, dg].to(Float32)
+                        gz = zd * (pre[1][j] if const_expr(pre is not None) else m.zproj[r, h, dg].to(Float32))
                         y = y * (gz * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-gz)))
                     if const_expr(self.has_outproj):
-                        products.append(mul_rn(y, m.outproj[r, h, dg].to(Float32)))
+                        w = pre[2][j] if const_expr(pre is not None) else m.outproj[r, h, dg].to(Float32)
+                        products.append(mul_rn(y, w))
                     else:
                         mOut[lane_t + (r, h, dg)] = y.to(self.x_dtype)
                 if const_expr(self.has_outproj):
@@ -124,7 +126,42 @@ class Epilogue:
                     if part == 0:
                         mOut[lane_t + (h, d0 + d)] = acc.to(self.x_dtype)
 
-        self.for_thread_indices(self.tile_D, cta.tidx, row, spread=split, guarded=False)
+        if const_expr(early):
+            for k in cutlass.range_constexpr(len(tok.epi.rows)):
+                row((cta.tidx + k * self.num_threads) // split, tok.epi.rows[k])
+        else:
+            self.for_thread_indices(self.tile_D, cta.tidx, row, spread=split, guarded=False)
+
+    @cute.jit
+    def load_epilogue_operands(self, m: KernelArgs, lane_t: tuple, cta: Cta) -> EpilogueOperands:
+        """The epilogue's global operands of this thread for one token (StepSpec.early_epilogue): D[h],
+        and for each row :meth:`epilogue` gives it (``for_thread_indices``' k, split lanes per row)
+        its z and its ranks' zproj and outproj, fp32. Loaded at the token's start, they go out with
+        its staging loads instead of in a round trip of their own after the update. A row past the
+        tile (when the tile's rows do not fill the block) loads the tile's last row: in range, unused."""
+        split = self.epilogue_split
+        ranks = self.R // split
+        h = cta.h
+        d0 = cta.dtile * self.tile_D
+        part = cta.tidx % split
+        nt = self.num_threads
+        rows = []
+        for k in cutlass.range_constexpr((self.tile_D * split + nt - 1) // nt):
+            d = (cta.tidx + k * nt) // split
+            if const_expr((self.tile_D * split) % nt != 0):
+                if d >= self.tile_D:  # past the tile: its last row
+                    d = Int32(self.tile_D - 1)
+            dg = d0 + d
+            zd = m.z[lane_t + (h, dg)].to(Float32) if const_expr(self.has_z) else None
+            zp, op = [], []
+            for j in cutlass.range_constexpr(ranks):
+                r = part * ranks + j
+                if const_expr(self.has_z):
+                    zp.append(m.zproj[r, h, dg].to(Float32))
+                if const_expr(self.has_outproj):
+                    op.append(m.outproj[r, h, dg].to(Float32))
+            rows.append((zd, zp, op))
+        return EpilogueOperands(m.D[h], rows)
 
     def pairwise_sum(self, values: list) -> Float32:
         """The pairwise tree of ``values`` (a power of two of them): ``(v0 + v1) + (v2 + v3) ...``."""

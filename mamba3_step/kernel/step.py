@@ -136,6 +136,8 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
         self.storage = state_format(self)
         #: the slab arrives in shared memory by cp.async (:mod:`.async_state`), else by loads into registers
         self.async_state = spec.async_state_copy
+        #: a stepwise token loads the epilogue's operands at its start (a replay step's epilogue is unchanged)
+        self.early_epilogue = spec.early_epilogue and not self.replay
 
     @cute.jit(preprocess=False)
     def __call__(self, state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, zproj, outproj, z, out, state_out,

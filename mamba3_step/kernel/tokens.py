@@ -52,7 +52,8 @@ class TokenSteps:
         sB = shared.sBB[t % 2, None, None]
         sBs = shared.sBB[(t + 1) % 2, None, None]
         tok = Token(t, lane_t, sB, sBs, *self.decay_coefficients(m, lane_t, cta.h),
-                    rng=self.token_rng(cta.seed, t) if const_expr(self.stochastic) else None)
+                    rng=self.token_rng(cta.seed, t) if const_expr(self.stochastic) else None,
+                    epi=self.load_epilogue_operands(m, lane_t, cta) if const_expr(self.early_epilogue) else None)
         if const_expr(self.rope_angles > 0):
             if const_expr(self.dst_per_token):  # the angle is stored by advance_angles
                 cta = self.token_destination(m, t, cta)
