@@ -134,7 +134,7 @@ def pyplot():
 #: one colour per step mode, the same in every plot
 MODE_COLORS = {"pool": "tab:green", "gather_scatter": "tab:red", "dense": "tab:blue", "pool_padded": "tab:olive",
                "pool_dense_rows": "tab:purple", "pool_async_copy": "tab:orange", "upstream": "tab:gray",
-               "pool_early_epilogue": "tab:cyan"}
+               "pool_early_epilogue": "tab:cyan", "pool_late_epilogue": "tab:pink"}
 
 
 def save_batch_plot(plt, fig, axes, batches, path) -> None:

@@ -130,17 +130,19 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
     return rows
 
 
-#: a gpu_bench step-suite mode -> (the kernel, its design in the model; "early epilogue": today's design at the
-#: round trips and CTAs of latency_model.EARLY_EPILOGUE_LATENCY_FACTS)
-MEASURED_KERNELS = {"pool": ("registers", "today"), "pool_async_copy": ("async", "asynchronous state copy"),
-                    "pool_early_epilogue": ("early epilogue", "today")}
+#: a gpu_bench step-suite mode -> (the kernel, its design in the model). Pool mode is the register kernel with
+#: the epilogue's operands loaded early in a run whose spec names ``late_epilogue``, else (a run from before
+#: they were) loaded late; the late layout is today's design at latency_model.LATE_EPILOGUE_LATENCY_FACTS
+MEASURED_KERNELS = {"pool": ("early epilogue", "today"), "pool_async_copy": ("async", "asynchronous state copy"),
+                    "pool_early_epilogue": ("early epilogue", "today"), "pool_late_epilogue": ("late epilogue", "today")}
 #: a state dtype of the step suite -> its form here
 DTYPE_FORMS = {"float32": "fp32", "bfloat16": "bf16, round to nearest"}
 
 
 def measured_rows(path: str, facts: dict, overrides: dict) -> tuple[list[dict], float]:
     """The measured CUDA-graph rows of a ``bench/gpu_bench.py`` JSON (suite step: pool mode, and the
-    asynchronous state copy when it ran) beside the model at its copy bandwidth: with the assumed
+    asynchronous state copy and the other epilogue layout when they ran) beside the model at its copy
+    bandwidth: with the assumed
     ``extra_cycles_per_instruction`` and with the stalls Nsight Compute measured
     (``latency_model.MEASURED_OWN_STALLS``, where measured for the form)."""
     try:
@@ -149,6 +151,7 @@ def measured_rows(path: str, facts: dict, overrides: dict) -> tuple[list[dict], 
         result = data["suites"]["step"] if "suites" in data else data
         copy_bw = float(result["copy_bandwidth_bytes_per_s"])
         dtype = result.get("spec", {}).get("state_dtype", "float32")
+        early_pool = "late_epilogue" in result.get("spec", {})  # pool mode loaded the epilogue early
         form = DTYPE_FORMS[dtype]
         table = result["table"]
     except OSError as e:
@@ -164,16 +167,18 @@ def measured_rows(path: str, facts: dict, overrides: dict) -> tuple[list[dict], 
         kernel, design = MEASURED_KERNELS.get(entry.get("mode"), (None, None))
         if kernel is None or "us_graph" not in entry:
             continue
+        if entry["mode"] == "pool" and not early_pool:
+            kernel = "late epilogue"
         batch, total = int(entry["batch"]), bytes_per_step(spec, int(entry["batch"]), HEADS)["total"]
         executed = STATE_FORMS_EXECUTED[form][1 if kernel == "async" else 0]
-        trips_k, ctas_k = lm.EARLY_EPILOGUE_LATENCY_FACTS["sm_90a"][form] if kernel == "early epilogue" else (trips, ctas)
+        trips_k, ctas_k = lm.LATE_EPILOGUE_LATENCY_FACTS["sm_90a"][form] if kernel == "late epilogue" else (trips, ctas)
         d = lm.flagship_designs(spec, executed, total / (batch * HEADS), state_read, trips_k, ctas_k,
                                 async_copy=facts.get((form, "async")))[design]
         m = lm.percent_of_copy(d, batch, HEADS, "H200", total, copy_bw, **overrides)
         row = {"state": form, "kernel": kernel, "B": batch, "modelled us": m["seconds"] * 1e6,
                "measured us": entry["us_graph"], "modelled % copy": m["percent"]}
-        # the early epilogue is the register kernel's code, its loads moved: the register kernel's stalls
-        stalls = lm.MEASURED_OWN_STALLS.get((form, "registers" if kernel == "early epilogue" else kernel))
+        # both epilogue layouts are the register kernel's code (its stalls were measured on the late one)
+        stalls = lm.MEASURED_OWN_STALLS.get((form, "async" if kernel == "async" else "registers"))
         if stalls is not None:
             row["modelled % copy, measured stalls"] = lm.percent_of_copy(
                 d, batch, HEADS, "H200", total, copy_bw, **(overrides | {"extra_cycles_per_instruction": stalls}))["percent"]

@@ -92,11 +92,12 @@ class StepSpec:
             and a thread reads its rows from there when the update needs them (docs/design/kernel.md,
             "The asynchronous state copy"). False, the default, loads the slab into registers. Not
             a public option until a GPU measures it faster: a benchmark's and the PTX tier's.
-        early_epilogue: a stepwise token loads the epilogue's global operands (D, z, zproj,
-            outproj) into registers at its start, with its staging loads, instead of after the
-            update: the CTA makes one dependent round trip fewer (docs/design/kernel.md, "The
-            epilogue's operands, loaded early"). The same arithmetic, so the same bits. Not a
-            public option until a GPU measures it faster: a benchmark's and the PTX tier's.
+        late_epilogue: the register kernel loads the epilogue's global operands (D, z, zproj,
+            outproj) after the update, in a dependent round trip of their own. By default a
+            stepwise token of a 4- or 8-warp tiling loads them at its start, with its staging
+            loads (``tiling.EARLY_EPILOGUE_WARPS``; docs/design/kernel.md, "The epilogue's
+            operands, loaded early"); the same arithmetic, so the same bits. Not a public option:
+            the layout before, kept for the benchmark's and the PTX tier's comparisons.
     """
 
     dstate: int
@@ -129,7 +130,7 @@ class StepSpec:
     padded_state_rows: bool = False
     min_ctas_per_sm: int = 0
     async_state_copy: bool = False
-    early_epilogue: bool = False
+    late_epilogue: bool = False
 
     @property
     def ring_entries(self) -> int:
@@ -229,7 +230,7 @@ def flagship_spec(**changes) -> StepSpec:
 _KEY_OMITTED_AT_DEFAULT = frozenset({"rope_angles", "rotate_pairwise", "has_bc_bias", "shared_bc",
                                      "stochastic_rounding", "has_rand_rows", "replay_ring",
                                      "replay_from_checkpoint", "replay_draft", "padded_state_rows",
-                                     "min_ctas_per_sm", "async_state_copy", "early_epilogue"})
+                                     "min_ctas_per_sm", "async_state_copy", "late_epilogue"})
 
 
 def flagship_rotary_spec(**changes) -> StepSpec:

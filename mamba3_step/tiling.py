@@ -340,6 +340,20 @@ def _default_warps(dstate: int, tile_D: int, state_dtype: str, tokens: int, lean
     return num_warps
 
 
+#: the tilings whose stepwise tokens load the epilogue's operands at their start (unless StepSpec.late_epilogue):
+#: it takes one dependent round trip off the CTA and keeps its CTAs per SM at 4 and 8 warps, where the compiled
+#: covering and feature sets (sm_90a) gain 0-34 registers and lose no CTA. At 1, 2 and 16 warps 7-11 more
+#: registers cost CTAs (32 -> 28 at 1 warp, 14 -> 12 at 2, 2 -> 1 at 16). docs/design/kernel.md has the table
+EARLY_EPILOGUE_WARPS = (4, 8)
+
+
+def early_epilogue(spec) -> bool:
+    """Whether ``spec``'s kernel loads the epilogue's operands at the token's start: the register kernel's
+    stepwise tokens (no replay, no asynchronous state copy) at 4 or 8 warps, unless ``late_epilogue``."""
+    return (not spec.late_epilogue and not spec.replay_ring and not spec.async_state_copy
+            and spec.num_warps in EARLY_EPILOGUE_WARPS)
+
+
 #: the largest launch bound StepSpec.min_ctas_per_sm takes (an experiment's knob; 8 CTAs of 4 warps
 #: would leave 64 registers a thread)
 MAX_MIN_CTAS_PER_SM = 8

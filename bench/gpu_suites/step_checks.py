@@ -62,17 +62,17 @@ def padded_copy(pool: dict, pad: int = 4) -> dict:
 _bind_step = make_binder("async_copy_step_fn", STEP_SIGNATURE)
 
 
-def variant_step_fn(async_copy: bool = False, min_ctas: int = 0, early_epilogue: bool = False):
+def variant_step_fn(async_copy: bool = False, min_ctas: int = 0, late_epilogue: bool = False):
     """``mamba3_step_fn`` (its validation included) launched through a kernel variant that is not a
     public option, as ``mamba3_step_fn`` launches its kernel: the asynchronous state copy
     (``StepSpec.async_state_copy``), a launch bound of ``min_ctas`` CTAs per SM
-    (``StepSpec.min_ctas_per_sm``), the epilogue's operands loaded early (``StepSpec.early_epilogue``).
+    (``StepSpec.min_ctas_per_sm``), the epilogue's operands loaded after the update (``StepSpec.late_epilogue``).
     On CPU tensors its PTX, executed (mamba3_step.tools.ptx_tier)."""
 
     def step(*args, **kwargs) -> torch.Tensor:
         tensors, options = split_call(_bind_step(*args, **kwargs))
         spec, tensors, out = prepare_step(tensors, **options._asdict())
-        spec = spec.replace(async_state_copy=async_copy, min_ctas_per_sm=min_ctas, early_epilogue=early_epilogue)
+        spec = spec.replace(async_state_copy=async_copy, min_ctas_per_sm=min_ctas, late_epilogue=late_epilogue)
         if tensors.batch > 0 and tensors.x.is_cuda:
             kernel_for(spec, tensors.x)(*kernel_arguments(tensors))
         elif tensors.batch > 0:
@@ -88,18 +88,18 @@ async_copy_step_fn = variant_step_fn(async_copy=True)
 
 #: the step suite's mode of pool mode through the asynchronous state copy
 ASYNC_MODE = "pool_async_copy"
-#: the step suite's mode of pool mode through the register kernel with its epilogue's operands loaded early
-EARLY_MODE = "pool_early_epilogue"
+#: the step suite's mode of pool mode through the register kernel with its epilogue's operands loaded after the update
+LATE_MODE = "pool_late_epilogue"
 
 
-def kernel_variants(async_copy: bool, bounds: tuple[int, ...] = (), early_epilogue: bool = False) -> dict:
+def kernel_variants(async_copy: bool, bounds: tuple[int, ...] = (), late_epilogue: bool = False) -> dict:
     """The step suite's kernel variants of pool mode: mode -> (what it is, its step function): the
     asynchronous state copy with ``async_copy``, the register kernel with its epilogue's operands loaded
-    early with ``early_epilogue``, and for each launch bound ``n`` of ``bounds`` the register kernel
+    after the update with ``late_epilogue``, and for each launch bound ``n`` of ``bounds`` the register kernel
     (``pool_bound{n}``) and, with ``async_copy``, the copy (``pool_async_copy_bound{n}``) under it."""
     variants = {ASYNC_MODE: ("the asynchronous state copy", async_copy_step_fn)} if async_copy else {}
-    if early_epilogue:
-        variants[EARLY_MODE] = ("the early epilogue", variant_step_fn(early_epilogue=True))
+    if late_epilogue:
+        variants[LATE_MODE] = ("the late epilogue", variant_step_fn(late_epilogue=True))
     for n in bounds:
         variants[f"pool_bound{n}"] = (f"the register kernel at a launch bound of {n} CTAs", variant_step_fn(False, n))
         if async_copy:
@@ -171,10 +171,10 @@ def _clone(d: dict) -> dict:
 def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn=None,
                 graphs: bool = False, seed: int = 0, padded: bool = False, async_copy: bool = False,
                 upstream_fn=None, peer_failures: list | None = None, bounds: tuple[int, ...] = (),
-                early_epilogue: bool = False) -> list[str]:
+                late_epilogue: bool = False) -> list[str]:
     """Run every mode once on fresh random data and check it (see the module docstring); with
     ``padded``, pool mode on state rows of a padded D stride too, bit for bit pool mode's; with
-    ``async_copy``, ``bounds`` and ``early_epilogue``, each of :func:`kernel_variants` bit for bit pool mode's; with
+    ``async_copy``, ``bounds`` and ``late_epilogue``, each of :func:`kernel_variants` bit for bit pool mode's; with
     ``upstream_fn`` (upstream's dense step, :mod:`.upstream`), the peer's server step within PyTorch
     float32's error of the float64 evaluation and its Bstate/Xstate rows this step's B and x.
 
@@ -212,7 +212,7 @@ def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn
             failures.append(f"B={batch}: pool-mode {k} differs from gather->dense->scatter")
     if padded:
         failures += _check_padded(spec, step_fn, pool0, shared, lanes, idx, pool_k, lanes_k, batch)
-    for what, fn in kernel_variants(async_copy, bounds, early_epilogue).values():  # other kernels of pool mode: its bits
+    for what, fn in kernel_variants(async_copy, bounds, late_epilogue).values():  # other kernels of pool mode: its bits
         pool_a, lanes_a = _clone(pool0), _clone(lanes)
         pool_step(fn, spec, pool_a, shared, lanes_a, idx)
         for k, a, b in (("out", lanes_a["out"], lanes_k["out"]), *((k, pool_a[k], pool_k[k]) for k in pool_k)):

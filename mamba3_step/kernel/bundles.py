@@ -90,11 +90,11 @@ class Token(NamedTuple):
     gamma: Any  # Float32: trap dt
     dt: Any  # Float32: dt (the rotary angle's rate)
     rng: Any = None  # (k0, k1, o0, o1[, row]) Uint32: stochastic rounding's key, the token's offset words (and a replayed entry's recorded row)
-    epi: Any = None  # EpilogueOperands, loaded at the token's start (StepSpec.early_epilogue), else None
+    epi: Any = None  # EpilogueOperands, loaded at the token's start (tiling.early_epilogue), else None
 
 
 class EpilogueOperands(NamedTuple):
-    """The epilogue's global operands of one thread for one token, loaded early (StepSpec.early_epilogue)."""
+    """The epilogue's global operands of one thread for one token, loaded early (tiling.early_epilogue)."""
 
     dskip: Any  # Float32: D[h]
     rows: list  # per row the thread takes (for_thread_indices' k): (z or None, [zproj per rank], [outproj per rank]), fp32

@@ -134,7 +134,7 @@ class Epilogue:
 
     @cute.jit
     def load_epilogue_operands(self, m: KernelArgs, lane_t: tuple, cta: Cta) -> EpilogueOperands:
-        """The epilogue's global operands of this thread for one token (StepSpec.early_epilogue): D[h],
+        """The epilogue's global operands of this thread for one token (tiling.early_epilogue): D[h],
         and for each row :meth:`epilogue` gives it (``for_thread_indices``' k, split lanes per row)
         its z and its ranks' zproj and outproj, fp32. Loaded at the token's start, they go out with
         its staging loads instead of in a round trip of their own after the update. A row past the

@@ -45,7 +45,7 @@ from ..contract import SCALED_STATE_DTYPES
 from ..rounding import N_PER_CALL
 from ..spec import StepSpec
 from ..tensors import KernelArgs
-from ..tiling import async_copy_layout, launch_grid, thread_layout, tiling_problem
+from ..tiling import async_copy_layout, early_epilogue, launch_grid, thread_layout, tiling_problem
 from .async_state import AsyncStateCopy
 from .bundles import CUTLASS_DTYPES, Cta, Shared
 from .checkpoint import CheckpointOutputs
@@ -136,8 +136,9 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
         self.storage = state_format(self)
         #: the slab arrives in shared memory by cp.async (:mod:`.async_state`), else by loads into registers
         self.async_state = spec.async_state_copy
-        #: a stepwise token loads the epilogue's operands at its start (a replay step's epilogue is unchanged)
-        self.early_epilogue = spec.early_epilogue and not self.replay
+        #: a stepwise token of the register kernel loads the epilogue's operands at its start, where that keeps the
+        #: CTAs per SM (tiling.EARLY_EPILOGUE_WARPS); a replay step's epilogue, and the asynchronous copy's, load late
+        self.early_epilogue = early_epilogue(spec)
 
     @cute.jit(preprocess=False)
     def __call__(self, state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, zproj, outproj, z, out, state_out,

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from .issue_model import GPUS, ISSUE_PER_CLOCK, GPU
 
-__all__ = ["ASSUMPTIONS", "COPY_BANDWIDTH", "FLAGSHIP_TRIPS", "KERNEL_LATENCY_FACTS", "EARLY_EPILOGUE_LATENCY_FACTS", "MEASURED_OWN_STALLS",
+__all__ = ["ASSUMPTIONS", "COPY_BANDWIDTH", "FLAGSHIP_TRIPS", "KERNEL_LATENCY_FACTS", "LATE_EPILOGUE_LATENCY_FACTS", "MEASURED_OWN_STALLS",
            "Design",
            "LoadTrips",
            "average_bytes_in_flight", "bytes_in_flight_needed", "flagship_designs", "global_round_trips", "live_path",
@@ -376,15 +376,15 @@ def percent_of_copy(design: Design, batch: int, heads: int, gpu_name: str, compu
 
 
 #: dependent global round trips of the flagship's CTA today, as :func:`global_round_trips` reads them from
-#: its SASS on sm_90a and sm_100a (index; staging + 9 (sm_100a: 8) of 16 state loads; the other 7 (8);
+#: its SASS on sm_90a and sm_100a (index; staging and 1 (sm_100a: 4) of the 16 state loads; the other 15 (12) with
 #: the epilogue's operands); tests/tools/test_latency_model.py holds them equal
-FLAGSHIP_TRIPS = 4
+FLAGSHIP_TRIPS = 3
 #: ``(round trips, CTAs per SM)`` of today's kernel for each state form the designs' table models
 #: (sm_90a, default tiling; the replay kernel with replayed outputs), as :func:`global_round_trips` and the
 #: occupancy read them from the SASS. A replay kernel's live path falls through every ring position's
 #: branches, so its count is an upper bound (bench/latency_model.py models one position's path with the
 #: stepwise kernel's round trips); the bench re-reads them and says when they differ
-KERNEL_LATENCY_FACTS = {"fp32": (4, 3), "bf16, round to nearest": (4, 3), "bf16, stochastic rounding": (4, 2),
+KERNEL_LATENCY_FACTS = {"fp32": (3, 3), "bf16, round to nearest": (3, 3), "bf16, stochastic rounding": (3, 2),
                         "fp32 replay F = 2": (10, 3), "fp32 replay F = 4": (12, 2)}
 
 
@@ -398,12 +398,13 @@ ASYNC_LATENCY_FACTS = {"sm_90a": {"fp32": (3, 4), "bf16, round to nearest": (3, 
                        "sm_100a": {"fp32": (3, 3)}}
 
 
-#: ``(round trips, CTAs per SM)`` of the register kernel with the epilogue's operands loaded early
-#: (``StepSpec.early_epilogue``), read from the SASS as KERNEL_LATENCY_FACTS are: the epilogue's trip after the
-#: update is gone (fp32 166 registers, bf16 168, bf16 with stochastic rounding 222, on both targets).
+#: ``(round trips, CTAs per SM)`` of the register kernel with the epilogue's operands loaded after the update
+#: (``StepSpec.late_epilogue``, the layout before they were loaded early), read from the SASS as
+#: KERNEL_LATENCY_FACTS are: the epilogue's operands are a trip of their own (fp32 161 registers, bf16 167, bf16
+#: with stochastic rounding 190, on both targets; the default kernel: 166, 168, 222).
 #: tests/kernel/test_early_epilogue_compile.py holds them equal
-EARLY_EPILOGUE_LATENCY_FACTS = {arch: {"fp32": (3, 3), "bf16, round to nearest": (3, 3), "bf16, stochastic rounding": (3, 2)}
-                                for arch in ("sm_90a", "sm_100a")}
+LATE_EPILOGUE_LATENCY_FACTS = {arch: {"fp32": (4, 3), "bf16, round to nearest": (4, 3), "bf16, stochastic rounding": (4, 2)}
+                               for arch in ("sm_90a", "sm_100a")}
 
 
 #: cycles a warp stalls per issued instruction on its own fixed-latency dependencies, measured by Nsight Compute

@@ -1,5 +1,6 @@
-"""The epilogue's operands loaded early (``StepSpec.early_epilogue``) on a GPU (skipped without CUDA): the
-bits of the register kernel users run by default, for the specialisations the PTX tier executes
+"""The epilogue's operands loaded early (the default of a 4- or 8-warp register kernel's stepwise tokens) on
+a GPU (skipped without CUDA): the bits of the layout that loads them after the update
+(``StepSpec.late_epilogue``), for the specialisations the PTX tier executes
 (tests/ptx/test_ptx_early_epilogue.py) at every padding kind, the feature sets' other forms with
 ``--full-matrix``."""
 
@@ -22,16 +23,16 @@ CASES = {**ASYNC_DEFAULT, **ASYNC_FULL}
 
 @pytest.mark.parametrize("name", [*ASYNC_DEFAULT, *(pytest.param(n, marks=pytest.mark.full_matrix) for n in ASYNC_FULL)])
 @pytest.mark.parametrize("B", [1, 37])
-def test_the_early_epilogue_writes_the_register_kernels_bits_on_the_gpu(name, B):
+def test_the_early_epilogue_writes_the_late_layouts_bits_on_the_gpu(name, B):
     spec = CASES[name].with_default_tiling()
     tensors, _ = prepared_call(spec, B, seed=B + 3, device="cuda")
     runs = []
-    for early in (False, True):
+    for late in (False, True):
         t = StepTensors(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in tensors._asdict().items()})
-        kernel_for(spec.replace(early_epilogue=early), t.x)(*kernel_arguments(t))
+        kernel_for(spec.replace(late_epilogue=late), t.x)(*kernel_arguments(t))
         runs.append(t)
     torch.cuda.synchronize()
     for key in WRITTEN:
         a, b = (getattr(r, key, None) for r in runs)
         if a is not None:
-            assert bits_equal(a, b), f"{name} B={B}: {key} differs between the register kernel and its early epilogue"
+            assert bits_equal(a, b), f"{name} B={B}: {key} differs between the early and the late epilogue"

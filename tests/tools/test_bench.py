@@ -970,17 +970,17 @@ def test_gpu_bench_launch_bounds_check_pool_modes_kernels_under_each_bound():
     assert step_checks.check_batch(flagship_spec(), 1, 1, torch.device("cpu"), ptx_step_fn, bounds=(4,)) == []
 
 
-def test_gpu_bench_early_epilogue_checks_the_variant_against_pool_mode(monkeypatch):
-    """--early-epilogue: pool mode through the register kernel with its epilogue's operands loaded early,
-    checked bit for bit against pool mode (PTX executed on CPU tensors); a variant writing other bits is
-    reported by name."""
+def test_gpu_bench_late_epilogue_checks_the_variant_against_pool_mode(monkeypatch):
+    """--late-epilogue: pool mode through the register kernel with its epilogue's operands loaded after the
+    update, checked bit for bit against pool mode (PTX executed on CPU tensors); a variant writing other bits
+    is reported by name."""
     from gpu_suites import step as step_suite
     from mamba3_step.tools.ptx_tier import ptx_step_fn
 
-    assert list(step_checks.kernel_variants(False, (), True)) == ["pool_early_epilogue"]
-    assert step_suite.mode_label("pool_early_epilogue") == "pool, early epilogue"
+    assert list(step_checks.kernel_variants(False, (), True)) == ["pool_late_epilogue"]
+    assert step_suite.mode_label("pool_late_epilogue") == "pool, epilogue loaded late"
     check = functools.partial(step_checks.check_batch, flagship_spec(), 1, 1, torch.device("cpu"), ptx_step_fn,
-                              early_epilogue=True)
+                              late_epilogue=True)
     assert check() == []
     real = step_checks.variant_step_fn
 
@@ -994,4 +994,4 @@ def test_gpu_bench_early_epilogue_checks_the_variant_against_pool_mode(monkeypat
         return step
 
     monkeypatch.setattr(step_checks, "variant_step_fn", corrupted)
-    assert check() == ["B=1: the early epilogue's out differs from pool mode's"]
+    assert check() == ["B=1: the late epilogue's out differs from pool mode's"]
