@@ -1,39 +1,27 @@
 """The asynchronous state copy (``StepSpec.async_state_copy``) on a GPU (skipped without CUDA): the
 bits of the register kernel users run by default, for the specialisations the PTX tier executes
-(tests/ptx/test_ptx_async_state.py) at every padding kind, the feature sets' other forms with ``--full-matrix``. The same check as
-the PTX tier's, where the copies really are asynchronous."""
+(tests/ptx/test_ptx_async_state.py) at every padding kind, the feature sets' other forms with
+``--full-matrix``. The same check as the PTX tier's, where the copies really are asynchronous."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from async_state_cases import ASYNC_DEFAULT, ASYNC_FULL, prepared_call
+from async_state_cases import assert_same_writes, case_params, case_spec, prepared_call, run_each
 
 from mamba3_step.launch import kernel_for
-from mamba3_step.tensors import StepTensors, kernel_arguments
-from mamba3_step.testing import bits_equal
+from mamba3_step.tensors import kernel_arguments
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-WRITTEN = ("out", "state", "state_out", "Bstate", "Xstate", "angle_state", "state_scale")
 
-
-CASES = {**ASYNC_DEFAULT, **ASYNC_FULL}
-
-
-@pytest.mark.parametrize("name", [*ASYNC_DEFAULT, *(pytest.param(n, marks=pytest.mark.full_matrix) for n in ASYNC_FULL)])
+@pytest.mark.parametrize("name", case_params())
 @pytest.mark.parametrize("B", [1, 37])
 def test_the_asynchronous_copy_writes_the_register_kernels_bits_on_the_gpu(name, B):
-    spec = CASES[name].with_default_tiling()
+    spec = case_spec(name)
     tensors, _ = prepared_call(spec, B, seed=B, device="cuda")
-    copies = []
-    for copied in (False, True):
-        t = StepTensors(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in tensors._asdict().items()})
-        kernel_for(spec.replace(async_state_copy=copied), t.x)(*kernel_arguments(t))
-        copies.append(t)
+    registers, copied = run_each(tensors, *(lambda t, s=s: kernel_for(s, t.x)(*kernel_arguments(t))
+                                            for s in (spec, spec.replace(async_state_copy=True))))
     torch.cuda.synchronize()
-    for key in WRITTEN:
-        a, b = (getattr(c, key, None) for c in copies)
-        if a is not None:
-            assert bits_equal(a, b), f"{name} B={B}: {key} differs between the two kernels"
+    assert_same_writes(registers, copied, f"{name} B={B}, the register and the asynchronous-copy kernel")

@@ -1,7 +1,9 @@
-"""The specialisations the asynchronous state copy (``StepSpec.async_state_copy``) is compiled and
-executed at: the covering set and one of each feature set by default (``ASYNC_DEFAULT``), the feature
-sets' other forms with ``--full-matrix`` (``ASYNC_FULL``); and the one call factory of their tests
-(``prepared_call``)."""
+"""The specialisations the register kernel's other layouts (the asynchronous state copy,
+``StepSpec.async_state_copy``; the epilogue loaded late, ``StepSpec.late_epilogue``) are compiled and
+executed at beside the default: the covering set and one of each feature set by default
+(``ASYNC_DEFAULT``), the feature sets' other forms with ``--full-matrix`` (``ASYNC_FULL``); the one call
+factory of their tests (``prepared_call``), and the comparison of two kernels' writes on one call
+(``run_each``, ``assert_same_writes``)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,50 @@ from test_kernel_compile import COVERING, EIGHT_BIT, MULTI_TOKEN, ROTARY, STOCHA
 
 #: the null slot of the pool-mode calls
 NULL = 2
+#: the tensors a step may write: two kernels of one call are compared on these, bit for bit
+WRITTEN = ("out", "state", "state_out", "Bstate", "Xstate", "angle_state", "state_scale")
+
+
+def case_params() -> list:
+    """pytest parameters naming every case: ``ASYNC_DEFAULT`` in the default run, ``ASYNC_FULL`` with
+    ``--full-matrix``."""
+    import pytest
+
+    return [pytest.param(name, id=name) for name in ASYNC_DEFAULT] + [
+        pytest.param(name, id=name, marks=pytest.mark.full_matrix) for name in ASYNC_FULL]
+
+
+def case_spec(name: str):
+    """The case's spec at its default tiling."""
+    return {**ASYNC_DEFAULT, **ASYNC_FULL}[name].with_default_tiling()
+
+
+def run_each(tensors, *launches) -> list:
+    """Each of ``launches`` (a callable taking a StepTensors) run on its own copy of ``tensors``; the copies."""
+    import torch
+
+    from mamba3_step.tensors import StepTensors
+
+    copies = []
+    for launch in launches:
+        copy = StepTensors(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in tensors._asdict().items()})
+        launch(copy)
+        copies.append(copy)
+    return copies
+
+
+def assert_same_writes(a, b, where: str) -> int:
+    """Every tensor of ``WRITTEN`` that the calls ``a`` and ``b`` have holds the same bits; how many were compared."""
+    from mamba3_step.testing import bits_equal
+
+    compared = 0
+    for key in WRITTEN:
+        x, y = getattr(a, key, None), getattr(b, key, None)
+        if x is None:
+            continue
+        assert bits_equal(x, y), f"{where}: {key} differs"
+        compared += 1
+    return compared
 
 ASYNC_DEFAULT = {**COVERING, "flagship-T4-spec": MULTI_TOKEN["flagship-T4-spec"],
                  "flagship-rotary": ROTARY["flagship-rotary"],

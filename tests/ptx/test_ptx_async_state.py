@@ -23,47 +23,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from async_state_cases import ASYNC_DEFAULT as DEFAULT, ASYNC_FULL as FULL, prepared_call
+from async_state_cases import assert_same_writes, case_params, case_spec as _spec, prepared_call, run_each
 from test_kernel_compile import COVERING
 
-from mamba3_step.spec import StepSpec
-from mamba3_step.tensors import StepTensors
 from mamba3_step.testing import bits_equal
 from mamba3_step.tools.ptx_tier import run_step_ptx
 from ptx_executor import analysis
 
 #: the lane kinds of mamba3_step.testing.step_indices that read a row; every other kind is padding
 LIVE_KINDS = ("live", "live_nodst", "live_gaps")
-#: the tensors a step may write, compared bit for bit between the two kernels
-WRITTEN = ("out", "state", "state_out", "Bstate", "Xstate", "angle_state", "state_scale")
-
-CASES = [pytest.param(name, id=name) for name in DEFAULT] + [
-    pytest.param(name, id=name, marks=pytest.mark.full_matrix) for name in FULL]
-
-
-def _spec(name: str) -> StepSpec:
-    return {**DEFAULT, **FULL}[name].with_default_tiling()
-
-
-def _clone(tensors: StepTensors) -> StepTensors:
-    return StepTensors(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in tensors._asdict().items()})
-
-
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", case_params())
 def test_the_asynchronous_copy_writes_the_register_kernels_bits(name):
     spec = _spec(name)
     tensors, kinds = prepared_call(spec, B=6, seed=17)
-    registers, copied = _clone(tensors), _clone(tensors)
-    run_step_ptx(spec, registers, record=False)
-    run_step_ptx(spec.replace(async_state_copy=True), copied, record=False)
-    compared = 0
-    for key in WRITTEN:
-        a, b = getattr(registers, key, None), getattr(copied, key, None)
-        if a is None:
-            continue
-        assert bits_equal(a, b), f"{name}: {key} differs between the register and the asynchronous-copy kernel"
-        compared += 1
-    assert compared >= 2
+    registers, copied = run_each(tensors, lambda t: run_step_ptx(spec, t, record=False),
+                                 lambda t: run_step_ptx(spec.replace(async_state_copy=True), t, record=False))
+    assert assert_same_writes(registers, copied, f"{name}, the register and the asynchronous-copy kernel") >= 2
     if spec.pool:
         assert any(k in LIVE_KINDS for k in kinds) and any(k not in LIVE_KINDS for k in kinds)
     changed = not bits_equal(registers.out, tensors.out)

@@ -13,47 +13,23 @@ specialisation run by default; every multi-token, rotary, stochastic and 8-bit o
 from __future__ import annotations
 
 import pytest
-import torch
-from async_state_cases import ASYNC_DEFAULT as DEFAULT, ASYNC_FULL as FULL, prepared_call
+from async_state_cases import assert_same_writes, case_params, case_spec, prepared_call, run_each
 from test_kernel_compile import COVERING
 
 from mamba3_step.kernel.step import Mamba3StepKernel
-from mamba3_step.spec import StepSpec, flagship_spec
-from mamba3_step.tensors import StepTensors
+from mamba3_step.spec import flagship_spec
 from mamba3_step.testing import bits_equal
 from mamba3_step.tiling import EARLY_EPILOGUE_WARPS
 from mamba3_step.tools.ptx_tier import run_step_ptx
 
-#: the tensors a step may write, compared bit for bit between the two layouts
-WRITTEN = ("out", "state", "state_out", "Bstate", "Xstate", "angle_state", "state_scale")
 
-CASES = [pytest.param(name, id=name) for name in DEFAULT] + [
-    pytest.param(name, id=name, marks=pytest.mark.full_matrix) for name in FULL]
-
-
-def _spec(name: str) -> StepSpec:
-    return {**DEFAULT, **FULL}[name].with_default_tiling()
-
-
-def _clone(tensors: StepTensors) -> StepTensors:
-    return StepTensors(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in tensors._asdict().items()})
-
-
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", case_params())
 def test_the_early_epilogue_writes_the_late_layouts_bits(name):
-    spec = _spec(name)
+    spec = case_spec(name)
     tensors, _ = prepared_call(spec, B=6, seed=23)
-    default, late = _clone(tensors), _clone(tensors)
-    run_step_ptx(spec, default, record=False)
-    run_step_ptx(spec.replace(late_epilogue=True), late, record=False)
-    compared = 0
-    for key in WRITTEN:
-        a, b = getattr(default, key, None), getattr(late, key, None)
-        if a is None:
-            continue
-        assert bits_equal(a, b), f"{name}: {key} differs between the early and the late epilogue"
-        compared += 1
-    assert compared >= 2
+    default, late = run_each(tensors, lambda t: run_step_ptx(spec, t, record=False),
+                             lambda t: run_step_ptx(spec.replace(late_epilogue=True), t, record=False))
+    assert assert_same_writes(default, late, f"{name}, the early and the late epilogue") >= 2
     assert not bits_equal(default.out, tensors.out), f"{name}: the step wrote nothing to out"
 
 
