@@ -134,7 +134,8 @@ def pyplot():
 #: one colour per step mode, the same in every plot
 MODE_COLORS = {"pool": "tab:green", "gather_scatter": "tab:red", "dense": "tab:blue", "pool_padded": "tab:olive",
                "pool_dense_rows": "tab:purple", "pool_async_copy": "tab:orange", "upstream": "tab:gray",
-               "pool_early_epilogue": "tab:cyan", "pool_late_epilogue": "tab:pink"}
+               "pool_early_epilogue": "tab:cyan", "pool_late_epilogue": "tab:pink",
+               "pool_unpinned_loads": "tab:brown"}
 
 
 def save_batch_plot(plt, fig, axes, batches, path) -> None:

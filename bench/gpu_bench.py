@@ -4,7 +4,7 @@ eager calls and CUDA-graph replay with CUDA events, then report a table).
     python bench/gpu_bench.py [--suite step|replay|replay-states|replay-verify|all|a,b,...]
                               [--batches ...] [--heads 48] [--out DIR] [--no-graph] [--no-plot] [--target-ms MS]
                               [--padded-rows] [--dense-rows]                            (suite step)
-                              [--async-copy] [--late-epilogue] [--upstream PATH] [--step-state-dtype bfloat16]  (suite step)
+                              [--async-copy] [--unpinned-loads] [--late-epilogue] [--upstream PATH] [--step-state-dtype bfloat16]  (suite step)
                               [--ks 2,4,8] [--replay-warps 8] [--checkpoint-warps 4]   (suite replay)
                               [--forms rotary,bf16-sr,int8,int8-F4]                     (suite replay-states)
                               [--tokens 4] [--outputs replayed,checkpoint]             (suite replay-verify)

@@ -106,8 +106,9 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
         state_read = spec.headdim * spec.dstate * {"float32": 4}.get(spec.state_dtype, 2)
         path_trips, ctas = facts[form]
         # a replay kernel's live path falls through every ring position's branches: an upper bound; one
-        # position's path is modelled with the stepwise kernel's round trips (and the replay kernel's CTAs)
-        trips = facts["fp32"][0] if K else path_trips
+        # position's path is modelled with the round trips of the stepwise kernel that loads as it does (loads
+        # unpinned, the epilogue late) and the replay kernel's CTAs
+        trips = lm.LATE_EPILOGUE_LATENCY_FACTS["sm_90a"]["fp32"][0] if K else path_trips
         copied = facts.get((form, "async"))
         names = ("today", "one round trip", "small-batch path", "pipeline") + (("asynchronous state copy",) if copied else ())
         for name in names:
@@ -130,11 +131,24 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
     return rows
 
 
-#: a gpu_bench step-suite mode -> (the kernel, its design in the model). Pool mode is the register kernel with
-#: the epilogue's operands loaded early in a run whose spec names ``late_epilogue``, else (a run from before
-#: they were) loaded late; the late layout is today's design at latency_model.LATE_EPILOGUE_LATENCY_FACTS
-MEASURED_KERNELS = {"pool": ("early epilogue", "today"), "pool_async_copy": ("async", "asynchronous state copy"),
-                    "pool_early_epilogue": ("early epilogue", "today"), "pool_late_epilogue": ("late epilogue", "today")}
+#: a gpu_bench step-suite mode -> (the kernel, its design in the model). Pool mode is the default register kernel,
+#: which :func:`pool_kernel` names by the fields its run's spec has; each register kernel is today's design at its
+#: own round trips and CTAs (:data:`REGISTER_FACTS`)
+MEASURED_KERNELS = {"pool": ("pinned", "today"), "pool_async_copy": ("async", "asynchronous state copy"),
+                    "pool_unpinned_loads": ("unpinned", "today"), "pool_early_epilogue": ("unpinned", "today"),
+                    "pool_late_epilogue": ("late epilogue", "today")}
+#: a register kernel other than the default -> its ``(round trips, CTAs per SM)`` per form (sm_90a)
+REGISTER_FACTS = {"unpinned": lm.UNPINNED_LATENCY_FACTS["sm_90a"], "late epilogue": lm.LATE_EPILOGUE_LATENCY_FACTS["sm_90a"]}
+#: a kernel whose own stalls Nsight Compute did not measure -> the kernel whose it takes (the same code less
+#: one barrier)
+STALLS_OF = {"unpinned": "late epilogue"}
+
+
+def pool_kernel(spec: dict) -> str:
+    """Which register kernel pool mode ran, by the StepSpec fields of its run (a field a run's spec lacks did
+    not exist yet): ``unpinned_loads`` the pinned loads, else ``late_epilogue`` the early epilogue unpinned,
+    else the late epilogue."""
+    return "pinned" if "unpinned_loads" in spec else "unpinned" if "late_epilogue" in spec else "late epilogue"
 #: a state dtype of the step suite -> its form here
 DTYPE_FORMS = {"float32": "fp32", "bfloat16": "bf16, round to nearest"}
 
@@ -151,7 +165,7 @@ def measured_rows(path: str, facts: dict, overrides: dict) -> tuple[list[dict], 
         result = data["suites"]["step"] if "suites" in data else data
         copy_bw = float(result["copy_bandwidth_bytes_per_s"])
         dtype = result.get("spec", {}).get("state_dtype", "float32")
-        early_pool = "late_epilogue" in result.get("spec", {})  # pool mode loaded the epilogue early
+        pool = pool_kernel(result.get("spec", {}))
         form = DTYPE_FORMS[dtype]
         table = result["table"]
     except OSError as e:
@@ -159,7 +173,7 @@ def measured_rows(path: str, facts: dict, overrides: dict) -> tuple[list[dict], 
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"--measured: expected a bench/gpu_bench.py JSON of suite step with a float32 or bfloat16 "
                          f"state, got {path} ({type(e).__name__}: {e})") from None
-    spec, (spec_form, instr, _, _) = flagship_spec(state_dtype=dtype), state_forms()[form]
+    spec = flagship_spec(state_dtype=dtype)
     state_read = spec.headdim * spec.dstate * (4 if dtype == "float32" else 2)
     trips, ctas = facts[form]
     rows = []
@@ -167,18 +181,17 @@ def measured_rows(path: str, facts: dict, overrides: dict) -> tuple[list[dict], 
         kernel, design = MEASURED_KERNELS.get(entry.get("mode"), (None, None))
         if kernel is None or "us_graph" not in entry:
             continue
-        if entry["mode"] == "pool" and not early_pool:
-            kernel = "late epilogue"
+        if entry["mode"] == "pool":
+            kernel = pool
         batch, total = int(entry["batch"]), bytes_per_step(spec, int(entry["batch"]), HEADS)["total"]
         executed = STATE_FORMS_EXECUTED[form][1 if kernel == "async" else 0]
-        trips_k, ctas_k = lm.LATE_EPILOGUE_LATENCY_FACTS["sm_90a"][form] if kernel == "late epilogue" else (trips, ctas)
+        trips_k, ctas_k = REGISTER_FACTS[kernel][form] if kernel in REGISTER_FACTS else (trips, ctas)
         d = lm.flagship_designs(spec, executed, total / (batch * HEADS), state_read, trips_k, ctas_k,
                                 async_copy=facts.get((form, "async")))[design]
         m = lm.percent_of_copy(d, batch, HEADS, "H200", total, copy_bw, **overrides)
         row = {"state": form, "kernel": kernel, "B": batch, "modelled us": m["seconds"] * 1e6,
                "measured us": entry["us_graph"], "modelled % copy": m["percent"]}
-        # both epilogue layouts are the register kernel's code (its stalls were measured on the late one)
-        stalls = lm.MEASURED_OWN_STALLS.get((form, "async" if kernel == "async" else "registers"))
+        stalls = lm.MEASURED_OWN_STALLS.get((form, STALLS_OF.get(kernel, kernel)))
         if stalls is not None:
             row["modelled % copy, measured stalls"] = lm.percent_of_copy(
                 d, batch, HEADS, "H200", total, copy_bw, **(overrides | {"extra_cycles_per_instruction": stalls}))["percent"]

@@ -98,6 +98,15 @@ class StepSpec:
             loads (``tiling.EARLY_EPILOGUE_WARPS``; docs/design/kernel.md, "The epilogue's
             operands, loaded early"); the same arithmetic, so the same bits. Not a public option:
             the layout before, kept for the benchmark's and the PTX tier's comparisons.
+        unpinned_loads: the register kernel's first token leaves the order of its global loads to
+            the compiler, which places most of the slab's loads after the first use of the staging
+            loads: one dependent round trip more. By default a CTA barrier follows the loads the
+            first token issues at its start (the slab, the decay coefficients, the epilogue's
+            operands) where ``tiling.pinned_loads`` says so; the compiler moves no memory operation
+            across a barrier, so all of them are in flight before any of them is used
+            (docs/design/kernel.md, "Every load in flight before the first use"). The same
+            arithmetic, so the same bits. Not a public option: the kernel before, kept for the
+            benchmark's and the PTX tier's comparisons.
     """
 
     dstate: int
@@ -131,6 +140,7 @@ class StepSpec:
     min_ctas_per_sm: int = 0
     async_state_copy: bool = False
     late_epilogue: bool = False
+    unpinned_loads: bool = False
 
     @property
     def ring_entries(self) -> int:
@@ -230,7 +240,8 @@ def flagship_spec(**changes) -> StepSpec:
 _KEY_OMITTED_AT_DEFAULT = frozenset({"rope_angles", "rotate_pairwise", "has_bc_bias", "shared_bc",
                                      "stochastic_rounding", "has_rand_rows", "replay_ring",
                                      "replay_from_checkpoint", "replay_draft", "padded_state_rows",
-                                     "min_ctas_per_sm", "async_state_copy", "late_epilogue"})
+                                     "min_ctas_per_sm", "async_state_copy", "late_epilogue",
+                                     "unpinned_loads"})
 
 
 def flagship_rotary_spec(**changes) -> StepSpec:

@@ -39,8 +39,15 @@ __all__ = ["CONFIG_HELP", "add_spec_arguments", "arch_from_args", "parse_spec_ar
            "specs_for_config", "specs_from_args"]
 
 CONFIG_HELP = "flagship | all | N,D,R[,state_dtype[,kv_dtype[,x_dtype[,proj_dtype]]]] (repeatable)"
-#: ``--kernel``: which kernel a command compiles (StepSpec.async_state_copy off, on, or each)
-KERNELS = ("registers", "async-copy", "both")
+#: ``--kernel``: which kernels a command compiles, each as the StepSpec fields that select it (none of them public
+#: options): the register kernel (the default), its previous load layouts (the loads unpinned; with that, the
+#: epilogue's operands loaded late), the asynchronous state copy; "both" the register kernel and the copy,
+#: "layouts" the register kernel in its three load layouts
+_KERNEL_FIELDS = {"registers": {}, "unpinned": dict(unpinned_loads=True),
+                  "late-epilogue": dict(unpinned_loads=True, late_epilogue=True), "async-copy": dict(async_state_copy=True)}
+KERNEL_CHOICES = {**{name: (name,) for name in _KERNEL_FIELDS}, "both": ("registers", "async-copy"),
+                  "layouts": ("registers", "unpinned", "late-epilogue")}
+KERNELS = tuple(KERNEL_CHOICES)
 _DTYPE_FIELDS = (("state_dtype", STATE_DTYPES), ("kv_dtype", KV_DTYPES), ("x_dtype", X_DTYPES),
                  ("proj_dtype", PROJ_DTYPES))
 
@@ -103,7 +110,8 @@ def spec_label(spec: StepSpec) -> str:
                              ("fromCheckpoint", spec.replay_from_checkpoint),
                              (f"draft{spec.replay_draft}", spec.replay_draft > 0),
                              (f"{spec.min_ctas_per_sm}ctas", spec.min_ctas_per_sm > 0),
-                             ("asyncState", spec.async_state_copy)) if on]
+                             ("asyncState", spec.async_state_copy), ("unpinned", spec.unpinned_loads),
+                             ("lateEpilogue", spec.late_epilogue)) if on]
     tokens = f"T{spec.tokens} " if spec.tokens > 1 else ""
     return (f"N{spec.dstate} D{spec.headdim} R{spec.mimo} {spec.state_dtype}/{spec.kv_dtype}/"
             f"{spec.x_dtype}/{spec.proj_dtype} tD{spec.tile_D} w{spec.num_warps} {tokens}"
@@ -128,8 +136,11 @@ def add_spec_arguments(parser: argparse.ArgumentParser, *, modes: bool = True, a
     g.add_argument("--min-ctas", type=int, default=0,
                    help="launch bound: CTAs per SM the compiler keeps registers for (an experiment's; default: none)")
     g.add_argument("--kernel", choices=KERNELS, default="registers",
-                   help="the register kernel (default), the asynchronous state copy (StepSpec.async_state_copy: "
-                        "not the default until a GPU measures it), or both, each specialisation twice")
+                   help="the register kernel (default); its loads unpinned (StepSpec.unpinned_loads: the kernel "
+                        "before its loads were pinned) or with that its epilogue loaded late (StepSpec.late_epilogue); "
+                        "the asynchronous state copy (StepSpec.async_state_copy: not the default, slower on the "
+                        "H200); both (the register kernel and the copy) or layouts (the register kernel's three), "
+                        "each specialisation once per kernel")
     if modes:
         g.add_argument("--mode", choices=("pool", "dense"), default="pool",
                        help="pool mode (state_batch_indices given; default) or dense mode")
@@ -203,13 +214,13 @@ def specs_from_args(args: argparse.Namespace) -> list[StepSpec]:
                        replay_from_checkpoint=args.replay_from_checkpoint, replay_draft=args.replay_draft)
     specs = []
     L = getattr(args, "materialize_ring", 0)
-    copies = {"registers": (False,), "async-copy": (True,), "both": (False, True)}[getattr(args, "kernel", "registers")]
+    kernels = [_KERNEL_FIELDS[k] for k in KERNEL_CHOICES[getattr(args, "kernel", "registers")]]
     for config in args.config or ["flagship"]:
         for spec in specs_for_config(config, **changes):
             for named in flush_specs(spec, L) if L else [spec]:
-                for copied in copies:
-                    if named.replace(async_state_copy=copied) not in specs:
-                        specs.append(named.replace(async_state_copy=copied))
+                for fields in kernels:
+                    if named.replace(**fields) not in specs:
+                        specs.append(named.replace(**fields))
     return specs
 
 

@@ -354,6 +354,21 @@ def early_epilogue(spec) -> bool:
             and spec.num_warps in EARLY_EPILOGUE_WARPS)
 
 
+def pinned_loads(spec) -> bool:
+    """Whether ``spec``'s kernel puts a CTA barrier after the loads its first token issues at its start (the
+    slab, the decay coefficients, the epilogue's operands when loaded early), so that the compiler issues every
+    one of them before the first use of any: the register kernel's stepwise tokens (no replay, no asynchronous
+    state copy) whose whole slab is loaded up front (``ThreadLayout.preload``: else the barrier would hold only
+    the first row group's loads), unless ``unpinned_loads``. Compiled, the 33 such specialisations of the
+    covering and feature sets keep their CTAs per SM on sm_90a and sm_100a, with no spill and 15 registers fewer
+    to 16 more, and each makes the same round trips or one fewer (bench/load_layout_scan.py); the three 16-warp
+    tilings that load by row group made one more on sm_100a with the barrier."""
+    if spec.unpinned_loads or spec.replay_ring or spec.async_state_copy:
+        return False
+    return thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype, spec.mimo, spec.carried_tokens,
+                         spec.stochastic_rounding).preload
+
+
 #: the largest launch bound StepSpec.min_ctas_per_sm takes (an experiment's knob; 8 CTAs of 4 warps
 #: would leave 64 registers a thread)
 MAX_MIN_CTAS_PER_SM = 8

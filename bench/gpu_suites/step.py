@@ -21,9 +21,10 @@ against dense isolates the wait for ``state_batch_indices``; pool mode's check c
 ``--async-copy`` adds pool mode through the asynchronous state copy (``StepSpec.async_state_copy``,
 the kernel beside the register kernel), checked bit for bit against pool mode first; ``--min-ctas
 4,5`` adds pool mode's kernels at those launch bounds (``StepSpec.min_ctas_per_sm``: the register
-kernel, and the copy with ``--async-copy``), checked likewise; ``--late-epilogue`` adds pool mode
-through the register kernel with its epilogue's operands loaded after the update, the layout before
-they were loaded early (``StepSpec.late_epilogue``), checked likewise. ``--upstream
+kernel, and the copy with ``--async-copy``), checked likewise; ``--unpinned-loads`` adds pool mode
+through the register kernel with its loads in the compiler's order (``StepSpec.unpinned_loads``, one
+round trip more), ``--late-epilogue`` through it with the epilogue's operands also loaded after the
+update (``StepSpec.late_epilogue``), each checked likewise. ``--upstream
 PATH`` adds the peer: upstream's own CuteDSL dense step from the state-spaces/mamba checkout at PATH,
 with the gather and scatter a server needs around it (:mod:`.upstream`), checked first.
 
@@ -46,7 +47,7 @@ from mamba3_step.spec import flagship_spec
 
 from .common import Run, int_list
 from .upstream import upstream_step
-from .step_checks import (ASYNC_MODE, LATE_MODE, check_batch, dense_step, gather_scatter_step, kernel_variants, make_lanes,
+from .step_checks import (ASYNC_MODE, LATE_MODE, LAYOUTS, UNPINNED_MODE, check_batch, dense_step, gather_scatter_step, kernel_variants, make_lanes,
                           make_pool, make_shared, padded_copy, pool_step)
 from .timing import GraphUnavailable, Timer, capture, copy_bandwidth, n_sets, time_round
 
@@ -62,6 +63,7 @@ UPSTREAM_MODE = "upstream"
 MODE_LABELS = {"pool": "pool", "gather_scatter": "gather->dense->scatter", "dense": "dense",
                PADDED_MODE: "pool, padded rows", DENSE_ROWS_MODE: "pool, dense's rows",
                ASYNC_MODE: "pool, asynchronous state copy", LATE_MODE: "pool, epilogue loaded late",
+               UNPINNED_MODE: "pool, loads unpinned",
                "pool_early_epilogue": "pool, early epilogue",
                UPSTREAM_MODE: "upstream dense, gathered/scattered"}
 
@@ -82,7 +84,7 @@ class Options:
     async_copy: bool = False
     state_dtype: str = "float32"
     bounds: tuple[int, ...] = ()
-    late_epilogue: bool = False
+    layouts: tuple[str, ...] = ()
     upstream_fn: object = None
     step_fn: object = None
     reference_fn: object = None
@@ -104,7 +106,10 @@ def add_arguments(parser) -> None:
                        help="also time pool mode through the asynchronous state copy (StepSpec.async_state_copy)")
     group.add_argument("--late-epilogue", action="store_true",
                        help="also time pool mode through the register kernel with its epilogue's operands loaded after "
-                            "the update (StepSpec.late_epilogue: the layout before they were loaded early)")
+                            "the update (StepSpec.late_epilogue, with StepSpec.unpinned_loads: the layout before they were loaded early)")
+    group.add_argument("--unpinned-loads", action="store_true",
+                       help="also time pool mode through the register kernel with its loads in the compiler's order "
+                            "(StepSpec.unpinned_loads: the kernel before the barrier that pins them)")
 
 
 def configure(args, run: Run, step_fn=None, reference_fn=None) -> Options:
@@ -113,8 +118,13 @@ def configure(args, run: Run, step_fn=None, reference_fn=None) -> Options:
         from .upstream import load_upstream_step
         upstream_fn = load_upstream_step(args.upstream)
     bounds = int_list(args.min_ctas, "--min-ctas", allow_empty=True)
+    layouts = tuple(layout for layout in LAYOUTS if getattr(args, layout))
+    if not run.cuda and (args.async_copy or bounds or layouts) and step_fn is None:
+        raise ValueError("--async-copy, --min-ctas, --unpinned-loads and --late-epilogue time kernels beside pool "
+                         "mode's, bit for bit; with --device cpu pool mode runs the PyTorch path, which they cannot "
+                         "match: run them on a CUDA device")
     return Options(run, run.batches_or(BATCHES), args.padded_rows, args.dense_rows, args.async_copy,
-                   args.step_state_dtype, bounds, args.late_epilogue, upstream_fn, step_fn, reference_fn)
+                   args.step_state_dtype, bounds, layouts, upstream_fn, step_fn, reference_fn)
 
 
 def check(opts: Options) -> list[str]:
@@ -125,7 +135,7 @@ def check(opts: Options) -> list[str]:
     for batch in opts.batches:
         peer: list[str] = []
         kw = dict(padded=opts.padded_rows, async_copy=opts.async_copy, upstream_fn=opts.upstream_fn,
-                  peer_failures=peer, bounds=opts.bounds, late_epilogue=opts.late_epilogue)
+                  peer_failures=peer, bounds=opts.bounds, layouts=opts.layouts)
         try:
             failures += check_batch(spec, batch, run.heads, torch.device(run.device), opts.step_fn, opts.reference_fn,
                                     graphs=run.graphs and run.cuda, **kw)
@@ -145,7 +155,7 @@ def check(opts: Options) -> list[str]:
 def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dict, step_fn,
                 l2_bytes: int, graphs: bool, target_s: float, gen: torch.Generator,
                 padded: dict | None = None, dense_rows: bool = False, async_copy: bool = False,
-                upstream_fn=None, bounds: tuple[int, ...] = (), late_epilogue: bool = False) -> list[dict]:
+                upstream_fn=None, bounds: tuple[int, ...] = (), layouts: tuple[str, ...] = ()) -> list[dict]:
     """Time the three modes at one batch size, pool mode on ``padded`` (a :func:`padded_copy` of
     ``pool``) when given, pool mode on dense mode's rows with ``dense_rows``, the kernel variants
     (``step_checks.kernel_variants``: ``async_copy``, ``bounds``) and the peer; one row per (mode, eager|graph)."""
@@ -153,7 +163,7 @@ def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dic
     P = pool["state"].shape[0]
     per_set = bytes_per_step(spec, batch, heads, mode="pool")["total"]
     sets = n_sets(per_set, l2_bytes, max_sets=max(1, P // batch))
-    variants = kernel_variants(async_copy, bounds, late_epilogue)
+    variants = kernel_variants(async_copy, bounds, layouts)
     round_of = _rounds(spec, batch, heads, device, pool, shared, step_fn, sets, gen, padded, upstream_fn, variants)
     rows = []
     extra = (((PADDED_MODE,) if padded is not None else ()) + ((DENSE_ROWS_MODE,) if dense_rows else ())
@@ -233,7 +243,7 @@ def measure(opts: Options) -> dict:
                             step_fn=opts.step_fn or mamba3_step_fn, l2_bytes=run.env["l2_bytes"], graphs=graphs,
                             target_s=run.target_s(60.0, 60.0), gen=gen, padded=padded, dense_rows=opts.dense_rows,
                             async_copy=opts.async_copy, upstream_fn=opts.upstream_fn, bounds=opts.bounds,
-                            late_epilogue=opts.late_epilogue)
+                            layouts=opts.layouts)
     return {
         "what": "pool vs gather->dense->scatter vs dense; GB/s use the compulsory bytes of mamba3_step.tools.bytes_model",
         "checks": ("pool == gather->dense->scatter bit for bit; pool and dense within PyTorch float32's error of a "
@@ -322,9 +332,10 @@ def plot(result: dict, title: str, path) -> bool:
     look = {"pool": dict(lw=4.0, alpha=0.45), "gather_scatter": dict(lw=1.6, marker="o", ms=3),
             "dense": dict(lw=1.0, marker="x", ms=4), PADDED_MODE: dict(lw=1.0, ls=":", marker="+", ms=5),
             DENSE_ROWS_MODE: dict(lw=1.0, ls="-.", marker="d", ms=4), ASYNC_MODE: dict(lw=1.6, marker="s", ms=3),
-            UPSTREAM_MODE: dict(lw=1.2, marker="^", ms=4), LATE_MODE: dict(lw=1.6, marker="D", ms=3)}
+            UPSTREAM_MODE: dict(lw=1.2, marker="^", ms=4), LATE_MODE: dict(lw=1.6, marker="D", ms=3),
+            UNPINNED_MODE: dict(lw=1.6, marker="v", ms=3)}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2))
-    for mode in MODES + (PADDED_MODE, DENSE_ROWS_MODE, ASYNC_MODE, LATE_MODE, UPSTREAM_MODE):
+    for mode in MODES + (PADDED_MODE, DENSE_ROWS_MODE, ASYNC_MODE, UNPINNED_MODE, LATE_MODE, UPSTREAM_MODE):
         sub = sorted((r for r in trows if r["mode"] == mode), key=lambda r: r["batch"])
         for kind, style in (("graph", "-"), ("eager", "--")):
             for ax, key in ((ax1, f"us_{kind}"), (ax2, f"pct_copy_{kind}")):

@@ -62,17 +62,17 @@ def padded_copy(pool: dict, pad: int = 4) -> dict:
 _bind_step = make_binder("async_copy_step_fn", STEP_SIGNATURE)
 
 
-def variant_step_fn(async_copy: bool = False, min_ctas: int = 0, late_epilogue: bool = False):
+def variant_step_fn(async_copy: bool = False, min_ctas: int = 0, layout: str = ""):
     """``mamba3_step_fn`` (its validation included) launched through a kernel variant that is not a
     public option, as ``mamba3_step_fn`` launches its kernel: the asynchronous state copy
     (``StepSpec.async_state_copy``), a launch bound of ``min_ctas`` CTAs per SM
-    (``StepSpec.min_ctas_per_sm``), the epilogue's operands loaded after the update (``StepSpec.late_epilogue``).
-    On CPU tensors its PTX, executed (mamba3_step.tools.ptx_tier)."""
+    (``StepSpec.min_ctas_per_sm``), a previous load layout of the register kernel (``layout``, one of
+    :data:`LAYOUTS`: its StepSpec fields). On CPU tensors its PTX, executed (mamba3_step.tools.ptx_tier)."""
 
     def step(*args, **kwargs) -> torch.Tensor:
         tensors, options = split_call(_bind_step(*args, **kwargs))
         spec, tensors, out = prepare_step(tensors, **options._asdict())
-        spec = spec.replace(async_state_copy=async_copy, min_ctas_per_sm=min_ctas, late_epilogue=late_epilogue)
+        spec = spec.replace(async_state_copy=async_copy, min_ctas_per_sm=min_ctas, **(LAYOUTS[layout][1] if layout else {}))
         if tensors.batch > 0 and tensors.x.is_cuda:
             kernel_for(spec, tensors.x)(*kernel_arguments(tensors))
         elif tensors.batch > 0:
@@ -88,18 +88,25 @@ async_copy_step_fn = variant_step_fn(async_copy=True)
 
 #: the step suite's mode of pool mode through the asynchronous state copy
 ASYNC_MODE = "pool_async_copy"
+#: the register kernel's previous load layouts -> (what it is, the StepSpec fields that select it: not public
+#: options): every load left to the compiler's order (3 round trips), and with that the epilogue's operands
+#: loaded after the update (4)
+LAYOUTS = {"unpinned_loads": ("the loads unpinned", dict(unpinned_loads=True)),
+           "late_epilogue": ("the late epilogue", dict(unpinned_loads=True, late_epilogue=True))}
 #: the step suite's mode of pool mode through the register kernel with its epilogue's operands loaded after the update
 LATE_MODE = "pool_late_epilogue"
+#: the step suite's mode of pool mode through the register kernel with its loads in the compiler's order
+UNPINNED_MODE = "pool_unpinned_loads"
 
 
-def kernel_variants(async_copy: bool, bounds: tuple[int, ...] = (), late_epilogue: bool = False) -> dict:
+def kernel_variants(async_copy: bool, bounds: tuple[int, ...] = (), layouts: tuple[str, ...] = ()) -> dict:
     """The step suite's kernel variants of pool mode: mode -> (what it is, its step function): the
-    asynchronous state copy with ``async_copy``, the register kernel with its epilogue's operands loaded
-    after the update with ``late_epilogue``, and for each launch bound ``n`` of ``bounds`` the register kernel
-    (``pool_bound{n}``) and, with ``async_copy``, the copy (``pool_async_copy_bound{n}``) under it."""
+    asynchronous state copy with ``async_copy``, the register kernel in each previous load layout of
+    ``layouts`` (:data:`LAYOUTS`, mode ``pool_<layout>``), and for each launch bound ``n`` of ``bounds`` the
+    register kernel (``pool_bound{n}``) and, with ``async_copy``, the copy (``pool_async_copy_bound{n}``) under it."""
     variants = {ASYNC_MODE: ("the asynchronous state copy", async_copy_step_fn)} if async_copy else {}
-    if late_epilogue:
-        variants[LATE_MODE] = ("the late epilogue", variant_step_fn(late_epilogue=True))
+    for layout in layouts:
+        variants[f"pool_{layout}"] = (LAYOUTS[layout][0], variant_step_fn(layout=layout))
     for n in bounds:
         variants[f"pool_bound{n}"] = (f"the register kernel at a launch bound of {n} CTAs", variant_step_fn(False, n))
         if async_copy:
@@ -171,10 +178,10 @@ def _clone(d: dict) -> dict:
 def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn=None,
                 graphs: bool = False, seed: int = 0, padded: bool = False, async_copy: bool = False,
                 upstream_fn=None, peer_failures: list | None = None, bounds: tuple[int, ...] = (),
-                late_epilogue: bool = False) -> list[str]:
+                layouts: tuple[str, ...] = ()) -> list[str]:
     """Run every mode once on fresh random data and check it (see the module docstring); with
     ``padded``, pool mode on state rows of a padded D stride too, bit for bit pool mode's; with
-    ``async_copy``, ``bounds`` and ``late_epilogue``, each of :func:`kernel_variants` bit for bit pool mode's; with
+    ``async_copy``, ``bounds`` and ``layouts``, each of :func:`kernel_variants` bit for bit pool mode's; with
     ``upstream_fn`` (upstream's dense step, :mod:`.upstream`), the peer's server step within PyTorch
     float32's error of the float64 evaluation and its Bstate/Xstate rows this step's B and x.
 
@@ -212,7 +219,7 @@ def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn
             failures.append(f"B={batch}: pool-mode {k} differs from gather->dense->scatter")
     if padded:
         failures += _check_padded(spec, step_fn, pool0, shared, lanes, idx, pool_k, lanes_k, batch)
-    for what, fn in kernel_variants(async_copy, bounds, late_epilogue).values():  # other kernels of pool mode: its bits
+    for what, fn in kernel_variants(async_copy, bounds, layouts).values():  # other kernels of pool mode: its bits
         pool_a, lanes_a = _clone(pool0), _clone(lanes)
         pool_step(fn, spec, pool_a, shared, lanes_a, idx)
         for k, a, b in (("out", lanes_a["out"], lanes_k["out"]), *((k, pool_a[k], pool_k[k]) for k in pool_k)):

@@ -45,7 +45,7 @@ from ..contract import SCALED_STATE_DTYPES
 from ..rounding import N_PER_CALL
 from ..spec import StepSpec
 from ..tensors import KernelArgs
-from ..tiling import async_copy_layout, early_epilogue, launch_grid, thread_layout, tiling_problem
+from ..tiling import async_copy_layout, early_epilogue, launch_grid, pinned_loads, thread_layout, tiling_problem
 from .async_state import AsyncStateCopy
 from .bundles import CUTLASS_DTYPES, Cta, Shared
 from .checkpoint import CheckpointOutputs
@@ -139,6 +139,8 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
         #: a stepwise token of the register kernel loads the epilogue's operands at its start, where that keeps the
         #: CTAs per SM (tiling.EARLY_EPILOGUE_WARPS); a replay step's epilogue, and the asynchronous copy's, load late
         self.early_epilogue = early_epilogue(spec)
+        #: a barrier after the first token's loads pins them above their first use (tiling.pinned_loads)
+        self.pinned_loads = pinned_loads(spec)
 
     @cute.jit(preprocess=False)
     def __call__(self, state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, zproj, outproj, z, out, state_out,

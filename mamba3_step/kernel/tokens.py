@@ -54,6 +54,10 @@ class TokenSteps:
         tok = Token(t, lane_t, sB, sBs, *self.decay_coefficients(m, lane_t, cta.h),
                     rng=self.token_rng(cta.seed, t) if const_expr(self.stochastic) else None,
                     epi=self.load_epilogue_operands(m, lane_t, cta) if const_expr(self.early_epilogue) else None)
+        if const_expr(t == 0 and self.pinned_loads):
+            # The compiler moves no global load across a barrier: the slab's loads (issued before this token), the
+            # coefficients' and the epilogue's stay above it, so all are in flight before the first use of any.
+            cute.arch.barrier()
         if const_expr(self.rope_angles > 0):
             if const_expr(self.dst_per_token):  # the angle is stored by advance_angles
                 cta = self.token_destination(m, t, cta)

@@ -90,14 +90,14 @@ def issue_model(warp_instructions_per_slab: float, bytes_per_slab: float, gpu: G
 #: (StepSpec.async_state_copy))``, measured by the PTX execution tier
 #: (``mamba3_step.tools.verify.step.executed_facts``: B = 4, H = 2, every lane live; tests/tools/test_issue_model.py
 #: re-executes them)
-STATE_FORMS_EXECUTED = {"fp32": (6184, 6344), "bf16, round to nearest": (6840, 7148),
-                        "bf16, stochastic rounding": (11296, 11512)}
+STATE_FORMS_EXECUTED = {"fp32": (6188, 6344), "bf16, round to nearest": (6844, 7148),
+                        "bf16, stochastic rounding": (11300, 11512)}
 #: executed PTX warp-instructions per state slab of the flagship (pool mode, update_kv_state; one live
 #: (lane, head)), stepwise and with replay: ``(F, from_checkpoint) -> (num_warps, counts at ring positions
 #: 0..F-1)`` at the default tiling. Measured by the PTX execution tier (``python bench/issue_model.py``
 #: prints them; tests/tools/test_issue_model.py re-executes F = 2 and 4 and holds these equal).
 REPLAY_EXECUTED = {
-    "stepwise": 6184,
+    "stepwise": 6188,
     (2, False): (4, (6284, 9422)),
     (4, False): (4, (6306, 9378, 12482, 15634)),
     (8, False): (4, (6358, 9410, 12514, 15626, 18738, 21850, 24962, 28110)),

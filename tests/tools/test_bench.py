@@ -6,6 +6,7 @@ and the drift benchmark on a short run."""
 
 from __future__ import annotations
 
+import argparse
 import functools
 
 import importlib.util
@@ -970,18 +971,34 @@ def test_gpu_bench_launch_bounds_check_pool_modes_kernels_under_each_bound():
     assert step_checks.check_batch(flagship_spec(), 1, 1, torch.device("cpu"), ptx_step_fn, bounds=(4,)) == []
 
 
-def test_gpu_bench_late_epilogue_checks_the_variant_against_pool_mode(monkeypatch):
-    """--late-epilogue: pool mode through the register kernel with its epilogue's operands loaded after the
-    update, checked bit for bit against pool mode (PTX executed on CPU tensors); a variant writing other bits
-    is reported by name."""
+def test_gpu_bench_load_layouts_check_each_variant_against_pool_mode(monkeypatch):
+    """--unpinned-loads and --late-epilogue: pool mode through the register kernel with its loads in the
+    compiler's order, and with that its epilogue's operands loaded after the update, checked bit for bit
+    against pool mode (PTX executed on CPU tensors); a variant writing other bits is reported by name."""
     from gpu_suites import step as step_suite
     from mamba3_step.tools.ptx_tier import ptx_step_fn
 
-    assert list(step_checks.kernel_variants(False, (), True)) == ["pool_late_epilogue"]
+    layouts = ("unpinned_loads", "late_epilogue")
+    assert list(step_checks.kernel_variants(False, (), layouts)) == ["pool_unpinned_loads", "pool_late_epilogue"]
     assert step_suite.mode_label("pool_late_epilogue") == "pool, epilogue loaded late"
+    assert step_suite.mode_label("pool_unpinned_loads") == "pool, loads unpinned"
+    parser = argparse.ArgumentParser()
+    step_suite.add_arguments(parser)
+    args = parser.parse_args(["--late-epilogue", "--unpinned-loads"])
+    assert tuple(layout for layout in step_checks.LAYOUTS if getattr(args, layout)) == layouts
+    from mamba3_step.tools import ptx_tier
+    launched = []
+    real_run = ptx_tier.run_step_ptx
+
+    def record(spec, *a, **kw):  # the layout fields of each variant's kernel
+        launched.append((spec.unpinned_loads, spec.late_epilogue))
+        return real_run(spec, *a, **kw)
+
+    monkeypatch.setattr(ptx_tier, "run_step_ptx", record)
     check = functools.partial(step_checks.check_batch, flagship_spec(), 1, 1, torch.device("cpu"), ptx_step_fn,
-                              late_epilogue=True)
+                              layouts=layouts)
     assert check() == []
+    assert [f for f in launched if f != (False, False)] == [(True, False), (True, True)]  # pool mode: (False, False)
     real = step_checks.variant_step_fn
 
     def corrupted(**kw):
@@ -994,4 +1011,15 @@ def test_gpu_bench_late_epilogue_checks_the_variant_against_pool_mode(monkeypatc
         return step
 
     monkeypatch.setattr(step_checks, "variant_step_fn", corrupted)
-    assert check() == ["B=1: the late epilogue's out differs from pool mode's"]
+    assert check() == ["B=1: the loads unpinned's out differs from pool mode's",
+                       "B=1: the late epilogue's out differs from pool mode's"]
+
+
+@pytest.mark.parametrize("flag", [["--async-copy"], ["--min-ctas", "4"], ["--unpinned-loads"], ["--late-epilogue"]])
+def test_gpu_bench_refuses_kernel_variants_on_the_cpu_path(flag, capsys):
+    """A kernel variant is checked bit for bit against pool mode; on --device cpu pool mode runs the PyTorch path,
+    which no kernel matches bit for bit: refused by name before anything runs, not reported as a failed check."""
+    with pytest.raises(SystemExit) as exc:
+        gpu_bench.main(CPU_ARGS + flag)
+    assert exc.value.code == 2
+    assert "run them on a CUDA device" in capsys.readouterr().err

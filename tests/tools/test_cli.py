@@ -32,11 +32,15 @@ def test_spec_flags_mean_the_same_in_every_subcommand(command):
                                      flagship_spec(**changes)]
 
 
-@pytest.mark.parametrize("kernel, copies", [("registers", [False]), ("async-copy", [True]), ("both", [False, True])])
-def test_the_kernel_flag_names_the_register_kernel_the_asynchronous_copy_or_both(kernel, copies):
+UNPINNED, LATE, COPY = dict(unpinned_loads=True), dict(unpinned_loads=True, late_epilogue=True), dict(async_state_copy=True)
+
+
+@pytest.mark.parametrize("kernel, fields", [("registers", [{}]), ("async-copy", [COPY]), ("both", [{}, COPY]),
+                                            ("unpinned", [UNPINNED]), ("late-epilogue", [LATE]),
+                                            ("layouts", [{}, UNPINNED, LATE])])
+def test_the_kernel_flag_names_the_register_kernel_its_load_layouts_or_the_asynchronous_copy(kernel, fields):
     args = _args("inspect", "--kernel", kernel, "--config", "flagship", "--config", "64,32,2")
-    want = [s.replace(async_state_copy=c) for s in (flagship_spec(), flagship_spec(dstate=64, headdim=32, mimo=2))
-            for c in copies]
+    want = [s.replace(**f) for s in (flagship_spec(), flagship_spec(dstate=64, headdim=32, mimo=2)) for f in fields]
     assert specs_from_args(args) == want
     with pytest.raises(SystemExit):
         _args("inspect", "--kernel", "pipeline")

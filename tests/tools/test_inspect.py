@@ -383,6 +383,11 @@ def test_text_report_pool_mode_and_ptxas_cross_check(tmp_path):
     text = I.format_report(report)
     assert "mode=pool" in text and "update_kv_state" in text
     assert re.search(rf"registers/thread\s+{facts.registers}\n", text)
+    # the default kernel's loads pinned: the index, then every other load (latency_model.FLAGSHIP_TRIPS)
+    assert report["loads_pinned"] and report["epilogue_loaded_early"]
+    assert report["round_trips"]["count"] == report["round_trips"]["dependence_depth"] == 2
+    assert report["round_trips"]["state_loads_per_trip"] == [0, 16]
+    assert re.search(r"round trips\s+2 dependent \(depth 2\);.*loads pinned, epilogue loaded early", text)
     assert re.search(r"spills\s+0 B", text)
     assert "state_batch_indices" in text and "total" in text
     assert report["spill_bytes"] == 0 and report["registers"] * report["threads"] <= 65536

@@ -114,26 +114,26 @@ def _compiles():
     return find_nvdisasm() is not None and hasattr(mamba3_step.kernel, "compile_step_kernel")
 
 
-#: the flagship's 16-byte state loads per round trip, read from its SASS (index; staging and the first
-#: state loads; the rest, with the epilogue's operands)
-FLAGSHIP_STATE_LOADS = {"sm_90a": [0, 1, 15], "sm_100a": [0, 4, 12]}
+#: the flagship's 16-byte state loads per round trip, read from its SASS (the index; then all of them, with the
+#: staging loads and the epilogue's operands)
+FLAGSHIP_STATE_LOADS = {"sm_90a": [0, 16], "sm_100a": [0, 16]}
 
 
 @pytest.mark.skipif(not _compiles(), reason="kernel or nvdisasm unavailable")
 @pytest.mark.parametrize("arch", sorted(FLAGSHIP_STATE_LOADS))
 def test_flagship_round_trips_read_from_the_sass(arch):
-    """The budget: today's flagship makes FLAGSHIP_TRIPS = 3 dependent round trips where its loads' own
-    dependences allow 2 (the index, then everything else); 3 CTAs per SM."""
+    """The budget: today's flagship makes FLAGSHIP_TRIPS = 2 dependent round trips, the fewest its loads' own
+    dependences allow (the index, then everything else); 3 CTAs per SM."""
     from mamba3_step.tools.inspection import kernel_facts
     from mamba3_step.kernel import compile_step_kernel
     f = kernel_facts(compile_step_kernel(flagship_spec(), arch))
     t = lm.global_round_trips(f.sass_text)
-    assert t.round_trips == lm.FLAGSHIP_TRIPS == 3 and t.dependence_depth == 2
+    assert t.round_trips == lm.FLAGSHIP_TRIPS == 2 == t.dependence_depth
     assert [tr["by_width"].get(16, 0) for tr in t.trips] == FLAGSHIP_STATE_LOADS[arch]
     assert t.trips[0]["loads"] == 1 and t.trips[0]["by_width"] == {4: 1}  # the index alone
-    assert (t.round_trips, f.occupancy()["ctas_per_sm"]) == lm.KERNEL_LATENCY_FACTS["fp32"] == (3, 3)
-    # the peak in flight: the largest trip after the index's, the 15 (12) state loads and the epilogue's operands
-    assert t.bytes_before_first_wait(f.threads) == {"sm_90a": 32512, "sm_100a": 26368}[arch]
+    assert (t.round_trips, f.occupancy()["ctas_per_sm"]) == lm.KERNEL_LATENCY_FACTS["fp32"] == (2, 3)
+    # the peak in flight: every load after the index's, 318 bytes a thread (256 of them the state's)
+    assert t.bytes_before_first_wait(f.threads) == 128 * 318
 
 
 def test_littles_law_by_hand():
@@ -181,13 +181,16 @@ def test_small_batch_path_splits_d_below_two_waves_of_slabs():
 
 
 def test_designs_rank_as_the_model_says_from_b64():
-    """Fewer round trips and more bytes in flight are never slower in the model (fp32 flagship, H200)."""
+    """Fewer round trips and more bytes in flight are never slower in the model (fp32 flagship, H200); today's
+    kernel is the one-round-trip design, the unpinned kernel's three trips are slower."""
     spec = flagship_spec()
     for batch in (64, 512):
         total = bytes_per_step(spec, batch, 48)["total"]
         ds = lm.flagship_designs(spec, REPLAY_EXECUTED["stepwise"], total / (batch * 48), 32768)
+        unpinned = lm.flagship_designs(spec, REPLAY_EXECUTED["stepwise"], total / (batch * 48), 32768,
+                                       *lm.UNPINNED_LATENCY_FACTS["sm_90a"]["fp32"])["today"]
         t = {k: lm.step_time(d, batch, 48, "H200")["seconds"] for k, d in ds.items()}
-        assert t["pipeline"] < t["one round trip"] < t["today"]
+        assert t["pipeline"] < t["one round trip"] == t["today"] < lm.step_time(unpinned, batch, 48, "H200")["seconds"]
 
 
 def test_refused_inputs():
@@ -233,8 +236,9 @@ def test_bench_prints_the_model_beside_a_measured_table(tmp_path, capsys):
 
 
 def test_bench_reads_a_step_suite_result_with_both_kernels_and_the_measured_stalls(tmp_path):
-    """gpu_bench's own JSON (suites -> step): pool mode is the register kernel ("today"), the asynchronous
-    state copy its design, each of the run's state dtype; with Nsight Compute's stalls the model is rerun."""
+    """gpu_bench's own JSON (suites -> step): pool mode is the register kernel ("today", its loads pinned), the
+    asynchronous state copy its design, each of the run's state dtype; with Nsight Compute's stalls the model is
+    rerun."""
     spec = flagship_spec(state_dtype="bfloat16")
     result = {"copy_bandwidth_bytes_per_s": 4.2e12, "spec": spec.as_dict(),
               "table": [{"mode": "pool", "batch": 256, "us_graph": 210.0},
@@ -245,7 +249,7 @@ def test_bench_reads_a_step_suite_result_with_both_kernels_and_the_measured_stal
     assert _bench().main(["--no-compile", "--measured", str(path), "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "latency_model.json").read_text())["measured"]
     assert [(r["kernel"], r["state"]) for r in rows] == [("async", "bf16, round to nearest"),
-                                                         ("early epilogue", "bf16, round to nearest")]
+                                                         ("pinned", "bf16, round to nearest")]
     total = bytes_per_step(spec, 256, 48)["total"]
     for r, us in zip(rows, (213.0, 210.0)):
         assert r["measured % copy"] == pytest.approx(100 * total / (us * 1e-6) / 4.2e12)
@@ -264,3 +268,49 @@ def test_bench_refuses_a_measured_file_it_cannot_read(tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:
             _bench().main(["--no-compile", "--measured", str(path), "--out", str(tmp_path)])
         assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_pool_mode_is_named_by_the_fields_of_its_runs_spec(tmp_path):
+    """A run from before the loads were pinned (its spec has late_epilogue, not unpinned_loads) timed the early
+    epilogue unpinned: modelled at its three round trips; one from before that (neither field), the late
+    epilogue at four; the variants of a current run by their modes."""
+    spec = flagship_spec().as_dict()
+    older = {k: v for k, v in spec.items() if k != "unpinned_loads"}
+    oldest = {k: v for k, v in older.items() if k != "late_epilogue"}
+    bench = _bench()
+    assert [bench.pool_kernel(s) for s in (spec, older, oldest)] == ["pinned", "unpinned", "late epilogue"]
+    rows = {}
+    for name, s, modes in (("now", spec, ("pool", "pool_unpinned_loads", "pool_late_epilogue")), ("older", older, ("pool",))):
+        result = {"copy_bandwidth_bytes_per_s": 4.2e12, "spec": s,
+                  "table": [{"mode": mode, "batch": 256, "us_graph": 250.0} for mode in modes]}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(result))
+        assert bench.main(["--no-compile", "--measured", str(path), "--out", str(tmp_path)]) == 0
+        rows[name] = {r["kernel"]: r for r in json.loads((tmp_path / "latency_model.json").read_text())["measured"]}
+    assert set(rows["now"]) == {"pinned", "unpinned", "late epilogue"} and set(rows["older"]) == {"unpinned"}
+    assert rows["older"]["unpinned"]["modelled us"] == rows["now"]["unpinned"]["modelled us"]
+    us = [rows["now"][k]["modelled us"] for k in ("pinned", "unpinned", "late epilogue")]
+    assert us == sorted(us) and len(set(us)) == 3  # each trip more, a longer step
+    # the unpinned kernel takes the late epilogue's measured stalls: its code less one barrier
+    assert (rows["now"]["unpinned"]["modelled % copy, measured stalls"]
+            != rows["now"]["unpinned"]["modelled % copy"])
+
+
+def test_measured_stalls_are_recomputed_from_the_raw_logs():
+    """MEASURED_OWN_STALLS is own_stalls of the committed Nsight Compute raw pages, kernel by kernel in the
+    order profiled."""
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "measured")
+    logs = {("2026-11-28-h200-pinned", "float32"): ["pinned"], ("2026-11-28-h200-pinned", "bfloat16"): ["pinned"],
+            ("2026-11-28-h200-async", "float32"): ["late epilogue", "async"],
+            ("2026-11-28-h200-async", "bfloat16"): ["late epilogue", "async"]}
+    forms = {"float32": "fp32", "bfloat16": "bf16, round to nearest"}
+    seen = {}
+    for (folder, dtype), kernels in logs.items():
+        with open(os.path.join(root, folder, f"ncu_raw_{dtype}.log")) as f:
+            values = lm.own_stalls(f.read())
+        assert len(values) == len(kernels), (folder, dtype, values)
+        seen |= {(forms[dtype], k): v for k, v in zip(kernels, values)}
+    assert seen == lm.MEASURED_OWN_STALLS
+    synthetic = "\n".join(f"  smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio  inst  {v}" for r, v in (
+        ("barrier", 0.5), ("long_scoreboard", 4.0), ("short_scoreboard", 0.25), ("selected", 1), ("wait", "1.00")))
+    assert lm.own_stalls(synthetic + "\n" + synthetic) == [1.25, 1.25]

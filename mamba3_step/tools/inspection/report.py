@@ -20,7 +20,8 @@ from ..bytes_model import bytes_per_step, replay_bytes
 from ...contract import MAX_GRID_X, MAX_GRID_Y
 from ...spec import FLAGSHIP_HEADS
 from ...specsets import add_spec_arguments, parse_spec_args
-from ...tiling import thread_layout
+from ...tiling import early_epilogue, pinned_loads, thread_layout
+from ..latency_model import global_round_trips
 from ..verify.step import executed_facts, format_facts
 from .elf import InspectError
 from .facts import KernelFacts, kernel_facts
@@ -52,6 +53,7 @@ def inspect_spec(spec, arch: str = "sm_90a", batch: int = 256, heads: int = 48,
         compiled = compile_kernel(spec, arch)
         compile_seconds = round(time.perf_counter() - t0, 3)
     facts = kernel_facts(compiled)
+    trips = global_round_trips(facts.sass_text) if facts.sass_text else None
     expected_threads = thread_layout(spec.dstate, spec.tile_D, spec.num_warps, spec.state_dtype).num_threads
     threads = facts.threads if facts.threads is not None else expected_threads
     report = {
@@ -70,6 +72,14 @@ def inspect_spec(spec, arch: str = "sm_90a", batch: int = 256, heads: int = 48,
         "threads_expected_from_tiling": expected_threads,
         "occupancy": theoretical_occupancy(facts.registers, threads, facts.smem_bytes, arch),
         "code_bytes": facts.code_bytes,
+        # the register kernel's load layout (tiling.pinned_loads, tiling.early_epilogue) and the dependent global
+        # round trips of a live CTA read from the SASS (latency_model.global_round_trips)
+        "loads_pinned": pinned_loads(spec),
+        "epilogue_loaded_early": early_epilogue(spec),
+        "round_trips": None if trips is None else {
+            "count": trips.round_trips, "dependence_depth": trips.dependence_depth,
+            "loads_per_trip": [t["loads"] for t in trips.trips],
+            "state_loads_per_trip": [t["by_width"].get(16, 0) for t in trips.trips]},
         "sass": facts.sass,
         "compile_seconds": compile_seconds,
         "batch": batch,
@@ -96,7 +106,7 @@ def format_report(report: dict) -> str:
     mode = "pool" if s["pool"] else "dense"
     flags = [k for k in ("has_dst", "dst_per_token", "num_accepted", "update_kv_state", "has_z", "has_outproj",
                          "has_state_out", "shared_bc", "stochastic_rounding", "replay_from_checkpoint",
-                         "async_state_copy") if s.get(k)]
+                         "async_state_copy", "unpinned_loads", "late_epilogue") if s.get(k)]
     for key in ("tokens", "rope_angles", "replay_ring", "replay_draft", "min_ctas_per_sm"):  # counts not at the default
         if s.get(key, 0) > (key == "tokens"):
             flags.insert(0, f"{key}={s[key]}")
@@ -105,7 +115,7 @@ def format_report(report: dict) -> str:
         f"state={s['state_dtype']} kv={s['kv_dtype']} x={s['x_dtype']} proj={s['proj_dtype']} "
         f"tile_D={s['tile_D']} num_warps={s['num_warps']} mode={mode} {' '.join(flags)}",
         f"  kernel            {report['kernel']}",
-        f"  compile           "
+        "  compile           "
         + ("(not compiled here)" if report["compile_seconds"] is None else f"{report['compile_seconds']:.2f} s"),
         f"  registers/thread  {report['registers']}",
         f"  stack frame       {report['stack_bytes']} B",
@@ -123,6 +133,13 @@ def format_report(report: dict) -> str:
         )
     else:
         lines.append("  occupancy         (no limits table for this arch)")
+    trips = report.get("round_trips")
+    if trips:
+        layout = ", ".join(w for w, on in (("loads pinned", report["loads_pinned"]),
+                                            ("epilogue loaded early", report["epilogue_loaded_early"])) if on)
+        lines.append(f"  round trips       {trips['count']} dependent (depth {trips['dependence_depth']}); loads per "
+                     f"trip {trips['loads_per_trip']}, 16-byte loads {trips['state_loads_per_trip']}"
+                     + (f"; {layout}" if layout else ""))
     lines.append(f"  code              {report['code_bytes']} B, {report['sass'].get('total', 0)} instructions "
                  f"(+{report['sass'].get('NOP', 0)} NOP padding)")
     lines.append("  SASS histogram (static counts; '@P' = predicated):")
