@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from .contract import KV_DTYPES, PROJ_DTYPES, ROUNDED_STATE_DTYPES, SCALED_STATE_DTYPES, STATE_DTYPES, X_DTYPES
 from .tiling import default_tiling, shape_problem, tiling_problem
 
-__all__ = ["FLAGSHIP_HEADS", "FLUSH_DRAFTS", "MAX_TOKENS", "StepSpec", "complete_spec", "flagship_rotary_spec",
+__all__ = ["FLAGSHIP_HEADS", "FLUSH_DRAFTS", "MAX_TOKENS", "PREVIOUS_LOAD_LAYOUTS", "StepSpec", "complete_spec", "flagship_rotary_spec",
            "flagship_spec", "flush_entries", "flush_groups", "flush_specs", "mode_problem", "replay_problem", "rotary_problem"]
 
 
@@ -105,7 +105,7 @@ class StepSpec:
             operands) where ``tiling.pinned_loads`` says so; the compiler moves no memory operation
             across a barrier, so all of them are in flight before any of them is used
             (docs/design/kernel.md, "Every load in flight before the first use"). The same
-            arithmetic, so the same bits. Not a public option: the kernel before, kept for the
+            arithmetic, so the same bits. Not a public option: the kernel without the barrier, kept for the
             benchmark's and the PTX tier's comparisons.
     """
 
@@ -235,6 +235,12 @@ def flagship_spec(**changes) -> StepSpec:
     )
     return spec.replace(**changes).with_default_tiling()
 
+
+#: the register kernel's previous load layouts, each as the StepSpec fields that select it (not public options:
+#: kept for the benchmark's and the PTX tier's comparisons): its loads in the compiler's order, and with that the
+#: epilogue's operands loaded after the update
+PREVIOUS_LOAD_LAYOUTS = {"unpinned": {"unpinned_loads": True},
+                         "late-epilogue": {"unpinned_loads": True, "late_epilogue": True}}
 
 #: fields a key names only when they are not at their default (added after keys were on disk)
 _KEY_OMITTED_AT_DEFAULT = frozenset({"rope_angles", "rotate_pairwise", "has_bc_bias", "shared_bc",

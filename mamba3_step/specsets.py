@@ -32,7 +32,7 @@ import itertools
 
 from .arch import DEFAULT_ARCH, check_arch, current_arch
 from .contract import KV_DTYPES, PROJ_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, X_DTYPES
-from .spec import MAX_TOKENS, StepSpec, flagship_spec, flush_specs, mode_problem
+from .spec import MAX_TOKENS, PREVIOUS_LOAD_LAYOUTS, StepSpec, flagship_spec, flush_specs, mode_problem
 from .tiling import shape_problem, tiling_problem
 
 __all__ = ["CONFIG_HELP", "add_spec_arguments", "arch_from_args", "parse_spec_args", "spec_label",
@@ -43,8 +43,7 @@ CONFIG_HELP = "flagship | all | N,D,R[,state_dtype[,kv_dtype[,x_dtype[,proj_dtyp
 #: options): the register kernel (the default), its previous load layouts (the loads unpinned; with that, the
 #: epilogue's operands loaded late), the asynchronous state copy; "both" the register kernel and the copy,
 #: "layouts" the register kernel in its three load layouts
-_KERNEL_FIELDS = {"registers": {}, "unpinned": dict(unpinned_loads=True),
-                  "late-epilogue": dict(unpinned_loads=True, late_epilogue=True), "async-copy": dict(async_state_copy=True)}
+_KERNEL_FIELDS = {"registers": {}, **PREVIOUS_LOAD_LAYOUTS, "async-copy": {"async_state_copy": True}}
 KERNEL_CHOICES = {**{name: (name,) for name in _KERNEL_FIELDS}, "both": ("registers", "async-copy"),
                   "layouts": ("registers", "unpinned", "late-epilogue")}
 KERNELS = tuple(KERNEL_CHOICES)
@@ -137,7 +136,7 @@ def add_spec_arguments(parser: argparse.ArgumentParser, *, modes: bool = True, a
                    help="launch bound: CTAs per SM the compiler keeps registers for (an experiment's; default: none)")
     g.add_argument("--kernel", choices=KERNELS, default="registers",
                    help="the register kernel (default); its loads unpinned (StepSpec.unpinned_loads: the kernel "
-                        "before its loads were pinned) or with that its epilogue loaded late (StepSpec.late_epilogue); "
+                        "without the barrier that pins its loads) or with that its epilogue loaded late (StepSpec.late_epilogue); "
                         "the asynchronous state copy (StepSpec.async_state_copy: not the default, slower on the "
                         "H200); both (the register kernel and the copy) or layouts (the register kernel's three), "
                         "each specialisation once per kernel")

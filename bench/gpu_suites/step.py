@@ -109,7 +109,7 @@ def add_arguments(parser) -> None:
                             "the update (StepSpec.late_epilogue, with StepSpec.unpinned_loads: the layout before they were loaded early)")
     group.add_argument("--unpinned-loads", action="store_true",
                        help="also time pool mode through the register kernel with its loads in the compiler's order "
-                            "(StepSpec.unpinned_loads: the kernel before the barrier that pins them)")
+                            "(StepSpec.unpinned_loads: the kernel without the barrier that pins them)")
 
 
 def configure(args, run: Run, step_fn=None, reference_fn=None) -> Options:

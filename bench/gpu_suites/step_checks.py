@@ -14,6 +14,7 @@ from mamba3_step import mamba3_step_fn
 from mamba3_step.api import prepare_step
 from mamba3_step.launch import kernel_for
 from mamba3_step.signature import STEP_SIGNATURE, make_binder, split_call
+from mamba3_step.spec import PREVIOUS_LOAD_LAYOUTS
 from mamba3_step.tensors import kernel_arguments
 from mamba3_step.reference import mamba3_step_reference
 from mamba3_step.tensors import StepTensors
@@ -91,8 +92,8 @@ ASYNC_MODE = "pool_async_copy"
 #: the register kernel's previous load layouts -> (what it is, the StepSpec fields that select it: not public
 #: options): every load left to the compiler's order (3 round trips), and with that the epilogue's operands
 #: loaded after the update (4)
-LAYOUTS = {"unpinned_loads": ("the loads unpinned", dict(unpinned_loads=True)),
-           "late_epilogue": ("the late epilogue", dict(unpinned_loads=True, late_epilogue=True))}
+LAYOUTS = {"unpinned_loads": ("the loads unpinned", PREVIOUS_LOAD_LAYOUTS["unpinned"]),
+           "late_epilogue": ("the late epilogue", PREVIOUS_LOAD_LAYOUTS["late-epilogue"])}
 #: the step suite's mode of pool mode through the register kernel with its epilogue's operands loaded after the update
 LATE_MODE = "pool_late_epilogue"
 #: the step suite's mode of pool mode through the register kernel with its loads in the compiler's order

@@ -12,13 +12,11 @@ import torch
 from async_state_cases import assert_same_writes, case_params, case_spec, prepared_call, run_each
 
 from mamba3_step.launch import kernel_for
+from mamba3_step.spec import PREVIOUS_LOAD_LAYOUTS
 from mamba3_step.tensors import kernel_arguments
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-#: the previous layouts' StepSpec fields
-PREVIOUS = {"unpinned": dict(unpinned_loads=True), "late epilogue": dict(unpinned_loads=True, late_epilogue=True)}
 
 
 @pytest.mark.parametrize("name", case_params())
@@ -27,7 +25,7 @@ def test_the_default_layout_writes_the_previous_layouts_bits_on_the_gpu(name, B)
     spec = case_spec(name)
     tensors, _ = prepared_call(spec, B, seed=B + 3, device="cuda")
     default, *previous = run_each(tensors, *(lambda t, s=s: kernel_for(s, t.x)(*kernel_arguments(t)) for s in (
-        spec, *(spec.replace(**fields) for fields in PREVIOUS.values()))))
+        spec, *(spec.replace(**fields) for fields in PREVIOUS_LOAD_LAYOUTS.values()))))
     torch.cuda.synchronize()
-    for layout, other in zip(PREVIOUS, previous):
+    for layout, other in zip(PREVIOUS_LOAD_LAYOUTS, previous):
         assert_same_writes(default, other, f"{name} B={B}, the default and the {layout} layout")

@@ -19,22 +19,16 @@ from async_state_cases import assert_same_writes, case_params, case_spec, prepar
 from test_kernel_compile import COVERING
 
 from mamba3_step.kernel.step import Mamba3StepKernel
-from mamba3_step.spec import flagship_spec
+from mamba3_step.spec import PREVIOUS_LOAD_LAYOUTS, flagship_spec
 from mamba3_step.testing import bits_equal
 from mamba3_step.tiling import EARLY_EPILOGUE_WARPS
 from mamba3_step.tools.ptx_tier import run_step_ptx
-
-#: the previous layouts' StepSpec fields
-LATE = dict(unpinned_loads=True, late_epilogue=True)
-UNPINNED = dict(unpinned_loads=True)
 
 
 @pytest.mark.parametrize("name", case_params())
 def test_the_default_layout_writes_the_previous_layouts_bits(name, full_matrix):
     spec = case_spec(name)
-    previous = {"late epilogue": LATE}
-    if full_matrix:
-        previous["unpinned"] = UNPINNED
+    previous = {k: v for k, v in PREVIOUS_LOAD_LAYOUTS.items() if full_matrix or k == "late-epilogue"}
     tensors, _ = prepared_call(spec, B=6, seed=23)
     default, *others = run_each(tensors, lambda t: run_step_ptx(spec, t, record=False),
                                 *(lambda t, f=f: run_step_ptx(spec.replace(**f), t, record=False) for f in previous.values()))
