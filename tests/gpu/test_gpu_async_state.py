@@ -9,8 +9,6 @@ import pytest
 import torch
 from async_state_cases import assert_same_writes, case_params, case_spec, prepared_call, run_each
 
-from mamba3_step.launch import kernel_for
-from mamba3_step.tensors import kernel_arguments
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -21,7 +19,5 @@ pytestmark = [pytest.mark.gpu,
 def test_the_asynchronous_copy_writes_the_register_kernels_bits_on_the_gpu(name, B):
     spec = case_spec(name)
     tensors, _ = prepared_call(spec, B, seed=B, device="cuda")
-    registers, copied = run_each(tensors, *(lambda t, s=s: kernel_for(s, t.x)(*kernel_arguments(t))
-                                            for s in (spec, spec.replace(async_state_copy=True))))
-    torch.cuda.synchronize()
+    registers, copied = run_each(tensors, spec, spec.replace(async_state_copy=True))
     assert_same_writes(registers, copied, f"{name} B={B}, the register and the asynchronous-copy kernel")

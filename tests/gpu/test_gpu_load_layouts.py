@@ -11,9 +11,7 @@ import pytest
 import torch
 from async_state_cases import assert_same_writes, case_params, case_spec, prepared_call, run_each
 
-from mamba3_step.launch import kernel_for
 from mamba3_step.spec import PREVIOUS_LOAD_LAYOUTS
-from mamba3_step.tensors import kernel_arguments
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -24,8 +22,6 @@ pytestmark = [pytest.mark.gpu,
 def test_the_default_layout_writes_the_previous_layouts_bits_on_the_gpu(name, B):
     spec = case_spec(name)
     tensors, _ = prepared_call(spec, B, seed=B + 3, device="cuda")
-    default, *previous = run_each(tensors, *(lambda t, s=s: kernel_for(s, t.x)(*kernel_arguments(t)) for s in (
-        spec, *(spec.replace(**fields) for fields in PREVIOUS_LOAD_LAYOUTS.values()))))
-    torch.cuda.synchronize()
+    default, *previous = run_each(tensors, spec, *(spec.replace(**fields) for fields in PREVIOUS_LOAD_LAYOUTS.values()))
     for layout, other in zip(PREVIOUS_LOAD_LAYOUTS, previous):
         assert_same_writes(default, other, f"{name} B={B}, the default and the {layout} layout")

@@ -29,16 +29,23 @@ def case_spec(name: str):
     return {**ASYNC_DEFAULT, **ASYNC_FULL}[name].with_default_tiling()
 
 
-def run_each(tensors, *launches) -> list:
-    """Each of ``launches`` (a callable taking a StepTensors) run on its own copy of ``tensors``; the copies."""
+def run_each(tensors, *specs) -> list:
+    """Each of ``specs``' kernel run on its own copy of ``tensors``: launched on a GPU's tensors (then
+    synchronised), else its PTX executed on the CPU (the PTX tier); the copies."""
     import torch
 
-    from mamba3_step.tensors import StepTensors
+    from mamba3_step.launch import kernel_for
+    from mamba3_step.tensors import StepTensors, kernel_arguments
+    from mamba3_step.tools.ptx_tier import run_step_ptx
 
     copies = []
-    for launch in launches:
+    for spec in specs:
         copy = StepTensors(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in tensors._asdict().items()})
-        launch(copy)
+        if copy.x.is_cuda:
+            kernel_for(spec, copy.x)(*kernel_arguments(copy))
+            torch.cuda.synchronize()
+        else:
+            run_step_ptx(spec, copy, record=False)
         copies.append(copy)
     return copies
 

@@ -36,8 +36,7 @@ LIVE_KINDS = ("live", "live_nodst", "live_gaps")
 def test_the_asynchronous_copy_writes_the_register_kernels_bits(name):
     spec = _spec(name)
     tensors, kinds = prepared_call(spec, B=6, seed=17)
-    registers, copied = run_each(tensors, lambda t: run_step_ptx(spec, t, record=False),
-                                 lambda t: run_step_ptx(spec.replace(async_state_copy=True), t, record=False))
+    registers, copied = run_each(tensors, spec, spec.replace(async_state_copy=True))
     assert assert_same_writes(registers, copied, f"{name}, the register and the asynchronous-copy kernel") >= 2
     if spec.pool:
         assert any(k in LIVE_KINDS for k in kinds) and any(k not in LIVE_KINDS for k in kinds)

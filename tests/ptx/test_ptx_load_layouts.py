@@ -22,7 +22,6 @@ from mamba3_step.kernel.step import Mamba3StepKernel
 from mamba3_step.spec import PREVIOUS_LOAD_LAYOUTS, flagship_spec
 from mamba3_step.testing import bits_equal
 from mamba3_step.tiling import EARLY_EPILOGUE_WARPS
-from mamba3_step.tools.ptx_tier import run_step_ptx
 
 
 @pytest.mark.parametrize("name", case_params())
@@ -30,8 +29,7 @@ def test_the_default_layout_writes_the_previous_layouts_bits(name, full_matrix):
     spec = case_spec(name)
     previous = {k: v for k, v in PREVIOUS_LOAD_LAYOUTS.items() if full_matrix or k == "late-epilogue"}
     tensors, _ = prepared_call(spec, B=6, seed=23)
-    default, *others = run_each(tensors, lambda t: run_step_ptx(spec, t, record=False),
-                                *(lambda t, f=f: run_step_ptx(spec.replace(**f), t, record=False) for f in previous.values()))
+    default, *others = run_each(tensors, spec, *(spec.replace(**f) for f in previous.values()))
     for layout, other in zip(previous, others):
         assert assert_same_writes(default, other, f"{name}, the default and the {layout} layout") >= 2
     assert not bits_equal(default.out, tensors.out), f"{name}: the step wrote nothing to out"
