@@ -32,6 +32,7 @@ from mamba3_step.tools import latency_model as lm  # noqa: E402
 from mamba3_step.tools.bytes_model import bytes_per_step, replay_bytes  # noqa: E402
 from mamba3_step.tools.issue_model import GPUS, REPLAY_EXECUTED, STATE_FORMS_EXECUTED, issue_model  # noqa: E402
 from mamba3_step.spec import flagship_spec  # noqa: E402
+from mamba3_step.slab_pipeline import PIPELINE_DEFAULT_CTAS  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 64, 256, 512)
 HEADS = 48
@@ -84,15 +85,21 @@ def kernel_latency_facts(compile_kernels: bool) -> dict:
     asynchronous state copy for the stepwise forms: read from the SASS when ``compile_kernels``, else
     ``mamba3_step.tools.latency_model.KERNEL_LATENCY_FACTS`` and ``ASYNC_LATENCY_FACTS``."""
     if not compile_kernels:
-        return {**lm.KERNEL_LATENCY_FACTS, **{(form, "async"): v for form, v in lm.ASYNC_LATENCY_FACTS["sm_90a"].items()}}
+        return {**lm.KERNEL_LATENCY_FACTS, **{(form, "async"): v for form, v in lm.ASYNC_LATENCY_FACTS["sm_90a"].items()},
+                **{(form, "pipeline"): v for form, v in lm.PIPELINE_LATENCY_FACTS["sm_90a"].items()}}
     from mamba3_step.tools.inspection import kernel_facts
     from mamba3_step.kernel import compile_step_kernel
     facts = {}
     for form, (_, _, K, kernel_spec) in state_forms().items():
-        for key, spec in ((form, kernel_spec), ((form, "async"), None if K else kernel_spec.replace(async_state_copy=True))):
+        variants = ((form, kernel_spec), ((form, "async"), None if K else kernel_spec.replace(async_state_copy=True)),
+                    ((form, "pipeline"), None if K else kernel_spec.replace(pipeline_ctas=PIPELINE_DEFAULT_CTAS)))
+        for key, spec in variants:
             if spec is not None:
                 f = kernel_facts(compile_step_kernel(spec, "sm_90a"))
-                facts[key] = (lm.global_round_trips(f.sass_text).round_trips, f.occupancy()["ctas_per_sm"])
+                # the slab pipeline's loop: one round trip a slab by design (its compile test reads it from the SASS)
+                trips = lm.PIPELINE_LATENCY_FACTS["sm_90a"][form][0] if key[1:] == ("pipeline",) else \
+                    lm.global_round_trips(f.sass_text).round_trips
+                facts[key] = (trips, f.occupancy()["ctas_per_sm"])
     return facts
 
 
@@ -109,18 +116,23 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
         # position's path is modelled with the round trips of the stepwise kernel that loads as it does (loads
         # unpinned, the epilogue late) and the replay kernel's CTAs
         trips = lm.LATE_EPILOGUE_LATENCY_FACTS["sm_90a"]["fp32"][0] if K else path_trips
-        copied = facts.get((form, "async"))
-        names = ("today", "one round trip", "small-batch path", "pipeline") + (("asynchronous state copy",) if copied else ())
+        copied, piped = facts.get((form, "async")), facts.get((form, "pipeline"))
+        names = (("today", "one round trip", "small-batch path", "pipeline") + (("asynchronous state copy",) if copied else ())
+                 + (("slab pipeline",) if piped else ()))
         for name in names:
-            row = {"state": form, "design": name, "SASS path trips": copied[0] if name.startswith("async") else path_trips,
-                   "trips": {"today": trips, "asynchronous state copy": copied and copied[0]}.get(name, 2),
+            row = {"state": form, "design": name,
+                   "SASS path trips": {"asynchronous state copy": copied and copied[0],
+                                       "slab pipeline": piped and piped[0]}.get(name, path_trips),
+                   "trips": {"today": trips, "asynchronous state copy": copied and copied[0],
+                             "slab pipeline": piped and piped[0]}.get(name, 2),
                    "CTAs/SM": {"pipeline": int(lm.assumption("pipeline_ctas_per_sm")),
-                               "asynchronous state copy": copied and copied[1]}.get(name, ctas)}
+                               "asynchronous state copy": copied and copied[1],
+                               "slab pipeline": piped and piped[1]}.get(name, ctas)}
             for batch in BATCHES:
                 total = _bytes(spec, K, batch)
                 instr = STATE_FORMS_EXECUTED[form][1] if name == "asynchronous state copy" else warp_instr
                 d = lm.flagship_designs(spec, instr, total / (batch * HEADS), state_read, trips, ctas,
-                                        async_copy=copied)[name]
+                                        async_copy=copied, slab_pipeline=piped)[name]
                 r = lm.percent_of_copy(d, batch, HEADS, gpu, total, copy_bw, **overrides)
                 row[f"B{batch}"] = r["percent"]
                 row[f"us_B{batch}"] = r["seconds"] * 1e6
@@ -135,6 +147,7 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
 #: which :func:`pool_kernel` names by the fields its run's spec has; each register kernel is today's design at its
 #: own round trips and CTAs (:data:`REGISTER_FACTS`)
 MEASURED_KERNELS = {"pool": ("pinned", "today"), "pool_async_copy": ("async", "asynchronous state copy"),
+                    "pool_pipeline": ("pipeline", "slab pipeline"),
                     "pool_unpinned_loads": ("unpinned", "today"), "pool_early_epilogue": ("unpinned", "today"),
                     "pool_late_epilogue": ("late epilogue", "today")}
 #: a register kernel other than the default -> its ``(round trips, CTAs per SM)`` per form (sm_90a)
@@ -178,7 +191,8 @@ def measured_rows(path: str, facts: dict, overrides: dict) -> tuple[list[dict], 
     trips, ctas = facts[form]
     rows = []
     for entry in table:
-        kernel, design = MEASURED_KERNELS.get(entry.get("mode"), (None, None))
+        mode = entry.get("mode", "")
+        kernel, design = MEASURED_KERNELS.get("pool_pipeline" if mode.startswith("pool_pipeline") else mode, (None, None))
         if kernel is None or "us_graph" not in entry:
             continue
         if entry["mode"] == "pool":
@@ -187,7 +201,7 @@ def measured_rows(path: str, facts: dict, overrides: dict) -> tuple[list[dict], 
         executed = STATE_FORMS_EXECUTED[form][1 if kernel == "async" else 0]
         trips_k, ctas_k = REGISTER_FACTS[kernel][form] if kernel in REGISTER_FACTS else (trips, ctas)
         d = lm.flagship_designs(spec, executed, total / (batch * HEADS), state_read, trips_k, ctas_k,
-                                async_copy=facts.get((form, "async")))[design]
+                                async_copy=facts.get((form, "async")), slab_pipeline=facts.get((form, "pipeline")))[design]
         m = lm.percent_of_copy(d, batch, HEADS, "H200", total, copy_bw, **overrides)
         row = {"state": form, "kernel": kernel, "B": batch, "modelled us": m["seconds"] * 1e6,
                "measured us": entry["us_graph"], "modelled % copy": m["percent"]}
@@ -217,7 +231,7 @@ def report(args, overrides: dict) -> dict:
                               ("KiB per SM", "KiB in flight per SM needed", ">.1f")]))
     sass = [] if args.no_compile else sass_rows(overrides)
     facts = kernel_latency_facts(not args.no_compile)
-    stated = {**lm.KERNEL_LATENCY_FACTS, **{(f, "async"): v for f, v in lm.ASYNC_LATENCY_FACTS["sm_90a"].items()}}
+    stated = kernel_latency_facts(False)
     stale = [f for f in facts if facts[f] != stated.get(f)]
     if sass:
         print("\n2. read from the flagship's SASS (pool mode, update_kv_state): round trips of a live CTA and the "
@@ -231,7 +245,7 @@ def report(args, overrides: dict) -> dict:
                 print(f"      {g}: time-averaged {r[f'average_bytes_in_flight_per_sm_{g}'] / 1024:.1f} KiB per SM "
                       f"against {r[f'needed_bytes_in_flight_per_sm_{g}'] / 1024:.1f} KiB needed")
     if stale:
-        print(f"  ! mamba3_step.tools.latency_model.KERNEL_LATENCY_FACTS differs from the SASS for {', '.join(stale)}: "
+        print(f"  ! mamba3_step.tools.latency_model's stated facts differ from the SASS for {', '.join(map(str, stale))}: "
               f"{ {f: facts[f] for f in stale} }: update it")
     measured, copy_bw = ([], None) if not args.measured else measured_rows(args.measured, facts, overrides)
     if measured:

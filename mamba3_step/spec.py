@@ -107,6 +107,12 @@ class StepSpec:
             (docs/design/kernel.md, "Every load in flight before the first use"). The same
             arithmetic, so the same bits. Not a public option: the kernel without the barrier, kept for the
             benchmark's and the PTX tier's comparisons.
+        pipeline_ctas: the slab pipeline (docs/design/kernel.md, "The slab pipeline"): at most this
+            many persistent CTAs walk the slabs, and each keeps the next slab's state in flight in
+            shared memory by a bulk copy (``cp.async.bulk`` signalled by an mbarrier) while it
+            updates this one; the same arithmetic on the same values, so the register kernel's
+            bits. 0, the default, launches one CTA per slab. Not a public option until a GPU
+            measures it faster: a benchmark's and the PTX tier's.
     """
 
     dstate: int
@@ -141,6 +147,7 @@ class StepSpec:
     async_state_copy: bool = False
     late_epilogue: bool = False
     unpinned_loads: bool = False
+    pipeline_ctas: int = 0
 
     @property
     def ring_entries(self) -> int:
@@ -247,7 +254,7 @@ _KEY_OMITTED_AT_DEFAULT = frozenset({"rope_angles", "rotate_pairwise", "has_bc_b
                                      "stochastic_rounding", "has_rand_rows", "replay_ring",
                                      "replay_from_checkpoint", "replay_draft", "padded_state_rows",
                                      "min_ctas_per_sm", "async_state_copy", "late_epilogue",
-                                     "unpinned_loads"})
+                                     "unpinned_loads", "pipeline_ctas"})
 
 
 def flagship_rotary_spec(**changes) -> StepSpec:

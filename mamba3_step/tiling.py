@@ -30,6 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .contract import DTYPE_BYTES, SUPPORTED_D, SUPPORTED_N, SUPPORTED_R, VECTOR_BYTES
+from .slab_pipeline import pipeline_problem
 
 WARP = 32
 ALLOWED_NUM_WARPS = (1, 2, 4, 8, 16)
@@ -416,7 +417,7 @@ def tiling_problem(spec) -> str | None:
             f"update_kv_state needs tile_D >= headdim (one CTA per (lane, head) owns the "
             f"B/x row), got tile_D={spec.tile_D} < headdim={spec.headdim}"
         )
-    return None
+    return pipeline_problem(spec)
 
 
 def shape_problem(dstate: int, headdim: int, mimo: int) -> str | None:

@@ -24,7 +24,9 @@ the kernel beside the register kernel), checked bit for bit against pool mode fi
 kernel, and the copy with ``--async-copy``), checked likewise; ``--unpinned-loads`` adds pool mode
 through the register kernel with its loads in the compiler's order (``StepSpec.unpinned_loads``, one
 round trip more), ``--late-epilogue`` through it with the epilogue's operands also loaded after the
-update (``StepSpec.late_epilogue``), each checked likewise. ``--upstream
+update (``StepSpec.late_epilogue``), each checked likewise; ``--pipeline-per-sm 2,3`` adds pool mode
+through the slab pipeline (``StepSpec.pipeline_ctas``) with 2 and 3 persistent CTAs per SM of the device,
+checked likewise. ``--upstream
 PATH`` adds the peer: upstream's own CuteDSL dense step from the state-spaces/mamba checkout at PATH,
 with the gather and scatter a server needs around it (:mod:`.upstream`), checked first.
 
@@ -47,7 +49,7 @@ from mamba3_step.spec import flagship_spec
 
 from .common import Run, int_list
 from .upstream import upstream_step
-from .step_checks import (ASYNC_MODE, LATE_MODE, LAYOUTS, UNPINNED_MODE, check_batch, dense_step, gather_scatter_step, kernel_variants, make_lanes,
+from .step_checks import (ASYNC_MODE, LATE_MODE, LAYOUTS, PIPELINE_MODE, UNPINNED_MODE, check_batch, dense_step, gather_scatter_step, kernel_variants, make_lanes,
                           make_pool, make_shared, padded_copy, pool_step)
 from .timing import GraphUnavailable, Timer, capture, copy_bandwidth, n_sets, time_round
 
@@ -69,7 +71,10 @@ MODE_LABELS = {"pool": "pool", "gather_scatter": "gather->dense->scatter", "dens
 
 
 def mode_label(mode: str) -> str:
-    """A mode's label in the table; a launch-bound variant (``--min-ctas``) names its bound."""
+    """A mode's label in the table; a launch-bound variant (``--min-ctas``) names its bound, a slab pipeline
+    (``--pipeline-per-sm``) its CTAs."""
+    if mode.startswith(PIPELINE_MODE):
+        return f"pool, slab pipeline, {mode[len(PIPELINE_MODE):]} CTAs"
     base, _, bound = mode.partition("_bound")
     return MODE_LABELS[base] + (f", launch bound {bound}" if bound else "")
 TIME_GUARD_S = 270.0
@@ -85,6 +90,7 @@ class Options:
     state_dtype: str = "float32"
     bounds: tuple[int, ...] = ()
     layouts: tuple[str, ...] = ()
+    pipelines: tuple[int, ...] = ()
     upstream_fn: object = None
     step_fn: object = None
     reference_fn: object = None
@@ -107,6 +113,9 @@ def add_arguments(parser) -> None:
     group.add_argument("--late-epilogue", action="store_true",
                        help="also time pool mode through the register kernel with its epilogue's operands loaded after "
                             "the update (StepSpec.late_epilogue, with StepSpec.unpinned_loads: the layout before they were loaded early)")
+    group.add_argument("--pipeline-per-sm", default="", metavar="K[,K...]",
+                       help="also time pool mode through the slab pipeline (StepSpec.pipeline_ctas) with K persistent "
+                            "CTAs per SM of the device, for each K")
     group.add_argument("--unpinned-loads", action="store_true",
                        help="also time pool mode through the register kernel with its loads in the compiler's order "
                             "(StepSpec.unpinned_loads: the kernel without the barrier that pins them)")
@@ -119,12 +128,16 @@ def configure(args, run: Run, step_fn=None, reference_fn=None) -> Options:
         upstream_fn = load_upstream_step(args.upstream)
     bounds = int_list(args.min_ctas, "--min-ctas", allow_empty=True)
     layouts = tuple(layout for layout in LAYOUTS if getattr(args, layout))
-    if not run.cuda and (args.async_copy or bounds or layouts) and step_fn is None:
-        raise ValueError("--async-copy, --min-ctas, --unpinned-loads and --late-epilogue time kernels beside pool "
+    per_sm = int_list(args.pipeline_per_sm, "--pipeline-per-sm", allow_empty=True)
+    if not run.cuda and (args.async_copy or bounds or layouts or per_sm) and step_fn is None:
+        raise ValueError("--async-copy, --min-ctas, --pipeline-per-sm, --unpinned-loads and --late-epilogue time "
+                         "kernels beside pool "
                          "mode's, bit for bit; with --device cpu pool mode runs the PyTorch path, which they cannot "
                          "match: run them on a CUDA device")
+    sms = torch.cuda.get_device_properties(torch.device(run.device)).multi_processor_count if run.cuda and per_sm else 0
+    pipelines = tuple(k * sms if sms else k for k in per_sm)
     return Options(run, run.batches_or(BATCHES), args.padded_rows, args.dense_rows, args.async_copy,
-                   args.step_state_dtype, bounds, layouts, upstream_fn, step_fn, reference_fn)
+                   args.step_state_dtype, bounds, layouts, pipelines, upstream_fn, step_fn, reference_fn)
 
 
 def check(opts: Options) -> list[str]:
@@ -135,7 +148,7 @@ def check(opts: Options) -> list[str]:
     for batch in opts.batches:
         peer: list[str] = []
         kw = dict(padded=opts.padded_rows, async_copy=opts.async_copy, upstream_fn=opts.upstream_fn,
-                  peer_failures=peer, bounds=opts.bounds, layouts=opts.layouts)
+                  peer_failures=peer, bounds=opts.bounds, layouts=opts.layouts, pipelines=opts.pipelines)
         try:
             failures += check_batch(spec, batch, run.heads, torch.device(run.device), opts.step_fn, opts.reference_fn,
                                     graphs=run.graphs and run.cuda, **kw)
@@ -155,7 +168,8 @@ def check(opts: Options) -> list[str]:
 def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dict, step_fn,
                 l2_bytes: int, graphs: bool, target_s: float, gen: torch.Generator,
                 padded: dict | None = None, dense_rows: bool = False, async_copy: bool = False,
-                upstream_fn=None, bounds: tuple[int, ...] = (), layouts: tuple[str, ...] = ()) -> list[dict]:
+                upstream_fn=None, bounds: tuple[int, ...] = (), layouts: tuple[str, ...] = (),
+                pipelines: tuple[int, ...] = ()) -> list[dict]:
     """Time the three modes at one batch size, pool mode on ``padded`` (a :func:`padded_copy` of
     ``pool``) when given, pool mode on dense mode's rows with ``dense_rows``, the kernel variants
     (``step_checks.kernel_variants``: ``async_copy``, ``bounds``) and the peer; one row per (mode, eager|graph)."""
@@ -163,7 +177,7 @@ def bench_batch(spec, batch: int, heads: int, device, *, pool: dict, shared: dic
     P = pool["state"].shape[0]
     per_set = bytes_per_step(spec, batch, heads, mode="pool")["total"]
     sets = n_sets(per_set, l2_bytes, max_sets=max(1, P // batch))
-    variants = kernel_variants(async_copy, bounds, layouts)
+    variants = kernel_variants(async_copy, bounds, layouts, pipelines)
     round_of = _rounds(spec, batch, heads, device, pool, shared, step_fn, sets, gen, padded, upstream_fn, variants)
     rows = []
     extra = (((PADDED_MODE,) if padded is not None else ()) + ((DENSE_ROWS_MODE,) if dense_rows else ())
@@ -243,7 +257,7 @@ def measure(opts: Options) -> dict:
                             step_fn=opts.step_fn or mamba3_step_fn, l2_bytes=run.env["l2_bytes"], graphs=graphs,
                             target_s=run.target_s(60.0, 60.0), gen=gen, padded=padded, dense_rows=opts.dense_rows,
                             async_copy=opts.async_copy, upstream_fn=opts.upstream_fn, bounds=opts.bounds,
-                            layouts=opts.layouts)
+                            layouts=opts.layouts, pipelines=opts.pipelines)
     return {
         "what": "pool vs gather->dense->scatter vs dense; GB/s use the compulsory bytes of mamba3_step.tools.bytes_model",
         "checks": ("pool == gather->dense->scatter bit for bit; pool and dense within PyTorch float32's error of a "

@@ -63,17 +63,19 @@ def padded_copy(pool: dict, pad: int = 4) -> dict:
 _bind_step = make_binder("async_copy_step_fn", STEP_SIGNATURE)
 
 
-def variant_step_fn(async_copy: bool = False, min_ctas: int = 0, layout: str = ""):
+def variant_step_fn(async_copy: bool = False, min_ctas: int = 0, layout: str = "", pipeline_ctas: int = 0):
     """``mamba3_step_fn`` (its validation included) launched through a kernel variant that is not a
     public option, as ``mamba3_step_fn`` launches its kernel: the asynchronous state copy
     (``StepSpec.async_state_copy``), a launch bound of ``min_ctas`` CTAs per SM
     (``StepSpec.min_ctas_per_sm``), a previous load layout of the register kernel (``layout``, one of
-    :data:`LAYOUTS`: its StepSpec fields). On CPU tensors its PTX, executed (mamba3_step.tools.ptx_tier)."""
+    :data:`LAYOUTS`: its StepSpec fields), the slab pipeline with ``pipeline_ctas`` persistent CTAs
+    (``StepSpec.pipeline_ctas``). On CPU tensors its PTX, executed (mamba3_step.tools.ptx_tier)."""
 
     def step(*args, **kwargs) -> torch.Tensor:
         tensors, options = split_call(_bind_step(*args, **kwargs))
         spec, tensors, out = prepare_step(tensors, **options._asdict())
-        spec = spec.replace(async_state_copy=async_copy, min_ctas_per_sm=min_ctas, **(LAYOUTS[layout][1] if layout else {}))
+        spec = spec.replace(async_state_copy=async_copy, min_ctas_per_sm=min_ctas, pipeline_ctas=pipeline_ctas,
+                            **(LAYOUTS[layout][1] if layout else {}))
         if tensors.batch > 0 and tensors.x.is_cuda:
             kernel_for(spec, tensors.x)(*kernel_arguments(tensors))
         elif tensors.batch > 0:
@@ -96,16 +98,22 @@ LAYOUTS = {"unpinned_loads": ("the loads unpinned", PREVIOUS_LOAD_LAYOUTS["unpin
            "late_epilogue": ("the late epilogue", PREVIOUS_LOAD_LAYOUTS["late-epilogue"])}
 #: the step suite's mode of pool mode through the register kernel with its epilogue's operands loaded after the update
 LATE_MODE = "pool_late_epilogue"
+#: the step suite's modes of pool mode through the slab pipeline (the mode's suffix: its persistent CTAs)
+PIPELINE_MODE = "pool_pipeline"
 #: the step suite's mode of pool mode through the register kernel with its loads in the compiler's order
 UNPINNED_MODE = "pool_unpinned_loads"
 
 
-def kernel_variants(async_copy: bool, bounds: tuple[int, ...] = (), layouts: tuple[str, ...] = ()) -> dict:
+def kernel_variants(async_copy: bool, bounds: tuple[int, ...] = (), layouts: tuple[str, ...] = (),
+                    pipelines: tuple[int, ...] = ()) -> dict:
     """The step suite's kernel variants of pool mode: mode -> (what it is, its step function): the
     asynchronous state copy with ``async_copy``, the register kernel in each previous load layout of
-    ``layouts`` (:data:`LAYOUTS`, mode ``pool_<layout>``), and for each launch bound ``n`` of ``bounds`` the
-    register kernel (``pool_bound{n}``) and, with ``async_copy``, the copy (``pool_async_copy_bound{n}``) under it."""
+    ``layouts`` (:data:`LAYOUTS`, mode ``pool_<layout>``), the slab pipeline with each CTA count ``c`` of
+    ``pipelines`` (``pool_pipeline{c}``), and for each launch bound ``n`` of ``bounds`` the register kernel
+    (``pool_bound{n}``) and, with ``async_copy``, the copy (``pool_async_copy_bound{n}``) under it."""
     variants = {ASYNC_MODE: ("the asynchronous state copy", async_copy_step_fn)} if async_copy else {}
+    for ctas in pipelines:
+        variants[f"{PIPELINE_MODE}{ctas}"] = (f"the slab pipeline, {ctas} CTAs", variant_step_fn(pipeline_ctas=ctas))
     for layout in layouts:
         variants[f"pool_{layout}"] = (LAYOUTS[layout][0], variant_step_fn(layout=layout))
     for n in bounds:
@@ -179,7 +187,7 @@ def _clone(d: dict) -> dict:
 def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn=None,
                 graphs: bool = False, seed: int = 0, padded: bool = False, async_copy: bool = False,
                 upstream_fn=None, peer_failures: list | None = None, bounds: tuple[int, ...] = (),
-                layouts: tuple[str, ...] = ()) -> list[str]:
+                layouts: tuple[str, ...] = (), pipelines: tuple[int, ...] = ()) -> list[str]:
     """Run every mode once on fresh random data and check it (see the module docstring); with
     ``padded``, pool mode on state rows of a padded D stride too, bit for bit pool mode's; with
     ``async_copy``, ``bounds`` and ``layouts``, each of :func:`kernel_variants` bit for bit pool mode's; with
@@ -220,7 +228,7 @@ def check_batch(spec, batch: int, heads: int, device, step_fn=None, reference_fn
             failures.append(f"B={batch}: pool-mode {k} differs from gather->dense->scatter")
     if padded:
         failures += _check_padded(spec, step_fn, pool0, shared, lanes, idx, pool_k, lanes_k, batch)
-    for what, fn in kernel_variants(async_copy, bounds, layouts).values():  # other kernels of pool mode: its bits
+    for what, fn in kernel_variants(async_copy, bounds, layouts, pipelines).values():  # other kernels of pool mode: its bits
         pool_a, lanes_a = _clone(pool0), _clone(lanes)
         pool_step(fn, spec, pool_a, shared, lanes_a, idx)
         for k, a, b in (("out", lanes_a["out"], lanes_k["out"]), *((k, pool_a[k], pool_k[k]) for k in pool_k)):

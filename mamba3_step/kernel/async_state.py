@@ -59,7 +59,7 @@ class AsyncStateCopy:
         """Row group ``g`` of the thread's share of the staged slab, into registers as
         :meth:`~.slab.Slab.load_state` leaves it; the first group waits for the copies."""
         lay = self.layout
-        if cutlass.const_expr(g == 0):
+        if cutlass.const_expr(g == 0 and self.async_state):  # the slab pipeline waited on the stage's mbarrier
             cute.arch.cp_async_wait_group(0)
         rows = self.thread_rows(cta, g)
         tSrS = self.row_group_fragment()

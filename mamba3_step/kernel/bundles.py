@@ -58,7 +58,11 @@ class Shared(NamedTuple):
     sW: Any = None  # (flush_length + 1,): the tokens' weights w_j and the decay product P (replay's checkpoint outputs only)
     sWp: Any = None  # (flush_length,): with rotary, w_j's trapezoid part (token j's B~ rounded, as token j + 1 reads it)
     drafts: Any = None  # Drafts: a verify step's tokens, staged at once (replay's checkpoint outputs with T > 1)
-    sS: Any = None  # (tile_D, N) in the state dtype: the slab, copied asynchronously (async_state_copy only)
+    sS: Any = None  # (tile_D, N) in the state dtype: the slab, copied asynchronously (async_state_copy, the pipeline's stage)
+    sStages: Any = None  # (stages, tile_D, N) in the state dtype: the slab pipeline's tiles (pipeline_ctas only)
+    sHeader: Any = None  # (stages, 2) Int32: each stage's src and dst row, -1 where not live (pipeline_ctas only)
+    sIndex: Any = None  # (stages, 2) Int32: a later slab's raw src and dst, copied asynchronously (pipeline_ctas only)
+    full: Any = None  # the stages' mbarriers (an Int64 pointer): a stage's tile landed (pipeline_ctas only)
 
 
 class Drafts(NamedTuple):

@@ -49,7 +49,7 @@ class Slab:
         ``(VN, rows_per_group, CPT)`` register fragment in the state dtype (and, for an 8-bit
         state, each row's scale). With the asynchronous state copy, read from the staged slab
         in ``shared`` instead (:meth:`~.async_state.AsyncStateCopy.staged_rows`)."""
-        if cutlass.const_expr(self.async_state):
+        if cutlass.const_expr(self.async_state or self.pipeline_ctas):
             return self.staged_rows(g, shared.sS, cta)
         lay = self.layout
         rows = self.thread_rows(cta, g)

@@ -45,6 +45,7 @@ from ..contract import SCALED_STATE_DTYPES
 from ..rounding import N_PER_CALL
 from ..spec import StepSpec
 from ..tensors import KernelArgs
+from ..slab_pipeline import launch_bound
 from ..tiling import async_copy_layout, early_epilogue, launch_grid, pinned_loads, thread_layout, tiling_problem
 from .async_state import AsyncStateCopy
 from .bundles import CUTLASS_DTYPES, Cta, Shared
@@ -52,6 +53,7 @@ from .checkpoint import CheckpointOutputs
 from .drafts import DraftOutputs
 from .epilogue import Epilogue, reduction_plan
 from .philox import RandomBits
+from .pipeline import SlabPipeline
 from .replay import Replay
 from .rotary import Rotary
 from .slab import Slab
@@ -64,7 +66,7 @@ __all__ = ["Mamba3StepKernel"]
 
 
 class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Staging, Rotary, Slab, AsyncStateCopy,
-                       StateUpdate, Epilogue, RandomBits):
+                       SlabPipeline, StateUpdate, Epilogue, RandomBits):
     """One specialisation of the step kernel (see :class:`~mamba3_step.spec.StepSpec`)."""
 
     def __init__(self, spec: StepSpec):
@@ -141,6 +143,8 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
         self.early_epilogue = early_epilogue(spec)
         #: a barrier after the first token's loads pins them above their first use (tiling.pinned_loads)
         self.pinned_loads = pinned_loads(spec)
+        #: persistent CTAs walk the slabs with the next one's state in flight (:mod:`.pipeline`); 0: a CTA per slab
+        self.pipeline_ctas = spec.pipeline_ctas
 
     @cute.jit(preprocess=False)
     def __call__(self, state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, zproj, outproj, z, out, state_out,
@@ -165,14 +169,17 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
             null_slot=null_slot), stream)
 
     def launch(self, m: KernelArgs, stream):
-        """Launch :meth:`kernel` on ``m`` (traced inside ``__call__``). With ``min_ctas_per_sm`` the
-        launch bound goes with it, and the device's default shared-memory carveout (-1) so that
-        compiling asks no device."""
+        """Launch :meth:`kernel` on ``m`` (traced inside ``__call__``). With a launch bound
+        (``slab_pipeline.launch_bound``: ``min_ctas_per_sm``, or the slab pipeline's) it goes with it,
+        and the device's default shared-memory carveout (-1) so that compiling asks no device."""
         bound = {}
-        if self.spec.min_ctas_per_sm:
-            bound = dict(min_blocks_per_mp=self.spec.min_ctas_per_sm, preferred_smem_carveout=-1)
+        if launch_bound(self.spec):
+            bound = dict(min_blocks_per_mp=launch_bound(self.spec), preferred_smem_carveout=-1)
+        grid = launch_grid(m.x.shape[0], m.xproj.shape[1], self.D, self.tile_D)
+        if const_expr(self.pipeline_ctas):  # slab_pipeline.pipeline_grid, on the symbolic sizes
+            grid = (cutlass.min(grid[0] * grid[1] * grid[2], self.pipeline_ctas), 1, 1)
         self.kernel(m).launch(
-            grid=launch_grid(m.x.shape[0], m.xproj.shape[1], self.D, self.tile_D),
+            grid=grid,
             block=(self.num_threads, 1, 1),
             stream=stream,
             **bound,
@@ -182,7 +189,15 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
     def kernel(self, m: KernelArgs):
         """One CTA, in launch order: select its rows; allocate shared memory and load the slab;
         run the tokens; store the final state when it is stored once. A padding lane only
-        zeroes its ``out``."""
+        zeroes its ``out``. The slab pipeline's CTA walks many slabs instead (:meth:`walk_slabs`)."""
+        if const_expr(self.pipeline_ctas):
+            self.walk_slabs(m)
+        else:
+            self.one_slab(m)
+
+    @cute.jit
+    def one_slab(self, m: KernelArgs):
+        """The CTA of slab ``block_idx`` (:meth:`kernel`)."""
         tidx, _, _ = cute.arch.thread_idx()
         b, h, dtile = cute.arch.block_idx()
 
@@ -243,6 +258,7 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
             drafts=self.allocate_drafts(smem) if const_expr(self.checkpoint_draft_outputs) else None,
             sS=smem.allocate_tensor(self.state_dtype, cute.make_layout((self.tile_D, self.N), stride=(self.N, 1)), 16)
             if const_expr(self.async_state) else None,
+            **(self.allocate_stages(smem) if const_expr(self.pipeline_ctas) else {}),
         )
 
     @cute.jit

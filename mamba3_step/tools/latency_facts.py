@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 __all__ = ["ASYNC_LATENCY_FACTS", "FLAGSHIP_TRIPS", "KERNEL_LATENCY_FACTS", "LATE_EPILOGUE_LATENCY_FACTS",
-           "MEASURED_OWN_STALLS", "NOT_OWN_STALLS", "UNPINNED_LATENCY_FACTS", "own_stalls"]
+           "MEASURED_OWN_STALLS", "NOT_OWN_STALLS", "PIPELINE_LATENCY_FACTS", "UNPINNED_LATENCY_FACTS", "own_stalls"]
 
 #: dependent global round trips of the flagship's CTA today, as :func:`~mamba3_step.tools.latency_model.global_round_trips` reads them from
 #: its SASS on sm_90a and sm_100a (the index; then the 16 state loads, the staging loads and the epilogue's
@@ -33,6 +33,16 @@ KERNEL_LATENCY_FACTS = {"fp32": (2, 3), "bf16, round to nearest": (2, 3), "bf16,
 #: test_async_state_compile.py holds them equal
 ASYNC_LATENCY_FACTS = {"sm_90a": {"fp32": (3, 4), "bf16, round to nearest": (3, 6), "bf16, stochastic rounding": (3, 4)},
                        "sm_100a": {"fp32": (3, 3)}}
+
+
+#: ``(round trips a slab waits on, CTAs per SM)`` of the slab pipeline (``StepSpec.pipeline_ctas``), each state form
+#: on sm_90a and sm_100a: in its slab loop a CTA waits on one round trip per slab, its token's staging loads (the
+#: slab's state was put in flight a slab earlier, its row indices two: tests/kernel/test_pipeline_compile.py reads the
+#: loop from the SASS); the CTAs per SM are the occupancy (fp32: shared memory, two 32 KiB stages; a 16-bit state:
+#: registers, under slab_pipeline.PIPELINE_LAUNCH_BOUND), which that test holds equal. On sm_100a ptxas fits the stochastic
+#: form into the bound's 168 registers with an 8-byte spill whose store is a staging load's first use: one trip more
+PIPELINE_LATENCY_FACTS = {"sm_90a": {"fp32": (1, 2), "bf16, round to nearest": (1, 3), "bf16, stochastic rounding": (1, 3)},
+                          "sm_100a": {"fp32": (1, 2), "bf16, round to nearest": (1, 3), "bf16, stochastic rounding": (2, 3)}}
 
 
 #: ``(round trips, CTAs per SM)`` of the register kernel with its loads in the compiler's order

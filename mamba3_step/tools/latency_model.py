@@ -34,12 +34,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ..slab_pipeline import PIPELINE_STAGES as SLAB_PIPELINE_STAGES
 from .issue_model import GPUS, ISSUE_PER_CLOCK, GPU
 from .latency_facts import (ASYNC_LATENCY_FACTS, FLAGSHIP_TRIPS, KERNEL_LATENCY_FACTS, LATE_EPILOGUE_LATENCY_FACTS,
-                            MEASURED_OWN_STALLS, NOT_OWN_STALLS, UNPINNED_LATENCY_FACTS, own_stalls)
+                            MEASURED_OWN_STALLS, NOT_OWN_STALLS, PIPELINE_LATENCY_FACTS, UNPINNED_LATENCY_FACTS,
+                            own_stalls)
 
 __all__ = ["ASSUMPTIONS", "ASYNC_LATENCY_FACTS", "COPY_BANDWIDTH", "FLAGSHIP_TRIPS", "KERNEL_LATENCY_FACTS",
-           "LATE_EPILOGUE_LATENCY_FACTS", "MEASURED_OWN_STALLS", "NOT_OWN_STALLS", "UNPINNED_LATENCY_FACTS", "own_stalls",
+           "LATE_EPILOGUE_LATENCY_FACTS", "MEASURED_OWN_STALLS", "NOT_OWN_STALLS", "PIPELINE_LATENCY_FACTS",
+           "UNPINNED_LATENCY_FACTS", "own_stalls",
            "Design",
            "LoadTrips",
            "average_bytes_in_flight", "bytes_in_flight_needed", "flagship_designs", "global_round_trips", "live_path",
@@ -380,13 +383,18 @@ def percent_of_copy(design: Design, batch: int, heads: int, gpu_name: str, compu
 
 def flagship_designs(spec, warp_instructions: float, bytes_per_slab: float, state_read_bytes: float,
                      trips_today: int = FLAGSHIP_TRIPS, ctas_today: int = 3,
-                     async_copy: tuple[int, int] | None = None) -> dict[str, Design]:
+                     async_copy: tuple[int, int] | None = None,
+                     slab_pipeline: tuple[int, int] | None = None) -> dict[str, Design]:
     """Today's kernel and the three candidate designs for one state format: ``"today"`` (``trips_today``
     round trips), ``"one round trip"`` (the index, then every other load), ``"small-batch path"``
     (one round trip, D split over up to 4 CTAs while B x H < 2 x SMs) and ``"pipeline"`` (persistent
     CTAs, :data:`ASSUMPTIONS`' stages and resident CTAs, a stage = half a slab's state read), and with
     ``async_copy`` (its round trips and CTAs per SM, :data:`ASYNC_LATENCY_FACTS`) ``"asynchronous state
-    copy"``, the kernel ``StepSpec.async_state_copy`` compiles. The instructions are today's per slab for
+    copy"``, the kernel ``StepSpec.async_state_copy`` compiles, and with ``slab_pipeline`` (its round trips a slab
+    waits on and CTAs per SM, :data:`PIPELINE_LATENCY_FACTS`) ``"slab pipeline"``, the kernel
+    ``StepSpec.pipeline_ctas`` compiles: persistent CTAs, two stages of a whole slab each (the slab being
+    updated and the next in flight), each a customer of the network with one round trip, after a prologue of
+    two (the index, the first slab). The instructions are today's per slab for
     every design, and the register designs keep today's ``ctas_today`` resident CTAs (assumptions: the
     same arithmetic, the same registers)."""
     common = dict(warp_instructions=warp_instructions, bytes_per_slab=bytes_per_slab, warps=spec.num_warps)
@@ -402,4 +410,7 @@ def flagship_designs(spec, warp_instructions: float, bytes_per_slab: float, stat
     if async_copy is not None:
         designs["asynchronous state copy"] = Design("asynchronous state copy", async_copy[0], ctas_per_sm=async_copy[1],
                                                     **pipeline)
+    if slab_pipeline is not None:
+        designs["slab pipeline"] = Design("slab pipeline", 1 + slab_pipeline[0], ctas_per_sm=slab_pipeline[1],
+                                          stages=SLAB_PIPELINE_STAGES, stage_bytes=bytes_per_slab, **pipeline)
     return designs

@@ -10,7 +10,8 @@ tensors:
   signature (``ir_module``), filled with each tensor's pointer and the extents and strides
   the compile-time signature marked dynamic (:func:`mamba3_step.build.argument_masks`);
   every struct's size is checked against the PTX ``.param`` declaration;
-* launch: the kernel's grid rule (:func:`mamba3_step.tiling.launch_grid`), its block size and
+* launch: the kernel's grid rule (:func:`mamba3_step.tiling.launch_grid`, the slab pipeline's
+  :func:`~mamba3_step.slab_pipeline.pipeline_grid`), its block size and
   dynamic shared memory read from the compiled launch configuration;
 * memory: every tensor argument is a region; only the tensors the step may write
   (``state`` or ``state_out``, ``out``, and ``Bstate``/``Xstate`` with ``update_kv_state``)
@@ -38,6 +39,7 @@ from ..build import argument_masks, compile_kernel
 from ..signature import STEP_SIGNATURE, make_binder, split_call
 from ..spec import StepSpec
 from ..tensors import RING_FIELDS, StepTensors, kernel_arguments
+from ..slab_pipeline import pipeline_grid
 from ..tiling import launch_grid, thread_layout
 from ..validation.table import RULES, is_written
 
@@ -133,7 +135,8 @@ def run_step_ptx(spec: StepSpec, tensors: StepTensors, *, arch: str = "sm_90a", 
         params.append(ptx.pack(ltype, _leaves(mask, values[name])))
     for name, t in (extra_regions or {}).items():
         memory.add(name, t, writable=False)
-    grid = launch_grid(tensors.batch, tensors.xproj.shape[1], spec.headdim, spec.tile_D)
+    grid = (pipeline_grid(tensors.batch, tensors.xproj.shape[1], spec.headdim, spec.tile_D, spec.pipeline_ctas)
+            if spec.pipeline_ctas else launch_grid(tensors.batch, tensors.xproj.shape[1], spec.headdim, spec.tile_D))
     result = ptx.run(k.module, grid=grid, block=k.block, params=params, memory=memory,
                      dynamic_smem=k.dynamic_smem, record=record, record_shared=record_shared)
     result.extra["memory"] = memory

@@ -1,6 +1,6 @@
 """The specialisations the register kernel's other layouts (the asynchronous state copy,
 ``StepSpec.async_state_copy``; the epilogue loaded late, ``StepSpec.late_epilogue``) are compiled and
-executed at beside the default: the covering set and one of each feature set by default
+executed at beside the default (and the slab pipeline, ``StepSpec.pipeline_ctas``, at ``pipeline_spec``): the covering set and one of each feature set by default
 (``ASYNC_DEFAULT``), the feature sets' other forms with ``--full-matrix`` (``ASYNC_FULL``); the one call
 factory of their tests (``prepared_call``), and the comparison of two kernels' writes on one call
 (``run_each``, ``assert_same_writes``)."""
@@ -27,6 +27,18 @@ def case_params() -> list:
 def case_spec(name: str):
     """The case's spec at its default tiling."""
     return {**ASYNC_DEFAULT, **ASYNC_FULL}[name].with_default_tiling()
+
+
+def pipeline_spec(spec, ctas: int):
+    """``spec`` on the slab pipeline with ``ctas`` CTAs, its tile_D halved while the stages would not fit in shared
+    memory (``out`` and the stored bytes are independent of the tiling: docs/contract.md)."""
+    from mamba3_step.slab_pipeline import pipeline_problem
+
+    piped = spec.replace(pipeline_ctas=ctas)
+    while pipeline_problem(piped) and "shared memory" in pipeline_problem(piped):
+        piped = piped.replace(tile_D=piped.tile_D // 2)
+    assert pipeline_problem(piped) is None, pipeline_problem(piped)
+    return piped
 
 
 def run_each(tensors, *specs) -> list:

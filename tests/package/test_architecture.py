@@ -31,7 +31,7 @@ ALLOWED_LOCAL_IMPORTS = {
 LAYERS = [
     ["contract"],
     # rounding: the state's random bits and low-precision stores
-    ["tiling", "tensors", "signature", "arch", "sources", "testing", "rotary", "rounding"],
+    ["tiling", "slab_pipeline", "tensors", "signature", "arch", "sources", "testing", "rotary", "rounding"],
     ["spec"],
     # ring: replay's ring (allocation, argument checks); replay: its CPU path; replay_validation: what a step
     # with a ring checks on every device; ring_guard: a replay plan's per-run check of its ring

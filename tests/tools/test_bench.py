@@ -1015,7 +1015,30 @@ def test_gpu_bench_load_layouts_check_each_variant_against_pool_mode(monkeypatch
                        "B=1: the late epilogue's out differs from pool mode's"]
 
 
-@pytest.mark.parametrize("flag", [["--async-copy"], ["--min-ctas", "4"], ["--unpinned-loads"], ["--late-epilogue"]])
+def test_gpu_bench_slab_pipeline_is_checked_against_pool_mode(monkeypatch):
+    """--pipeline-per-sm: pool mode through the slab pipeline, one variant per CTA count, checked bit for bit
+    against pool mode (PTX executed on CPU tensors: fewer CTAs than slabs, so each walks several) and labelled
+    with its CTAs."""
+    from gpu_suites import step as step_suite
+    from mamba3_step.tools import ptx_tier
+    from mamba3_step.tools.ptx_tier import ptx_step_fn
+
+    assert list(step_checks.kernel_variants(False, (), (), (264, 396))) == ["pool_pipeline264", "pool_pipeline396"]
+    assert step_suite.mode_label("pool_pipeline264") == "pool, slab pipeline, 264 CTAs"
+    launched = []
+    real_run = ptx_tier.run_step_ptx
+
+    def record(spec, *a, **kw):
+        launched.append(spec.pipeline_ctas)
+        return real_run(spec, *a, **kw)
+
+    monkeypatch.setattr(ptx_tier, "run_step_ptx", record)
+    assert step_checks.check_batch(flagship_spec(), 3, 2, torch.device("cpu"), ptx_step_fn, pipelines=(4,)) == []
+    assert 4 in launched and 0 in launched
+
+
+@pytest.mark.parametrize("flag", [["--async-copy"], ["--min-ctas", "4"], ["--unpinned-loads"], ["--late-epilogue"],
+                                  ["--pipeline-per-sm", "2"]])
 def test_gpu_bench_refuses_kernel_variants_on_the_cpu_path(flag, capsys):
     """A kernel variant is checked bit for bit against pool mode; on --device cpu pool mode runs the PyTorch path,
     which no kernel matches bit for bit: refused by name before anything runs, not reported as a failed check."""

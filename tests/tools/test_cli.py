@@ -9,6 +9,7 @@ import pytest
 
 from mamba3_step.tools import cli
 from mamba3_step.spec import flagship_spec
+from mamba3_step.slab_pipeline import PIPELINE_DEFAULT_CTAS
 from mamba3_step.specsets import add_spec_arguments, specs_from_args
 
 
@@ -33,17 +34,19 @@ def test_spec_flags_mean_the_same_in_every_subcommand(command):
 
 
 UNPINNED, LATE, COPY = dict(unpinned_loads=True), dict(unpinned_loads=True, late_epilogue=True), dict(async_state_copy=True)
+PIPE = dict(pipeline_ctas=PIPELINE_DEFAULT_CTAS)
 
 
 @pytest.mark.parametrize("kernel, fields", [("registers", [{}]), ("async-copy", [COPY]), ("both", [{}, COPY]),
                                             ("unpinned", [UNPINNED]), ("late-epilogue", [LATE]),
-                                            ("layouts", [{}, UNPINNED, LATE])])
+                                            ("layouts", [{}, UNPINNED, LATE]), ("pipeline", [PIPE]),
+                                            ("pipelined", [{}, PIPE])])
 def test_the_kernel_flag_names_the_register_kernel_its_load_layouts_or_the_asynchronous_copy(kernel, fields):
     args = _args("inspect", "--kernel", kernel, "--config", "flagship", "--config", "64,32,2")
     want = [s.replace(**f) for s in (flagship_spec(), flagship_spec(dstate=64, headdim=32, mimo=2)) for f in fields]
     assert specs_from_args(args) == want
     with pytest.raises(SystemExit):
-        _args("inspect", "--kernel", "pipeline")
+        _args("inspect", "--kernel", "warp-specialised")
 
 
 def test_demo_takes_the_config_and_dtype_flags():

@@ -1,0 +1,223 @@
+"""The slab pipeline (``StepSpec.pipeline_ctas``): persistent CTAs walk the slabs, and the next
+slab's state arrives in shared memory by a bulk copy while the CTA updates this one.
+
+A launch has ``min(slabs, pipeline_ctas)`` CTAs; CTA ``c`` takes slabs ``c, c + G, c + 2G, ...``
+(``G`` the grid; slab ``(b H + h) tiles + dtile``). The CTA keeps :data:`~mamba3_step.slab_pipeline.PIPELINE_STAGES`
+stages, each a ``(tile_D, N)`` state buffer in the state dtype, a two-word header and a "full"
+mbarrier. Warp 0 is the producer between its other work: at the top of slab ``k`` it writes slab
+``k + 1``'s rows into the header of the stage slab ``k - 1`` released, arms that stage's mbarrier
+with the slab's bytes and issues one ``cp.async.bulk`` for the tile (one per tile row when the
+rows are padded); a padding slab only arrives, so it moves no pool byte. It loads slab ``k + 2``'s
+row indices there too, into registers it reads one slab later: the index's round trip is never
+waited on. Every thread then waits on slab ``k``'s mbarrier, reads the header, and runs the
+register kernel's tokens on the staged tile (:meth:`~.async_state.AsyncStateCopy.staged_rows`
+reads it into the same registers :meth:`~.slab.Slab.load_state` fills); the new state, B/x and
+``out`` go to global memory as in the register kernel, so its bits are the register kernel's. A
+CTA barrier ends each slab: every read of the stage (and of the shared buffers) is done before
+warp 0 refills it, after a ``fence.proxy.async`` orders those generic-proxy reads before the
+async-proxy writes.
+
+What stays a dependent round trip per slab: the token's own operands (B, C, Bstate, x, Xstate, z,
+the decay and epilogue scalars), loaded by the register kernel's staging. Only the state, the
+bytes that matter, is prefetched.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from ..tensors import KernelArgs
+from ..slab_pipeline import PIPELINE_STAGES
+from .bundles import Cta, Shared
+
+__all__ = ["SlabPipeline"]
+
+
+class SlabPipeline:
+    """Persistent CTAs with the next slab's state in flight (a mixin of the kernel class)."""
+
+    def allocate_stages(self, smem) -> dict:
+        """The stages' buffers: ``sStages`` (stages, tile_D, N) in the state dtype, ``sHeader``
+        (stages, 2) Int32 (the slab's src and dst, -1 where not live), ``sIndex`` (stages, 2) Int32 (a later
+        slab's raw row indices, copied asynchronously), ``full`` one mbarrier each."""
+        return dict(
+            sStages=smem.allocate_tensor(
+                self.state_dtype,
+                cute.make_layout((PIPELINE_STAGES, self.tile_D, self.N), stride=(self.tile_D * self.N, self.N, 1)), 128),
+            sHeader=smem.allocate_tensor(Int32, cute.make_layout((PIPELINE_STAGES, 2), stride=(2, 1)), 16),
+            sIndex=smem.allocate_tensor(Int32, cute.make_layout((PIPELINE_STAGES, 2), stride=(2, 1)), 16),
+            full=smem.allocate_array(cutlass.Int64, PIPELINE_STAGES),
+        )
+
+    def slab_coordinates(self, slab: Int32, heads: Int32):
+        """``(b, h, dtile)`` of slab ``(b H + h) tiles + dtile``."""
+        tiles = self.D // self.tile_D
+        lane_head = slab // tiles
+        b = lane_head // heads
+        return b, lane_head - b * heads, slab - lane_head * tiles
+
+    @cute.jit
+    def slab_indices(self, m: KernelArgs, slab: Int32, heads: Int32):
+        """Slab ``slab``'s raw row indices ``(src, dst)`` (pool mode, as :meth:`select_rows` reads them; the lane
+        itself in dense mode). Loaded here and decided (:meth:`rows_of`) a slab later, so nothing waits on them
+        (but the accepted count of ``num_accepted``, which the candidate's load needs)."""
+        b, _, _ = self.slab_coordinates(slab, heads)
+        src = Int32(b)
+        dst = Int32(b)
+        if const_expr(self.pool):
+            if const_expr(self.num_accepted):  # (B, K) candidates: the accepted one; a count out of range is padding
+                k = m.num_accepted_tokens[b] - 1
+                src = Int32(-1)
+                if (k >= 0) & (k < m.state_batch_indices.shape[1]):
+                    src = m.state_batch_indices[b, k]
+            else:
+                src = m.state_batch_indices[b]
+            dst = src
+            if const_expr(self.has_dst and not self.dst_per_token):
+                dst = m.dst_state_batch_indices[b]
+        return src, dst
+
+    @cute.jit
+    def rows_of(self, m: KernelArgs, src: Int32, dst: Int32):
+        """``(src, dst)`` with -1 for a row that is not live (:meth:`row_is_live`; a dead src kills dst)."""
+        if const_expr(self.pool):
+            num_rows = m.state.shape[0]
+            src_live = self.row_is_live(src, num_rows, m.null_slot)
+            dst_live = src_live & self.row_is_live(dst, num_rows, m.null_slot)
+            if not dst_live:
+                dst = Int32(-1)
+            if not src_live:
+                src = Int32(-1)
+        return src, dst
+
+    @cute.jit
+    def fetch_slab(self, m: KernelArgs, shared: Shared, stage: Int32, slab: Int32, src: Int32, dst: Int32, lane: Int32):
+        """Warp 0: slab ``slab``'s rows to the header of ``stage``, and its tile in flight into the stage,
+        signalled by the stage's mbarrier (a padding slab arrives without bytes)."""
+        src, dst = self.rows_of(m, src, dst)
+        full = shared.full + stage
+        if lane == 0:
+            sHeader = shared.sHeader
+            sHeader[stage, 0] = src
+            sHeader[stage, 1] = dst
+        if src >= 0:
+            b, h, dtile = self.slab_coordinates(slab, m.xproj.shape[1])
+            tile_bytes = self.tile_D * self.N * self.state_dtype.width // 8
+            if lane == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(full, tile_bytes)
+            gT = cute.local_tile(m.state[src, h, None, None], (self.tile_D, self.N), (dtile, 0))
+            sT = shared.sStages[stage, None, None]
+            if const_expr(self.spec.padded_state_rows):  # one copy per tile row, over the warp's lanes
+                atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), self.state_dtype,
+                                           num_bits_per_copy=self.N * self.state_dtype.width)
+                for k in cutlass.range_constexpr(-(-self.tile_D // 32)):
+                    d = lane + k * 32
+                    if d < self.tile_D:
+                        cute.copy(atom, gT[d, None], sT[d, None], mbar_ptr=full)
+            else:  # the tile is contiguous: one copy
+                atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), self.state_dtype,
+                                           num_bits_per_copy=self.tile_D * self.N * self.state_dtype.width)
+                if lane == 0:
+                    flat = cute.make_layout(self.tile_D * self.N)
+                    cute.copy(atom, cute.make_tensor(gT.iterator, flat), cute.make_tensor(sT.iterator, flat),
+                              mbar_ptr=full)
+        else:
+            if lane == 0:
+                cute.arch.mbarrier_arrive(full)
+
+    @cute.jit
+    def prefetch_indices(self, m: KernelArgs, shared: Shared, slot: Int32, slab: Int32, heads: Int32, lane: Int32):
+        """Warp 0: slab ``slab``'s raw row indices (pool mode) on their way to ``sIndex[slot]``, by a 4-byte
+        ``cp.async`` each from lane 0 (committed as one group), so no register waits for them: a load into a
+        register is moved into a uniform register at once, a wait in the same pass. Read a slab later by
+        :meth:`prefetched_indices`. With ``num_accepted`` the candidate's address needs the count: nothing here."""
+        if const_expr(self.pool and not self.num_accepted):
+            b, _, _ = self.slab_coordinates(slab, heads)
+            atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
+            if lane == 0:
+                cute.copy(atom, cute.local_tile(m.state_batch_indices, (1,), (b,)),
+                          cute.local_tile(shared.sIndex[slot, None], (1,), (0,)))
+                if const_expr(self.has_dst and not self.dst_per_token):
+                    cute.copy(atom, cute.local_tile(m.dst_state_batch_indices, (1,), (b,)),
+                              cute.local_tile(shared.sIndex[slot, None], (1,), (1,)))
+            cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def prefetched_indices(self, m: KernelArgs, shared: Shared, slot: Int32, slab: Int32, heads: Int32):
+        """Warp 0: the raw ``(src, dst)`` of slab ``slab`` that :meth:`prefetch_indices` put in ``sIndex[slot]``
+        (lane 0's copies waited for, then the warp synchronised); dense mode: the lane; ``num_accepted``: loaded
+        now (:meth:`slab_indices`)."""
+        src, dst = self.slab_indices(m, slab, heads) if const_expr(not self.pool or self.num_accepted) else (None, None)
+        if const_expr(self.pool and not self.num_accepted):
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_warp()
+            src = shared.sIndex[slot, 0]
+            dst = src
+            if const_expr(self.has_dst and not self.dst_per_token):
+                dst = shared.sIndex[slot, 1]
+        return src, dst
+
+    @cute.jit
+    def walk_slabs(self, m: KernelArgs):
+        """The persistent CTA's life: initialise the stages, put its first slab in flight, then per
+        slab: refill the free stage and prefetch a later slab's indices (warp 0), wait for this slab's
+        stage, run its tokens, pass a barrier."""
+        tidx, _, _ = cute.arch.thread_idx()
+        cta_id, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        heads = m.xproj.shape[1]
+        slabs = m.x.shape[0] * heads * (self.D // self.tile_D)
+        count = (slabs - cta_id + grid - 1) // grid  # the slabs this CTA takes: cta_id + k grid
+        shared = self.allocate_shared()
+        producer = tidx < 32
+        lane = tidx % 32
+        if tidx == 0:
+            for s in cutlass.range_constexpr(PIPELINE_STAGES):
+                cute.arch.mbarrier_init(shared.full + s, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+        if producer:
+            src0, dst0 = self.slab_indices(m, cta_id, heads)
+            self.fetch_slab(m, shared, Int32(0), cta_id, src0, dst0, lane)
+            if count > 1:
+                self.prefetch_indices(m, shared, Int32(1 % PIPELINE_STAGES), cta_id + grid, heads, lane)
+        for k in cutlass.range(count, unroll=1):
+            slab = cta_id + k * grid
+            stage = k % PIPELINE_STAGES
+            if producer:
+                if k + 1 < count:  # the stage slab k - 1 used: its readers passed the barrier that ended it
+                    src, dst = self.prefetched_indices(m, shared, (k + 1) % PIPELINE_STAGES, slab + grid, heads)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    self.fetch_slab(m, shared, (k + 1) % PIPELINE_STAGES, slab + grid, src, dst, lane)
+                if k + 2 < count:
+                    self.prefetch_indices(m, shared, k % PIPELINE_STAGES, slab + 2 * grid, heads, lane)
+            cute.arch.mbarrier_wait(shared.full + stage, (k // PIPELINE_STAGES) % 2)
+            self.run_slab(m, shared, stage, slab, heads, tidx)
+            cute.arch.barrier()  # every thread is done with the stage and the shared buffers
+
+    @cute.jit
+    def run_slab(self, m: KernelArgs, shared: Shared, stage: Int32, slab: Int32, heads: Int32, tidx: Int32):
+        """One slab from its landed stage: the register kernel's tokens, or a padding lane's zero ``out``."""
+        b, h, dtile = self.slab_coordinates(slab, heads)
+        src = shared.sHeader[stage, 0]
+        dst = shared.sHeader[stage, 1]
+        if src >= 0:
+            lane = tidx % self.layout.TPR
+            cta = Cta(b, h, dtile, tidx, lane, self.lane_permutation(lane), src, dst, src >= 0, dst >= 0,
+                      self.rng_source(m, b) if const_expr(self.stochastic) else None)
+            if const_expr(self.scaled):  # an 8-bit state's scales, into registers with the staging loads
+                scales = []
+                for g in cutlass.range_constexpr(self.layout.row_groups):
+                    scales.append(self.storage.load_scales(m, self.thread_rows(cta, g), cta))
+                cta = cta._replace(scales=scales)
+            staged = shared._replace(sS=shared.sStages[stage, None, None])
+            groups = []
+            for g in cutlass.range_constexpr(self.layout.row_groups if self.layout.preload else 1):
+                groups.append(self.load_state(m, g, cta, staged))
+            self.run_tokens(m, cta, staged, groups)
+        else:
+            for t in cutlass.range_constexpr(self.T):
+                self.zero_out(m.out, self.lane_index(b, t), h, dtile, tidx)

@@ -1,0 +1,67 @@
+"""The slab pipeline's rules (``StepSpec.pipeline_ctas``, docs/design/kernel.md "The slab pipeline"): its stages,
+grid, launch bound and what it refuses. Free of cutlass, like :mod:`.tiling`, which checks a spec's
+pipeline through :func:`pipeline_problem`; specs are read by attribute.
+"""
+
+from __future__ import annotations
+
+from .contract import DTYPE_BYTES
+
+__all__ = ["MAX_PIPELINE_CTAS", "PIPELINE_BOUND_WARPS", "PIPELINE_DEFAULT_CTAS", "PIPELINE_LAUNCH_BOUND",
+           "PIPELINE_STAGES", "PIPELINE_STAGE_BYTES", "launch_bound", "pipeline_grid", "pipeline_problem"]
+
+#: the slab pipeline's stages per CTA (StepSpec.pipeline_ctas): the slab being updated and the next one in flight
+PIPELINE_STAGES = 2
+
+#: the most shared memory a CTA of the slab pipeline may take for its stages (bytes): two of the flagship's fp32
+#: 32 KiB tiles leave room for three CTAs per SM on a Hopper SM (228 KiB), with the step's own buffers
+PIPELINE_STAGE_BYTES = 144 << 10
+
+#: the slab pipeline's CTAs where a command names none (``--kernel pipeline``): two per SM of an H100 or H200
+#: (132 SMs), the CTAs per SM the flagship's stages and registers allow
+PIPELINE_DEFAULT_CTAS = 2 * 132
+
+#: the launch bound (CTAs per SM the compiler keeps registers for) of the slab pipeline's one-token steps. Its slab
+#: loop keeps loop-invariant values in registers: unbounded, the flagship takes 220 registers (the register kernel
+#: 166), bf16 212 and bf16 with stochastic rounding 253, 2 CTAs per SM each; under this bound 164, 167 and 168 with
+#: no spill (sm_90a), so a 16-bit state keeps 3 CTAs (an fp32 one's stages allow 2). Only at PIPELINE_BOUND_WARPS
+#: warps: 3 CTAs of 4 warps leave 170 registers a thread, of more warps fewer than the update needs (16 warps spill
+#: 748 bytes), and of fewer warps the bound's cap would let the compiler grow (N = 32, D = 32, one warp: 80 -> 109
+#: registers, 24 -> 16 CTAs). Multi-token steps keep the compiler's choice too: their state stays in registers from
+#: token to token
+PIPELINE_LAUNCH_BOUND = 3
+PIPELINE_BOUND_WARPS = 4
+
+#: the largest StepSpec.pipeline_ctas (a grid of persistent CTAs: a few per SM of the largest GPU)
+MAX_PIPELINE_CTAS = 4096
+
+
+def pipeline_grid(batch: int, heads: int, headdim: int, tile_D: int, pipeline_ctas: int) -> tuple:
+    """The slab pipeline's grid: ``min(slabs, pipeline_ctas)`` persistent CTAs (concrete sizes: the PTX
+    execution tier's; the kernel computes the same on its symbolic sizes)."""
+    return (min(batch * heads * (headdim // tile_D), pipeline_ctas), 1, 1)
+
+
+def launch_bound(spec) -> int:
+    """CTAs per SM the compiler is asked to keep registers for (the launch's ``min_blocks_per_mp``; 0: none):
+    ``spec.min_ctas_per_sm``, else :data:`PIPELINE_LAUNCH_BOUND` for the slab pipeline's one-token steps of
+    :data:`PIPELINE_BOUND_WARPS` warps."""
+    if spec.min_ctas_per_sm or not spec.pipeline_ctas:
+        return spec.min_ctas_per_sm
+    return PIPELINE_LAUNCH_BOUND if spec.carried_tokens == 1 and spec.num_warps == PIPELINE_BOUND_WARPS else 0
+
+
+def pipeline_problem(spec) -> str | None:
+    """Why ``spec`` cannot take the slab pipeline (``spec.pipeline_ctas > 0``), or None."""
+    if not 0 <= spec.pipeline_ctas <= MAX_PIPELINE_CTAS:
+        return f"pipeline_ctas must be in [0, {MAX_PIPELINE_CTAS}], got {spec.pipeline_ctas}"
+    if not spec.pipeline_ctas:
+        return None
+    if spec.replay_ring or spec.async_state_copy:
+        return "the slab pipeline (pipeline_ctas) runs stepwise tokens: not with replay_ring or async_state_copy"
+    stage_bytes = PIPELINE_STAGES * spec.tile_D * spec.dstate * DTYPE_BYTES[spec.state_dtype]
+    if stage_bytes > PIPELINE_STAGE_BYTES:
+        return (f"the slab pipeline's {PIPELINE_STAGES} stages of tile_D={spec.tile_D} x N={spec.dstate} "
+                f"{spec.state_dtype} take {stage_bytes} bytes of shared memory, more than {PIPELINE_STAGE_BYTES}: "
+                "use a smaller tile_D")
+    return None
