@@ -30,7 +30,8 @@ import _util  # noqa: E402  (also puts the repository on sys.path)
 
 from mamba3_step.tools import latency_model as lm  # noqa: E402
 from mamba3_step.tools.bytes_model import bytes_per_step, replay_bytes  # noqa: E402
-from mamba3_step.tools.issue_model import GPUS, REPLAY_EXECUTED, STATE_FORMS_EXECUTED, issue_model  # noqa: E402
+from mamba3_step.tools.issue_model import (GPUS, PIPELINE_EXECUTED, REPLAY_EXECUTED, STATE_FORMS_EXECUTED,  # noqa: E402
+                                           issue_model)
 from mamba3_step.spec import flagship_spec  # noqa: E402
 from mamba3_step.slab_pipeline import PIPELINE_DEFAULT_CTAS  # noqa: E402
 
@@ -130,7 +131,8 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
                                "slab pipeline": piped and piped[1]}.get(name, ctas)}
             for batch in BATCHES:
                 total = _bytes(spec, K, batch)
-                instr = STATE_FORMS_EXECUTED[form][1] if name == "asynchronous state copy" else warp_instr
+                instr = {"asynchronous state copy": STATE_FORMS_EXECUTED.get(form, (0, 0))[1],
+                         "slab pipeline": PIPELINE_EXECUTED.get(form)}.get(name) or warp_instr
                 d = lm.flagship_designs(spec, instr, total / (batch * HEADS), state_read, trips, ctas,
                                         async_copy=copied, slab_pipeline=piped)[name]
                 r = lm.percent_of_copy(d, batch, HEADS, gpu, total, copy_bw, **overrides)
@@ -198,7 +200,7 @@ def measured_rows(path: str, facts: dict, overrides: dict) -> tuple[list[dict], 
         if entry["mode"] == "pool":
             kernel = pool
         batch, total = int(entry["batch"]), bytes_per_step(spec, int(entry["batch"]), HEADS)["total"]
-        executed = STATE_FORMS_EXECUTED[form][1 if kernel == "async" else 0]
+        executed = PIPELINE_EXECUTED[form] if kernel == "pipeline" else STATE_FORMS_EXECUTED[form][1 if kernel == "async" else 0]
         trips_k, ctas_k = REGISTER_FACTS[kernel][form] if kernel in REGISTER_FACTS else (trips, ctas)
         d = lm.flagship_designs(spec, executed, total / (batch * HEADS), state_read, trips_k, ctas_k,
                                 async_copy=facts.get((form, "async")), slab_pipeline=facts.get((form, "pipeline")))[design]

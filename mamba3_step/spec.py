@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from .contract import KV_DTYPES, PROJ_DTYPES, ROUNDED_STATE_DTYPES, SCALED_STATE_DTYPES, STATE_DTYPES, X_DTYPES
 from .tiling import default_tiling, shape_problem, tiling_problem
 
-__all__ = ["FLAGSHIP_HEADS", "FLUSH_DRAFTS", "MAX_TOKENS", "PREVIOUS_LOAD_LAYOUTS", "StepSpec", "complete_spec", "flagship_rotary_spec",
+__all__ = ["FLAGSHIP_HEADS", "FLUSH_DRAFTS", "KERNEL_CHOICE_FIELDS", "MAX_TOKENS", "PREVIOUS_LOAD_LAYOUTS", "StepSpec", "complete_spec", "flagship_rotary_spec",
            "flagship_spec", "flush_entries", "flush_groups", "flush_specs", "mode_problem", "replay_problem", "rotary_problem"]
 
 
@@ -248,6 +248,9 @@ def flagship_spec(**changes) -> StepSpec:
 #: epilogue's operands loaded after the update
 PREVIOUS_LOAD_LAYOUTS = {"unpinned": {"unpinned_loads": True},
                          "late-epilogue": {"unpinned_loads": True, "late_epilogue": True}}
+
+#: the fields that choose a kernel variant no call names (not public options: a benchmark's, the PTX tier's)
+KERNEL_CHOICE_FIELDS = ("min_ctas_per_sm", "async_state_copy", "late_epilogue", "unpinned_loads", "pipeline_ctas")
 
 #: fields a key names only when they are not at their default (added after keys were on disk)
 _KEY_OMITTED_AT_DEFAULT = frozenset({"rope_angles", "rotate_pairwise", "has_bc_bias", "shared_bc",

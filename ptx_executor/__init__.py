@@ -22,8 +22,8 @@ Public API::
 
 from __future__ import annotations
 
-from .errors import (AsyncCopyError, BarrierError, ExecutionFault, MemoryFault, PTXError, PTXSyntaxError,
-                     UnsupportedInstruction, WarpSyncError)
+from .errors import (AsyncCopyError, BarrierError, BulkCopyError, ExecutionFault, MemoryFault, PTXError,
+                     PTXSyntaxError, UnsupportedInstruction, WarpSyncError)
 from .machine import Machine, Program, RunResult
 from .memory import GlobalMemory
 from .host import host_signature, launch_config
@@ -32,7 +32,8 @@ from .ir import Module
 from .parse import parse_module
 
 __all__ = [
-    "AsyncCopyError", "BarrierError", "ExecutionFault", "GlobalMemory", "LType", "Machine", "MemoryFault", "Module",
+    "AsyncCopyError", "BarrierError", "BulkCopyError", "ExecutionFault", "GlobalMemory", "LType", "Machine",
+    "MemoryFault", "Module",
     "PTXError", "PTXSyntaxError", "Program", "RunResult", "UnsupportedInstruction", "WarpSyncError", "host_signature",
     "launch_config", "pack",
     "parse_llvm_type", "parse_module", "run",
@@ -56,7 +57,8 @@ def run(module: Module | str, *, grid: tuple, block: tuple, params: list, memory
         async_copies: ``"modelled"`` (default): a ``cp.async`` lands in shared memory at the
             ``cp.async.wait_group``/``wait_all`` that completes it, and touching its bytes
             before that raises :class:`AsyncCopyError`; ``"immediate"``: every copy lands
-            when it is issued (no pending state, no findings).
+            when it is issued (no pending state, no findings); the same for bulk copies
+            (``cp.async.bulk``), whose mbarrier phases and tx-counts run in both modes.
     """
     if isinstance(module, str):
         module = parse_module(module)

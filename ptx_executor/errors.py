@@ -66,3 +66,11 @@ class AsyncCopyError(ExecutionFault):
     """A misuse of ``cp.async`` the asynchronous-copy model exposes: shared bytes read or written
     while a copy is still filling them, a global store to the source of a copy in flight, or a
     thread exiting with copies in flight (:mod:`ptx_executor.isa_async`)."""
+
+
+class BulkCopyError(AsyncCopyError):
+    """A misuse of bulk copies (``cp.async.bulk``) or mbarriers the asynchronous model exposes: shared
+    bytes read or written before the bulk copy filling them completed, a bulk store's shared source
+    written while it is still read, a bulk store of bytes written without ``fence.proxy.async``, an
+    mbarrier used uninitialised or re-initialised mid-phase, or a thread exiting with bulk stores in
+    flight (:mod:`ptx_executor.isa_bulk`, :mod:`ptx_executor.isa_mbar`)."""

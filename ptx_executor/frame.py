@@ -101,6 +101,9 @@ class Frame:
         self.async_copies = async_copies  # "modelled" or "immediate" (see ptx_executor.isa_async)
         self.async_pending = 0  # cp.async copies issued and not yet landed; 0 keeps every hook idle
         self.async_state = None  # the in-flight copies, created by the first cp.async
+        self.mbarriers = None  # the chunk's mbarrier objects, created by the first mbarrier.init (isa_mbar)
+        self.bulk_hooks = False  # True once bulk copies need shared/global accesses checked (isa_bulk)
+        self.bulk_state = None  # pending bulk copies, bulk groups, unfenced generic writes
         t = np.arange(self.n, dtype=np.int64)
         self.cta_local = t // self.nt
         self.tlin = t % self.nt
@@ -134,11 +137,19 @@ class Frame:
             "%ctaid.z": (cta // (gx * gy)).astype(u32),
             "%laneid": self.lane.astype(u32),
             "%warpid": (self.tlin // 32).astype(u32),
+            # every launch is a cluster of one CTA: its rank 0, the cluster's id the CTA's
+            "%clusterid.x": (cta % gx).astype(u32),
+            "%clusterid.y": ((cta // gx) % gy).astype(u32),
+            "%clusterid.z": (cta // (gx * gy)).astype(u32),
         }
         for k, v in (("%ntid.x", bx), ("%ntid.y", by), ("%ntid.z", bz), ("%nctaid.x", gx),
                      ("%nctaid.y", gy), ("%nctaid.z", gz), ("%nwarpid", (self.nt + 31) // 32),
                      ("%dynamic_smem_size", self.layout.dynamic),
-                     ("%total_smem_size", self.layout.shared_size)):
+                     ("%total_smem_size", self.layout.shared_size),
+                     ("%nclusterid.x", gx), ("%nclusterid.y", gy), ("%nclusterid.z", gz),
+                     ("%cluster_ctaid.x", 0), ("%cluster_ctaid.y", 0), ("%cluster_ctaid.z", 0),
+                     ("%cluster_nctaid.x", 1), ("%cluster_nctaid.y", 1), ("%cluster_nctaid.z", 1),
+                     ("%cluster_ctarank", 0), ("%cluster_nctarank", 1), ("%is_explicit_cluster", 0)):
             sp[k] = np.full(self.n, v, u32)
         lane = self.lane.astype(np.uint64)
         one = np.uint64(1)

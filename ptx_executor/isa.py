@@ -8,7 +8,8 @@ implement with :class:`~ptx_executor.errors.UnsupportedInstruction`, so a kernel
 one fails before it runs, never computes something else silently.
 
 The families live in :mod:`.isa_alu` (integer, float, conversion, comparison), :mod:`.isa_mem`
-(ld/st/cvta), :mod:`.isa_async` (``cp.async`` and its groups) and :mod:`.isa_warp`
+(ld/st/cvta), :mod:`.isa_async` (``cp.async`` and its groups), :mod:`.isa_bulk` (bulk copies,
+``fence``), :mod:`.isa_mbar` (mbarriers, ``elect.sync``, ``mapa``) and :mod:`.isa_warp`
 (shfl/vote/activemask). Control flow and barriers (``bra``, ``ret``/``exit``, ``bar.sync``)
 are the scheduler's (:mod:`.machine`).
 """

@@ -33,8 +33,9 @@ issued: no pending state, no findings. Its checks and logs are otherwise the sam
 Not modelled: timing, caches (``.ca``/``.cg`` and the ``.L2::64B``/``128B``/``256B`` prefetch
 sizes are accepted and have no effect). Refused with
 :class:`~ptx_executor.errors.UnsupportedInstruction`: the ``ignore-src`` predicate operand,
-the cache-policy operand (``.L2::cache_hint``), ``.shared::cluster`` destinations, bulk
-(TMA) copies, mbarrier completion and every other ``cp`` form.
+the cache-policy operand (``.L2::cache_hint``), ``.shared::cluster`` destinations, mbarrier
+completion (``cp.async.mbarrier.arrive``) and every other ``cp`` form. Bulk copies
+(``cp.async.bulk*``) are :mod:`.isa_bulk`'s.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import numpy as np
 from .errors import AsyncCopyError
 from .ir import Imm, Mem, Reg
 from .isa import handler, unsupported
+from .isa_bulk import compile_bulk
 from .isa_mem import _address, _check_window, store_bytes
 from .memory import fault
 
@@ -262,8 +264,11 @@ def _cp(ins, ctx):
         return _commit(ins)
     if rest in (("wait_group",), ("wait_all",)):
         return _wait(ins)
+    if rest[:1] == ("bulk",):
+        return compile_bulk(ins, ctx)
     if {"bulk", "mbarrier"} & set(rest) or any(m.startswith("mbarrier") for m in rest):
-        raise unsupported(ins, "bulk (TMA) copies and mbarrier completion of cp.async are not implemented")
+        raise unsupported(ins, "mbarrier completion of cp.async (cp.async.mbarrier.arrive) and other bulk forms "
+                               "are not implemented")
     return _copy(ins, ctx)
 
 
@@ -320,6 +325,8 @@ def _copy(ins, ctx):
         state = F.async_state
         if F.async_pending:
             state.shared_access(F, ins, dst, cp, threads, write=True)
+        if F.bulk_hooks:
+            F.bulk_state.shared_access(F, ins, dst, cp, threads, write=True)
         state.distinct(F, ins, dst, threads)
         _log_reads(F, ins, src, src_size, threads)
         state.issue(F, ins, cp, threads, dst, src, region, src_size)

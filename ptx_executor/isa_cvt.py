@@ -331,7 +331,7 @@ def _selp(ins, ctx):
     return run
 
 
-@handler("nanosleep", "membar", "fence", "prefetch", "prefetchu", "pmevent")
+@handler("nanosleep", "membar", "prefetch", "prefetchu", "pmevent")
 def _no_effect(ins, ctx):
     """No observable effect in a sequentially consistent executor (ordering/hints only)."""
     return lambda F, idx: None

@@ -8,7 +8,8 @@ resolve through the windows ``cvta`` maps shared and local addresses into.
 
 While ``cp.async`` copies are in flight (``F.async_pending``), shared accesses and global
 stores are checked against them (:mod:`.isa_async`); with none in flight the check is one
-integer test.
+integer test. Kernels with bulk copies check them against the bulk copies in flight and record
+generic shared writes for the ``fence.proxy.async`` check (``F.bulk_hooks``, :mod:`.isa_bulk`).
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def load_bytes(F, ins, space, addr, width, threads) -> np.ndarray:
         if space == "shared":
             if F.async_pending:
                 F.async_state.shared_access(F, ins, addr, width, threads, write=False)
+            if F.bulk_hooks:
+                F.bulk_state.shared_access(F, ins, addr, width, threads, write=False)
             if F.log_shared is not None:
                 F.log_shared.append(ins.line, F.serial, F.first_thread + threads, addr, width, False, F.epoch)
             return F.shared[F.cta_local[threads][:, None], cols]
@@ -127,6 +130,8 @@ def store_bytes(F, ins, space, addr, width, threads, data: np.ndarray) -> None:
         where = _check_global(F, ins, addr, width, threads, write=True)
         if F.async_pending:
             F.async_state.global_write(F, ins, addr, width, threads)
+        if F.bulk_hooks:
+            F.bulk_state.global_write(F, ins, addr, width, threads)
         for k in np.unique(where):
             sel = where == k
             r = F.memory.regions[k]
@@ -140,6 +145,8 @@ def store_bytes(F, ins, space, addr, width, threads, data: np.ndarray) -> None:
         if space == "shared":
             if F.async_pending:
                 F.async_state.shared_access(F, ins, addr, width, threads, write=True)
+            if F.bulk_hooks:
+                F.bulk_state.shared_access(F, ins, addr, width, threads, write=True)
             if F.log_shared is not None:
                 F.log_shared.append(ins.line, F.serial, F.first_thread + threads, addr, width, True, F.epoch)
             F.shared[F.cta_local[threads][:, None], cols] = data

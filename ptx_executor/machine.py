@@ -8,12 +8,17 @@ leavers wait at the exit for the rest. This is "min-PC" reconvergence; it never 
 thread ahead of a barrier its CTA has not passed.
 
 * ``bra`` splits a group by its guard; ``bra.uni`` must be uniform per warp (checked).
-* ``ret``/``exit`` retire the executing threads (none may have ``cp.async`` copies in
-  flight: :mod:`ptx_executor.isa_async`).
-* ``bar.sync``/``barrier.sync`` park a group until no group can run; then every CTA with
-  parked threads must have *all* its threads parked at the same barrier id, warps not
-  split across barrier instructions, or :class:`~ptx_executor.errors.BarrierError`
-  names the CTA and the threads that never arrived (a hang on a GPU is an error here).
+* ``ret``/``exit`` retire the executing threads (none may have ``cp.async`` copies or bulk
+  stores in flight: :mod:`ptx_executor.isa_async`, :mod:`ptx_executor.isa_bulk`).
+* ``bar.sync``/``barrier.sync`` (an immediate id, an optional thread count) park a group until
+  no group can run; then every barrier whose CTA has as many threads parked at it as its count
+  (all of the CTA's threads without one) is released, warps not split across barrier
+  instructions. ``mbarrier.try_wait``/``test_wait`` park a thread that spins on a phase that has
+  not completed (:mod:`ptx_executor.isa_mbar`) until the mbarrier completes a phase; it then
+  re-executes the wait. When nothing can run and no barrier can be released,
+  :class:`~ptx_executor.errors.BarrierError` names the CTA and the threads that never arrived,
+  or the mbarrier (address, phase, counts) and the threads waiting on it: a deadlock (a hang on
+  a GPU is an error here).
 * Everything else is an instruction closure from :mod:`ptx_executor.isa`.
 
 The grid runs in chunks of consecutive CTAs (bounded register-file memory); chunks run
@@ -27,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import isa_alu, isa_async, isa_bits, isa_cvt, isa_mem, isa_warp  # noqa: F401  (register the opcode handlers)
+from . import isa_alu, isa_async, isa_bits, isa_bulk, isa_cvt, isa_mbar, isa_mem, isa_warp  # noqa: F401  (handlers)
 from .errors import BarrierError, PTXError, WarpSyncError
 from .frame import Frame, storage_of
 from .isa import Context, compile_instruction, unsupported
@@ -43,12 +48,13 @@ CHUNK_REGISTER_BYTES = 96 << 20
 
 @dataclass
 class _Op:
-    kind: str  # "op", "bra", "exit", "bar"
+    kind: str  # "op", "bra", "exit", "bar", "mwait"
     ins: object
     fn: object = None
     target: int = 0
     uniform: bool = False
     barrier: int = 0
+    count: int = 0  # bar.sync thread count, 0 = every thread of the CTA
 
 
 @dataclass(eq=False)
@@ -58,6 +64,8 @@ class _Group:
     warps: int
     waiting: bool = False
     barrier: int = -1
+    count: int = 0
+    kind: str = "bar"  # what a waiting group waits for: "bar" (bar.sync) or "mbar" (an mbarrier phase)
 
 
 @dataclass
@@ -81,6 +89,8 @@ class Program:
         self.entry = entry
         ctx = Context(entry, params)
         self.ops = [self._compile(ins, ctx) for ins in entry.instructions]
+        #: bulk copies or mbarriers: the chunk tracks their state from the first instruction
+        self.uses_bulk = any(i.opcode.startswith(("cp.async.bulk", "mbarrier")) for i in entry.instructions)
 
     def _compile(self, ins, ctx) -> _Op:
         base, mods = ins.base, ins.mods
@@ -93,6 +103,8 @@ class Program:
             return _Op("exit", ins)
         if base in ("bar", "barrier") and "warp" not in mods:
             return self._barrier(ins)
+        if base == "mbarrier" and mods and mods[0] in ("try_wait", "test_wait"):
+            return _Op("mwait", ins, fn=isa_mbar.compile_wait(ins))
         return _Op("op", ins, fn=compile_instruction(ins, ctx))
 
     @staticmethod
@@ -102,9 +114,13 @@ class Program:
             raise unsupported(ins, "only bar.sync / barrier.sync (no arrive/red)")
         if ins.guard is not None:
             raise unsupported(ins, "a predicated barrier")
-        if not ins.operands or not isinstance(ins.operands[0], Imm) or len(ins.operands) > 1:
-            raise unsupported(ins, "only an immediate barrier id without a thread count")
-        return _Op("bar", ins, barrier=int(ins.operands[0].value))
+        ops = ins.operands
+        if not ops or len(ops) > 2 or not all(isinstance(o, Imm) and isinstance(o.value, int) for o in ops):
+            raise unsupported(ins, "only an immediate barrier id and an optional immediate thread count")
+        count = int(ops[1].value) if len(ops) == 2 else 0
+        if len(ops) == 2 and (count <= 0 or count % 32):
+            raise unsupported(ins, "a barrier thread count must be a positive multiple of 32")
+        return _Op("bar", ins, barrier=int(ops[0].value), count=count)
 
 
 def _guarded(F: Frame, idx, guard):
@@ -176,6 +192,8 @@ class Machine:
                 F = Frame(self.entry, first_cta=first, n_cta=min(chunk, n_cta - first), grid=grid, block=block,
                           memory=self.memory, layout=self.layout, params=self.params, log=log,
                           log_shared=shared_log, async_copies=self.async_copies)
+                if self.program.uses_bulk:
+                    isa_bulk.bulk_state(F)
                 self._run_chunk(F, issued)
                 chunks += 1
         return RunResult(self.entry, issued, log, shared_log, grid, block, chunks)
@@ -184,7 +202,11 @@ class Machine:
     def _run_chunk(self, F: Frame, issued: np.ndarray) -> None:
         groups = [_Group(0, None, F.n_warps)]
         ops = self.program.ops
+        seen = 0
         while groups:
+            if F.mbarriers is not None and F.mbarriers.completions != seen:
+                seen = F.mbarriers.completions
+                groups = _wake(F, groups)
             runnable = [g for g in groups if not g.waiting]
             if not runnable:
                 groups = self._release(F, groups)
@@ -199,6 +221,8 @@ class Machine:
                 if g.pc >= len(ops):  # fell off the end: an implicit exit
                     if F.async_pending:
                         F.async_state.exiting(F, ops[-1].ins, F.threads(g.idx), fell_off=True)
+                    if F.bulk_hooks:
+                        F.bulk_state.exiting(F, ops[-1].ins, F.threads(g.idx), fell_off=True)
                     F.exited[F.threads(g.idx)] = True
                     groups.remove(g)
                     break
@@ -213,6 +237,9 @@ class Machine:
                     g.pc += 1
                 elif op.kind == "bra":
                     switch = self._branch(F, g, op, groups)
+                elif op.kind == "mwait":
+                    if _mbarrier_wait(F, g, op, groups):
+                        break
                 elif op.kind == "exit":
                     eff = _guarded(F, g.idx, op.ins.guard)
                     if eff is not None and not len(eff):
@@ -220,6 +247,8 @@ class Machine:
                     else:
                         if F.async_pending:
                             F.async_state.exiting(F, op.ins, F.threads(eff))
+                        if F.bulk_hooks:
+                            F.bulk_state.exiting(F, op.ins, F.threads(eff))
                         F.exited[F.threads(eff)] = True
                         rest = None if eff is None else _minus(F, g.idx, eff)
                         if rest is None or not len(rest):
@@ -227,7 +256,7 @@ class Machine:
                             break
                         g.idx, g.warps, g.pc = rest, _warps(F, rest), g.pc + 1
                 else:  # barrier
-                    g.waiting, g.barrier = True, op.barrier
+                    g.waiting, g.barrier, g.count, g.kind = True, op.barrier, op.count, "bar"
                     break
                 joined = [o for o in groups if o is not g and not o.waiting and o.pc == g.pc]
                 for other in joined:
@@ -276,42 +305,127 @@ class Machine:
                                 instruction=op.ins.text, cta=cta, thread=tid)
 
     def _release(self, F: Frame, groups: list) -> list:
-        """All runnable work is parked at barriers: check every CTA arrived whole, then release."""
+        """All runnable work waits: release every barrier of a CTA that its thread count (or the whole
+        CTA) reached; if none can be released, nothing can progress: a deadlock (a hang on a GPU)."""
         parked = np.zeros(F.n, bool)
         at_pc = np.full(F.n, -1, np.int64)
         bar_id = np.full(F.n, -1, np.int64)
+        count = np.zeros(F.n, np.int64)
         for g in groups:
-            t = F.threads(g.idx)
-            parked[t] = True
-            at_pc[t] = g.pc
-            bar_id[t] = g.barrier
-        ctas = np.unique(F.cta_local[parked])
-        for c in ctas:
+            if g.kind == "bar":
+                t = F.threads(g.idx)
+                parked[t], at_pc[t], bar_id[t], count[t] = True, g.pc, g.barrier, g.count
+        release = np.zeros(F.n, bool)
+        for c in np.unique(F.cta_local[parked]).tolist():
             members = np.arange(c * F.nt, (c + 1) * F.nt)
-            missing = members[~parked[members]]
-            line_ins = self.program.ops[int(at_pc[members[parked[members]][0]])].ins
-            if len(missing):
-                cta, tid = F.who(int(missing[0]))
-                state = "exited" if F.exited[missing[0]] else "never arrived"
-                raise BarrierError(
-                    f"{len(missing)} of the CTA's {F.nt} threads never reach this barrier (thread {tid} "
-                    f"{state}); on a GPU this hangs or is undefined", line=line_ins.line,
-                    instruction=line_ins.text, cta=cta, thread=tid)
-            ids = np.unique(bar_id[members])
-            if len(ids) > 1:
-                cta, tid = F.who(int(members[0]))
-                raise BarrierError(f"threads of one CTA wait at different barrier ids {ids.tolist()}: a deadlock",
-                                   line=line_ins.line, instruction=line_ins.text, cta=cta, thread=tid)
-            warp_pcs = at_pc[members].reshape(-1, min(32, F.nt)) if F.nt % 32 == 0 else at_pc[members][None, :]
-            split = (warp_pcs != warp_pcs[:, :1]).any(axis=1)
-            if split.any():
-                w = int(np.flatnonzero(split)[0])
-                cta, tid = F.who(int(members[w * 32]))
-                raise BarrierError("a warp reaches the aligned barrier at two different instructions",
-                                   line=line_ins.line, instruction=line_ins.text, cta=cta, thread=tid)
+            for b in np.unique(bar_id[members[parked[members]]]).tolist():
+                at = members[parked[members] & (bar_id[members] == b)]
+                ins = self.program.ops[int(at_pc[at[0]])].ins
+                _check_warps(F, at, at_pc, ins)
+                counts = np.unique(count[at])
+                expected = int(counts[0]) or F.nt
+                if len(counts) > 1 or len(at) > expected:
+                    cta, tid = F.who(int(at[0]))
+                    raise BarrierError(f"{len(at)} threads wait at barrier {b} with thread counts {counts.tolist()}",
+                                       line=ins.line, instruction=ins.text, cta=cta, thread=tid)
+                if len(at) == expected:
+                    release[at] = True
+        if not release.any():
+            raise self._deadlock(F, groups, parked, at_pc, bar_id)
         F.epoch += 1
-        merged: dict = {}
+        out, merged = [], {}
         for g in groups:
-            pc = g.pc + 1
-            merged[pc] = g.idx if pc not in merged else _union(F, merged[pc], g.idx)
-        return [_Group(pc, idx, _warps(F, idx)) for pc, idx in merged.items()]
+            if g.kind != "bar":
+                out.append(g)
+                continue
+            t = F.threads(g.idx)
+            go, stay = t[release[t]], t[~release[t]]
+            if len(stay):
+                out.append(_Group(g.pc, stay, _warps(F, stay), True, g.barrier, g.count, "bar"))
+            if len(go):
+                pc = g.pc + 1
+                merged[pc] = go if pc not in merged else _union(F, merged[pc], go)
+        return out + [_Group(pc, None if idx is None or len(idx) == F.n else idx, _warps(F, idx))
+                      for pc, idx in merged.items()]
+
+    def _deadlock(self, F: Frame, groups: list, parked, at_pc, bar_id) -> BarrierError:
+        """The error for a chunk where no group can run and no barrier can be released."""
+        waiting = [g for g in groups if g.kind == "mbar"]
+        if waiting:
+            g = waiting[0]
+            t = F.threads(g.idx)
+            mb = F.mbarriers
+            addr, cta_local = int(mb.fail_addr[t[0]]), int(F.cta_local[t[0]])
+            same = t[(F.cta_local[t] == cta_local) & (mb.fail_addr[t] == addr)]
+            members = np.arange(cta_local * F.nt, (cta_local + 1) * F.nt)
+            other = sum(int(((F.cta_local[x] == cta_local) & (mb.fail_addr[x] != addr)).sum())
+                        for x in (F.threads(w.idx) for w in waiting))
+            elsewhere = (f"{int(parked[members].sum())} at bar.sync, {other} waiting on other mbarriers, "
+                         f"{int(F.exited[members].sum())} exited")
+            names = ", ".join(str(F.who(int(x))[1]) for x in same[:4]) + (" ..." if len(same) > 4 else "")
+            want = int(mb.fail_want[t[0]])
+            cta, tid = F.who(int(t[0]))
+            return BarrierError(
+                f"deadlock: {len(same)} thread(s) ({names}) wait for the {mb.describe(addr, cta_local)} to complete "
+                f"the phase they wait for (parity {want & 1}), and no thread of the CTA can make progress (of its "
+                f"other threads: {elsewhere}); on a GPU this hangs", line=self.program.ops[g.pc].ins.line,
+                instruction=self.program.ops[g.pc].ins.text, cta=cta, thread=tid)
+        c = int(F.cta_local[parked][0])
+        members = np.arange(c * F.nt, (c + 1) * F.nt)
+        ins = self.program.ops[int(at_pc[members[parked[members]][0]])].ins
+        ids = np.unique(bar_id[members[parked[members]]])
+        missing = members[~parked[members]]
+        if len(ids) > 1 and not len(missing):
+            cta, tid = F.who(int(members[0]))
+            return BarrierError(f"threads of one CTA wait at different barrier ids {ids.tolist()}: a deadlock",
+                                line=ins.line, instruction=ins.text, cta=cta, thread=tid)
+        cta, tid = F.who(int(missing[0]))
+        state = "exited" if F.exited[missing[0]] else "never arrived"
+        return BarrierError(
+            f"{len(missing)} of the CTA's {F.nt} threads never reach this barrier (thread {tid} "
+            f"{state}); on a GPU this hangs or is undefined", line=ins.line, instruction=ins.text, cta=cta, thread=tid)
+
+
+def _check_warps(F: Frame, at, at_pc, ins) -> None:
+    """An aligned barrier: every warp's threads waiting at it wait at one instruction."""
+    w = F.warp[at]
+    first = np.full(F.n_warps, -1, np.int64)
+    first[w[::-1]] = at_pc[at][::-1]
+    split = first[w] != at_pc[at]
+    if split.any():
+        cta, tid = F.who(int(F.warp_base[at[np.flatnonzero(split)[0]]]))
+        raise BarrierError("a warp reaches the aligned barrier at two different instructions",
+                           line=ins.line, instruction=ins.text, cta=cta, thread=tid)
+
+
+def _mbarrier_wait(F: Frame, g: _Group, op: _Op, groups: list) -> bool:
+    """Execute an mbarrier wait for ``g``; threads spinning on an incomplete phase park there (a new
+    waiting group). True when none of ``g`` is left to run on."""
+    eff = _guarded(F, g.idx, op.ins.guard)
+    park = op.fn(F, eff, g.pc) if eff is None or len(eff) else None
+    if park is None or not len(park):
+        g.pc += 1
+        return False
+    groups.append(_Group(g.pc, park, _warps(F, park), True, kind="mbar"))
+    rest = _minus(F, g.idx, park)
+    if not len(rest):
+        groups.remove(g)
+        return True
+    g.idx, g.warps, g.pc = rest, _warps(F, rest), g.pc + 1
+    return False
+
+
+def _wake(F: Frame, groups: list) -> list:
+    """Groups parked on mbarriers whose mbarrier completed a phase run again (from their wait)."""
+    out = []
+    for g in groups:
+        if g.kind != "mbar" or not g.waiting:
+            out.append(g)
+            continue
+        t = F.threads(g.idx)
+        ready = F.mbarriers.ready(F, t)
+        if ready.any():
+            out.append(_Group(g.pc, t[ready], _warps(F, t[ready])))
+        if not ready.all():
+            out.append(_Group(g.pc, t[~ready], _warps(F, t[~ready]), True, kind="mbar"))
+    return out

@@ -16,6 +16,7 @@ closure over its operands.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Optional
 
 from .errors import PTXSyntaxError
@@ -27,9 +28,10 @@ _COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 _INT = re.compile(r"^-?(0[xX][0-9a-fA-F]+|0[bB][01]+|0[0-7]*|[1-9][0-9]*)U?$")
 _FLOAT_HEX = re.compile(r"^0([fFdD])([0-9a-fA-F]+)$")
 _FLOAT_DEC = re.compile(r"^-?[0-9]+\.[0-9]*([eE][-+]?[0-9]+)?$|^-?[0-9]+[eE][-+]?[0-9]+$")
-_SPECIAL = re.compile(r"^%(tid|ntid|ctaid|nctaid)\.[xyz]$|^%(laneid|warpid|nwarpid|smid|nsmid|"
+_SPECIAL = re.compile(r"^%(tid|ntid|ctaid|nctaid|clusterid|nclusterid|cluster_ctaid|cluster_nctaid)\.[xyz]$|"
+                      r"^%(laneid|warpid|nwarpid|smid|nsmid|"
                       r"lanemask_(eq|le|lt|ge|gt)|clock|clock64|globaltimer|dynamic_smem_size|"
-                      r"total_smem_size)$")
+                      r"total_smem_size|cluster_ctarank|cluster_nctarank|is_explicit_cluster)$")
 _REG_DECL = re.compile(r"^\.reg\s+(\.v[24]\s+)?(\.\w+)\s+(.+)$")
 _RANGE = re.compile(r"^(%[A-Za-z_$][\w$]*)<(\d+)>$")
 _VAR_DECL = re.compile(r"^(\.extern\s+|\.visible\s+)?\.(shared|local)\s+(.*?)\s*([A-Za-z_$%][\w$]*)\s*(\[\s*(\d*)\s*\])?$")
@@ -133,6 +135,11 @@ class _Scopes:
             names[name] = ptx_type
             self.types[name + suffix] = ptx_type
 
+    def declared(self, name: str) -> bool:
+        """Whether ``name`` is an explicitly declared register of an open scope (inline asm declares
+        registers without a ``%``, e.g. ``.reg .pred P1;``)."""
+        return any(name in names for names, _, _ in self.stack)
+
     def resolve(self, name: str, line: int) -> str:
         for names, ranges, suffix in reversed(self.stack):
             if name in names:
@@ -194,14 +201,15 @@ def _operand(tok: str, scopes: _Scopes, line: int) -> Operand:
             off = -_int_literal(m.group(3))
         if _INT.match(base_s):
             return Mem(None, _int_literal(base_s) + off)
-        base = Reg(scopes.resolve(base_s, line)) if base_s.startswith("%") else Sym(base_s)
+        base = Reg(scopes.resolve(base_s, line)) if base_s.startswith("%") or scopes.declared(base_s) \
+            else Sym(base_s)
         return Mem(base, off)
     if "|" in tok:
         a, b = tok.split("|")
         return Pair(Reg(scopes.resolve(a.strip(), line)), Reg(scopes.resolve(b.strip(), line)))
     if _SPECIAL.match(tok):
         return Special(tok)
-    if tok.startswith("%"):
+    if tok.startswith("%") or scopes.declared(tok):
         return Reg(scopes.resolve(tok, line))
     m = _FLOAT_HEX.match(tok)
     if m:
@@ -219,7 +227,7 @@ def _operand(tok: str, scopes: _Scopes, line: int) -> Operand:
 def _instruction(line: int, text: str, scopes: _Scopes) -> Instruction:
     norm = " ".join(text.split())
     guard = None
-    m = re.match(r"^@(!?)(%[\w$]+)\s+(.*)$", norm)
+    m = re.match(r"^@(!?)(%?[A-Za-z_$][\w$]*)\s+(.*)$", norm)
     rest = norm
     if m:
         guard = (Reg(scopes.resolve(m.group(2), line)), m.group(1) == "!")
@@ -298,6 +306,34 @@ def parse_module(text: str) -> Module:
     return mod
 
 
+def _scope_labels(stmts: list, i: int) -> list:
+    """The labels defined directly in each ``{ }`` scope of the body starting at ``stmts[i]``,
+    scopes numbered in order of their opening."""
+    out, stack = [], []
+    while i < len(stmts):
+        kind, _, s = stmts[i]
+        i += 1
+        if kind == "{":
+            stack.append(len(out))
+            out.append(set())
+        elif kind == "}":
+            stack.pop()
+            if not stack:
+                break
+        elif kind == "label":
+            out[stack[-1]].add(s)
+    return out
+
+
+def _label_name(name: str, open_scopes: list, labels_in: list) -> str:
+    """A label's entry-wide name: labels of nested scopes (inline-asm blocks, which the DSL repeats
+    with the same names) are local to their scope, so they get the scope's number."""
+    for sid in reversed(open_scopes[1:]):
+        if name in labels_in[sid]:
+            return f"{name}@{sid}"
+    return name
+
+
 def _parse_entry(stmts: list, i: int, mod: Module) -> int:
     kind, line, header = stmts[i]
     m = re.match(r"^(?:\.visible\s+|\.weak\s+)?\.entry\s+([A-Za-z_$][\w$]*)\s*\((.*)\)\s*(.*)$", header, re.S)
@@ -312,20 +348,26 @@ def _parse_entry(stmts: list, i: int, mod: Module) -> int:
     if i >= len(stmts) or stmts[i][0] != "{":
         raise PTXSyntaxError(f"line {line}: .entry {name} has no body")
     scopes = _Scopes()
+    labels_in = _scope_labels(stmts, i)
     depth = 0
+    open_scopes: list = []  # ids of the open { } scopes, numbered in order of their opening
+    opened = 0
     while i < len(stmts):
         kind, line, s = stmts[i]
         i += 1
         if kind == "{":
             depth += 1
             scopes.push()
+            open_scopes.append(opened)
+            opened += 1
         elif kind == "}":
             depth -= 1
             scopes.pop()
+            open_scopes.pop()
             if depth == 0:
                 break
         elif kind == "label":
-            entry.labels[s] = len(entry.instructions)
+            entry.labels[_label_name(s, open_scopes, labels_in)] = len(entry.instructions)
         elif s.startswith(".reg"):
             rm = _REG_DECL.match(" ".join(s.split()))
             if not rm or rm.group(1):
@@ -339,7 +381,11 @@ def _parse_entry(stmts: list, i: int, mod: Module) -> int:
         elif s.startswith("."):
             raise PTXSyntaxError(f"line {line}: unsupported directive in a function body {s[:80]!r}")
         else:
-            entry.instructions.append(_instruction(line, s, scopes))
+            ins = _instruction(line, s, scopes)
+            if ins.base == "bra" and ins.operands and isinstance(ins.operands[0], Sym):
+                target = Sym(_label_name(ins.operands[0].name, open_scopes, labels_in))
+                ins = replace(ins, operands=(target,) + ins.operands[1:])
+            entry.instructions.append(ins)
     if depth != 0:
         raise PTXSyntaxError(f".entry {name}: unbalanced braces")
     entry.reg_types = dict(scopes.types)

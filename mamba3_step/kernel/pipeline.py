@@ -41,14 +41,14 @@ class SlabPipeline:
 
     def allocate_stages(self, smem) -> dict:
         """The stages' buffers: ``sStages`` (stages, tile_D, N) in the state dtype, ``sHeader``
-        (stages, 2) Int32 (the slab's src and dst, -1 where not live), ``sIndex`` (stages, 2) Int32 (a later
-        slab's raw row indices, copied asynchronously), ``full`` one mbarrier each."""
+        (stages, 2) Int32 (the slab's src and dst, -1 where not live), ``sIndex`` (stages, 32, 2) Int32 (a later
+        slab's raw row indices, copied asynchronously, one copy per lane of warp 0), ``full`` one mbarrier each."""
         return dict(
             sStages=smem.allocate_tensor(
                 self.state_dtype,
                 cute.make_layout((PIPELINE_STAGES, self.tile_D, self.N), stride=(self.tile_D * self.N, self.N, 1)), 128),
             sHeader=smem.allocate_tensor(Int32, cute.make_layout((PIPELINE_STAGES, 2), stride=(2, 1)), 16),
-            sIndex=smem.allocate_tensor(Int32, cute.make_layout((PIPELINE_STAGES, 2), stride=(2, 1)), 16),
+            sIndex=smem.allocate_tensor(Int32, cute.make_layout((PIPELINE_STAGES, 32, 2), stride=(64, 2, 1)), 16),
             full=smem.allocate_array(cutlass.Int64, PIPELINE_STAGES),
         )
 
@@ -131,33 +131,32 @@ class SlabPipeline:
     @cute.jit
     def prefetch_indices(self, m: KernelArgs, shared: Shared, slot: Int32, slab: Int32, heads: Int32, lane: Int32):
         """Warp 0: slab ``slab``'s raw row indices (pool mode) on their way to ``sIndex[slot]``, by a 4-byte
-        ``cp.async`` each from lane 0 (committed as one group), so no register waits for them: a load into a
-        register is moved into a uniform register at once, a wait in the same pass. Read a slab later by
-        :meth:`prefetched_indices`. With ``num_accepted`` the candidate's address needs the count: nothing here."""
+        ``cp.async`` each, committed as one group, so no register waits for them: a load into a register is moved
+        into a uniform register at once, a wait in the same pass. Every lane copies the same words into its own
+        slot (one warp instruction each) and later reads only what it copied, so its own wait orders them
+        (:meth:`prefetched_indices`, a slab later). With ``num_accepted`` the candidate's address needs the count:
+        nothing here."""
         if const_expr(self.pool and not self.num_accepted):
             b, _, _ = self.slab_coordinates(slab, heads)
             atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
-            if lane == 0:
-                cute.copy(atom, cute.local_tile(m.state_batch_indices, (1,), (b,)),
-                          cute.local_tile(shared.sIndex[slot, None], (1,), (0,)))
-                if const_expr(self.has_dst and not self.dst_per_token):
-                    cute.copy(atom, cute.local_tile(m.dst_state_batch_indices, (1,), (b,)),
-                              cute.local_tile(shared.sIndex[slot, None], (1,), (1,)))
+            sSlot = shared.sIndex[slot, lane, None]
+            cute.copy(atom, cute.local_tile(m.state_batch_indices, (1,), (b,)), cute.local_tile(sSlot, (1,), (0,)))
+            if const_expr(self.has_dst and not self.dst_per_token):
+                cute.copy(atom, cute.local_tile(m.dst_state_batch_indices, (1,), (b,)), cute.local_tile(sSlot, (1,), (1,)))
             cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def prefetched_indices(self, m: KernelArgs, shared: Shared, slot: Int32, slab: Int32, heads: Int32):
-        """Warp 0: the raw ``(src, dst)`` of slab ``slab`` that :meth:`prefetch_indices` put in ``sIndex[slot]``
-        (lane 0's copies waited for, then the warp synchronised); dense mode: the lane; ``num_accepted``: loaded
-        now (:meth:`slab_indices`)."""
+    def prefetched_indices(self, m: KernelArgs, shared: Shared, slot: Int32, slab: Int32, heads: Int32, lane: Int32):
+        """Warp 0: the raw ``(src, dst)`` of slab ``slab`` that :meth:`prefetch_indices` put in the lane's slot of
+        ``sIndex[slot]`` (its copies waited for); dense mode: the lane; ``num_accepted``: loaded now
+        (:meth:`slab_indices`)."""
         src, dst = self.slab_indices(m, slab, heads) if const_expr(not self.pool or self.num_accepted) else (None, None)
         if const_expr(self.pool and not self.num_accepted):
             cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_warp()
-            src = shared.sIndex[slot, 0]
+            src = shared.sIndex[slot, lane, 0]
             dst = src
             if const_expr(self.has_dst and not self.dst_per_token):
-                dst = shared.sIndex[slot, 1]
+                dst = shared.sIndex[slot, lane, 1]
         return src, dst
 
     @cute.jit
@@ -178,18 +177,21 @@ class SlabPipeline:
             for s in cutlass.range_constexpr(PIPELINE_STAGES):
                 cute.arch.mbarrier_init(shared.full + s, 1)
         cute.arch.mbarrier_init_fence()
-        cute.arch.barrier()
         if producer:
+            cute.arch.sync_warp()  # lane 0's initialisation before the warp's copies signal the mbarriers
             src0, dst0 = self.slab_indices(m, cta_id, heads)
             self.fetch_slab(m, shared, Int32(0), cta_id, src0, dst0, lane)
             if count > 1:
                 self.prefetch_indices(m, shared, Int32(1 % PIPELINE_STAGES), cta_id + grid, heads, lane)
+        # the mbarriers initialised and the first header written before any thread waits or reads; every later
+        # header is written a slab ahead, before the barrier that ends the slab before its own
+        cute.arch.barrier()
         for k in cutlass.range(count, unroll=1):
             slab = cta_id + k * grid
             stage = k % PIPELINE_STAGES
             if producer:
                 if k + 1 < count:  # the stage slab k - 1 used: its readers passed the barrier that ended it
-                    src, dst = self.prefetched_indices(m, shared, (k + 1) % PIPELINE_STAGES, slab + grid, heads)
+                    src, dst = self.prefetched_indices(m, shared, (k + 1) % PIPELINE_STAGES, slab + grid, heads, lane)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     self.fetch_slab(m, shared, (k + 1) % PIPELINE_STAGES, slab + grid, src, dst, lane)
                 if k + 2 < count:

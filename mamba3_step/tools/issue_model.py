@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from .bytes_model import bytes_per_step, replay_bytes
 from ..spec import StepSpec, flagship_rotary_spec, flagship_spec
 
-__all__ = ["GPUS", "GPU", "ISSUE_PER_CLOCK", "REPLAY_EXECUTED", "REPLAY_STATES_EXECUTED", "STATE_FORMS_EXECUTED",
+__all__ = ["GPUS", "GPU", "ISSUE_PER_CLOCK", "PIPELINE_EXECUTED", "REPLAY_EXECUTED", "REPLAY_STATES_EXECUTED", "STATE_FORMS_EXECUTED",
            "UPSTREAM", "VERIFY_EXECUTED", "VERIFY_FROM_STATE_EXECUTED", "VERIFY_TOKENS", "issue_model", "replay_issue_model",
            "replay_states_issue_model", "replay_states_replay_spec", "replay_states_spec", "replay_verify_issue_model",
            "slab_bytes"]
@@ -92,6 +92,9 @@ def issue_model(warp_instructions_per_slab: float, bytes_per_slab: float, gpu: G
 #: re-executes them)
 STATE_FORMS_EXECUTED = {"fp32": (6188, 6344), "bf16, round to nearest": (6844, 7148),
                         "bf16, stochastic rounding": (11300, 11512)}
+#: the same for the slab pipeline (``StepSpec.pipeline_ctas``; measured alike, B = 4 and H = 2: one slab a CTA, so
+#: its prologue counted with it): the register kernel's tokens, plus the stage's reads and the refill
+PIPELINE_EXECUTED = {"fp32": 6546, "bf16, round to nearest": 7396, "bf16, stochastic rounding": 11618}
 #: executed PTX warp-instructions per state slab of the flagship (pool mode, update_kv_state; one live
 #: (lane, head)), stepwise and with replay: ``(F, from_checkpoint) -> (num_warps, counts at ring positions
 #: 0..F-1)`` at the default tiling. Measured by the PTX execution tier (``python bench/issue_model.py``

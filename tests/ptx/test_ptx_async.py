@@ -434,7 +434,8 @@ def test_a_source_outside_every_tensor_faults_at_issue():
     ("cp.async.cg.shared.global [%r6], [%rd4], 8;", "cp-size 8"),
     ("cp.async.ca.shared.global [%r6], [%rd4], 2;", "cp-size 2"),
     ("cp.async.cg.shared::cluster.global [%r6], [%rd4], 16;", "shared::cluster"),
-    ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%r6], [%rd4], 16, [%r2];", "bulk"),
+    ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%r6], [%rd4], 16, [%r2], "
+     "%h1;", "multicast bulk"),
     ("cp.async.mbarrier.arrive.b64 [%rd4];", "mbarrier"),
     ("cp.async.wait_group %r1;", "constant"),
     ("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u32 [%rd4], [%r6], 16;", "only cp.async"),

@@ -55,7 +55,7 @@ from ...replay import new_ring
 from ..replay_reference import append_reference, draft_references
 from ...rounding import dequantize_rows
 from ...serving import gather_dense_scatter
-from ...spec import StepSpec
+from ...spec import KERNEL_CHOICE_FIELDS, StepSpec
 from ...specsets import add_spec_arguments, parse_spec_args, spec_label
 from ...tensors import LANE_FIELDS, ROW_FIELDS, StepTensors
 from .flush import flush_check
@@ -301,7 +301,7 @@ def executed_facts(spec: StepSpec, arch: str = "sm_90a", batch: int = 4, heads: 
     tensors, _ = _inputs(spec, batch, heads, seed, live_only=True)  # every lane live, on rows of its own
     s, tensors, _ = prepare_step(tensors, update_kv_state=spec.update_kv_state, **_tiling(spec))
     # the kernel choices no call names (not public options) are the spec's
-    s = s.replace(async_state_copy=spec.async_state_copy, min_ctas_per_sm=spec.min_ctas_per_sm)
+    s = s.replace(**{f: getattr(spec, f) for f in KERNEL_CHOICE_FIELDS})
     result = run_step_ptx(s, tensors, arch=arch, record_shared=True)
     ctas = result.grid[0] * result.grid[1] * result.grid[2]
     coalescing = analysis.coalescing(result)
