@@ -1,5 +1,6 @@
-"""Launch the flagship's pool-mode step through the register kernel and the asynchronous state copy
-(``StepSpec.async_state_copy``) inside a profiler range, for Nsight Compute and compute-sanitizer.
+"""Launch the flagship's pool-mode step through the register kernel, the asynchronous state copy
+(``StepSpec.async_state_copy``) and the slab pipeline (``StepSpec.pipeline_ctas``, two persistent CTAs per SM
+of the device) inside a profiler range, for Nsight Compute and compute-sanitizer.
 
     ncu --profile-from-start off --set full python bench/gpu_async_probe.py [--batch 256] [--state-dtype bfloat16]
     compute-sanitizer --tool racecheck python bench/gpu_async_probe.py --batch 4 --kernels async
@@ -28,12 +29,13 @@ from mamba3_step.spec import FLAGSHIP_HEADS, flagship_spec  # noqa: E402
 from mamba3_step.tensors import StepTensors, kernel_arguments  # noqa: E402
 from mamba3_step.testing import bits_equal  # noqa: E402
 
-KERNELS = {"registers": False, "async": True}
+#: a kernel -> the StepSpec fields that select it (``pipeline_ctas``: per SM of the device, times its SMs)
+KERNELS = {"registers": {}, "async": {"async_state_copy": True}, "pipeline": {"pipeline_ctas": 2}}
 
 
-def launcher(spec, batch: int, heads: int, copied: bool, seed: int = 3):
-    """``(launch, out, pool)``: one pool-mode step of ``spec`` on fresh rows, through the register kernel or
-    (``copied``) the asynchronous state copy; the same inputs for the same seed."""
+def launcher(spec, batch: int, heads: int, fields: dict, seed: int = 3):
+    """``(launch, out, pool)``: one pool-mode step of ``spec`` on fresh rows, through the kernel ``fields``
+    select (:data:`KERNELS`); the same inputs for the same seed."""
     gen = torch.Generator().manual_seed(seed)
     pool = make_pool(spec, 2 * batch + 3, heads, torch.device("cuda"), gen)
     shared = make_shared(spec, heads, torch.device("cuda"), gen)
@@ -44,7 +46,9 @@ def launcher(spec, batch: int, heads: int, copied: bool, seed: int = 3):
                        xproj=shared["xproj"], outproj=shared["outproj"], out=lanes["out"], z=lanes["z"],
                        zproj=shared["zproj"], state_batch_indices=idx)
     prepared, tensors, _ = prepare_step(call, update_kv_state=True)
-    kernel = kernel_for(prepared.replace(async_state_copy=copied), tensors.x)
+    if "pipeline_ctas" in fields:
+        fields = {"pipeline_ctas": fields["pipeline_ctas"] * torch.cuda.get_device_properties(0).multi_processor_count}
+    kernel = kernel_for(prepared.replace(**fields), tensors.x)
     return (lambda: kernel(*kernel_arguments(tensors))), tensors.out, pool
 
 

@@ -27,8 +27,9 @@ PIPELINE_DEFAULT_CTAS = 2 * 132
 #: no spill (sm_90a), so a 16-bit state keeps 3 CTAs (an fp32 one's stages allow 2). Only at PIPELINE_BOUND_WARPS
 #: warps: 3 CTAs of 4 warps leave 170 registers a thread, of more warps fewer than the update needs (16 warps spill
 #: 748 bytes), and of fewer warps the bound's cap would let the compiler grow (N = 32, D = 32, one warp: 80 -> 109
-#: registers, 24 -> 16 CTAs). Multi-token steps keep the compiler's choice too: their state stays in registers from
-#: token to token
+#: registers, 24 -> 16 CTAs). Multi-token steps keep the compiler's choice too (their state stays in registers from
+#: token to token), and so does a stochastically rounded fp16 state, whose rounding the bound's 168 registers do not
+#: hold (the flagship spilled 320 bytes on sm_90a)
 PIPELINE_LAUNCH_BOUND = 3
 PIPELINE_BOUND_WARPS = 4
 
@@ -45,10 +46,12 @@ def pipeline_grid(batch: int, heads: int, headdim: int, tile_D: int, pipeline_ct
 def launch_bound(spec) -> int:
     """CTAs per SM the compiler is asked to keep registers for (the launch's ``min_blocks_per_mp``; 0: none):
     ``spec.min_ctas_per_sm``, else :data:`PIPELINE_LAUNCH_BOUND` for the slab pipeline's one-token steps of
-    :data:`PIPELINE_BOUND_WARPS` warps."""
+    :data:`PIPELINE_BOUND_WARPS` warps, but a stochastically rounded fp16 state's."""
     if spec.min_ctas_per_sm or not spec.pipeline_ctas:
         return spec.min_ctas_per_sm
-    return PIPELINE_LAUNCH_BOUND if spec.carried_tokens == 1 and spec.num_warps == PIPELINE_BOUND_WARPS else 0
+    if spec.carried_tokens > 1 or spec.num_warps != PIPELINE_BOUND_WARPS:
+        return 0
+    return 0 if spec.stochastic_rounding and spec.state_dtype == "float16" else PIPELINE_LAUNCH_BOUND
 
 
 def pipeline_problem(spec) -> str | None:

@@ -7,9 +7,9 @@ stages, each a ``(tile_D, N)`` state buffer in the state dtype, a two-word heade
 mbarrier. Warp 0 is the producer between its other work: at the top of slab ``k`` it writes slab
 ``k + 1``'s rows into the header of the stage slab ``k - 1`` released, arms that stage's mbarrier
 with the slab's bytes and issues one ``cp.async.bulk`` for the tile (one per tile row when the
-rows are padded); a padding slab only arrives, so it moves no pool byte. It loads slab ``k + 2``'s
-row indices there too, into registers it reads one slab later: the index's round trip is never
-waited on. Every thread then waits on slab ``k``'s mbarrier, reads the header, and runs the
+rows are padded); a padding slab only arrives, so it moves no pool byte. It puts slab ``k + 2``'s
+row indices on their way there too, by ``cp.async`` into shared memory, and reads them one slab
+later: the index's round trip is never waited on. Every thread then waits on slab ``k``'s mbarrier, reads the header, and runs the
 register kernel's tokens on the staged tile (:meth:`~.async_state.AsyncStateCopy.staged_rows`
 reads it into the same registers :meth:`~.slab.Slab.load_state` fills); the new state, B/x and
 ``out`` go to global memory as in the register kernel, so its bits are the register kernel's. A
@@ -29,8 +29,8 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from ..tensors import KernelArgs
 from ..slab_pipeline import PIPELINE_STAGES
+from ..tensors import KernelArgs
 from .bundles import Cta, Shared
 
 __all__ = ["SlabPipeline"]

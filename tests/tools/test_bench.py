@@ -442,7 +442,7 @@ def test_gpu_async_probe_without_cuda_says_so_and_refuses_unknown_kernels(capsys
     assert gpu_async_probe.main(["--batch", "1"]) == 0
     assert capsys.readouterr().out.strip() == "no CUDA device: nothing to profile"
     with pytest.raises(SystemExit):
-        gpu_async_probe.main(["--kernels", "registers,pipeline"])
+        gpu_async_probe.main(["--kernels", "registers,warp-specialised"])
 
 
 def test_gpu_replay_probe_without_cuda_says_so(capsys):
@@ -462,7 +462,7 @@ def test_gpu_replay_probe_profiles_the_variants_in_its_stated_order():
     assert bits_equal(runs[0][1](), runs[1][1]())
 
 
-@pytest.mark.parametrize("script", ["gpu_diagnose.sh", "gpu_all.sh", "gpu_async.sh"])
+@pytest.mark.parametrize("script", ["gpu_diagnose.sh", "gpu_all.sh", "gpu_async.sh", "gpu_pipeline.sh"])
 def test_gpu_scripts_parse(script):
     assert subprocess.run(["bash", "-n", os.path.join(BENCH, script)], capture_output=True).returncode == 0
 
