@@ -143,8 +143,13 @@ def _group_runs(*keys) -> tuple[np.ndarray, np.ndarray]:
 
 
 def bank_conflicts(result: RunResult) -> dict:
-    """``{ptx line: {"requests", "wavefronts", "ideal"}}`` for shared accesses (model above)."""
+    """``{ptx line: {"requests", "wavefronts", "ideal"}}`` for shared accesses (model above). Accesses wider
+    than 16 bytes are bulk copies' (``cp.async.bulk``): the copy engine's, not a warp's request through the
+    banks, so they are left out."""
     a = _flat(result, shared=True)
+    narrow = a["width"] <= 16
+    if not narrow.all():
+        a = {k: v[narrow] for k, v in a.items()}
     if not len(a["addr"]):
         return {}
     nt = result.block[0] * result.block[1] * result.block[2]

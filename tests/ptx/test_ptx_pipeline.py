@@ -20,6 +20,7 @@ default; every multi-token, rotary, stochastic and 8-bit one with ``--full-matri
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -96,6 +97,12 @@ def test_no_race_between_ctas_or_inside_one(name):
     assert analysis.cta_races(res) == []
     assert analysis.intra_cta_races(res) == []
     assert analysis.intra_cta_races(res, shared=True) == []
+    with warnings.catch_warnings():  # the bank model counts warps' requests: a bulk copy's write is none of them
+        warnings.simplefilter("error")
+        conflicts = analysis.bank_conflicts(res)
+    bulk = {ln for ln, w in zip(res.shared_log.arrays()["instr"].tolist(), res.shared_log.arrays()["width"].tolist())
+            if w > 16}
+    assert bulk and conflicts and not bulk & set(conflicts)
 
 
 def test_what_the_pipeline_refuses():
