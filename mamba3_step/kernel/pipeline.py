@@ -68,13 +68,7 @@ class SlabPipeline:
         src = Int32(b)
         dst = Int32(b)
         if const_expr(self.pool):
-            if const_expr(self.num_accepted):  # (B, K) candidates: the accepted one; a count out of range is padding
-                k = m.num_accepted_tokens[b] - 1
-                src = Int32(-1)
-                if (k >= 0) & (k < m.state_batch_indices.shape[1]):
-                    src = m.state_batch_indices[b, k]
-            else:
-                src = m.state_batch_indices[b]
+            src = self.source_row(m, b)
             dst = src
             if const_expr(self.has_dst and not self.dst_per_token):
                 dst = m.dst_state_batch_indices[b]

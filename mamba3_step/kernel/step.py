@@ -278,13 +278,7 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
         src_live = Boolean(True)
         dst_live = Boolean(True)
         if const_expr(self.pool):
-            if const_expr(self.num_accepted and not self.replay):  # with replay it commits ring entries instead
-                k = m.num_accepted_tokens[b] - 1
-                src = Int32(-1)
-                if (k >= 0) & (k < m.state_batch_indices.shape[1]):
-                    src = m.state_batch_indices[b, k]
-            else:
-                src = m.state_batch_indices[b]
+            src = self.source_row(m, b)
             src_live = self.row_is_live(src, num_rows, m.null_slot)
             dst = src
             dst_live = src_live
@@ -292,6 +286,20 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
                 dst = m.dst_state_batch_indices[b]
                 dst_live = src_live & self.row_is_live(dst, num_rows, m.null_slot)
         return src, dst, src_live, dst_live
+
+    @cute.jit
+    def source_row(self, m: KernelArgs, b: Int32) -> Int32:
+        """Pool mode: lane ``b``'s source row as the index says it, ``state_batch_indices[b]``, or with
+        num_accepted (and no replay, whose count commits ring entries instead) the accepted candidate
+        ``state_batch_indices[b, num_accepted_tokens[b] - 1]``, -1 for a count outside [1, candidates]."""
+        if const_expr(self.num_accepted and not self.replay):
+            k = m.num_accepted_tokens[b] - 1
+            src = Int32(-1)
+            if (k >= 0) & (k < m.state_batch_indices.shape[1]):
+                src = m.state_batch_indices[b, k]
+        else:
+            src = m.state_batch_indices[b]
+        return src
 
     @cute.jit
     def row_is_live(self, row: Int32, num_rows: Int32, null_slot: Int32) -> Boolean:

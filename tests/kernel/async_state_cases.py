@@ -41,6 +41,32 @@ def pipeline_spec(spec, ctas: int):
     return piped
 
 
+_FACTS: dict = {}
+
+
+def compile_facts(spec, arch: str):
+    """The compiler facts of ``spec`` on ``arch`` (compiled once per process)."""
+    from mamba3_step.kernel import compile_step_kernel
+    from mamba3_step.tools.inspection.facts import kernel_facts
+
+    if (spec, arch) not in _FACTS:
+        _FACTS[(spec, arch)] = kernel_facts(compile_step_kernel(spec, arch))
+    return _FACTS[(spec, arch)]
+
+
+def compile_params(archs) -> list:
+    """pytest parameters ``(name, arch)`` of every case on every target: the default run compiles the flagship on
+    each target and the other default cases on the first; the rest with ``--full-matrix``."""
+    import pytest
+
+    out = []
+    for name in {**ASYNC_DEFAULT, **ASYNC_FULL}:
+        for arch in archs:
+            full = name in ASYNC_FULL or (arch != archs[0] and not name.startswith("flagship-pool-kv"))
+            out.append(pytest.param(name, arch, id=f"{name}-{arch}", marks=[pytest.mark.full_matrix] if full else []))
+    return out
+
+
 def run_each(tensors, *specs) -> list:
     """Each of ``specs``' kernel run on its own copy of ``tensors``: launched on a GPU's tensors (then
     synchronised), else its PTX executed on the CPU (the PTX tier); the copies."""

@@ -14,41 +14,22 @@ compiler facts, and the latency facts its design promises, read from the SASS.
 from __future__ import annotations
 
 import pytest
-from async_state_cases import ASYNC_DEFAULT, ASYNC_FULL
+from async_state_cases import ASYNC_DEFAULT, ASYNC_FULL, compile_facts, compile_params
 from test_kernel_compile import ARCHS, check_padding_guard
 
-from mamba3_step.kernel import compile_step_kernel
-from mamba3_step.spec import StepSpec, flagship_spec
+from mamba3_step.spec import flagship_spec
 from mamba3_step.tiling import thread_layout
-from mamba3_step.tools.inspection.facts import kernel_facts
 from mamba3_step.tools.latency_model import ASYNC_LATENCY_FACTS, global_round_trips
 
-_FACTS: dict = {}
 #: (name, arch) -> (spill, stack) bytes of the forms that are not clean, exactly: on sm_100a ptxas gives the
 #: rotary flagship 128 registers and spills (on sm_90a it is clean at 128)
 KNOWN_SPILLS = {("flagship-rotary", "sm_100a"): (32, 16)}
 
 
-def _facts(spec: StepSpec, arch: str):
-    key = (spec, arch)
-    if key not in _FACTS:
-        _FACTS[key] = kernel_facts(compile_step_kernel(spec, arch))
-    return _FACTS[key]
-
-
-def _params() -> list:
-    out = []
-    for name in {**ASYNC_DEFAULT, **ASYNC_FULL}:
-        for arch in ARCHS:
-            full = name in ASYNC_FULL or (arch == "sm_100a" and not name.startswith("flagship-pool-kv"))
-            out.append(pytest.param(name, arch, id=f"{name}-{arch}", marks=[pytest.mark.full_matrix] if full else []))
-    return out
-
-
-@pytest.mark.parametrize("name, arch", _params())
+@pytest.mark.parametrize("name, arch", compile_params(ARCHS))
 def test_the_asynchronous_copy_compiles_clean(name, arch):
     spec = {**ASYNC_DEFAULT, **ASYNC_FULL}[name].with_default_tiling().replace(async_state_copy=True)
-    f = _facts(spec, arch)
+    f = compile_facts(spec, arch)
     where = f"{name} (asynchronous state copy) @ {arch}"
     spills = KNOWN_SPILLS.get((name, arch), (0, 0))
     assert (f.spill_bytes, f.stack_bytes) == spills, f"{where}: {f.spill_bytes} spill, {f.stack_bytes} stack bytes"
@@ -69,7 +50,7 @@ FORMS = {"fp32": {}, "bf16, round to nearest": dict(state_dtype="bfloat16"),
 @pytest.mark.parametrize("arch, form", [(arch, form) for arch, forms in ASYNC_LATENCY_FACTS.items() for form in forms])
 def test_the_flagship_issues_every_state_copy_in_its_second_round_trip(arch, form):
     spec = flagship_spec(async_state_copy=True, **FORMS[form])
-    f = _facts(spec, arch)
+    f = compile_facts(spec, arch)
     trips = global_round_trips(f.sass_text)
     copies = [trip for _, text, trip, _ in trips.loads if "LDGSTS" in text]
     vectors = 16 if form == "fp32" else 8

@@ -15,17 +15,14 @@ latency facts its design promises, read from the SASS.
 from __future__ import annotations
 
 import pytest
-from async_state_cases import ASYNC_DEFAULT, ASYNC_FULL, pipeline_spec
+from async_state_cases import ASYNC_DEFAULT, ASYNC_FULL, compile_facts, compile_params, pipeline_spec
 from test_kernel_compile import ARCHS
 
-from mamba3_step.kernel import compile_step_kernel
-from mamba3_step.spec import StepSpec, flagship_spec
+from mamba3_step.spec import flagship_spec
 from mamba3_step.slab_pipeline import PIPELINE_DEFAULT_CTAS
 from mamba3_step.tiling import thread_layout
-from mamba3_step.tools.inspection.facts import kernel_facts
 from mamba3_step.tools.latency_model import PIPELINE_LATENCY_FACTS, global_round_trips
 
-_FACTS: dict = {}
 #: (name, arch) -> (spill, stack) bytes of the forms that are not clean, exactly: on sm_100a ptxas fits the stochastic
 #: flagship into the launch bound's 168 registers with one 8-byte spill (sm_90a is clean at 168)
 KNOWN_SPILLS = {("flagship-bf16state-sr", "sm_100a"): (8, 8)}
@@ -33,26 +30,10 @@ KNOWN_SPILLS = {("flagship-bf16state-sr", "sm_100a"): (8, 8)}
 PROLOGUE_TRIPS = 2
 
 
-def _facts(spec: StepSpec, arch: str):
-    key = (spec, arch)
-    if key not in _FACTS:
-        _FACTS[key] = kernel_facts(compile_step_kernel(spec, arch))
-    return _FACTS[key]
-
-
-def _params() -> list:
-    out = []
-    for name in {**ASYNC_DEFAULT, **ASYNC_FULL}:
-        for arch in ARCHS:
-            full = name in ASYNC_FULL or (arch == "sm_100a" and not name.startswith("flagship-pool-kv"))
-            out.append(pytest.param(name, arch, id=f"{name}-{arch}", marks=[pytest.mark.full_matrix] if full else []))
-    return out
-
-
-@pytest.mark.parametrize("name, arch", _params())
+@pytest.mark.parametrize("name, arch", compile_params(ARCHS))
 def test_the_pipeline_compiles_clean(name, arch):
     spec = pipeline_spec({**ASYNC_DEFAULT, **ASYNC_FULL}[name].with_default_tiling(), PIPELINE_DEFAULT_CTAS)
-    f = _facts(spec, arch)
+    f = compile_facts(spec, arch)
     where = f"{name} (slab pipeline) @ {arch}"
     spills = KNOWN_SPILLS.get((name, arch), (0, 0))
     assert (f.spill_bytes, f.stack_bytes) == spills, f"{where}: {f.spill_bytes} spill, {f.stack_bytes} stack bytes"
@@ -70,7 +51,7 @@ FORMS = {"fp32": {}, "bf16, round to nearest": dict(state_dtype="bfloat16"),
 @pytest.mark.parametrize("arch, form", [(arch, form) for arch, forms in PIPELINE_LATENCY_FACTS.items() for form in forms])
 def test_the_flagship_waits_on_one_round_trip_a_slab(arch, form):
     spec = flagship_spec(pipeline_ctas=PIPELINE_DEFAULT_CTAS, **FORMS[form])
-    f = _facts(spec, arch)
+    f = compile_facts(spec, arch)
     trips = global_round_trips(f.sass_text)
     per_slab, ctas = PIPELINE_LATENCY_FACTS[arch][form]
     assert trips.trips[0]["loads"] == 1, "the first slab's index alone in the first round trip"

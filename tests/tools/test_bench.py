@@ -462,7 +462,7 @@ def test_gpu_replay_probe_profiles_the_variants_in_its_stated_order():
     assert bits_equal(runs[0][1](), runs[1][1]())
 
 
-@pytest.mark.parametrize("script", ["gpu_diagnose.sh", "gpu_all.sh", "gpu_async.sh", "gpu_pipeline.sh"])
+@pytest.mark.parametrize("script", ["gpu_diagnose.sh", "gpu_all.sh", "gpu_async.sh"])
 def test_gpu_scripts_parse(script):
     assert subprocess.run(["bash", "-n", os.path.join(BENCH, script)], capture_output=True).returncode == 0
 
