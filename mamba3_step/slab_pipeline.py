@@ -29,7 +29,7 @@ PIPELINE_DEFAULT_CTAS = 2 * 132
 #: 748 bytes), and of fewer warps the bound's cap would let the compiler grow (N = 32, D = 32, one warp: 80 -> 109
 #: registers, 24 -> 16 CTAs). Multi-token steps keep the compiler's choice too (their state stays in registers from
 #: token to token), and so does a stochastically rounded fp16 state, whose rounding the bound's 168 registers do not
-#: hold (the flagship spilled 320 bytes on sm_90a)
+#: hold (under it the flagship spills 320 bytes on sm_90a)
 PIPELINE_LAUNCH_BOUND = 3
 PIPELINE_BOUND_WARPS = 4
 

@@ -41,6 +41,10 @@ def pipeline_spec(spec, ctas: int):
     return piped
 
 
+#: the state forms the latency model tabulates (latency_model's *_LATENCY_FACTS), as changes to the flagship
+STATE_FORMS = {"fp32": {}, "bf16, round to nearest": dict(state_dtype="bfloat16"),
+               "bf16, stochastic rounding": dict(state_dtype="bfloat16", stochastic_rounding=True)}
+
 _FACTS: dict = {}
 
 

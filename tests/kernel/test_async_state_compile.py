@@ -14,7 +14,7 @@ compiler facts, and the latency facts its design promises, read from the SASS.
 from __future__ import annotations
 
 import pytest
-from async_state_cases import ASYNC_DEFAULT, ASYNC_FULL, compile_facts, compile_params
+from async_state_cases import ASYNC_DEFAULT, ASYNC_FULL, STATE_FORMS, compile_facts, compile_params
 from test_kernel_compile import ARCHS, check_padding_guard
 
 from mamba3_step.spec import flagship_spec
@@ -42,14 +42,9 @@ def test_the_asynchronous_copy_compiles_clean(name, arch):
         check_padding_guard(f.sass_text, where, loads=2 + spec.num_accepted)
 
 
-#: the state forms latency_model.ASYNC_LATENCY_FACTS states, as flagship specialisations
-FORMS = {"fp32": {}, "bf16, round to nearest": dict(state_dtype="bfloat16"),
-         "bf16, stochastic rounding": dict(state_dtype="bfloat16", stochastic_rounding=True)}
-
-
 @pytest.mark.parametrize("arch, form", [(arch, form) for arch, forms in ASYNC_LATENCY_FACTS.items() for form in forms])
 def test_the_flagship_issues_every_state_copy_in_its_second_round_trip(arch, form):
-    spec = flagship_spec(async_state_copy=True, **FORMS[form])
+    spec = flagship_spec(async_state_copy=True, **STATE_FORMS[form])
     f = compile_facts(spec, arch)
     trips = global_round_trips(f.sass_text)
     copies = [trip for _, text, trip, _ in trips.loads if "LDGSTS" in text]

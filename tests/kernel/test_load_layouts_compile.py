@@ -10,6 +10,7 @@ next, all at the same CTAs per SM (``latency_model.KERNEL_LATENCY_FACTS``, ``UNP
 from __future__ import annotations
 
 import pytest
+from async_state_cases import STATE_FORMS
 
 from mamba3_step.kernel import compile_step_kernel
 from mamba3_step.spec import flagship_spec
@@ -17,9 +18,6 @@ from mamba3_step.tools.inspection.facts import kernel_facts
 from mamba3_step.tools.latency_model import (KERNEL_LATENCY_FACTS, LATE_EPILOGUE_LATENCY_FACTS, UNPINNED_LATENCY_FACTS,
                                              global_round_trips)
 
-#: the state forms the facts name, as flagship specialisations
-FORMS = {"fp32": {}, "bf16, round to nearest": dict(state_dtype="bfloat16"),
-         "bf16, stochastic rounding": dict(state_dtype="bfloat16", stochastic_rounding=True)}
 #: each layout's StepSpec fields and its facts
 LAYOUTS = {"pinned": ({}, {arch: KERNEL_LATENCY_FACTS for arch in ("sm_90a", "sm_100a")}),
            "unpinned": (dict(unpinned_loads=True), UNPINNED_LATENCY_FACTS),
@@ -32,7 +30,7 @@ LAYOUTS = {"pinned": ({}, {arch: KERNEL_LATENCY_FACTS for arch in ("sm_90a", "sm
 def test_each_load_layout_compiles_clean_and_the_default_makes_two_round_trips(arch, form):
     facts = {}
     for layout, (fields, expected) in LAYOUTS.items():
-        f = kernel_facts(compile_step_kernel(flagship_spec(**fields, **FORMS[form]), arch))
+        f = kernel_facts(compile_step_kernel(flagship_spec(**fields, **STATE_FORMS[form]), arch))
         where = f"flagship {form}, {layout} loads @ {arch}"
         assert (f.spill_bytes, f.stack_bytes) == (0, 0), f"{where}: {f.spill_bytes} spill, {f.stack_bytes} stack bytes"
         facts[layout] = (global_round_trips(f.sass_text).round_trips, f.occupancy()["ctas_per_sm"])

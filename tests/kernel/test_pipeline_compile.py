@@ -15,7 +15,7 @@ latency facts its design promises, read from the SASS.
 from __future__ import annotations
 
 import pytest
-from async_state_cases import ASYNC_DEFAULT, ASYNC_FULL, compile_facts, compile_params, pipeline_spec
+from async_state_cases import ASYNC_DEFAULT, ASYNC_FULL, STATE_FORMS, compile_facts, compile_params, pipeline_spec
 from test_kernel_compile import ARCHS
 
 from mamba3_step.spec import flagship_spec
@@ -43,14 +43,9 @@ def test_the_pipeline_compiles_clean(name, arch):
     assert f.count("STG", 128) == lay.rows_per_thread * lay.CPT * writes, (where, f.sass)
 
 
-#: the state forms latency_model.PIPELINE_LATENCY_FACTS states, as flagship specialisations
-FORMS = {"fp32": {}, "bf16, round to nearest": dict(state_dtype="bfloat16"),
-         "bf16, stochastic rounding": dict(state_dtype="bfloat16", stochastic_rounding=True)}
-
-
 @pytest.mark.parametrize("arch, form", [(arch, form) for arch, forms in PIPELINE_LATENCY_FACTS.items() for form in forms])
 def test_the_flagship_waits_on_one_round_trip_a_slab(arch, form):
-    spec = flagship_spec(pipeline_ctas=PIPELINE_DEFAULT_CTAS, **FORMS[form])
+    spec = flagship_spec(pipeline_ctas=PIPELINE_DEFAULT_CTAS, **STATE_FORMS[form])
     f = compile_facts(spec, arch)
     trips = global_round_trips(f.sass_text)
     per_slab, ctas = PIPELINE_LATENCY_FACTS[arch][form]
