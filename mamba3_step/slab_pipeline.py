@@ -37,10 +37,10 @@ PIPELINE_BOUND_WARPS = 4
 MAX_PIPELINE_CTAS = 4096
 
 
-def pipeline_grid(batch: int, heads: int, headdim: int, tile_D: int, pipeline_ctas: int) -> tuple:
-    """The slab pipeline's grid: ``min(slabs, pipeline_ctas)`` persistent CTAs (concrete sizes: the PTX
-    execution tier's; the kernel computes the same on its symbolic sizes)."""
-    return (min(batch * heads * (headdim // tile_D), pipeline_ctas), 1, 1)
+def pipeline_grid(batch, heads, headdim: int, tile_D: int, pipeline_ctas: int, minimum=min) -> tuple:
+    """The slab pipeline's grid: ``min(slabs, pipeline_ctas)`` persistent CTAs. The PTX execution tier's on concrete
+    sizes; the kernel's launch on its symbolic ones, with the DSL's ``minimum``."""
+    return (minimum(batch * heads * (headdim // tile_D), pipeline_ctas), 1, 1)
 
 
 def launch_bound(spec) -> int:

@@ -49,8 +49,14 @@ class AsyncStateCopy:
                     cute.copy(atom, self.state_vector(m.state, cta.src, rows[i], c, cta),
                               self.staged_vector(sS, rows[i], c, cta))
         cute.arch.cp_async_commit_group()
+        return self.group_scales(m, cta)
+
+    @cute.jit
+    def group_scales(self, m: KernelArgs, cta: Cta) -> list:
+        """Each row group's scales of the thread's rows, loaded into registers (an 8-bit state's; else None each),
+        for :meth:`staged_rows` to hand the update."""
         scales = []
-        for g in cutlass.range_constexpr(lay.row_groups):
+        for g in cutlass.range_constexpr(self.layout.row_groups):
             scales.append(self.storage.load_scales(m, self.thread_rows(cta, g), cta))
         return scales
 

@@ -31,7 +31,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from ..slab_pipeline import PIPELINE_STAGES
 from ..tensors import KernelArgs
-from .bundles import Cta, Shared
+from .bundles import Shared
 
 __all__ = ["SlabPipeline"]
 
@@ -201,19 +201,13 @@ class SlabPipeline:
         src = shared.sHeader[stage, 0]
         dst = shared.sHeader[stage, 1]
         if src >= 0:
-            lane = tidx % self.layout.TPR
-            cta = Cta(b, h, dtile, tidx, lane, self.lane_permutation(lane), src, dst, src >= 0, dst >= 0,
-                      self.rng_source(m, b) if const_expr(self.stochastic) else None)
+            cta = self.live_cta(m, b, h, dtile, tidx, src, dst, src >= 0, dst >= 0)
             if const_expr(self.scaled):  # an 8-bit state's scales, into registers with the staging loads
-                scales = []
-                for g in cutlass.range_constexpr(self.layout.row_groups):
-                    scales.append(self.storage.load_scales(m, self.thread_rows(cta, g), cta))
-                cta = cta._replace(scales=scales)
+                cta = cta._replace(scales=self.group_scales(m, cta))
             staged = shared._replace(sS=shared.sStages[stage, None, None])
             groups = []
             for g in cutlass.range_constexpr(self.layout.row_groups if self.layout.preload else 1):
                 groups.append(self.load_state(m, g, cta, staged))
             self.run_tokens(m, cta, staged, groups)
         else:
-            for t in cutlass.range_constexpr(self.T):
-                self.zero_out(m.out, self.lane_index(b, t), h, dtile, tidx)
+            self.zero_lane_out(m, b, h, dtile, tidx)

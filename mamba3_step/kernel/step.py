@@ -45,7 +45,7 @@ from ..contract import SCALED_STATE_DTYPES
 from ..rounding import N_PER_CALL
 from ..spec import StepSpec
 from ..tensors import KernelArgs
-from ..slab_pipeline import launch_bound
+from ..slab_pipeline import launch_bound, pipeline_grid
 from ..tiling import async_copy_layout, early_epilogue, launch_grid, pinned_loads, thread_layout, tiling_problem
 from .async_state import AsyncStateCopy
 from .bundles import CUTLASS_DTYPES, Cta, Shared
@@ -172,12 +172,10 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
         """Launch :meth:`kernel` on ``m`` (traced inside ``__call__``). With a launch bound
         (``slab_pipeline.launch_bound``: ``min_ctas_per_sm``, or the slab pipeline's) it goes with it,
         and the device's default shared-memory carveout (-1) so that compiling asks no device."""
-        bound = {}
-        if launch_bound(self.spec):
-            bound = dict(min_blocks_per_mp=launch_bound(self.spec), preferred_smem_carveout=-1)
-        grid = launch_grid(m.x.shape[0], m.xproj.shape[1], self.D, self.tile_D)
-        if const_expr(self.pipeline_ctas):  # slab_pipeline.pipeline_grid, on the symbolic sizes
-            grid = (cutlass.min(grid[0] * grid[1] * grid[2], self.pipeline_ctas), 1, 1)
+        bound = launch_bound(self.spec)
+        bound = dict(min_blocks_per_mp=bound, preferred_smem_carveout=-1) if bound else {}
+        grid = (pipeline_grid(m.x.shape[0], m.xproj.shape[1], self.D, self.tile_D, self.pipeline_ctas, cutlass.min)
+                if const_expr(self.pipeline_ctas) else launch_grid(m.x.shape[0], m.xproj.shape[1], self.D, self.tile_D))
         self.kernel(m).launch(
             grid=grid,
             block=(self.num_threads, 1, 1),
@@ -209,9 +207,7 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
         if src_live:
             shared = self.allocate_shared()
             # Issue every state load first: they are the bytes that matter.
-            lane = tidx % self.layout.TPR
-            cta = Cta(b, h, dtile, tidx, lane, self.lane_permutation(lane), src, dst, src_live, dst_live,
-                      self.rng_source(m, b) if const_expr(self.stochastic) else None)
+            cta = self.live_cta(m, b, h, dtile, tidx, src, dst, src_live, dst_live)
             groups = []  # RowGroup per row group, loaded up front with preload (else by token_step)
             if const_expr(self.async_state):  # the slab to shared memory; read by row group when updated
                 scales = self.issue_state_copies(m, shared.sS, cta)
@@ -227,8 +223,22 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
             else:
                 self.run_tokens(m, cta, shared, groups)
         else:
-            for t in cutlass.range_constexpr(self.T):
-                self.zero_out(m.out, self.lane_index(b, t), h, dtile, tidx)
+            self.zero_lane_out(m, b, h, dtile, tidx)
+
+    @cute.jit
+    def live_cta(self, m: KernelArgs, b: Int32, h: Int32, dtile: Int32, tidx: Int32, src: Int32, dst: Int32,
+                 src_live: Boolean, dst_live: Boolean) -> Cta:
+        """The :class:`Cta` of a live slab ``(b, h, dtile)`` for thread ``tidx``, reading row ``src`` and writing
+        ``dst`` (stochastic rounding: with the lane's random-bit source)."""
+        lane = tidx % self.layout.TPR
+        return Cta(b, h, dtile, tidx, lane, self.lane_permutation(lane), src, dst, src_live, dst_live,
+                   self.rng_source(m, b) if const_expr(self.stochastic) else None)
+
+    @cute.jit
+    def zero_lane_out(self, m: KernelArgs, b: Int32, h: Int32, dtile: Int32, tidx: Int32):
+        """A padding lane's slab: ``out`` = 0 for each of its tokens (:meth:`zero_out`)."""
+        for t in cutlass.range_constexpr(self.T):
+            self.zero_out(m.out, self.lane_index(b, t), h, dtile, tidx)
 
     def allocate_shared(self) -> Shared:
         """The CTA's shared buffers (:class:`Shared`), 16-byte aligned."""
