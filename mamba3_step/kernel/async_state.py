@@ -72,4 +72,5 @@ class AsyncStateCopy:
         for i in cutlass.range_constexpr(lay.rows_per_group):
             for c in cutlass.range_constexpr(lay.CPT):
                 cute.autovec_copy(self.staged_vector(sS, rows[i], c, cta), tSrS[None, i, c])
-        return RowGroup(tSrS, rows, cta.scales[g] if cutlass.const_expr(self.scaled) else None)
+        return RowGroup(tSrS, rows, cta.scales[g] if cutlass.const_expr(self.scaled) else None,
+                        self.uv_rows(cta, g) if cutlass.const_expr(self.uv_skewed) else None)

@@ -110,6 +110,7 @@ class RowGroup(NamedTuple):
     tSrS: Any  # (VN, rows_per_group, CPT) registers in the state dtype, updated in place
     rows: list  # the tile row (Int32) of each register row
     tSrScale: Any = None  # (rows_per_group,) fp32: an 8-bit state's scale per register row, updated in place
+    uv_rows: Any = None  # each register row's coordinate in a skewed sUV (Mamba3StepKernel.uv_layout), else None
 
 
 class Operands(NamedTuple):

@@ -2,13 +2,13 @@
 slab's state arrives in shared memory by a bulk copy while the CTA updates this one.
 
 A launch has ``min(slabs, pipeline_ctas)`` CTAs; CTA ``c`` takes slabs ``c, c + G, c + 2G, ...``
-(``G`` the grid; slab ``(b H + h) tiles + dtile``). The CTA keeps :data:`~mamba3_step.slab_pipeline.PIPELINE_STAGES`
-stages, each a ``(tile_D, N)`` state buffer in the state dtype, a two-word header and a "full"
-mbarrier. Warp 0 is the producer between its other work: at the top of slab ``k`` it writes slab
-``k + 1``'s rows into the header of the stage slab ``k - 1`` released, arms that stage's mbarrier
-with the slab's bytes and issues one ``cp.async.bulk`` for the tile (one per tile row when the
-rows are padded); a padding slab only arrives, so it moves no pool byte. It puts slab ``k + 2``'s
-row indices on their way there too, by ``cp.async`` into shared memory, and reads them one slab
+(``G`` the grid; slab ``(b H + h) tiles + dtile``). The CTA keeps ``S``
+(:func:`~mamba3_step.slab_pipeline.pipeline_stages`: 2 to 4, as many tiles as its budget holds) stages, each a
+``(tile_D, N)`` state buffer in the state dtype, a two-word header and a "full" mbarrier. Warp 0 is the producer
+between its other work: at the top of slab ``k`` it writes slab ``k + S - 1``'s rows into the header of the stage
+slab ``k - 1`` released, arms that stage's mbarrier with the slab's bytes and issues one ``cp.async.bulk`` for the
+tile (one per tile row when the rows are padded); a padding slab only arrives, so it moves no pool byte. It puts
+slab ``k + S``'s row indices on their way there too, by ``cp.async`` into shared memory, and reads them one slab
 later: the index's round trip is never waited on. Every thread then waits on slab ``k``'s mbarrier, reads the header, and runs the
 register kernel's tokens on the staged tile (:meth:`~.async_state.AsyncStateCopy.staged_rows`
 reads it into the same registers :meth:`~.slab.Slab.load_state` fills); the new state, B/x and
@@ -29,7 +29,7 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from ..slab_pipeline import PIPELINE_STAGES
+from ..slab_pipeline import PIPELINE_INDEX_SLOTS, pipeline_stages
 from ..tensors import KernelArgs
 from .bundles import Shared
 
@@ -41,16 +41,29 @@ class SlabPipeline:
 
     def allocate_stages(self, smem) -> dict:
         """The stages' buffers: ``sStages`` (stages, tile_D, N) in the state dtype, ``sHeader``
-        (stages, 2) Int32 (the slab's src and dst, -1 where not live), ``sIndex`` (stages, 32, 2) Int32 (a later
-        slab's raw row indices, copied asynchronously, one copy per lane of warp 0), ``full`` one mbarrier each."""
+        (stages, 2) Int32 (the slab's src and dst, -1 where not live), ``sIndex`` (slots, 32, words) Int32 (a
+        later slab's raw row indices, src and, with a destination, dst, copied asynchronously, one copy per lane of
+        warp 0), ``full`` one mbarrier per stage."""
+        stages, words = self.stages, self.index_words
         return dict(
             sStages=smem.allocate_tensor(
                 self.state_dtype,
-                cute.make_layout((PIPELINE_STAGES, self.tile_D, self.N), stride=(self.tile_D * self.N, self.N, 1)), 128),
-            sHeader=smem.allocate_tensor(Int32, cute.make_layout((PIPELINE_STAGES, 2), stride=(2, 1)), 16),
-            sIndex=smem.allocate_tensor(Int32, cute.make_layout((PIPELINE_STAGES, 32, 2), stride=(64, 2, 1)), 16),
-            full=smem.allocate_array(cutlass.Int64, PIPELINE_STAGES),
+                cute.make_layout((stages, self.tile_D, self.N), stride=(self.tile_D * self.N, self.N, 1)), 128),
+            sHeader=smem.allocate_tensor(Int32, cute.make_layout((stages, 2), stride=(2, 1)), 16),
+            sIndex=smem.allocate_tensor(
+                Int32, cute.make_layout((PIPELINE_INDEX_SLOTS, 32, words), stride=(32 * words, words, 1)), 16),
+            full=smem.allocate_array(cutlass.Int64, stages),
         )
+
+    @property
+    def stages(self) -> int:
+        """The CTA's stages (:func:`~mamba3_step.slab_pipeline.pipeline_stages`)."""
+        return pipeline_stages(self.spec)
+
+    @property
+    def index_words(self) -> int:
+        """Words of one prefetched slab's raw row indices: src, and dst with one destination per lane."""
+        return 2 if self.has_dst and not self.dst_per_token else 1
 
     def slab_coordinates(self, slab: Int32, heads: Int32):
         """``(b, h, dtile)`` of slab ``(b H + h) tiles + dtile``."""
@@ -155,42 +168,53 @@ class SlabPipeline:
 
     @cute.jit
     def walk_slabs(self, m: KernelArgs):
-        """The persistent CTA's life: initialise the stages, put its first slab in flight, then per
-        slab: refill the free stage and prefetch a later slab's indices (warp 0), wait for this slab's
-        stage, run its tokens, pass a barrier."""
+        """The persistent CTA's life: initialise the stages, put its first ``S - 1`` slabs in flight, then per
+        slab ``k``: refill the free stage with slab ``k + S - 1`` and prefetch slab ``k + S``'s indices (warp 0),
+        wait for this slab's stage, run its tokens, pass a barrier."""
         tidx, _, _ = cute.arch.thread_idx()
         cta_id, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         heads = m.xproj.shape[1]
         slabs = m.x.shape[0] * heads * (self.D // self.tile_D)
         count = (slabs - cta_id + grid - 1) // grid  # the slabs this CTA takes: cta_id + k grid
+        stages = self.stages
         shared = self.allocate_shared()
         producer = tidx < 32
         lane = tidx % 32
         if tidx == 0:
-            for s in cutlass.range_constexpr(PIPELINE_STAGES):
+            for s in cutlass.range_constexpr(stages):
                 cute.arch.mbarrier_init(shared.full + s, 1)
         cute.arch.mbarrier_init_fence()
         if producer:
             cute.arch.sync_warp()  # lane 0's initialisation before the warp's copies signal the mbarriers
-            src0, dst0 = self.slab_indices(m, cta_id, heads)
-            self.fetch_slab(m, shared, Int32(0), cta_id, src0, dst0, lane)
-            if count > 1:
-                self.prefetch_indices(m, shared, Int32(1 % PIPELINE_STAGES), cta_id + grid, heads, lane)
-        # the mbarriers initialised and the first header written before any thread waits or reads; every later
+            # the first slabs' indices all loaded before any is used (a later slab's clamped to the last slab: the
+            # load stays in the index tensor, and a slab the CTA does not take is not fetched), one round trip
+            first = [self.slab_indices(m, cta_id if s == 0 else cutlass.min(cta_id + s * grid, slabs - 1), heads)
+                     for s in range(stages - 1)]
+            cute.arch.sync_warp()  # keeps the compiler from sinking a later slab's load below the first fetch
+            for s in cutlass.range_constexpr(stages - 1):
+                if s < count:
+                    self.fetch_slab(m, shared, Int32(s), cta_id + s * grid, first[s][0], first[s][1], lane)
+            if count > stages - 1:
+                self.prefetch_indices(m, shared, Int32((stages - 1) % PIPELINE_INDEX_SLOTS), cta_id + (stages - 1) * grid,
+                                      heads, lane)
+        # the mbarriers initialised and the first headers written before any thread waits or reads; every later
         # header is written a slab ahead, before the barrier that ends the slab before its own
         cute.arch.barrier()
         for k in cutlass.range(count, unroll=1):
             slab = cta_id + k * grid
-            stage = k % PIPELINE_STAGES
+            stage = k % stages
             if producer:
-                if k + 1 < count:  # the stage slab k - 1 used: its readers passed the barrier that ended it
-                    src, dst = self.prefetched_indices(m, shared, (k + 1) % PIPELINE_STAGES, slab + grid, heads, lane)
+                if k + stages - 1 < count:  # the stage slab k - 1 used: its readers passed the barrier that ended it
+                    ahead = slab + (stages - 1) * grid
+                    src, dst = self.prefetched_indices(m, shared, (k + stages - 1) % PIPELINE_INDEX_SLOTS, ahead, heads,
+                                                       lane)
                     cute.arch.fence_proxy("async.shared", space="cta")
-                    self.fetch_slab(m, shared, (k + 1) % PIPELINE_STAGES, slab + grid, src, dst, lane)
-                if k + 2 < count:
-                    self.prefetch_indices(m, shared, k % PIPELINE_STAGES, slab + 2 * grid, heads, lane)
-            cute.arch.mbarrier_wait(shared.full + stage, (k // PIPELINE_STAGES) % 2)
+                    self.fetch_slab(m, shared, (k + stages - 1) % stages, ahead, src, dst, lane)
+                if k + stages < count:
+                    self.prefetch_indices(m, shared, (k + stages) % PIPELINE_INDEX_SLOTS, slab + stages * grid, heads,
+                                          lane)
+            cute.arch.mbarrier_wait(shared.full + stage, (k // stages) % 2)
             self.run_slab(m, shared, stage, slab, heads, tidx)
             cute.arch.barrier()  # every thread is done with the stage and the shared buffers
 

@@ -125,11 +125,8 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
         self.store_each = self.T == 1 or self.dst_per_token
         self.group_rows = lay.rows_per_pass * lay.rows_per_group  # tile rows in one row group
         self.reduce_plan, self.reduce_plain_mask = reduction_plan(lay.partials_per_group, lay.TPR)
-        #: row stride of the coefficients in shared memory (words): 16-byte rows, padded so that the
-        #: rows a warp's lanes read at once (rows_per_pass apart) fall in different banks
-        self.uv_stride = -(-2 * self.R // 4) * 4
-        if (self.uv_stride * lay.rows_per_pass) % 32 == 0:
-            self.uv_stride += 4
+        #: row stride of the coefficients in shared memory (words), and whether their rows are skewed
+        self.uv_stride, self.uv_skewed = self.coefficient_rows(spec)
         #: lanes sharing one row of the epilogue (each takes R / split ranks)
         self.epilogue_split = max(1, min(self.R, lay.num_threads // self.tile_D, 32))
         #: ascending: each round joins neighbouring subtrees of the ranks' pairwise sum (epilogue)
@@ -243,16 +240,16 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
     def allocate_shared(self) -> Shared:
         """The CTA's shared buffers (:class:`Shared`), 16-byte aligned."""
         smem = cutlass.memory.SmemAllocator()
-        rn = cute.make_layout((self.R, self.N), stride=(self.N, 1))
+        columns, column_stride = self.operand_columns()
+        rn = cute.make_layout((self.R, columns), stride=(self.N, column_stride))
         rd = cute.make_layout((self.R, self.tile_D), stride=(self.tile_D, 1))
         return Shared(
             sBB=smem.allocate_tensor(
-                Float32, cute.make_layout((2, self.R, self.N), stride=(self.R * self.N, self.N, 1)), 16),
+                Float32, cute.make_layout((2, self.R, columns), stride=(self.R * self.N, self.N, column_stride)), 16),
             sC=smem.allocate_tensor(Float32, rn, 16),
             sX=smem.allocate_tensor(Float32, cute.make_layout(self.tile_D), 16),
             sXr=smem.allocate_tensor(Float32, rd, 16),
-            sUV=smem.allocate_tensor(
-                Float32, cute.make_layout((self.tile_D, 2 * self.R), stride=(self.uv_stride, 1)), 16),
+            sUV=smem.allocate_tensor(Float32, self.uv_layout(), 16),
             sY=smem.allocate_tensor(Float32, rd, 16),
             sAng=smem.allocate_tensor(Int64, cute.make_layout(self.rope_angles), 16) if const_expr(self.rope_angles) else None,
             sCS=smem.allocate_tensor(Float32, cute.make_layout((2, self.rope_angles), stride=(self.rope_angles, 1)), 16)
@@ -270,6 +267,60 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
             if const_expr(self.async_state) else None,
             **(self.allocate_stages(smem) if const_expr(self.pipeline_ctas) else {}),
         )
+
+    def coefficient_rows(self, spec: StepSpec) -> tuple:
+        """``(uv_stride, uv_skewed)`` of ``sUV``: 16-byte rows of ``uv_stride`` words. The rows a warp's lanes read at
+        once are rows_per_pass apart; where that puts them in the same banks, each row is padded by a vector, or, in
+        the slab pipeline compiled for 3 CTAs per SM (slab_pipeline.launch_bound: its stages' budget is sized for
+        them), a row of two vectors is skewed instead (:meth:`uv_layout`)."""
+        stride = -(-2 * self.R // 4) * 4
+        if (stride * self.layout.rows_per_pass) % 32:
+            return stride, False
+        if spec.pipeline_ctas and launch_bound(spec) and stride == 8:
+            return stride, True
+        return stride + 4, False
+
+    def operand_columns(self) -> tuple:
+        """The ``N`` mode of the staged operand rows ``sBB``/``sC`` (fp32): ``(N, 1)``; or, in the slab pipeline
+        compiled for 3 CTAs with a lane's columns wider than one 16-byte vector (a 16- or 8-bit state: ``VN`` fp32
+        values), the lane's ``VN / 4`` vectors ``TPR`` vectors apart (column ``e + 4 h + VN (lane + TPR c)`` at word
+        ``e + 4 TPR h + 4 lane + VN TPR c``), so the quarter warp's lanes read consecutive vectors, not every other one
+        (a 2-way bank conflict on every operand load). Not with stochastic rounding: under the launch bound its
+        168 registers do not hold the addresses (16 bytes of spill)."""
+        lay = self.layout
+        if not (self.uv_skewed and lay.VN > 4 and not self.stochastic):
+            return self.N, 1
+        return (4, lay.VN // 4, lay.TPR, lay.CPT), (1, 4 * lay.TPR, 4, lay.VN * lay.TPR)
+
+    def uv_layout(self):
+        """``sUV``'s layout: ``(tile_D, 2R)`` rows of ``uv_stride`` words; skewed (``uv_skewed``): row
+        ``d = a + p j`` (``p = rows_per_pass``, ``a < p``) starts at word ``8 a + (8 p + 4) (j % 4) + (32 p + 12) (j // 4)``,
+        so the rows ``p`` apart that a quarter warp reads at once (consecutive ``j`` of one group of four) take
+        different 16-byte bank slots, in 2 KiB less than the padded rows of the flagship's fp32 tile (what gives
+        its slab pipeline a third CTA per SM); every row still starts on 16 bytes, so its vectors are read whole."""
+        if not self.uv_skewed:
+            return cute.make_layout((self.tile_D, 2 * self.R), stride=(self.uv_stride, 1))
+        shape, stride = self.uv_skew()
+        return cute.make_layout((shape, 2 * self.R), stride=(stride, 1))
+
+    def uv_skew(self) -> tuple:
+        """The skewed rows' ``(shape, stride)`` in words: modes ``a``, ``j % 4``, ``j // 4`` (:meth:`uv_layout`)."""
+        p = self.layout.rows_per_pass
+        j = self.tile_D // p
+        return (p, min(j, 4), -(-j // 4)), (8, 8 * p + 4, 32 * p + 12)
+
+    def uv_rows(self, cta: Cta, g: int) -> list:
+        """The skewed ``sUV`` coordinates ``(a, j % 4, j // 4)`` of the thread's register rows of group ``g``
+        (:meth:`~.slab.Slab.thread_rows`: ``a = tidx // TPR``, below rows_per_pass, and ``j = g rows_per_group +
+        (rho ^ i)``), from the thread's own values rather than divided out of each row."""
+        lay = self.layout
+        rho = cta.phi >> (self.R.bit_length() - 1)
+        a = cta.tidx // lay.TPR
+        out = []
+        for i in range(lay.rows_per_group):
+            j = g * lay.rows_per_group + (rho ^ i)
+            out.append((a, j % 4, j // 4) if self.tile_D // lay.rows_per_pass >= 4 else (a, j, 0))
+        return out
 
     @cute.jit
     def select_rows(self, m: KernelArgs, b: Int32):

@@ -83,7 +83,7 @@ class StateUpdate:
         for i in cutlass.range_constexpr(lay.rows_per_group):
             tSrUV = cute.make_rmem_tensor(cute.make_layout(2 * R), Float32)  # the row's u_r, v_r
             for k in cutlass.range_constexpr(2 * R):
-                tSrUV[k] = shared.sUV[rows[i], k]
+                tSrUV[k] = shared.sUV[rows[i] if const_expr(group.uv_rows is None) else group.uv_rows[i], k]
             tSrNew = storage.new_row(tSrNewG, i)  # (VN, CPT)
             for c in cutlass.range_constexpr(lay.CPT):
                 for e in cutlass.range_constexpr(lay.VN):

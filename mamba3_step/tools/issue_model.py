@@ -93,8 +93,9 @@ def issue_model(warp_instructions_per_slab: float, bytes_per_slab: float, gpu: G
 STATE_FORMS_EXECUTED = {"fp32": (6188, 6344), "bf16, round to nearest": (6844, 7148),
                         "bf16, stochastic rounding": (11300, 11512)}
 #: the same for the slab pipeline (``StepSpec.pipeline_ctas``; measured alike, B = 4 and H = 2: one slab a CTA, so
-#: its prologue counted with it): the register kernel's tokens, plus the stage's reads and the refill
-PIPELINE_EXECUTED = {"fp32": 6546, "bf16, round to nearest": 7396, "bf16, stochastic rounding": 11618}
+#: its prologue counted with it): the register kernel's tokens, plus the stage's reads, the refill and the skewed
+#: coefficient rows' addresses (Mamba3StepKernel.uv_layout)
+PIPELINE_EXECUTED = {"fp32": 6860, "bf16, round to nearest": 7590, "bf16, stochastic rounding": 11879}
 #: executed PTX warp-instructions per state slab of the flagship (pool mode, update_kv_state; one live
 #: (lane, head)), stepwise and with replay: ``(F, from_checkpoint) -> (num_warps, counts at ring positions
 #: 0..F-1)`` at the default tiling. Measured by the PTX execution tier (``python bench/issue_model.py``

@@ -37,12 +37,11 @@ ASYNC_LATENCY_FACTS = {"sm_90a": {"fp32": (3, 4), "bf16, round to nearest": (3, 
 
 #: ``(round trips a slab waits on, CTAs per SM)`` of the slab pipeline (``StepSpec.pipeline_ctas``), each state form
 #: on sm_90a and sm_100a: in its slab loop a CTA waits on one round trip per slab, its token's staging loads (the
-#: slab's state was put in flight a slab earlier, its row indices two: tests/kernel/test_pipeline_compile.py reads the
-#: loop from the SASS); the CTAs per SM are the occupancy (fp32: shared memory, two 32 KiB stages; a 16-bit state:
-#: registers, under slab_pipeline.PIPELINE_LAUNCH_BOUND), which that test holds equal. On sm_100a ptxas fits the stochastic
-#: form into the bound's 168 registers with an 8-byte spill whose store is a staging load's first use: one trip more
-PIPELINE_LATENCY_FACTS = {"sm_90a": {"fp32": (1, 2), "bf16, round to nearest": (1, 3), "bf16, stochastic rounding": (1, 3)},
-                          "sm_100a": {"fp32": (1, 2), "bf16, round to nearest": (1, 3), "bf16, stochastic rounding": (2, 3)}}
+#: slab's state was put in flight ``S - 1`` slabs earlier, its row indices ``S``: tests/kernel/test_pipeline_compile.py
+#: reads the loop from the SASS); the CTAs per SM are the occupancy (three: the stages take 64 KiB, two fp32 tiles or
+#: four 16-bit ones, and the registers fit slab_pipeline.PIPELINE_LAUNCH_BOUND), which that test holds equal
+PIPELINE_LATENCY_FACTS = {arch: {"fp32": (1, 3), "bf16, round to nearest": (1, 3), "bf16, stochastic rounding": (1, 3)}
+                          for arch in ("sm_90a", "sm_100a")}
 
 
 #: ``(round trips, CTAs per SM)`` of the register kernel with its loads in the compiler's order

@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..slab_pipeline import PIPELINE_STAGES as SLAB_PIPELINE_STAGES
+from ..slab_pipeline import pipeline_stages
 from .issue_model import GPUS, ISSUE_PER_CLOCK, GPU
 from .latency_facts import (ASYNC_LATENCY_FACTS, FLAGSHIP_TRIPS, KERNEL_LATENCY_FACTS, LATE_EPILOGUE_LATENCY_FACTS,
                             MEASURED_OWN_STALLS, NOT_OWN_STALLS, PIPELINE_LATENCY_FACTS, UNPINNED_LATENCY_FACTS,
@@ -392,8 +392,8 @@ def flagship_designs(spec, warp_instructions: float, bytes_per_slab: float, stat
     ``async_copy`` (its round trips and CTAs per SM, :data:`ASYNC_LATENCY_FACTS`) ``"asynchronous state
     copy"``, the kernel ``StepSpec.async_state_copy`` compiles, and with ``slab_pipeline`` (its round trips a slab
     waits on and CTAs per SM, :data:`PIPELINE_LATENCY_FACTS`) ``"slab pipeline"``, the kernel
-    ``StepSpec.pipeline_ctas`` compiles: persistent CTAs, two stages of a whole slab each (the slab being
-    updated and the next in flight), each a customer of the network with one round trip, after a prologue of
+    ``StepSpec.pipeline_ctas`` compiles: persistent CTAs, ``slab_pipeline.pipeline_stages`` stages of a whole slab
+    each (the slab being updated and the next ones in flight), each a customer of the network with one round trip, after a prologue of
     two (the index, the first slab). The instructions are today's per slab for
     every design, and the register designs keep today's ``ctas_today`` resident CTAs (assumptions: the
     same arithmetic, the same registers)."""
@@ -412,5 +412,5 @@ def flagship_designs(spec, warp_instructions: float, bytes_per_slab: float, stat
                                                     **pipeline)
     if slab_pipeline is not None:
         designs["slab pipeline"] = Design("slab pipeline", 1 + slab_pipeline[0], ctas_per_sm=slab_pipeline[1],
-                                          stages=SLAB_PIPELINE_STAGES, stage_bytes=bytes_per_slab, **pipeline)
+                                          stages=pipeline_stages(spec), stage_bytes=bytes_per_slab, **pipeline)
     return designs

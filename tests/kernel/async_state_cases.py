@@ -113,6 +113,11 @@ ASYNC_FULL = {name: spec for name, spec in {**MULTI_TOKEN, **ROTARY, **STOCHASTI
               if name not in ASYNC_DEFAULT}
 
 
+def prepared_heads(spec) -> int:
+    """The heads of :func:`prepared_call`'s inputs: 2 for a small state, else 1."""
+    return 2 if spec.dstate * spec.headdim * spec.mimo < 256 * 32 * 8 else 1
+
+
 def prepared_call(spec, B: int, seed: int, device: str = "cpu") -> tuple:
     """Fresh inputs and indices for ``spec`` on ``device`` (every padding kind in pool mode), validated as a
     user's call: ``(StepTensors, lane kinds)`` with ``out`` poisoned; the spec the call compiles to is ``spec``."""
@@ -123,7 +128,7 @@ def prepared_call(spec, B: int, seed: int, device: str = "cpu") -> tuple:
     from mamba3_step.testing import inputs_for, poison_, pool_rows, step_indices
 
     P = pool_rows(spec, B) if spec.pool else None
-    heads = 2 if spec.dstate * spec.headdim * spec.mimo < 256 * 32 * 8 else 1
+    heads = prepared_heads(spec)
     inputs = inputs_for(spec, B, P, H=heads, seed=seed, device=device)
     kinds = ["live"] * B
     kw = {}

@@ -5,7 +5,7 @@ How the slab reaches the update changes when bytes arrive, not what is computed,
 both kernels run on the same fresh random inputs (poisoned ``out``, every padding kind in the batch) and
 everything they write must be the same bits: ``out``, the state pool (or ``state_out``), Bstate/Xstate, the
 rotary angles and an 8-bit state's scales. The pipeline runs with fewer CTAs than slabs, so each CTA walks
-several and both stages turn over, their mbarriers' phases flipping; and with more CTAs than slabs. The
+several and its stages turn over, their mbarriers' phases flipping; and with more CTAs than slabs. The
 executor models the bulk copies' asynchrony (docs/ptx-tier.md, "Mbarriers and bulk copies"): a copy's bytes
 land in shared memory when a thread's wait on its mbarrier's phase completes it, and a read of them before is
 an error, so these runs also show that the kernel waits where it must and refills a stage only once every
@@ -25,17 +25,25 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from async_state_cases import assert_same_writes, case_params, case_spec, pipeline_spec, prepared_call, run_each
+from async_state_cases import (assert_same_writes, case_params, case_spec, pipeline_spec, prepared_call, prepared_heads,
+                               run_each)
 from test_kernel_compile import COVERING
 
 from mamba3_step.spec import flagship_spec
 from mamba3_step.testing import bits_equal
-from mamba3_step.slab_pipeline import pipeline_problem
+from mamba3_step.slab_pipeline import pipeline_problem, pipeline_stages
 from mamba3_step.tools.ptx_tier import run_step_ptx
 from ptx_executor import analysis
 
-#: persistent CTAs of the executed runs: fewer than the slabs of B = 6 lanes (6 or 12), so each CTA walks 2-4
+#: persistent CTAs of the race and padding runs: fewer than the slabs of B = 6 or 8 lanes, so each CTA walks several
 CTAS = 4
+
+
+def walking_ctas(spec, batch: int) -> int:
+    """CTAs for ``batch`` lanes of ``spec`` that walk at least ``2 S + 1`` slabs each where the slabs allow (``S``
+    its stages: every stage refilled and its mbarrier's phase flipped), and at least 1."""
+    slabs = batch * prepared_heads(spec) * (spec.headdim // spec.tile_D)
+    return max(1, slabs // (2 * pipeline_stages(spec.replace(pipeline_ctas=1)) + 1))
 #: the lane kinds of mamba3_step.testing.step_indices that read a row; every other kind is padding
 LIVE_KINDS = ("live", "live_nodst", "live_gaps")
 
@@ -44,7 +52,8 @@ LIVE_KINDS = ("live", "live_nodst", "live_gaps")
 def test_the_pipeline_writes_the_register_kernels_bits(name):
     spec = case_spec(name)
     tensors, _ = prepared_call(spec, B=6, seed=29)
-    registers, piped = run_each(tensors, spec, pipeline_spec(spec, CTAS))
+    piped = pipeline_spec(spec, 1)
+    registers, piped = run_each(tensors, spec, piped.replace(pipeline_ctas=walking_ctas(piped, 6)))
     assert assert_same_writes(registers, piped, f"{name}, the register kernel and the slab pipeline") >= 2
     assert not bits_equal(registers.out, tensors.out), f"{name}: the step wrote nothing to out"
 
@@ -103,6 +112,25 @@ def test_no_race_between_ctas_or_inside_one(name):
     bulk = {ln for ln, w in zip(res.shared_log.arrays()["instr"].tolist(), res.shared_log.arrays()["width"].tolist())
             if w > 16}
     assert bulk and conflicts and not bulk & set(conflicts)
+
+
+@pytest.mark.parametrize("form", [{}, dict(state_dtype="bfloat16")], ids=["fp32", "bf16"])
+def test_every_vector_load_from_shared_memory_is_free_of_bank_conflicts(form):
+    """Every 16-byte shared load of the flagship's pipeline (the staged tile, the operand rows ``sBB``/``sC``, the
+    coefficient rows ``sUV``) takes its ideal wavefronts in the executor's bank model. The layouts that make it so
+    (Mamba3StepKernel.uv_layout, operand_columns) are what the test checks: with the register kernel's padded
+    coefficient rows the bf16 loads conflict 4-way, with rows of 8 words unskewed the fp32 ones 2-way, and with the
+    operand columns in order the bf16 operand loads 2-way."""
+    spec = flagship_spec(**form)
+    tensors, _ = prepared_call(spec, B=2, seed=7)
+    res = run_step_ptx(pipeline_spec(spec, 1), tensors, record_shared=True)
+    log = res.shared_log.arrays()
+    loads = {ln for ln, w, write in zip(log["instr"].tolist(), log["width"].tolist(), log["write"].tolist())
+             if w == 16 and not write}
+    conflicts = analysis.bank_conflicts(res)
+    assert len(loads) >= 20, f"{len(loads)} vector loads from shared memory"
+    bad = {ln: conflicts[ln] for ln in loads if conflicts[ln]["wavefronts"] != conflicts[ln]["ideal"]}
+    assert not bad, f"bank-conflicted vector loads (PTX line: wavefronts): {bad}"
 
 
 def test_what_the_pipeline_refuses():
