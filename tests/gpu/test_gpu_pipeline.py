@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("name", case_params())
 @pytest.mark.parametrize("B", [1, 37])
-@pytest.mark.parametrize("per_sm", [0, 2], ids=["ctas5", "ctas2perSM"])
+@pytest.mark.parametrize("per_sm", [0, 3], ids=["ctas5", "ctas3perSM"])
 def test_the_pipeline_writes_the_register_kernels_bits_on_the_gpu(name, B, per_sm):
     spec = case_spec(name)
     ctas = per_sm * torch.cuda.get_device_properties(0).multi_processor_count if per_sm else 5
