@@ -94,15 +94,17 @@ def test_padding_lanes_copy_no_pool_byte_and_live_slabs_their_rows_once(name):
                            f"{sum((reads - want).values())} read too often, {sum((want - reads).values())} missing)")
 
 
-@pytest.mark.parametrize("name", ["flagship-pool-kv", "flagship-T4-spec"])
-def test_no_race_between_ctas_or_inside_one(name):
+@pytest.mark.parametrize("name, ctas", [("flagship-pool-kv", CTAS), ("flagship-T4-spec", CTAS),
+                                        ("flagship-bf16state-sr", 2)])
+def test_no_race_between_ctas_or_inside_one(name, ctas):
     """No global byte is shared by two CTAs with a write, and no two threads of a CTA touch a shared or global byte
     between the same two barriers with one writing (the stage's bulk copy counted in the epoch it was issued: its
     readers wait on the mbarrier phase it completes). Without the barrier that ends a slab, the next slab's header
-    and staging writes race with this slab's reads: this test fails on that kernel."""
+    and staging writes race with this slab's reads: this test fails on that kernel. The 4-stage form runs on 2 CTAs of
+    6 slabs each, so two of its stages are refilled."""
     spec = case_spec(name)
     tensors, _ = prepared_call(spec, B=6, seed=3)
-    res = run_step_ptx(pipeline_spec(spec, CTAS), tensors, record_shared=True)
+    res = run_step_ptx(pipeline_spec(spec, ctas), tensors, record_shared=True)
     assert analysis.cta_races(res) == []
     assert analysis.intra_cta_races(res) == []
     assert analysis.intra_cta_races(res, shared=True) == []
