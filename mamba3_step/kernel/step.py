@@ -296,8 +296,9 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
         """``sUV``'s layout: ``(tile_D, 2R)`` rows of ``uv_stride`` words; skewed (``uv_skewed``): row
         ``d = a + p j`` (``p = rows_per_pass``, ``a < p``) starts at word ``8 a + (8 p + 4) (j % 4) + (32 p + 12) (j // 4)``,
         so the rows ``p`` apart that a quarter warp reads at once (consecutive ``j`` of one group of four) take
-        different 16-byte bank slots, in 2 KiB less than the padded rows of the flagship's fp32 tile (what gives
-        its slab pipeline a third CTA per SM); every row still starts on 16 bytes, so its vectors are read whole."""
+        different 16-byte bank slots, in 832 bytes less than the padded rows of the flagship's tile (2,240 against
+        3,072: what gives its fp32 slab pipeline a third CTA per SM); every row still starts on 16 bytes, so its
+        vectors are read whole."""
         if not self.uv_skewed:
             return cute.make_layout((self.tile_D, 2 * self.R), stride=(self.uv_stride, 1))
         shape, stride = self.uv_skew()

@@ -135,6 +135,15 @@ def test_every_vector_load_from_shared_memory_is_free_of_bank_conflicts(form):
     assert not bad, f"bank-conflicted vector loads (PTX line: wavefronts): {bad}"
 
 
+def test_the_stages_fill_their_budget():
+    """As many tiles as 64 KiB holds, 2 to 4 (slab_pipeline.pipeline_stages; the contract's dtypes' widths)."""
+    stages = {dtype: pipeline_stages(flagship_spec(state_dtype=dtype, pipeline_ctas=8))
+              for dtype in ("float32", "bfloat16", "float16", "int8")}
+    assert stages == {"float32": 2, "bfloat16": 4, "float16": 4, "int8": 4}, stages  # 32, 16, 16, 8 KiB tiles
+    big = flagship_spec(dstate=256, pipeline_ctas=8)  # a 64 KiB fp32 tile: two stages, 128 KiB, still accepted
+    assert pipeline_stages(big) == 2 and pipeline_problem(big) is None
+
+
 def test_what_the_pipeline_refuses():
     for changes in (dict(replay_ring=2), dict(async_state_copy=True)):
         problem = pipeline_problem(flagship_spec(pipeline_ctas=8).replace(**changes))
