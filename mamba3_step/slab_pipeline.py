@@ -78,6 +78,9 @@ def pipeline_problem(spec) -> str | None:
         return None
     if spec.replay_ring or spec.async_state_copy:
         return "the slab pipeline (pipeline_ctas) runs stepwise tokens: not with replay_ring or async_state_copy"
+    if spec.update_kv_state and spec.tile_D < spec.headdim:
+        return ("the slab pipeline's CTA walks slabs alone: update_kv_state with tile_D < headdim (a cluster per "
+                "(lane, head)) is the register kernel's (pipeline_ctas=0)")
     stage_bytes = 2 * stage_tile_bytes(spec)
     if stage_bytes > PIPELINE_STAGE_BYTES:
         return (f"the slab pipeline's 2 stages of tile_D={spec.tile_D} x N={spec.dstate} "

@@ -157,6 +157,22 @@ def launch_grid(batch, heads, headdim: int, tile_D: int) -> tuple:
     return (batch, heads, headdim // tile_D)
 
 
+#: the most CTAs of one cluster (the portable cluster size of sm_90 and sm_100)
+MAX_CLUSTER_CTAS = 8
+
+
+def launch_cluster(spec) -> tuple | None:
+    """The cluster of the register kernel's launch, or None: with ``update_kv_state`` and ``tile_D < headdim``
+    the ``D / tile_D`` CTAs of a (lane, head) are one cluster ``(1, 1, D / tile_D)`` (the grid's D-tile axis),
+    so that the Bstate row is written after a cluster barrier that all of them passed once they read it
+    (:meth:`mamba3_step.kernel.staging.Staging.store_kv_state`). The kernel launches it and the PTX execution
+    tier runs it."""
+    tiles = spec.headdim // spec.tile_D
+    if not spec.update_kv_state or tiles == 1 or spec.pipeline_ctas:
+        return None
+    return (1, 1, tiles)
+
+
 def default_tiling(dstate: int, headdim: int, mimo: int, state_dtype: str, tokens: int = 1,
                    whole_head: bool = True, lean: bool | str = False, replay: bool = False,
                    verify: bool = False, from_checkpoint: bool = False, states: str = "") -> tuple[int, int]:
@@ -412,10 +428,11 @@ def tiling_problem(spec) -> str | None:
             f"(N={spec.dstate}, R={spec.mimo}, {spec.state_dtype} state, {lay.state_words_per_thread} "
             f"state registers per thread): use a smaller tile_D (without update_kv_state) or a 16-bit state"
         )
-    if spec.update_kv_state and spec.tile_D < spec.headdim:
+    if spec.update_kv_state and spec.headdim // spec.tile_D > MAX_CLUSTER_CTAS:
         return (
-            f"update_kv_state needs tile_D >= headdim (one CTA per (lane, head) owns the "
-            f"B/x row), got tile_D={spec.tile_D} < headdim={spec.headdim}"
+            f"update_kv_state with tile_D < headdim launches the {spec.headdim // spec.tile_D} CTAs of a (lane, head) "
+            f"as one cluster, at most {MAX_CLUSTER_CTAS} (the portable cluster size): use tile_D >= "
+            f"{spec.headdim // MAX_CLUSTER_CTAS}, got tile_D={spec.tile_D} (headdim={spec.headdim})"
         )
     return pipeline_problem(spec)
 

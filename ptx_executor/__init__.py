@@ -42,7 +42,7 @@ __all__ = [
 
 def run(module: Module | str, *, grid: tuple, block: tuple, params: list, memory: GlobalMemory,
         entry: str | None = None, dynamic_smem: int = 0, record: bool = True,
-        record_shared: bool = False, async_copies: str = "modelled") -> RunResult:
+        record_shared: bool = False, async_copies: str = "modelled", cluster: tuple | None = None) -> RunResult:
     """Execute one launch of ``entry`` (the module's only entry by default).
 
     Args:
@@ -59,6 +59,8 @@ def run(module: Module | str, *, grid: tuple, block: tuple, params: list, memory
             before that raises :class:`AsyncCopyError`; ``"immediate"``: every copy lands
             when it is issued (no pending state, no findings); the same for bulk copies
             (``cp.async.bulk``), whose mbarrier phases and tx-counts run in both modes.
+        cluster: CTAs per thread-block cluster ``(cx, cy, cz)``, dividing the grid (default: none,
+            each CTA alone); ``barrier.cluster`` runs over them (:mod:`.isa_cluster`).
     """
     if isinstance(module, str):
         module = parse_module(module)
@@ -73,4 +75,4 @@ def run(module: Module | str, *, grid: tuple, block: tuple, params: list, memory
     program = Program(module, e, by_name)
     machine = Machine(program, memory, by_name, dynamic_smem=dynamic_smem, record=record,
                       record_shared=record_shared, async_copies=async_copies)
-    return machine.run(grid, block)
+    return machine.run(grid, block, cluster)

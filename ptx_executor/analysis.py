@@ -13,7 +13,7 @@
   bank holding the most distinct words sets the wavefronts, equal words broadcast).
 * :func:`cta_races` - bytes written by two CTAs, or written by one and read by another:
   the executor runs CTAs in one order, a GPU in any, so such bytes make results depend on
-  scheduling.
+  scheduling; unless the CTAs share a cluster whose barrier orders the two accesses.
 * :func:`intra_cta_races` - bytes two threads of one CTA touch (one writing) between the
   same two barriers, in global or shared memory.
 """
@@ -24,6 +24,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from . import isa_cluster
 from .memory import GlobalMemory
 from .machine import RunResult
 
@@ -185,8 +186,11 @@ def bank_conflicts(result: RunResult) -> dict:
 
 def cta_races(result: RunResult) -> list:
     """Global bytes shared between CTAs with at least one write: ``[(address, kind, (cta, cta))]``
-    (at most 10; kind ``write/write`` or ``write/read``)."""
+    (at most 10; kind ``write/write`` or ``write/read``). With a cluster launch two accesses of CTAs
+    of one cluster are no race when its barrier orders them (:func:`_cluster_races`)."""
     a = _flat(result)
+    if "cluster" in result.extra and len(a["addr"]):
+        return _cluster_races(result, a)
     if not len(a["addr"]):
         return []
     bytes_, owner = _byte_ranges(a["addr"], a["width"])
@@ -211,6 +215,40 @@ def cta_races(result: RunResult) -> list:
     races += [(int(b[s]), "write/read", (int(w), int(r))) for s, w, r in
               zip(starts[wrr][:10], wmin[wrr][:10], other[wrr][:10])]
     return races[:10]
+
+
+def _cluster_races(result: RunResult, a: dict) -> list:
+    """:func:`cta_races` of a cluster launch: every pair of accesses of one byte by two CTAs, one a write,
+    unless both CTAs are in one cluster and the barrier orders them: access ``x`` happens before ``y`` when
+    ``x``'s thread made a release arrival after ``x`` (phase ``k``, :func:`isa_cluster.next_release`) and
+    ``y``'s thread had completed its ``k``-th wait before ``y``."""
+    info = result.extra["cluster"]
+    bytes_, owner = _byte_ranges(a["addr"], a["width"])
+    thread = a["thread"][owner]
+    cta = cta_of(result, thread)
+    gx, gy, _ = result.grid
+    cx, cy, cz = info["dims"]
+    cluster = (cta % gx) // cx + (gx // cx) * (((cta // gx) % gy) // cy + (gy // cy) * ((cta // (gx * gy)) // cz))
+    release = isa_cluster.next_release(a["arrived"][owner], info["relaxed"][thread], info["arrived"][thread])
+    waited, wr = a["waited"][owner], a["write"][owner]
+    order = np.lexsort((cta, bytes_))
+    b, cta, cluster, release, waited, wr = (v[order] for v in (bytes_, cta, cluster, release, waited, wr))
+    races = []
+    for off in range(1, len(b)):
+        i = np.arange(len(b) - off)
+        j = i + off
+        same = b[i] == b[j]
+        if not same.any():
+            break
+        i, j = i[same], j[same]
+        ordered = (cluster[i] == cluster[j]) & ((release[i] <= waited[j]) | (release[j] <= waited[i]))
+        bad = (cta[i] != cta[j]) & (wr[i] | wr[j]) & ~ordered
+        for x, y in zip(i[bad][:10], j[bad][:10]):
+            kind = "write/write" if wr[x] and wr[y] else "write/read"
+            races.append((int(b[x]), kind, (int(cta[x]), int(cta[y]))))
+        if len(races) >= 10:
+            break
+    return sorted(races)[:10]
 
 
 #: accesses analysed at once by :func:`intra_cta_races` (whole CTAs per batch): each access

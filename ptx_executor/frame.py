@@ -80,8 +80,10 @@ class Frame:
 
     def __init__(self, entry: Entry, *, first_cta: int, n_cta: int, grid: tuple, block: tuple,
                  memory: GlobalMemory, layout: VarLayout, params: dict,
-                 log: AccessLog | None, log_shared: AccessLog | None, async_copies: str = "modelled"):
+                 log: AccessLog | None, log_shared: AccessLog | None, async_copies: str = "modelled",
+                 cluster: tuple = (1, 1, 1)):
         self.entry = entry
+        self.cluster = cluster  # CTAs per cluster (x, y, z); (1, 1, 1): each CTA a cluster of one
         self.first_cta = first_cta
         self.n_cta = n_cta
         self.grid = grid
@@ -113,6 +115,7 @@ class Frame:
         self.warp_size = np.minimum(32, self.nt - (self.tlin - self.lane))
         self.n_warps = n_cta * ((self.nt + 31) // 32)
         self.exited = np.zeros(self.n, bool)
+        self.cluster_barrier = None  # arrivals and waits at barrier.cluster, created by the first (isa_cluster)
         self.regs: dict = {}
         for name, ptx_type in entry.reg_types.items():
             st = storage_of(ptx_type)
@@ -137,19 +140,20 @@ class Frame:
             "%ctaid.z": (cta // (gx * gy)).astype(u32),
             "%laneid": self.lane.astype(u32),
             "%warpid": (self.tlin // 32).astype(u32),
-            # every launch is a cluster of one CTA: its rank 0, the cluster's id the CTA's
-            "%clusterid.x": (cta % gx).astype(u32),
-            "%clusterid.y": ((cta // gx) % gy).astype(u32),
-            "%clusterid.z": (cta // (gx * gy)).astype(u32),
         }
+        cx, cy, cz = self.cluster
+        pos = ((cta % gx) % cx, ((cta // gx) % gy) % cy, (cta // (gx * gy)) % cz)
+        for axis, c, g, p in zip("xyz", self.cluster, self.grid, pos):
+            sp[f"%clusterid.{axis}"] = (sp[f"%ctaid.{axis}"] // c).astype(u32)
+            sp[f"%cluster_ctaid.{axis}"] = p.astype(u32)
+        sp["%cluster_ctarank"] = (pos[0] + cx * (pos[1] + cy * pos[2])).astype(u32)
         for k, v in (("%ntid.x", bx), ("%ntid.y", by), ("%ntid.z", bz), ("%nctaid.x", gx),
                      ("%nctaid.y", gy), ("%nctaid.z", gz), ("%nwarpid", (self.nt + 31) // 32),
                      ("%dynamic_smem_size", self.layout.dynamic),
                      ("%total_smem_size", self.layout.shared_size),
-                     ("%nclusterid.x", gx), ("%nclusterid.y", gy), ("%nclusterid.z", gz),
-                     ("%cluster_ctaid.x", 0), ("%cluster_ctaid.y", 0), ("%cluster_ctaid.z", 0),
-                     ("%cluster_nctaid.x", 1), ("%cluster_nctaid.y", 1), ("%cluster_nctaid.z", 1),
-                     ("%cluster_ctarank", 0), ("%cluster_nctarank", 1), ("%is_explicit_cluster", 0)):
+                     ("%nclusterid.x", gx // cx), ("%nclusterid.y", gy // cy), ("%nclusterid.z", gz // cz),
+                     ("%cluster_nctaid.x", cx), ("%cluster_nctaid.y", cy), ("%cluster_nctaid.z", cz),
+                     ("%cluster_nctarank", cx * cy * cz), ("%is_explicit_cluster", int(self.cluster != (1, 1, 1)))):
             sp[k] = np.full(self.n, v, u32)
         lane = self.lane.astype(np.uint64)
         one = np.uint64(1)

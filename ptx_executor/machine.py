@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import isa_alu, isa_async, isa_bits, isa_bulk, isa_cvt, isa_mbar, isa_mem, isa_warp  # noqa: F401  (handlers)
+from . import isa_alu, isa_async, isa_bits, isa_bulk, isa_cluster, isa_cvt, isa_mbar, isa_mem, isa_warp  # noqa: F401
+from .deadlock import check_warps, barrier_deadlock
 from .errors import BarrierError, PTXError, WarpSyncError
 from .frame import Frame, storage_of
 from .isa import Context, compile_instruction, unsupported
@@ -65,7 +66,7 @@ class _Group:
     waiting: bool = False
     barrier: int = -1
     count: int = 0
-    kind: str = "bar"  # what a waiting group waits for: "bar" (bar.sync) or "mbar" (an mbarrier phase)
+    kind: str = "bar"  # what a waiting group waits for: "bar" (bar.sync), "mbar" (an mbarrier phase), "cluster"
 
 
 @dataclass
@@ -101,6 +102,11 @@ class Program:
             return _Op("bra", ins, target=self.entry.labels[target.name], uniform="uni" in mods)
         if base in ("ret", "exit"):
             return _Op("exit", ins)
+        if base == "barrier" and mods[:1] == ("cluster",):
+            if "wait" in mods:
+                isa_cluster.check_wait(ins)
+                return _Op("cwait", ins)
+            return _Op("op", ins, fn=isa_cluster.compile_arrive(ins))
         if base in ("bar", "barrier") and "warp" not in mods:
             return self._barrier(ins)
         if base == "mbarrier" and mods and mods[0] in ("try_wait", "test_wait"):
@@ -175,14 +181,23 @@ class Machine:
             raise ValueError(f"async_copies must be one of {ASYNC_MODES}, got {async_copies!r}")
         self.async_copies = async_copies
 
-    def run(self, grid: tuple, block: tuple) -> RunResult:
+    def run(self, grid: tuple, block: tuple, cluster: tuple | None = None) -> RunResult:
         grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+        cluster = (1, 1, 1) if cluster is None else tuple(cluster) + (1,) * (3 - len(cluster))
+        if any(c < 1 or g % c for g, c in zip(grid, cluster)):
+            raise PTXError(f"the cluster {cluster} must divide the grid {grid}")
         if self.entry.reqntid and tuple(self.entry.reqntid) != block:
             raise PTXError(f".reqntid {self.entry.reqntid} of the entry does not match the launch block {block}")
         nt = block[0] * block[1] * block[2]
         n_cta = grid[0] * grid[1] * grid[2]
         per_thread = sum(np.dtype(storage_of(t)).itemsize for t in self.entry.reg_types.values()) + 64
         chunk = max(1, CHUNK_REGISTER_BYTES // max(1, per_thread * nt))
+        # a chunk holds whole clusters: runs of consecutive CTAs that are unions of clusters
+        unit = (cluster[0] if cluster[1:] == (1, 1) else grid[0] * cluster[1] if cluster[2] == 1
+                else grid[0] * grid[1] * cluster[2])
+        chunk = max(1, chunk // unit) * unit
+        clustered = cluster != (1, 1, 1)
+        relaxed, arrived = (np.zeros(n_cta * nt, np.int64) for _ in range(2))
         issued = np.zeros(len(self.program.ops), np.int64)
         log = AccessLog() if self.record else None
         shared_log = AccessLog() if self.record_shared else None
@@ -191,12 +206,23 @@ class Machine:
             for first in range(0, n_cta, chunk):
                 F = Frame(self.entry, first_cta=first, n_cta=min(chunk, n_cta - first), grid=grid, block=block,
                           memory=self.memory, layout=self.layout, params=self.params, log=log,
-                          log_shared=shared_log, async_copies=self.async_copies)
+                          log_shared=shared_log, async_copies=self.async_copies, cluster=cluster)
                 if self.program.uses_bulk:
                     isa_bulk.bulk_state(F)
+                if clustered:
+                    cb = isa_cluster.state(F)
+                    for lg in (log, shared_log):
+                        if lg is not None:
+                            lg.phase_source = lambda threads, F=F, cb=cb: cb.phases(F, threads)
                 self._run_chunk(F, issued)
+                if clustered:
+                    relaxed[F.first_thread:F.first_thread + F.n] = cb.relaxed
+                    arrived[F.first_thread:F.first_thread + F.n] = cb.arrived
                 chunks += 1
-        return RunResult(self.entry, issued, log, shared_log, grid, block, chunks)
+        result = RunResult(self.entry, issued, log, shared_log, grid, block, chunks)
+        if clustered:
+            result.extra["cluster"] = {"dims": cluster, "relaxed": relaxed, "arrived": arrived}
+        return result
 
     # ------------------------------------------------------------------ scheduling
     def _run_chunk(self, F: Frame, issued: np.ndarray) -> None:
@@ -209,7 +235,7 @@ class Machine:
                 groups = _wake(F, groups)
             runnable = [g for g in groups if not g.waiting]
             if not runnable:
-                groups = self._release(F, groups)
+                groups = self._release_any(F, groups)
                 continue
             g = min(runnable, key=lambda x: x.pc)
             for other in [o for o in runnable if o is not g and o.pc == g.pc]:  # meet at a join
@@ -255,6 +281,9 @@ class Machine:
                             groups.remove(g)
                             break
                         g.idx, g.warps, g.pc = rest, _warps(F, rest), g.pc + 1
+                elif op.kind == "cwait":
+                    g.waiting, g.kind = True, "cluster"
+                    break
                 else:  # barrier
                     g.waiting, g.barrier, g.count, g.kind = True, op.barrier, op.count, "bar"
                     break
@@ -304,6 +333,32 @@ class Machine:
             raise WarpSyncError("bra.uni with a condition that differs inside a warp", line=op.ins.line,
                                 instruction=op.ins.text, cta=cta, thread=tid)
 
+    def _release_any(self, F: Frame, groups: list) -> list:
+        """Nothing can run: complete the cluster waits that can complete (:mod:`.isa_cluster`), else
+        release the CTA barriers that can be (:meth:`_release`), else it is a deadlock."""
+        parked = [g for g in groups if g.kind == "cluster"]
+        if not parked:
+            return self._release(F, groups)
+        t = np.concatenate([F.threads(g.idx) for g in parked])
+        go = t[isa_cluster.ready(F, t)]
+        if not len(go):
+            if any(g.kind != "cluster" for g in groups):
+                return self._release(F, groups)
+            raise isa_cluster.deadlock(F, t, self.program.ops[parked[0].pc].ins)
+        isa_cluster.complete(F, go)
+        F.epoch += 1
+        leave = np.zeros(F.n, bool)
+        leave[go] = True
+        out = [g for g in groups if g.kind != "cluster"]
+        for g in parked:
+            gt = F.threads(g.idx)
+            stay, move = gt[~leave[gt]], gt[leave[gt]]
+            if len(stay):
+                out.append(_Group(g.pc, stay, _warps(F, stay), True, kind="cluster"))
+            if len(move):
+                out.append(_Group(g.pc + 1, move, _warps(F, move)))
+        return out
+
     def _release(self, F: Frame, groups: list) -> list:
         """All runnable work waits: release every barrier of a CTA that its thread count (or the whole
         CTA) reached; if none can be released, nothing can progress: a deadlock (a hang on a GPU)."""
@@ -321,7 +376,7 @@ class Machine:
             for b in np.unique(bar_id[members[parked[members]]]).tolist():
                 at = members[parked[members] & (bar_id[members] == b)]
                 ins = self.program.ops[int(at_pc[at[0]])].ins
-                _check_warps(F, at, at_pc, ins)
+                check_warps(F, at, at_pc, ins)
                 counts = np.unique(count[at])
                 expected = int(counts[0]) or F.nt
                 if len(counts) > 1 or len(at) > expected:
@@ -331,7 +386,7 @@ class Machine:
                 if len(at) == expected:
                     release[at] = True
         if not release.any():
-            raise self._deadlock(F, groups, parked, at_pc, bar_id)
+            raise barrier_deadlock(self.program.ops, F, groups, parked, at_pc, bar_id)
         F.epoch += 1
         out, merged = [], {}
         for g in groups:
@@ -347,56 +402,6 @@ class Machine:
                 merged[pc] = go if pc not in merged else _union(F, merged[pc], go)
         return out + [_Group(pc, None if idx is None or len(idx) == F.n else idx, _warps(F, idx))
                       for pc, idx in merged.items()]
-
-    def _deadlock(self, F: Frame, groups: list, parked, at_pc, bar_id) -> BarrierError:
-        """The error for a chunk where no group can run and no barrier can be released."""
-        waiting = [g for g in groups if g.kind == "mbar"]
-        if waiting:
-            g = waiting[0]
-            t = F.threads(g.idx)
-            mb = F.mbarriers
-            addr, cta_local = int(mb.fail_addr[t[0]]), int(F.cta_local[t[0]])
-            same = t[(F.cta_local[t] == cta_local) & (mb.fail_addr[t] == addr)]
-            members = np.arange(cta_local * F.nt, (cta_local + 1) * F.nt)
-            other = sum(int(((F.cta_local[x] == cta_local) & (mb.fail_addr[x] != addr)).sum())
-                        for x in (F.threads(w.idx) for w in waiting))
-            elsewhere = (f"{int(parked[members].sum())} at bar.sync, {other} waiting on other mbarriers, "
-                         f"{int(F.exited[members].sum())} exited")
-            names = ", ".join(str(F.who(int(x))[1]) for x in same[:4]) + (" ..." if len(same) > 4 else "")
-            want = int(mb.fail_want[t[0]])
-            cta, tid = F.who(int(t[0]))
-            return BarrierError(
-                f"deadlock: {len(same)} thread(s) ({names}) wait for the {mb.describe(addr, cta_local)} to complete "
-                f"the phase they wait for (parity {want & 1}), and no thread of the CTA can make progress (of its "
-                f"other threads: {elsewhere}); on a GPU this hangs", line=self.program.ops[g.pc].ins.line,
-                instruction=self.program.ops[g.pc].ins.text, cta=cta, thread=tid)
-        c = int(F.cta_local[parked][0])
-        members = np.arange(c * F.nt, (c + 1) * F.nt)
-        ins = self.program.ops[int(at_pc[members[parked[members]][0]])].ins
-        ids = np.unique(bar_id[members[parked[members]]])
-        missing = members[~parked[members]]
-        if len(ids) > 1 and not len(missing):
-            cta, tid = F.who(int(members[0]))
-            return BarrierError(f"threads of one CTA wait at different barrier ids {ids.tolist()}: a deadlock",
-                                line=ins.line, instruction=ins.text, cta=cta, thread=tid)
-        cta, tid = F.who(int(missing[0]))
-        state = "exited" if F.exited[missing[0]] else "never arrived"
-        return BarrierError(
-            f"{len(missing)} of the CTA's {F.nt} threads never reach this barrier (thread {tid} "
-            f"{state}); on a GPU this hangs or is undefined", line=ins.line, instruction=ins.text, cta=cta, thread=tid)
-
-
-def _check_warps(F: Frame, at, at_pc, ins) -> None:
-    """An aligned barrier: every warp's threads waiting at it wait at one instruction."""
-    w = F.warp[at]
-    first = np.full(F.n_warps, -1, np.int64)
-    first[w[::-1]] = at_pc[at][::-1]
-    split = first[w] != at_pc[at]
-    if split.any():
-        cta, tid = F.who(int(F.warp_base[at[np.flatnonzero(split)[0]]]))
-        raise BarrierError("a warp reaches the aligned barrier at two different instructions",
-                           line=ins.line, instruction=ins.text, cta=cta, thread=tid)
-
 
 def _mbarrier_wait(F: Frame, g: _Group, op: _Op, groups: list) -> bool:
     """Execute an mbarrier wait for ``g``; threads spinning on an incomplete phase park there (a new

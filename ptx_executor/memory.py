@@ -161,9 +161,15 @@ class AccessLog:
     width: list = field(default_factory=list)
     write: list = field(default_factory=list)
     epoch: list = field(default_factory=list)  # barrier epoch of the chunk when it happened
+    #: with a cluster launch: per access, the threads' cluster-barrier arrivals and completed waits
+    #: (``isa_cluster.ClusterBarrier.phases``, set by the machine per chunk); None otherwise
+    phase_source: object = None
+    phases: list = field(default_factory=list)
 
     def append(self, instr: int, serial: int, thread: np.ndarray, addr: np.ndarray, width: int, write: bool,
                epoch: int = 0):
+        if self.phase_source is not None:
+            self.phases.append(self.phase_source(thread))
         self.instr.append(instr)
         self.serial.append(serial)
         self.thread.append(thread)
@@ -179,7 +185,11 @@ class AccessLog:
             return dict(instr=e, serial=e, thread=e, addr=np.zeros(0, np.uint64), width=e, write=np.zeros(0, bool),
                         epoch=e)
         n = [len(a) for a in self.addr]
-        return dict(
+        phases = {}
+        if self.phases:
+            phases = dict(arrived=np.concatenate([p[0] for p in self.phases]),
+                          waited=np.concatenate([p[1] for p in self.phases]))
+        return phases | dict(
             instr=np.repeat(np.array(self.instr, np.int64), n),
             serial=np.repeat(np.array(self.serial, np.int64), n),
             thread=np.concatenate(self.thread).astype(np.int64),

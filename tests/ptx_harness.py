@@ -186,14 +186,16 @@ def kernel_ptx(body: str, params=("out",), decls: str = "") -> str:
 
 
 def run_kernel(body: str, tensors: dict, *, grid=(1, 1, 1), block=(32, 1, 1), decls: str = "",
-               readonly=(), dynamic_smem: int = 0, record_shared: bool = False, regions: dict | None = None):
-    """Run ``kernel_ptx(body, tensors)``: each tensor is a region and a pointer parameter."""
+               readonly=(), dynamic_smem: int = 0, record_shared: bool = False, regions: dict | None = None,
+               cluster=None):
+    """Run ``kernel_ptx(body, tensors)``: each tensor is a region and a pointer parameter (``cluster``: the
+    launch's CTAs per cluster, default none)."""
     mem = ptx.GlobalMemory()
     for name, t in (regions or tensors).items():
         mem.add(name, t, writable=name not in readonly)
     text = kernel_ptx(body, tuple(tensors), decls)
     return ptx.run(text, grid=grid, block=block, params=[ptr_param(t) for t in tensors.values()], memory=mem,
-                   dynamic_smem=dynamic_smem, record_shared=record_shared)
+                   dynamic_smem=dynamic_smem, record_shared=record_shared, cluster=cluster)
 
 
 # per-thread address of word tid (32-bit) of the first parameter: %rd1 = %rd40 + 4 * tid

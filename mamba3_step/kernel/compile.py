@@ -9,7 +9,8 @@ from cutlass import Float32, Int32, Int64
 from ..contract import SCALED_STATE_DTYPES
 from ..spec import StepSpec
 from ..tensors import KernelArgs
-from ..tiling import thread_layout, tiling_problem
+from ..arch import sm_number
+from ..tiling import launch_cluster, thread_layout, tiling_problem
 from .bundles import CUTLASS_DTYPES
 from .step import Mamba3StepKernel
 
@@ -128,6 +129,9 @@ def compile_step_kernel(spec: StepSpec, arch: str = "sm_90a", *, extra_options: 
     problem = tiling_problem(spec)
     if problem is not None:
         raise ValueError(problem)
+    if launch_cluster(spec) is not None and sm_number(arch) < 90:
+        raise ValueError(f"tile_D: update_kv_state with tile_D={spec.tile_D} < headdim={spec.headdim} launches a "
+                         f"thread-block cluster, which needs sm_90 or later, got arch {arch!r}")
     options = f"--enable-tvm-ffi --gpu-arch {arch} {extra_options}".strip()
     return cute.compile(Mamba3StepKernel(spec), *fake_arguments(spec),
                         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options=options)

@@ -107,8 +107,10 @@ class Staging:
         row ``dst`` of Bstate/Xstate.
 
         The staged fp32 copies convert back exactly (B and Bstate share a dtype, as do x
-        and Xstate). Only race-free when this CTA is the only one of its (lane, head):
-        ``tile_D >= D``, checked by the wrapper.
+        and Xstate). Each CTA stores its own Xstate elements; the Bstate row is the (lane,
+        head)'s: with ``tile_D < D`` (a cluster, ``tiling.launch_cluster``) the first D-tile
+        stores it, after the cluster barrier that orders it behind every D-tile's read of the
+        old row (:meth:`run_tokens`, :meth:`token_step`).
         """
 
         def store_b(i):  # i = r * N + n
@@ -116,7 +118,11 @@ class Staging:
             n = i - r * self.N
             m.Bstate[cta.dst, r, cta.h, n] = sB[r, n].to(self.kv_dtype)
 
-        self.for_thread_indices(self.R * self.N, cta.tidx, store_b)
+        if const_expr(self.cluster is not None):
+            if cta.dtile == 0:
+                self.for_thread_indices(self.R * self.N, cta.tidx, store_b)
+        else:
+            self.for_thread_indices(self.R * self.N, cta.tidx, store_b)
         d0 = cta.dtile * self.tile_D
 
         def store_x(d):

@@ -46,7 +46,8 @@ from ..rounding import N_PER_CALL
 from ..spec import StepSpec
 from ..tensors import KernelArgs
 from ..slab_pipeline import launch_bound, pipeline_grid
-from ..tiling import async_copy_layout, early_epilogue, launch_grid, pinned_loads, thread_layout, tiling_problem
+from ..tiling import (async_copy_layout, early_epilogue, launch_cluster, launch_grid, pinned_loads, thread_layout,
+                      tiling_problem)
 from .async_state import AsyncStateCopy
 from .bundles import CUTLASS_DTYPES, Cta, Shared
 from .checkpoint import CheckpointOutputs
@@ -90,6 +91,7 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
         self.pool = spec.pool
         self.has_dst = spec.has_dst
         self.update_kv_state = spec.update_kv_state
+        self.cluster = launch_cluster(spec)  # the D-tiles of a (lane, head) as one cluster, or None
         self.has_z = spec.has_z
         self.has_outproj = spec.has_outproj
         self.has_state_out = spec.has_state_out
@@ -168,16 +170,19 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
     def launch(self, m: KernelArgs, stream):
         """Launch :meth:`kernel` on ``m`` (traced inside ``__call__``). With a launch bound
         (``slab_pipeline.launch_bound``: ``min_ctas_per_sm``, or the slab pipeline's) it goes with it,
-        and the device's default shared-memory carveout (-1) so that compiling asks no device."""
+        and the device's default shared-memory carveout (-1) so that compiling asks no device; with
+        ``tiling.launch_cluster`` the D-tiles of a (lane, head) are launched as one cluster."""
         bound = launch_bound(self.spec)
         bound = dict(min_blocks_per_mp=bound, preferred_smem_carveout=-1) if bound else {}
         grid = (pipeline_grid(m.x.shape[0], m.xproj.shape[1], self.D, self.tile_D, self.pipeline_ctas, cutlass.min)
                 if const_expr(self.pipeline_ctas) else launch_grid(m.x.shape[0], m.xproj.shape[1], self.D, self.tile_D))
+        cluster = dict(cluster=self.cluster) if const_expr(self.cluster is not None) else {}
         self.kernel(m).launch(
             grid=grid,
             block=(self.num_threads, 1, 1),
             stream=stream,
             **bound,
+            **cluster,
         )
 
     @cute.kernel

@@ -40,7 +40,7 @@ from ..signature import STEP_SIGNATURE, make_binder, split_call
 from ..spec import StepSpec
 from ..tensors import RING_FIELDS, StepTensors, kernel_arguments
 from ..slab_pipeline import pipeline_grid
-from ..tiling import launch_grid, thread_layout
+from ..tiling import launch_cluster, launch_grid, thread_layout
 from ..validation.table import RULES, is_written
 
 __all__ = ["PTXKernel", "ptx_kernel", "ptx_step_fn", "run_step_ptx", "writable_arguments"]
@@ -116,13 +116,19 @@ def _leaves(mask, value) -> list:
             + [int(s) for s, dyn in zip(value.stride(), strides) if dyn])
 
 
+#: run_step_ptx's default cluster: the one the kernel's launch asks for (tiling.launch_cluster)
+LAUNCH_CLUSTER = "launch"
+
+
 def run_step_ptx(spec: StepSpec, tensors: StepTensors, *, arch: str = "sm_90a", record: bool = True,
-                 record_shared: bool = False, extra_regions: dict | None = None, ring=None) -> ptx.RunResult:
+                 record_shared: bool = False, extra_regions: dict | None = None, ring=None,
+                 cluster=LAUNCH_CLUSTER) -> ptx.RunResult:
     """Execute one step's kernel on CPU tensors (validated, ``out`` allocated, ``B > 0``).
 
     ``extra_regions`` (name -> tensor) registers more readable memory, e.g. a whole allocation
     around a pool view, to *observe* accesses to it rather than forbid them. ``ring``: a replay
-    step's :class:`~mamba3_step.replay.Ring` (``spec.replay_ring``).
+    step's :class:`~mamba3_step.replay.Ring` (``spec.replay_ring``). ``cluster``: the launch's
+    (default), or another (None: none) to see what a launch without it would do.
     """
     k = ptx_kernel(spec, arch)
     values = kernel_arguments(tensors, ring)._asdict()
@@ -138,7 +144,8 @@ def run_step_ptx(spec: StepSpec, tensors: StepTensors, *, arch: str = "sm_90a", 
     grid = (pipeline_grid(tensors.batch, tensors.xproj.shape[1], spec.headdim, spec.tile_D, spec.pipeline_ctas)
             if spec.pipeline_ctas else launch_grid(tensors.batch, tensors.xproj.shape[1], spec.headdim, spec.tile_D))
     result = ptx.run(k.module, grid=grid, block=k.block, params=params, memory=memory,
-                     dynamic_smem=k.dynamic_smem, record=record, record_shared=record_shared)
+                     dynamic_smem=k.dynamic_smem, record=record, record_shared=record_shared,
+                     cluster=launch_cluster(spec) if cluster == LAUNCH_CLUSTER else cluster)
     result.extra["memory"] = memory
     return result
 

@@ -19,7 +19,7 @@ import torch
 from ..contract import INT32_MAX, INT32_MIN, MAX_GRID_X, MAX_GRID_Y, ROUNDED_STATE_DTYPES, SCALED_STATE_DTYPES
 from ..spec import MAX_TOKENS, StepSpec
 from ..tensors import StepTensors
-from ..tiling import shape_problem, tiling_problem
+from ..tiling import MAX_CLUSTER_CTAS, shape_problem, tiling_problem
 from . import checks
 from .table import LETTER_SOURCES, RULE_BY_NAME, RULES, Layout, is_written, shape_letters
 
@@ -74,7 +74,7 @@ def check_step_inputs(tensors: StepTensors, *, update_kv_state=False, tile_D=Non
             ``dst_state_batch_indices`` without a token axis; ``num_accepted_tokens`` without a
             (B, K) ``state_batch_indices`` (K >= 1) or the reverse; a batch or head count too large for the launch grid;
             an impossible ``tile_D``/``num_warps`` (including ``update_kv_state`` with
-            ``tile_D < headdim``).
+            ``headdim / tile_D`` above the cluster size, 8).
     """
     for rule in RULES:
         checks.check_is_tensor(rule.name, getattr(tensors, rule.name), optional=not rule.required)
@@ -329,11 +329,11 @@ def check_tiling_options(tile_D, num_warps) -> tuple:
 def _check_tiling(spec: StepSpec, tile_D, num_warps) -> StepSpec:
     check_tiling_options(tile_D, num_warps)
     spec = spec.with_default_tiling()
-    if spec.update_kv_state and spec.tile_D < spec.headdim:
+    if spec.update_kv_state and spec.headdim // spec.tile_D > MAX_CLUSTER_CTAS:
         raise ValueError(
-            f"tile_D: update_kv_state=True needs tile_D >= headdim (exactly one CTA owns each "
-            f"(lane, head) B/x row, or the store races), expected tile_D={spec.headdim} or None, "
-            f"got tile_D={spec.tile_D}; the tile is never changed silently"
+            f"tile_D: update_kv_state=True with tile_D < headdim runs the headdim / tile_D CTAs of a (lane, head) "
+            f"as one cluster, at most {MAX_CLUSTER_CTAS}: expected tile_D >= {spec.headdim // MAX_CLUSTER_CTAS} "
+            f"or None, got tile_D={spec.tile_D} (headdim={spec.headdim}); the tile is never changed silently"
         )
     if spec.rope_angles and spec.tile_D < spec.headdim:
         raise ValueError(

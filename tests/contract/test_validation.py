@@ -12,6 +12,7 @@ from helpers import assert_bits_equal, clone_inputs, gather_dense_scatter, make_
 from mamba3_step import StepSpec, mamba3_step_fn
 from mamba3_step.contract import SUPPORTED_D, SUPPORTED_N, SUPPORTED_R
 from mamba3_step.tensors import StepTensors
+from mamba3_step.tiling import launch_cluster
 from mamba3_step.validation import check_indices, check_step_inputs
 
 NB, P, H, DH, N, R = 4, 6, 2, 64, 32, 2
@@ -266,11 +267,15 @@ def test_z_and_zproj_come_together(given, missing):
 
 
 def test_update_kv_state_with_tile_D_below_headdim():
-    msg = raises(ValueError, "tile_D", pool_call(update_kv_state=True, tile_D=DH // 2), "update_kv_state")
-    assert str(DH // 2) in msg and str(DH) in msg
+    # D / tile_D CTAs a (lane, head), launched as one cluster: at most 8
+    for tile_D in (DH // 2, DH // 8):
+        spec = check_step_inputs(StepTensors(**pool_call()), update_kv_state=True, tile_D=tile_D)
+        assert spec.tile_D == tile_D and spec.update_kv_state and launch_cluster(spec) == (1, 1, DH // tile_D)
+    msg = raises(ValueError, "tile_D", pool_call(update_kv_state=True, tile_D=DH // 16), "update_kv_state")
+    assert "cluster" in msg and f"tile_D={DH // 16}" in msg and f"tile_D >= {DH // 8}" in msg
     # The same tile without update_kv_state is accepted: the user's choice is kept as given.
-    spec = check_step_inputs(StepTensors(**pool_call()), tile_D=DH // 2)
-    assert spec.tile_D == DH // 2
+    spec = check_step_inputs(StepTensors(**pool_call()), tile_D=DH // 16, num_warps=1)
+    assert spec.tile_D == DH // 16 and launch_cluster(spec) is None
 
 
 @pytest.mark.parametrize("tile_D", [0, -64, 24, 128])

@@ -48,8 +48,10 @@ COVERING = {
     "N256-D32-R8-bf16state-pool-dst-kv": StepSpec(
         256, 32, 8, "bfloat16", "bfloat16", "bfloat16", "bfloat16", pool=True, has_dst=True,
         update_kv_state=True),
-    "N32-D64-R4-tileD32-pool": StepSpec(
-        32, 64, 4, "float32", "bfloat16", "bfloat16", "bfloat16", tile_D=32, num_warps=2, pool=True),
+    # update_kv_state with two D-tiles a (lane, head): a cluster of 2 CTAs (tiling.launch_cluster)
+    "N32-D64-R4-tileD32-pool-kv": StepSpec(
+        32, 64, 4, "float32", "bfloat16", "bfloat16", "bfloat16", tile_D=32, num_warps=2, pool=True,
+        update_kv_state=True),
 }
 
 
@@ -68,8 +70,9 @@ MULTI_TOKEN = {
     "flagship-T8-spec": flagship_spec(tokens=8, **_speculative()),
     "flagship-T3-final-dst": flagship_spec(tokens=3, has_dst=True),
     "flagship-T4-dense-stateout": flagship_spec(tokens=4, pool=False, update_kv_state=False, has_state_out=True),
-    "N64-D64-R4-bf16state-T4-spec-tileD32": StepSpec(
-        64, 64, 4, "bfloat16", "bfloat16", "bfloat16", "bfloat16", tile_D=32, tokens=4, **_speculative()),
+    "N64-D64-R4-bf16state-T4-spec-tileD32-kv": StepSpec(
+        64, 64, 4, "bfloat16", "bfloat16", "bfloat16", "bfloat16", tile_D=32, tokens=4, update_kv_state=True,
+        **_speculative()),
     "N256-D32-R8-bf16state-T2-spec-kv": StepSpec(
         256, 32, 8, "bfloat16", "bfloat16", "bfloat16", "bfloat16", tokens=2, update_kv_state=True, **_speculative()),
     "N32-D128-R1-fp16state-T6-spec-noz-noout": StepSpec(
@@ -835,7 +838,9 @@ def test_full_matrix_compiles_with_clean_compiler_facts(spec, arch):
 
 def test_unsupported_tiling_is_refused_with_a_reason():
     with pytest.raises(ValueError, match="tile_D"):
-        compile_step_kernel(flagship_spec(tile_D=32), "sm_90a")  # update_kv_state needs tile_D >= D
+        compile_step_kernel(flagship_spec(tile_D=4), "sm_90a")  # update_kv_state: 16 D-tiles, more than a cluster
+    with pytest.raises(ValueError, match="tile_D.*sm_90"):
+        compile_step_kernel(flagship_spec(tile_D=32), "sm_80")  # a cluster launch needs sm_90
     with pytest.raises(ValueError, match="num_warps"):
         compile_step_kernel(flagship_spec(num_warps=3), "sm_90a")
 

@@ -44,9 +44,9 @@ def test_which_kernels_pin_their_loads_and_load_the_epilogue_early():
     assert flagship.num_warps in EARLY_EPILOGUE_WARPS and kernel.early_epilogue and kernel.pinned_loads
     multi = Mamba3StepKernel(flagship_spec(tokens=4, dst_per_token=True).with_default_tiling())
     assert multi.early_epilogue and multi.pinned_loads
-    assert COVERING["N32-D64-R4-tileD32-pool"].with_default_tiling().num_warps == 2
+    assert COVERING["N32-D64-R4-tileD32-pool-kv"].with_default_tiling().num_warps == 2
     for spec in (flagship.replace(late_epilogue=True), flagship_spec(replay_ring=2), flagship.replace(async_state_copy=True),
-                 COVERING["N32-D64-R4-tileD32-pool"].with_default_tiling()):
+                 COVERING["N32-D64-R4-tileD32-pool-kv"].with_default_tiling()):
         assert not Mamba3StepKernel(spec).early_epilogue, spec
     assert Mamba3StepKernel(flagship.replace(late_epilogue=True)).pinned_loads
     for spec in (flagship.replace(unpinned_loads=True), flagship_spec(replay_ring=2), flagship.replace(async_state_copy=True)):

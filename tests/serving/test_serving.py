@@ -320,12 +320,17 @@ def test_decode_hook_matches_gather_scatter(null_slot, with_dst):
     _hook_vs_baseline(None, None, null_slot, with_dst, seed=10 + 2 * null_slot + with_dst)
 
 
-def test_decode_hook_small_tile_scatters_kv_itself():
+def test_decode_hook_small_tile_stores_kv_in_the_kernel_up_to_a_cluster_and_scatters_beyond(monkeypatch):
     assert kv_update_in_kernel(D, N, R, torch.float32, None)
     assert kv_update_in_kernel(D, N, R, torch.float32, D)
-    assert not kv_update_in_kernel(D, N, R, torch.float32, 16)
+    assert kv_update_in_kernel(D, N, R, torch.float32, 16)  # 2 D-tiles: one cluster
     _hook_vs_baseline(16, 2, False, True, seed=20)
     _hook_vs_baseline(16, 2, True, False, seed=21)
+    # 16 D-tiles of 8 (D = 128) are more than a cluster: the hook scatters B/x itself
+    monkeypatch.setitem(globals(), "D", 128)
+    assert not kv_update_in_kernel(128, N, R, torch.float32, 8)
+    _hook_vs_baseline(8, 1, False, True, seed=22)
+    _hook_vs_baseline(8, 1, True, False, seed=23)
 
 
 @pytest.mark.parametrize("tile_D", [None, 16])

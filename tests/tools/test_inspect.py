@@ -404,7 +404,7 @@ def test_text_report_pool_mode_and_ptxas_cross_check(tmp_path):
     (["--config", "48,64,4"], "N (dstate) must be one of"),
     (["--arch", "hopper"], "arch: expected 'sm_'"),
     (["--batch", "0"], "--batch must be >= 1"),
-    (["--tile-d", "16"], "update_kv_state needs tile_D >= headdim"),
+    (["--tile-d", "4"], "as one cluster, at most 8"),
 ])
 def test_cli_rejects_bad_flags(argv, message, capsys):
     assert cli.main(["inspect", *argv]) == 2
