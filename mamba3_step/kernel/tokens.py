@@ -76,12 +76,16 @@ class TokenSteps:
         cute.arch.barrier()
         # Every read of the old Bstate/Xstate rows happened before the barrier.
         if const_expr(t == 0 and self.cluster is not None):
-            # ... in this CTA, which says so to the cluster's other D-tiles (a release): the first stores the
-            # Bstate row once all of them did (its wait, after the update: kv_store_after_update)
+            # ... in this CTA, which says so to the cluster's other D-tiles (a release); the first D-tile stores
+            # the Bstate row once all of them did: at once when each token stores its row (waiting after the
+            # update would keep the row and B/x live across it: a bf16 stochastic state at tile_D = 16 would
+            # spill), else after the last token
             cute.arch.cluster_arrive()
         if const_expr(self.dst_per_token and self.rope_angles == 0):  # read late: fewer values live while staging
             cta = self.token_destination(m, t, cta)
-        if const_expr(self.update_kv_state and self.store_each and self.cluster is None):
+        if const_expr(t == 0 and self.store_each and self.cluster is not None):
+            cute.arch.cluster_wait()
+        if const_expr(self.update_kv_state and self.store_each):
             if cta.dst_live:
                 self.store_kv_state(m, sB, shared.sX, cta)
         operands = self.load_operands(tok, shared, cta)
@@ -95,18 +99,6 @@ class TokenSteps:
                     self.store_state(groups[g], m, cta)
         cute.arch.barrier()
         self.epilogue(m, tok, shared, cta)
-        if const_expr(self.update_kv_state and self.store_each and self.cluster is not None):
-            self.kv_store_after_update(m, t, sB, shared, cta)
-
-    @cute.jit
-    def kv_store_after_update(self, m: KernelArgs, t: int, sB: cute.Tensor, shared: Shared, cta: Cta):
-        """A cluster's token ``t`` B/x to row ``dst``, once its update is done: token 0 first waits until every
-        D-tile of the (lane, head) arrived, having read the old Bstate row. ``sB`` and ``sX`` still hold token
-        ``t``'s B and x (the next token stages into them after its first barrier)."""
-        if const_expr(t == 0):
-            cute.arch.cluster_wait()
-        if cta.dst_live:
-            self.store_kv_state(m, sB, shared.sX, cta)
 
     @cute.jit
     def token_destination(self, m: KernelArgs, t: int, cta: Cta) -> Cta:

@@ -863,3 +863,21 @@ def test_flagship_issue_model_leaves_hbm_the_bottleneck_on_h100():
     spec = flagship_spec()
     model = issue_model(slab_warp_instructions(facts_for(spec, "sm_90a"), spec), slab_bytes(spec), GPUS["H100"])
     assert model["ratio"] <= 0.35, model
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("state_dtype, rounding", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
+def test_the_kv_cluster_arrives_and_waits_once_before_the_stores(state_dtype, rounding, arch):
+    """update_kv_state with the flagship's 4 D-tiles of 16 rows (a cluster), each state form: clean compiler
+    facts (no spill), one arrival at the cluster barrier once the staging read the old Bstate row (a
+    release: its memory barrier, then the arrive) and one wait, before the CTA's first store (Bstate's
+    and the state's)."""
+    spec = flagship_spec(tile_D=16, state_dtype=state_dtype, stochastic_rounding=rounding)
+    check_compiler_facts(spec, arch)
+    ops = facts_for(spec, arch).sass_text.splitlines()
+    arrive = [i for i, line in enumerate(ops) if "UCGABAR_ARV" in line]
+    wait = [i for i, line in enumerate(ops) if "UCGABAR_WAIT" in line]
+    stores = [i for i, line in enumerate(ops) if "STG." in line]
+    assert len(arrive) == 1 and len(wait) == 1, (arrive, wait)
+    assert any("MEMBAR" in ops[i] for i in range(arrive[0] - 4, arrive[0])), "the arrival is a release"
+    assert arrive[0] < wait[0] < stores[0], (arrive, wait, stores[:3])
