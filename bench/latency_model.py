@@ -11,9 +11,10 @@ Prints (``mamba3_step.tools.latency_model``; every figure *modelled* unless its 
    first wait x resident CTAs, against (1);
 3. the model against a measured table (``--measured``: a ``bench/gpu_bench.py`` JSON, pool mode,
    CUDA-graph replay) on the H200, side by side;
-4. the candidate designs (today, one round trip, small-batch path, pipeline) for the fp32 flagship, a
-   bf16 state rounded to nearest and stochastically, and replay F = 2 and 4: modelled % of the copy
-   bandwidth at B = 1 .. 512 on the H200.
+4. the candidate designs (today, one round trip, small-batch path, the D split over a cluster the kernel
+   compiles, pipeline, the asynchronous state copy, the slab pipeline) for the fp32 flagship, a bf16 state
+   rounded to nearest and stochastically, and replay F = 2 and 4: modelled % of the copy bandwidth at
+   B = 1 .. 512 on the H200.
 
 Writes ``latency_model.json`` to the output folder (default ``bench/results``); ``--json`` prints it.
 """
@@ -30,8 +31,8 @@ import _util  # noqa: E402  (also puts the repository on sys.path)
 
 from mamba3_step.tools import latency_model as lm  # noqa: E402
 from mamba3_step.tools.bytes_model import bytes_per_step, replay_bytes  # noqa: E402
-from mamba3_step.tools.issue_model import (GPUS, PIPELINE_EXECUTED, REPLAY_EXECUTED, STATE_FORMS_EXECUTED,  # noqa: E402
-                                           issue_model)
+from mamba3_step.tools.issue_model import (GPUS, PIPELINE_EXECUTED, REPLAY_EXECUTED, SPLIT_EXECUTED,  # noqa: E402
+                                           STATE_FORMS_EXECUTED, issue_model)
 from mamba3_step.spec import flagship_spec  # noqa: E402
 from mamba3_step.slab_pipeline import PIPELINE_DEFAULT_CTAS  # noqa: E402
 
@@ -87,13 +88,16 @@ def kernel_latency_facts(compile_kernels: bool) -> dict:
     ``mamba3_step.tools.latency_model.KERNEL_LATENCY_FACTS`` and ``ASYNC_LATENCY_FACTS``."""
     if not compile_kernels:
         return {**lm.KERNEL_LATENCY_FACTS, **{(form, "async"): v for form, v in lm.ASYNC_LATENCY_FACTS["sm_90a"].items()},
-                **{(form, "pipeline"): v for form, v in lm.PIPELINE_LATENCY_FACTS["sm_90a"].items()}}
+                **{(form, "pipeline"): v for form, v in lm.PIPELINE_LATENCY_FACTS["sm_90a"].items()},
+                **{(form, "split", k): v for form, by in lm.SPLIT_LATENCY_FACTS["sm_90a"].items() for k, v in by.items()}}
     from mamba3_step.tools.inspection import kernel_facts
     from mamba3_step.kernel import compile_step_kernel
     facts = {}
     for form, (_, _, K, kernel_spec) in state_forms().items():
         variants = ((form, kernel_spec), ((form, "async"), None if K else kernel_spec.replace(async_state_copy=True)),
-                    ((form, "pipeline"), None if K else kernel_spec.replace(pipeline_ctas=PIPELINE_DEFAULT_CTAS)))
+                    ((form, "pipeline"), None if K else kernel_spec.replace(pipeline_ctas=PIPELINE_DEFAULT_CTAS)),
+                    *(((form, "split", k), None if K else kernel_spec.replace(tile_D=kernel_spec.headdim // k))
+                      for k in (2, 4)))
         for key, spec in variants:
             if spec is not None:
                 f = kernel_facts(compile_step_kernel(spec, "sm_90a"))
@@ -118,8 +122,11 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
         # unpinned, the epilogue late) and the replay kernel's CTAs
         trips = lm.LATE_EPILOGUE_LATENCY_FACTS["sm_90a"]["fp32"][0] if K else path_trips
         copied, piped = facts.get((form, "async")), facts.get((form, "pipeline"))
-        names = (("today", "one round trip", "small-batch path", "pipeline") + (("asynchronous state copy",) if copied else ())
-                 + (("slab pipeline",) if piped else ()))
+        # the built D split: (split, one CTA's share of the slab's instructions, its round trips, CTAs per SM)
+        split = tuple((k, SPLIT_EXECUTED[form][k] / warp_instr, *facts[(form, "split", k)]) for k in (2, 4)
+                      if (form, "split", k) in facts)
+        names = (("today", "one round trip", "small-batch path") + (("D split (cluster)",) if split else ())
+                 + ("pipeline",) + (("asynchronous state copy",) if copied else ()) + (("slab pipeline",) if piped else ()))
         for name in names:
             row = {"state": form, "design": name,
                    "SASS path trips": {"asynchronous state copy": copied and copied[0],
@@ -134,7 +141,7 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
                 instr = {"asynchronous state copy": STATE_FORMS_EXECUTED.get(form, (0, 0))[1],
                          "slab pipeline": PIPELINE_EXECUTED.get(form)}.get(name) or warp_instr
                 d = lm.flagship_designs(spec, instr, total / (batch * HEADS), state_read, trips, ctas,
-                                        async_copy=copied, slab_pipeline=piped)[name]
+                                        async_copy=copied, slab_pipeline=piped, split=split)[name]
                 r = lm.percent_of_copy(d, batch, HEADS, gpu, total, copy_bw, **overrides)
                 row[f"B{batch}"] = r["percent"]
                 row[f"us_B{batch}"] = r["seconds"] * 1e6

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from .bytes_model import bytes_per_step, replay_bytes
 from ..spec import StepSpec, flagship_rotary_spec, flagship_spec
 
-__all__ = ["GPUS", "GPU", "ISSUE_PER_CLOCK", "PIPELINE_EXECUTED", "REPLAY_EXECUTED", "REPLAY_STATES_EXECUTED", "STATE_FORMS_EXECUTED",
+__all__ = ["GPUS", "GPU", "ISSUE_PER_CLOCK", "PIPELINE_EXECUTED", "REPLAY_EXECUTED", "REPLAY_STATES_EXECUTED", "SPLIT_EXECUTED",
+           "STATE_FORMS_EXECUTED",
            "UPSTREAM", "VERIFY_EXECUTED", "VERIFY_FROM_STATE_EXECUTED", "VERIFY_TOKENS", "issue_model", "replay_issue_model",
            "replay_states_issue_model", "replay_states_replay_spec", "replay_states_spec", "replay_verify_issue_model",
            "slab_bytes"]
@@ -96,6 +97,11 @@ STATE_FORMS_EXECUTED = {"fp32": (6188, 6344), "bf16, round to nearest": (6844, 7
 #: its prologue counted with it): the register kernel's tokens, plus the stage's reads, the refill and the skewed
 #: coefficient rows' addresses (Mamba3StepKernel.uv_layout)
 PIPELINE_EXECUTED = {"fp32": 6860, "bf16, round to nearest": 7590, "bf16, stochastic rounding": 11879}
+#: the same per CTA of the flagship's D split over ``split`` CTAs (update_kv_state with tile_D = 64 / split, a
+#: cluster): ``form -> {split: warp-instructions of one of its CTAs}``; a CTA issues more than 1 / split of the
+#: slab's (its index, staging and scalars are not divided)
+SPLIT_EXECUTED = {"fp32": {2: 3684, 4: 2368}, "bf16, round to nearest": {2: 3952, 4: 2579},
+                  "bf16, stochastic rounding": {2: 6308, 4: 3746}}
 #: executed PTX warp-instructions per state slab of the flagship (pool mode, update_kv_state; one live
 #: (lane, head)), stepwise and with replay: ``(F, from_checkpoint) -> (num_warps, counts at ring positions
 #: 0..F-1)`` at the default tiling. Measured by the PTX execution tier (``python bench/issue_model.py``

@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 
 __all__ = ["ASYNC_LATENCY_FACTS", "FLAGSHIP_TRIPS", "KERNEL_LATENCY_FACTS", "LATE_EPILOGUE_LATENCY_FACTS",
-           "MEASURED_OWN_STALLS", "NOT_OWN_STALLS", "PIPELINE_LATENCY_FACTS", "UNPINNED_LATENCY_FACTS", "own_stalls"]
+           "MEASURED_OWN_STALLS", "NOT_OWN_STALLS", "PIPELINE_LATENCY_FACTS", "SPLIT_LATENCY_FACTS",
+           "UNPINNED_LATENCY_FACTS", "own_stalls"]
 
 #: dependent global round trips of the flagship's CTA today, as :func:`~mamba3_step.tools.latency_model.global_round_trips` reads them from
 #: its SASS on sm_90a and sm_100a (the index; then the 16 state loads, the staging loads and the epilogue's
@@ -44,6 +45,13 @@ PIPELINE_LATENCY_FACTS = {arch: {"fp32": (1, 3), "bf16, round to nearest": (1, 3
                           for arch in ("sm_90a", "sm_100a")}
 
 
+#: ``split -> (round trips, CTAs per SM)`` of the register kernel with the flagship's D split over ``split`` CTAs,
+#: one cluster (update_kv_state with tile_D = 64 / split: tiling.launch_cluster), each state form on sm_90a and
+#: sm_100a, read from the SASS as KERNEL_LATENCY_FACTS are (at tile_D = 16 the compiler puts the state loads in a
+#: trip apart from the staging loads); tests/kernel/test_kernel_compile.py holds them equal
+SPLIT_LATENCY_FACTS = {arch: {"fp32": {2: (2, 4), 4: (4, 6)}, "bf16, round to nearest": {2: (2, 4), 4: (4, 8)},
+                              "bf16, stochastic rounding": {2: (2, 4), 4: (3, 7)}}
+                       for arch in ("sm_90a", "sm_100a")}
 #: ``(round trips, CTAs per SM)`` of the register kernel with its loads in the compiler's order
 #: (``StepSpec.unpinned_loads``: no barrier after the first token's loads), read from the SASS as
 #: KERNEL_LATENCY_FACTS are: the compiler issues 1-8 of the 16-byte state loads (by form and target) before the

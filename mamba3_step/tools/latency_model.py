@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 from ..slab_pipeline import pipeline_stages
 from .issue_model import GPUS, ISSUE_PER_CLOCK, GPU
 from .latency_facts import (ASYNC_LATENCY_FACTS, FLAGSHIP_TRIPS, KERNEL_LATENCY_FACTS, LATE_EPILOGUE_LATENCY_FACTS,
-                            MEASURED_OWN_STALLS, NOT_OWN_STALLS, PIPELINE_LATENCY_FACTS, UNPINNED_LATENCY_FACTS,
-                            own_stalls)
+                            MEASURED_OWN_STALLS, NOT_OWN_STALLS, PIPELINE_LATENCY_FACTS, SPLIT_LATENCY_FACTS,
+                            UNPINNED_LATENCY_FACTS, own_stalls)
 
 __all__ = ["ASSUMPTIONS", "ASYNC_LATENCY_FACTS", "COPY_BANDWIDTH", "FLAGSHIP_TRIPS", "KERNEL_LATENCY_FACTS",
            "LATE_EPILOGUE_LATENCY_FACTS", "MEASURED_OWN_STALLS", "NOT_OWN_STALLS", "PIPELINE_LATENCY_FACTS",
-           "UNPINNED_LATENCY_FACTS", "own_stalls",
+           "SPLIT_LATENCY_FACTS", "UNPINNED_LATENCY_FACTS", "own_stalls",
            "Design",
            "LoadTrips",
            "average_bytes_in_flight", "bytes_in_flight_needed", "flagship_designs", "global_round_trips", "live_path",
@@ -79,6 +79,11 @@ ASSUMPTIONS = {
                          "latency, the grid's start and drain): an assumption"),
     "split_fixed_fraction": (0.25, "small-batch path: the share of a CTA's instructions that a D split does "
                                    "not divide (index, staging of B/C/Bstate, scalars): an assumption"),
+    "cluster_barrier_s": (0.3e-6, "D split over a cluster (the kernel update_kv_state with tile_D < headdim "
+                                  "compiles): what its barrier adds to a CTA's life, the skew between the cluster's "
+                                  "CTAs at the wait plus the barrier's own round trip through the GPC (the release's "
+                                  "memory barrier waits for the loads in flight, which the update waits for next "
+                                  "anyway): an assumption"),
     "pipeline_stages": (3, "asynchronous-copy pipeline: shared-memory stages per CTA (FlashInfer's Hopper "
                            "selective_state_update uses 3)"),
     "pipeline_ctas_per_sm": (2, "asynchronous-copy pipeline: resident CTAs per SM (state in shared memory, "
@@ -302,6 +307,9 @@ class Design:
     split: bool = False
     stages: int = 0
     stage_bytes: float = 0.0
+    #: a built D split: ``((split, fraction of the slab's instructions one of its CTAs issues, round trips, CTAs per
+    #: SM), ...)`` for the splits the kernel has (the cluster's); empty: :data:`ASSUMPTIONS`' fixed fraction
+    split_facts: tuple = ()
 
 
 def _inputs(overrides: dict) -> dict:
@@ -350,16 +358,21 @@ def step_time(design: Design, batch: int, heads: int, gpu_name: str, copy_bandwi
         fraction = design.stage_bytes / design.bytes_per_slab
         customers = min(design.stages * min(design.ctas_per_sm, per_sm), -(-per_sm // fraction))
         queues, delay = _cta_demands(design, gpu, share, fraction, fraction, inp, 1)
-        rate, cycle = mean_value_analysis(int(customers), queues, delay)
+        rate, cycle, trips = *mean_value_analysis(int(customers), queues, delay), 1
         seconds = per_sm / fraction / rate + (design.trips - 1) * inp["idle_latency_s"]
     else:
         # a split CTA issues its share of the slab's instructions plus the part that does not divide; its
         # replicated per-lane inputs are L2 hits, so its DRAM bytes divide exactly
         fraction = (1 - inp["split_fixed_fraction"]) / split + inp["split_fixed_fraction"]
-        queues, delay = _cta_demands(design, gpu, share, fraction, 1 / split, inp, design.trips)
-        rate, cycle = mean_value_analysis(min(design.ctas_per_sm, per_sm), queues, delay)
+        trips, resident, barrier = design.trips, design.ctas_per_sm, 0.0
+        built = {f[0]: f[1:] for f in design.split_facts}
+        if split in built:
+            (fraction, trips, resident), barrier = built[split], inp["cluster_barrier_s"]
+        queues, delay = _cta_demands(design, gpu, share, fraction, 1 / split, inp, trips)
+        delay += barrier
+        rate, cycle = mean_value_analysis(min(resident, per_sm), queues, delay)
         seconds = per_sm / rate
-    loaded = inp["idle_latency_s"] + (cycle - delay - queues[0]) / max(design.trips if not design.stages else 1, 1)
+    loaded = inp["idle_latency_s"] + (cycle - delay - queues[0]) / max(trips, 1)
     return {"seconds": seconds + inp["launch_s"], "ctas": ctas, "per_sm": per_sm, "split": split,
             "loaded_latency_s": loaded, "cta_seconds": cycle}
 
@@ -384,7 +397,7 @@ def percent_of_copy(design: Design, batch: int, heads: int, gpu_name: str, compu
 def flagship_designs(spec, warp_instructions: float, bytes_per_slab: float, state_read_bytes: float,
                      trips_today: int = FLAGSHIP_TRIPS, ctas_today: int = 3,
                      async_copy: tuple[int, int] | None = None,
-                     slab_pipeline: tuple[int, int] | None = None) -> dict[str, Design]:
+                     slab_pipeline: tuple[int, int] | None = None, split: tuple = ()) -> dict[str, Design]:
     """Today's kernel and the three candidate designs for one state format: ``"today"`` (``trips_today``
     round trips), ``"one round trip"`` (the index, then every other load), ``"small-batch path"``
     (one round trip, D split over up to 4 CTAs while B x H < 2 x SMs) and ``"pipeline"`` (persistent
@@ -394,7 +407,9 @@ def flagship_designs(spec, warp_instructions: float, bytes_per_slab: float, stat
     waits on and CTAs per SM, :data:`PIPELINE_LATENCY_FACTS`) ``"slab pipeline"``, the kernel
     ``StepSpec.pipeline_ctas`` compiles: persistent CTAs, ``slab_pipeline.pipeline_stages`` stages of a whole slab
     each (the slab being updated and the next ones in flight), each a customer of the network with one round trip, after a prologue of
-    two (the index, the first slab). The instructions are today's per slab for
+    two (the index, the first slab); with ``split`` (:attr:`Design.split_facts` of the kernel ``update_kv_state`` with
+    ``tile_D < headdim`` compiles, a cluster per (lane, head)) ``"D split (cluster)"``: today's kernel from 2 x SMs
+    slabs up, below that the D split the small-batch path's rule picks. The instructions are today's per slab for
     every design, and the register designs keep today's ``ctas_today`` resident CTAs (assumptions: the
     same arithmetic, the same registers)."""
     common = dict(warp_instructions=warp_instructions, bytes_per_slab=bytes_per_slab, warps=spec.num_warps)
@@ -410,6 +425,9 @@ def flagship_designs(spec, warp_instructions: float, bytes_per_slab: float, stat
     if async_copy is not None:
         designs["asynchronous state copy"] = Design("asynchronous state copy", async_copy[0], ctas_per_sm=async_copy[1],
                                                     **pipeline)
+    if split:
+        designs["D split (cluster)"] = Design("D split (cluster)", trips_today, split=True, split_facts=tuple(split),
+                                              **common)
     if slab_pipeline is not None:
         designs["slab pipeline"] = Design("slab pipeline", 1 + slab_pipeline[0], ctas_per_sm=slab_pipeline[1],
                                           stages=pipeline_stages(spec), stage_bytes=bytes_per_slab, **pipeline)

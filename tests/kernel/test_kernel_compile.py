@@ -28,6 +28,7 @@ from mamba3_step.tools.ptx_tier import ptx_kernel
 from mamba3_step.contract import (DTYPE_BYTES, KV_DTYPES, SCALED_STATE_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N,
                                   SUPPORTED_R)
 from mamba3_step.spec import StepSpec, flagship_rotary_spec, flagship_spec, flush_specs
+from mamba3_step.tools.latency_model import SPLIT_LATENCY_FACTS, global_round_trips
 from mamba3_step.tiling import (CHECKPOINT_STATES_WARPS, CHECKPOINT_VERIFY_WARPS, VERIFY_WARPS, default_tiling,
                                 thread_layout, tiling_problem)
 
@@ -881,3 +882,20 @@ def test_the_kv_cluster_arrives_and_waits_once_before_the_stores(state_dtype, ro
     assert len(arrive) == 1 and len(wait) == 1, (arrive, wait)
     assert any("MEMBAR" in ops[i] for i in range(arrive[0] - 4, arrive[0])), "the arrival is a release"
     assert arrive[0] < wait[0] < stores[0], (arrive, wait, stores[:3])
+
+
+_FORM_CHANGES = {"fp32": {}, "bf16, round to nearest": dict(state_dtype="bfloat16"),
+                 "bf16, stochastic rounding": dict(state_dtype="bfloat16", stochastic_rounding=True)}
+
+
+@pytest.mark.parametrize("arch, form, split", [
+    pytest.param(arch, form, split, marks=[] if arch == ARCHS[0] else [pytest.mark.full_matrix])
+    for arch in ARCHS for form in _FORM_CHANGES for split in (2, 4)])
+def test_the_d_split_latency_facts_are_the_sass(arch, form, split):
+    """SPLIT_LATENCY_FACTS, the latency model's input for the D split over a cluster: the round trips and CTAs
+    per SM of the flagship with update_kv_state at tile_D = 64 / split, read from the SASS; no spill."""
+    spec = flagship_spec(tile_D=64 // split, **_FORM_CHANGES[form])
+    check_compiler_facts(spec, arch)
+    f = facts_for(spec, arch)
+    trips = global_round_trips(f.sass_text).round_trips
+    assert (trips, f.occupancy(arch)["ctas_per_sm"]) == SPLIT_LATENCY_FACTS[arch][form][split]

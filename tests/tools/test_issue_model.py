@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mamba3_step.tools.bytes_model import bytes_per_step, replay_bytes
-from mamba3_step.tools.issue_model import (GPUS, PIPELINE_EXECUTED, REPLAY_EXECUTED, REPLAY_STATES_EXECUTED, STATE_FORMS_EXECUTED, UPSTREAM, VERIFY_EXECUTED, VERIFY_FROM_STATE_EXECUTED, issue_model, replay_issue_model, replay_states_replay_spec, replay_states_spec, replay_verify_issue_model, slab_bytes)
+from mamba3_step.tools.issue_model import (GPUS, PIPELINE_EXECUTED, REPLAY_EXECUTED, REPLAY_STATES_EXECUTED, SPLIT_EXECUTED, STATE_FORMS_EXECUTED, UPSTREAM, VERIFY_EXECUTED, VERIFY_FROM_STATE_EXECUTED, issue_model, replay_issue_model, replay_states_replay_spec, replay_states_spec, replay_verify_issue_model, slab_bytes)
 from mamba3_step.slab_pipeline import PIPELINE_DEFAULT_CTAS
 from mamba3_step.spec import flagship_spec
 from mamba3_step.tools.verify.step import executed_facts, replay_instructions, verify_instructions
@@ -59,6 +59,16 @@ def test_state_form_counts_are_what_the_ptx_tier_executes(form, copied):
                "bf16, stochastic rounding": dict(state_dtype="bfloat16", stochastic_rounding=True)}[form]
     facts = executed_facts(flagship_spec(async_state_copy=copied, **changes))
     assert facts["warp_instructions_per_cta"]["total"] == STATE_FORMS_EXECUTED[form][copied]
+    assert facts["bytes_agree"]
+
+
+@pytest.mark.parametrize("form, split", [pytest.param(f, k, marks=[] if (f, k) == ("fp32", 4) else [pytest.mark.full_matrix])
+                                         for f in SPLIT_EXECUTED for k in (2, 4)])
+def test_d_split_counts_are_what_the_ptx_tier_executes(form, split):
+    changes = {"fp32": {}, "bf16, round to nearest": dict(state_dtype="bfloat16"),
+               "bf16, stochastic rounding": dict(state_dtype="bfloat16", stochastic_rounding=True)}[form]
+    facts = executed_facts(flagship_spec(tile_D=64 // split, **changes))
+    assert facts["warp_instructions_per_cta"]["total"] == SPLIT_EXECUTED[form][split]
     assert facts["bytes_agree"]
 
 
