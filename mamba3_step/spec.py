@@ -113,6 +113,11 @@ class StepSpec:
             updates this one; the same arithmetic on the same values, so the register kernel's
             bits. 0, the default, launches one CTA per slab. Not a public option until a GPU
             measures it faster: a benchmark's and the PTX tier's.
+        programmatic_launch: the register kernel launched with programmatic dependent launch
+            (docs/contract.md, "Programmatic dependent launch"): its CTAs read the indices and the
+            state rows before ``griddepcontrol.wait``, everything else after it, so their
+            prologue overlaps the previous kernel's tail; the same arithmetic, so the same bits.
+            Not a public option until a GPU measures it faster: a benchmark's and the PTX tier's.
     """
 
     dstate: int
@@ -148,6 +153,7 @@ class StepSpec:
     late_epilogue: bool = False
     unpinned_loads: bool = False
     pipeline_ctas: int = 0
+    programmatic_launch: bool = False
 
     @property
     def ring_entries(self) -> int:
@@ -250,14 +256,15 @@ PREVIOUS_LOAD_LAYOUTS = {"unpinned": {"unpinned_loads": True},
                          "late-epilogue": {"unpinned_loads": True, "late_epilogue": True}}
 
 #: the fields that choose a kernel variant no call names (not public options: a benchmark's, the PTX tier's)
-KERNEL_CHOICE_FIELDS = ("min_ctas_per_sm", "async_state_copy", "late_epilogue", "unpinned_loads", "pipeline_ctas")
+KERNEL_CHOICE_FIELDS = ("min_ctas_per_sm", "async_state_copy", "late_epilogue", "unpinned_loads", "pipeline_ctas",
+                        "programmatic_launch")
 
 #: fields a key names only when they are not at their default (added after keys were on disk)
 _KEY_OMITTED_AT_DEFAULT = frozenset({"rope_angles", "rotate_pairwise", "has_bc_bias", "shared_bc",
                                      "stochastic_rounding", "has_rand_rows", "replay_ring",
                                      "replay_from_checkpoint", "replay_draft", "padded_state_rows",
                                      "min_ctas_per_sm", "async_state_copy", "late_epilogue",
-                                     "unpinned_loads", "pipeline_ctas"})
+                                     "unpinned_loads", "pipeline_ctas", "programmatic_launch"})
 
 
 def flagship_rotary_spec(**changes) -> StepSpec:

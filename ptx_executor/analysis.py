@@ -16,6 +16,7 @@
   scheduling; unless the CTAs share a cluster whose barrier orders the two accesses.
 * :func:`intra_cta_races` - bytes two threads of one CTA touch (one writing) between the
   same two barriers, in global or shared memory.
+* :func:`pre_wait_accesses` - global bytes threads touched before ``griddepcontrol.wait``.
 """
 
 from __future__ import annotations
@@ -249,6 +250,25 @@ def _cluster_races(result: RunResult, a: dict) -> list:
         if len(races) >= 10:
             break
     return sorted(races)[:10]
+
+
+def pre_wait_accesses(result: RunResult, memory: GlobalMemory) -> dict:
+    """``{region name: {"read": unique bytes, "written": unique bytes}}`` that threads touched before they
+    passed ``griddepcontrol.wait`` (:mod:`.isa_griddep`): every access, for a kernel without one."""
+    a = _flat(result)
+    before = ~a["after_dependency_wait"] if "after_dependency_wait" in a else np.ones(len(a["addr"]), bool)
+    out: dict = {}
+    for write in (False, True):
+        sel = before & (a["write"] == write)
+        if not sel.any():
+            continue
+        bytes_, _ = _byte_ranges(a["addr"][sel], a["width"][sel])
+        unique = np.unique(bytes_)
+        region = memory.locate(unique, 1)
+        for k in np.unique(region).tolist():
+            name = memory.regions[k].name if k >= 0 else "?"
+            out.setdefault(name, {"read": 0, "written": 0})["written" if write else "read"] += int((region == k).sum())
+    return out
 
 
 #: accesses analysed at once by :func:`intra_cta_races` (whole CTAs per batch): each access

@@ -116,6 +116,7 @@ class Frame:
         self.n_warps = n_cta * ((self.nt + 31) // 32)
         self.exited = np.zeros(self.n, bool)
         self.cluster_barrier = None  # arrivals and waits at barrier.cluster, created by the first (isa_cluster)
+        self.griddep_waited = None  # per thread: passed griddepcontrol.wait (isa_griddep)
         self.regs: dict = {}
         for name, ptx_type in entry.reg_types.items():
             st = storage_of(ptx_type)

@@ -10,7 +10,7 @@ complete it is a deadlock (:class:`~ptx_executor.errors.BarrierError`). Arriving
 before waiting is an error too (the ISA leaves it undefined).
 
 What the barrier orders is kept for :func:`ptx_executor.analysis.cta_races`: every logged global
-access carries its thread's arrival and wait counts at that moment (:meth:`ClusterBarrier.phases`),
+access carries its thread's arrival and wait counts at that moment (:meth:`ClusterBarrier.log_sources`),
 and each thread's relaxed arrivals are kept: a ``.relaxed`` arrival orders none of the thread's
 earlier accesses, so an access of one CTA happens before another CTA's only when a release
 arrival after it (phase ``k``) precedes the other's ``k``-th wait. The default ``arrive`` is a
@@ -41,10 +41,10 @@ class ClusterBarrier:
         self.waited = np.zeros(F.n, np.int64)
         self.relaxed = np.zeros(F.n, np.int64)  # bit k: the thread's k-th arrival was relaxed
 
-    def phases(self, F, global_threads: np.ndarray) -> tuple:
-        """``(arrivals, completed waits)`` of each global thread id now (for the access log)."""
-        t = np.asarray(global_threads, np.int64) - F.first_thread
-        return self.arrived[t].copy(), self.waited[t].copy()
+    def log_sources(self, F) -> dict:
+        """The access log's tags (``AccessLog.tag_sources``): each global thread's arrivals and completed waits."""
+        return {"arrived": lambda threads: self.arrived[np.asarray(threads, np.int64) - F.first_thread].copy(),
+                "waited": lambda threads: self.waited[np.asarray(threads, np.int64) - F.first_thread].copy()}
 
 
 def state(F) -> ClusterBarrier:

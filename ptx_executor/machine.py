@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import isa_alu, isa_async, isa_bits, isa_bulk, isa_cluster, isa_cvt, isa_mbar, isa_mem, isa_warp  # noqa: F401
+from . import (isa_alu, isa_async, isa_bits, isa_bulk, isa_cluster, isa_cvt, isa_griddep, isa_mbar,  # noqa: F401
+               isa_mem, isa_warp)
 from .deadlock import check_warps, barrier_deadlock
 from .errors import BarrierError, PTXError, WarpSyncError
 from .frame import Frame, storage_of
@@ -92,6 +93,8 @@ class Program:
         self.ops = [self._compile(ins, ctx) for ins in entry.instructions]
         #: bulk copies or mbarriers: the chunk tracks their state from the first instruction
         self.uses_bulk = any(i.opcode.startswith(("cp.async.bulk", "mbarrier")) for i in entry.instructions)
+        #: griddepcontrol: the access log says which accesses came after the wait (:mod:`.isa_griddep`)
+        self.uses_griddep = any(i.base == "griddepcontrol" for i in entry.instructions)
 
     def _compile(self, ins, ctx) -> _Op:
         base, mods = ins.base, ins.mods
@@ -198,6 +201,7 @@ class Machine:
         chunk = max(1, chunk // unit) * unit
         clustered = cluster != (1, 1, 1)
         relaxed, arrived = (np.zeros(n_cta * nt, np.int64) for _ in range(2))
+        waited = np.zeros(n_cta * nt, bool)
         issued = np.zeros(len(self.program.ops), np.int64)
         log = AccessLog() if self.record else None
         shared_log = AccessLog() if self.record_shared else None
@@ -209,12 +213,18 @@ class Machine:
                           log_shared=shared_log, async_copies=self.async_copies, cluster=cluster)
                 if self.program.uses_bulk:
                     isa_bulk.bulk_state(F)
+                sources = {}
                 if clustered:
                     cb = isa_cluster.state(F)
-                    for lg in (log, shared_log):
-                        if lg is not None:
-                            lg.phase_source = lambda threads, F=F, cb=cb: cb.phases(F, threads)
+                    sources |= cb.log_sources(F)
+                if self.program.uses_griddep:
+                    sources |= isa_griddep.log_sources(F)
+                for lg in (log, shared_log):
+                    if lg is not None:
+                        lg.tag_sources = sources
                 self._run_chunk(F, issued)
+                if self.program.uses_griddep:
+                    waited[F.first_thread:F.first_thread + F.n] = isa_griddep.state(F)
                 if clustered:
                     relaxed[F.first_thread:F.first_thread + F.n] = cb.relaxed
                     arrived[F.first_thread:F.first_thread + F.n] = cb.arrived
@@ -222,6 +232,8 @@ class Machine:
         result = RunResult(self.entry, issued, log, shared_log, grid, block, chunks)
         if clustered:
             result.extra["cluster"] = {"dims": cluster, "relaxed": relaxed, "arrived": arrived}
+        if self.program.uses_griddep:
+            result.extra["griddepcontrol"] = {"waited": waited}
         return result
 
     # ------------------------------------------------------------------ scheduling

@@ -161,15 +161,16 @@ class AccessLog:
     width: list = field(default_factory=list)
     write: list = field(default_factory=list)
     epoch: list = field(default_factory=list)  # barrier epoch of the chunk when it happened
-    #: with a cluster launch: per access, the threads' cluster-barrier arrivals and completed waits
-    #: (``isa_cluster.ClusterBarrier.phases``, set by the machine per chunk); None otherwise
-    phase_source: object = None
-    phases: list = field(default_factory=list)
+    #: per-thread facts logged with each access, ``name -> callable(global thread ids) -> array``, set by the
+    #: machine for each chunk: the cluster barrier's arrivals and completed waits (``arrived``, ``waited``:
+    #: :mod:`.isa_cluster`), whether the thread passed ``griddepcontrol.wait`` (``after_dependency_wait``)
+    tag_sources: dict = field(default_factory=dict)
+    tags: dict = field(default_factory=dict)  # name -> list of per-access arrays
 
     def append(self, instr: int, serial: int, thread: np.ndarray, addr: np.ndarray, width: int, write: bool,
                epoch: int = 0):
-        if self.phase_source is not None:
-            self.phases.append(self.phase_source(thread))
+        for name, source in self.tag_sources.items():
+            self.tags.setdefault(name, []).append(source(thread))
         self.instr.append(instr)
         self.serial.append(serial)
         self.thread.append(thread)
@@ -185,11 +186,8 @@ class AccessLog:
             return dict(instr=e, serial=e, thread=e, addr=np.zeros(0, np.uint64), width=e, write=np.zeros(0, bool),
                         epoch=e)
         n = [len(a) for a in self.addr]
-        phases = {}
-        if self.phases:
-            phases = dict(arrived=np.concatenate([p[0] for p in self.phases]),
-                          waited=np.concatenate([p[1] for p in self.phases]))
-        return phases | dict(
+        tags = {name: np.concatenate(arrays) for name, arrays in self.tags.items()}
+        return tags | dict(
             instr=np.repeat(np.array(self.instr, np.int64), n),
             serial=np.repeat(np.array(self.serial, np.int64), n),
             thread=np.concatenate(self.thread).astype(np.int64),

@@ -132,6 +132,8 @@ def compile_step_kernel(spec: StepSpec, arch: str = "sm_90a", *, extra_options: 
     if launch_cluster(spec) is not None and sm_number(arch) < 90:
         raise ValueError(f"tile_D: update_kv_state with tile_D={spec.tile_D} < headdim={spec.headdim} launches a "
                          f"thread-block cluster, which needs sm_90 or later, got arch {arch!r}")
+    if spec.programmatic_launch and sm_number(arch) < 90:
+        raise ValueError(f"programmatic_launch: programmatic dependent launch needs sm_90 or later, got arch {arch!r}")
     options = f"--enable-tvm-ffi --gpu-arch {arch} {extra_options}".strip()
     return cute.compile(Mamba3StepKernel(spec), *fake_arguments(spec),
                         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options=options)

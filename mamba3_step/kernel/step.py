@@ -92,6 +92,7 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
         self.has_dst = spec.has_dst
         self.update_kv_state = spec.update_kv_state
         self.cluster = launch_cluster(spec)  # the D-tiles of a (lane, head) as one cluster, or None
+        self.programmatic_launch = spec.programmatic_launch  # indices and state rows read before griddepcontrol.wait
         self.has_z = spec.has_z
         self.has_outproj = spec.has_outproj
         self.has_state_out = spec.has_state_out
@@ -171,12 +172,15 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
         """Launch :meth:`kernel` on ``m`` (traced inside ``__call__``). With a launch bound
         (``slab_pipeline.launch_bound``: ``min_ctas_per_sm``, or the slab pipeline's) it goes with it,
         and the device's default shared-memory carveout (-1) so that compiling asks no device; with
-        ``tiling.launch_cluster`` the D-tiles of a (lane, head) are launched as one cluster."""
+        ``tiling.launch_cluster`` the D-tiles of a (lane, head) are launched as one cluster; with
+        ``programmatic_launch`` with programmatic stream serialization (:meth:`after_prologue`)."""
         bound = launch_bound(self.spec)
         bound = dict(min_blocks_per_mp=bound, preferred_smem_carveout=-1) if bound else {}
         grid = (pipeline_grid(m.x.shape[0], m.xproj.shape[1], self.D, self.tile_D, self.pipeline_ctas, cutlass.min)
                 if const_expr(self.pipeline_ctas) else launch_grid(m.x.shape[0], m.xproj.shape[1], self.D, self.tile_D))
         cluster = dict(cluster=self.cluster) if const_expr(self.cluster is not None) else {}
+        if const_expr(self.programmatic_launch):
+            cluster["use_pdl"] = True
         self.kernel(m).launch(
             grid=grid,
             block=(self.num_threads, 1, 1),
@@ -220,12 +224,24 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
             else:
                 for g in cutlass.range_constexpr(self.layout.row_groups if self.layout.preload else 1):
                     groups.append(self.load_state(m, g, cta))
+            if const_expr(self.programmatic_launch):
+                self.after_prologue()
+                cta = cta._replace(seed=self.rng_source(m, b) if const_expr(self.stochastic) else None)
             if const_expr(self.replay):
                 self.replay_tokens(m, count, cta, shared, groups)
             else:
                 self.run_tokens(m, cta, shared, groups)
         else:
+            if const_expr(self.programmatic_launch):
+                self.after_prologue()
             self.zero_lane_out(m, b, h, dtile, tidx)
+
+    def after_prologue(self):
+        """``programmatic_launch``: the CTA has read the indices and issued its state loads, all it may read
+        while the previous kernel runs: the next kernel may start (``launch_dependents``), and this one waits
+        for the previous one's completion and writes (``griddepcontrol.wait``) before any other access."""
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()
 
     @cute.jit
     def live_cta(self, m: KernelArgs, b: Int32, h: Int32, dtile: Int32, tidx: Int32, src: Int32, dst: Int32,
@@ -233,8 +249,8 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
         """The :class:`Cta` of a live slab ``(b, h, dtile)`` for thread ``tidx``, reading row ``src`` and writing
         ``dst`` (stochastic rounding: with the lane's random-bit source)."""
         lane = tidx % self.layout.TPR
-        return Cta(b, h, dtile, tidx, lane, self.lane_permutation(lane), src, dst, src_live, dst_live,
-                   self.rng_source(m, b) if const_expr(self.stochastic) else None)
+        seed = self.rng_source(m, b) if const_expr(self.stochastic and not self.programmatic_launch) else None
+        return Cta(b, h, dtile, tidx, lane, self.lane_permutation(lane), src, dst, src_live, dst_live, seed)
 
     @cute.jit
     def zero_lane_out(self, m: KernelArgs, b: Int32, h: Int32, dtile: Int32, tidx: Int32):

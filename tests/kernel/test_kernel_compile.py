@@ -899,3 +899,23 @@ def test_the_d_split_latency_facts_are_the_sass(arch, form, split):
     f = facts_for(spec, arch)
     trips = global_round_trips(f.sass_text).round_trips
     assert (trips, f.occupancy(arch)["ctas_per_sm"]) == SPLIT_LATENCY_FACTS[arch][form][split]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("changes", [{}, dict(state_dtype="bfloat16", stochastic_rounding=True), dict(tile_D=16)],
+                         ids=["flagship", "bf16-sr", "tileD16-cluster"])
+def test_programmatic_launch_issues_every_state_load_before_its_wait(changes, arch):
+    """StepSpec.programmatic_launch: clean compiler facts and the default kernel's round trips and CTAs per SM;
+    in the SASS every 16-byte state load precedes the wait (ACQBULK, griddepcontrol.wait) of the live path,
+    after launch_dependents (PREEXIT), and every store follows it."""
+    spec = flagship_spec(programmatic_launch=True, **changes)
+    check_compiler_facts(spec, arch)
+    f, plain = facts_for(spec, arch), facts_for(spec.replace(programmatic_launch=False), arch)
+    assert f.occupancy(arch)["ctas_per_sm"] == plain.occupancy(arch)["ctas_per_sm"]
+    assert global_round_trips(f.sass_text).round_trips == global_round_trips(plain.sass_text).round_trips
+    ops = f.sass_text.splitlines()
+    wait = next(i for i, line in enumerate(ops) if "ACQBULK" in line)
+    loads = [i for i, line in enumerate(ops) if "LDG.E.128" in line]
+    stores = [i for i, line in enumerate(ops) if "STG." in line]
+    assert any("PREEXIT" in line for line in ops[:wait]), "launch_dependents before the wait"
+    assert loads and max(loads) < wait < min(stores), (loads, wait, stores[:2])
