@@ -126,6 +126,7 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
         split = tuple((k, SPLIT_EXECUTED[form][k] / warp_instr, *facts[(form, "split", k)]) for k in (2, 4)
                       if (form, "split", k) in facts)
         names = (("today", "one round trip", "small-batch path") + (("D split (cluster)",) if split else ())
+                 + (() if K else ("today, programmatic launch",)) + (("D split, programmatic launch",) if split else ())
                  + ("pipeline",) + (("asynchronous state copy",) if copied else ()) + (("slab pipeline",) if piped else ()))
         for name in names:
             row = {"state": form, "design": name,
@@ -141,7 +142,7 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
                 instr = {"asynchronous state copy": STATE_FORMS_EXECUTED.get(form, (0, 0))[1],
                          "slab pipeline": PIPELINE_EXECUTED.get(form)}.get(name) or warp_instr
                 d = lm.flagship_designs(spec, instr, total / (batch * HEADS), state_read, trips, ctas,
-                                        async_copy=copied, slab_pipeline=piped, split=split)[name]
+                                        async_copy=copied, slab_pipeline=piped, split=split, programmatic=not K)[name]
                 r = lm.percent_of_copy(d, batch, HEADS, gpu, total, copy_bw, **overrides)
                 row[f"B{batch}"] = r["percent"]
                 row[f"us_B{batch}"] = r["seconds"] * 1e6

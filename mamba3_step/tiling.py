@@ -162,11 +162,9 @@ MAX_CLUSTER_CTAS = 8
 
 
 def launch_cluster(spec) -> tuple | None:
-    """The cluster of the register kernel's launch, or None: with ``update_kv_state`` and ``tile_D < headdim``
-    the ``D / tile_D`` CTAs of a (lane, head) are one cluster ``(1, 1, D / tile_D)`` (the grid's D-tile axis),
-    so that the Bstate row is written after a cluster barrier that all of them passed once they read it
-    (:meth:`mamba3_step.kernel.staging.Staging.store_kv_state`). The kernel launches it and the PTX execution
-    tier runs it."""
+    """The cluster of the register kernel's launch (and the PTX tier's), or None: with ``update_kv_state`` and
+    ``tile_D < headdim`` the ``D / tile_D`` CTAs of a (lane, head) are one cluster ``(1, 1, D / tile_D)``, whose
+    barrier orders the Bstate row's store after every read of it (``Staging.store_kv_state``)."""
     tiles = spec.headdim // spec.tile_D
     if not spec.update_kv_state or tiles == 1 or spec.pipeline_ctas:
         return None

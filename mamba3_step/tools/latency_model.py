@@ -7,7 +7,7 @@ Three parts, all static (no GPU):
 1. **Little's law** (:func:`bytes_in_flight_needed`): to move ``bw`` bytes per second through a
    memory whose loaded latency is ``L``, ``bw x L`` bytes must be in flight; per SM that is
    ``copy bandwidth x L / SMs``.
-2. **What a kernel keeps in flight, read from its SASS** (:func:`global_round_trips`): along the
+2. **What a kernel keeps in flight, read from its SASS** (:mod:`.sass_trips`'s :func:`global_round_trips`): along the
    straight-line path of a live CTA (conditional branches fall through, up to the first
    unconditional ``EXIT``), each global load (``LDG``/``LDGSTS``) and the first instruction that
    reads or overwrites its destination register (where the scoreboard makes the warp wait). A
@@ -31,11 +31,12 @@ with their source (:data:`COPY_BANDWIDTH`). Nothing here is a measurement.
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 
 from ..slab_pipeline import pipeline_stages
 from .issue_model import GPUS, ISSUE_PER_CLOCK, GPU
+from .sass_trips import LoadTrips, global_round_trips, live_path, sass_instructions  # re-exported: part 2
 from .latency_facts import (ASYNC_LATENCY_FACTS, FLAGSHIP_TRIPS, KERNEL_LATENCY_FACTS, LATE_EPILOGUE_LATENCY_FACTS,
                             MEASURED_OWN_STALLS, NOT_OWN_STALLS, PIPELINE_LATENCY_FACTS, SPLIT_LATENCY_FACTS,
                             UNPINNED_LATENCY_FACTS, own_stalls)
@@ -84,6 +85,11 @@ ASSUMPTIONS = {
                                   "CTAs at the wait plus the barrier's own round trip through the GPC (the release's "
                                   "memory barrier waits for the loads in flight, which the update waits for next "
                                   "anyway): an assumption"),
+    "programmatic_hidden_trips": (1, "programmatic dependent launch (StepSpec.programmatic_launch): the dependent "
+                                     "round trips of the step's first wave that overlap the previous kernel's tail "
+                                     "(the index's: the state loads are issued before the wait, then the staging "
+                                     "loads after it), with the launch gap; assumes that tail lasts that long "
+                                     "(a server's in-projection GEMM before the step): an assumption"),
     "pipeline_stages": (3, "asynchronous-copy pipeline: shared-memory stages per CTA (FlashInfer's Hopper "
                            "selective_state_update uses 3)"),
     "pipeline_ctas_per_sm": (2, "asynchronous-copy pipeline: resident CTAs per SM (state in shared memory, "
@@ -102,175 +108,6 @@ def bytes_in_flight_needed(gpu_name: str, latency_s: float | None = None, copy_b
     lat = assumption("loaded_latency_s") if latency_s is None else latency_s
     return {"gpu": gpu_name, "sms": gpu.sms, "copy_bytes_per_s": bw, "latency_s": lat,
             "bytes_per_sm": bw * lat / gpu.sms, "bytes_total": bw * lat}
-
-
-# ------------------------------------------------------------------------------------------------ SASS
-_INSTR = re.compile(r"^\s*/\*[0-9a-fA-F]+\*/\s+(?P<guard>@!?U?P[0-9T]+\s+)?(?P<op>[A-Z][A-Z0-9_.]*)\s*"
-                    r"(?P<args>[^;]*);")
-_REG = re.compile(r"(?<![A-Za-z0-9_])(U?R)(\d+)(\.64)?\b")
-_PRED = re.compile(r"(?<![A-Za-z0-9_])(U?P[0-6])\b")
-_WIDTH = {"U8": 1, "S8": 1, "U16": 1, "S16": 1, "64": 2, "128": 4}
-GLOBAL_LOADS = ("LDG", "LDGSTS")
-_STORES = ("STG", "STS", "ST", "STL", "RED", "REDG")
-_NO_DEST = _STORES + ("BAR", "BRA", "EXIT", "NOP", "DEPBAR", "LDGDEPBAR", "WARPSYNC", "MEMBAR", "FENCE", "CCTL",
-                      "ERRBAR", "YIELD", "BSSY", "BSYNC", "CALL", "RET", "LDGSTS", "ARRIVES", "SYNCS")
-_PREDICATE_DEST = ("ISETP", "FSETP", "DSETP", "HSETP2", "PLOP3", "R2P", "UISETP", "UPLOP3")
-
-
-@dataclass(frozen=True)
-class Instr:
-    line: int
-    text: str
-    base: str
-    mods: tuple  # e.g. ("E", "128")
-    guard: str  # "" or e.g. "@!P0"
-    writes: frozenset  # registers written, by name ("R5", "UR4")
-    reads: frozenset  # registers read
-    pred_writes: frozenset  # predicates written ("P0", "UP1")
-    pred_reads: frozenset
-
-
-def _width(base: str, mods: list[str]) -> int:
-    """Registers per data operand (1, 2 or 4): a memory access's width, or ``.64`` (``LDC.64``, ``MOV.64``)."""
-    return next((_WIDTH[m] for m in mods if m in _WIDTH), 1)
-
-
-def _regs(operand: str, span: int) -> set[str]:
-    out = set()
-    for m in _REG.finditer(operand):
-        n = 2 if m.group(3) else span
-        out.update(f"{m.group(1)}{k}" for k in range(int(m.group(2)), int(m.group(2)) + n))
-    return out
-
-
-def _is_predicate(operand: str) -> bool:
-    bare = operand.lstrip("!")
-    return bare in ("PT", "UPT") or bool(_PRED.fullmatch(bare))
-
-
-def _parse(line_no: int, m) -> Instr:
-    op, args = m.group("op"), m.group("args").strip()
-    parts = op.rstrip(".").split(".")
-    base, mods = parts[0], parts[1:]
-    ops = [a.strip() for a in args.split(",")] if args else []
-    width = _width(base, mods)
-    dest_at = None if base in _NO_DEST or base in _PREDICATE_DEST else (1 if base == "SHFL" else 0)
-    # predicates written: a compare's leading predicates, or those right after the destination (IADD3 R5, P0, ...)
-    first = 0 if base in _PREDICATE_DEST else (None if dest_at is None else dest_at + 1)
-    pred_dest = set()
-    while first is not None and first < len(ops) and _is_predicate(ops[first]):
-        pred_dest.add(first)
-        first += 1
-    writes, reads, pw, pr = set(), set(), set(), set()
-    for i, operand in enumerate(ops):
-        if _is_predicate(operand):
-            (pw if i in pred_dest else pr).update(_PRED.findall(operand))
-        elif i == dest_at:
-            writes |= _regs(operand, 2 if "WIDE" in mods else width)
-        else:
-            last_wide = "WIDE" in mods and i == len(ops) - 1
-            data = base in _STORES and "[" not in operand
-            reads |= _regs(operand, 2 if last_wide else (width if data else 1))
-    guard = (m.group("guard") or "").strip()
-    pr.update(_PRED.findall(guard))
-    return Instr(line_no, m.group(0).strip(), base, tuple(mods), guard, frozenset(writes), frozenset(reads),
-                 frozenset(pw), frozenset(pr))
-
-
-def sass_instructions(sass_text: str) -> list[Instr]:
-    """Every instruction of an ``nvdisasm`` listing, with the registers it reads and writes."""
-    out = []
-    for i, line in enumerate(sass_text.splitlines()):
-        m = _INSTR.match(line)
-        if m:
-            out.append(_parse(i, m))
-    return out
-
-
-def _conditional(ins: Instr) -> bool:
-    return ins.base in ("BRA", "EXIT") and (ins.guard not in ("", "@PT", "@UPT") or bool(ins.pred_reads))
-
-
-def live_path(sass_text: str) -> list[Instr]:
-    """The straight-line path of a live CTA: from the top, conditional branches and exits fall
-    through, up to and including the first unconditional ``EXIT``."""
-    path = []
-    for ins in sass_instructions(sass_text):
-        path.append(ins)
-        if ins.base == "EXIT" and not _conditional(ins):
-            break
-    return path
-
-
-@dataclass
-class LoadTrips:
-    """The global loads of a live CTA's path, grouped into round trips (:func:`global_round_trips`).
-
-    Attributes:
-        trips: per round trip, in order: ``loads`` (count), ``bytes_per_thread`` (the loads' widths
-            summed), ``by_width`` (bytes -> count) and ``waited_at`` (the instruction whose use of a
-            loaded register closes the trip; None for a trip no instruction waits on).
-        dependence_depth: the longest chain load -> address or branch predicate -> load.
-        loads: every global load on the path as ``(line, text, trip number from 1, depth)``.
-    """
-
-    trips: list = field(default_factory=list)
-    dependence_depth: int = 0
-    loads: list = field(default_factory=list)
-
-    @property
-    def round_trips(self) -> int:
-        return len(self.trips)
-
-    def bytes_before_first_wait(self, threads: int) -> int:
-        """Bytes a CTA of ``threads`` threads has in flight when it first waits (its largest trip
-        after the index's: the state loads; the index's alone if it has one trip)."""
-        return max(t["bytes_per_thread"] for t in self.trips[1:] or self.trips) * threads
-
-
-_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
-
-
-def _load_bytes(ins: Instr) -> int:
-    """Bytes one thread's load moves (4 unless a width modifier says otherwise)."""
-    return next((_BYTES[m] for m in ins.mods if m in _BYTES), 4)
-
-
-def global_round_trips(sass_text: str) -> LoadTrips:
-    """Round trips and dependence depth of the global loads on :func:`live_path` of a listing.
-
-    An ``LDGSTS`` (copy to shared memory) stays outstanding until the next ``DEPBAR``; any other
-    load until an instruction reads or overwrites one of its destination registers."""
-    out = LoadTrips()
-    depth: dict = {}  # register ("R5", "P0") -> depth of the loads its value derives from
-    control = 0  # depth of the predicates of the conditional branches passed so far
-    pending: dict = {}  # register -> load number (or "LDGSTS" -> list) of the open trip
-    current = {"loads": 0, "bytes_per_thread": 0, "by_width": {}, "waited_at": None}
-    for ins in live_path(sass_text):
-        touched = ins.reads | ins.writes
-        waits = bool(touched & set(pending)) or (ins.base == "DEPBAR" and "LDGSTS" in pending)
-        if waits and current["loads"]:
-            current["waited_at"] = ins.text
-            out.trips.append(current)
-            current = {"loads": 0, "bytes_per_thread": 0, "by_width": {}, "waited_at": None}
-            pending.clear()
-        src = max([depth.get(r, 0) for r in ins.reads | ins.pred_reads] + [control])
-        if _conditional(ins):
-            control = src
-        if ins.base in GLOBAL_LOADS:
-            src += 1
-            nbytes = _load_bytes(ins)
-            current["loads"] += 1
-            current["bytes_per_thread"] += nbytes
-            current["by_width"][nbytes] = current["by_width"].get(nbytes, 0) + 1
-            out.loads.append((ins.line, ins.text, len(out.trips) + 1, src))
-            out.dependence_depth = max(out.dependence_depth, src)
-            pending.update(dict.fromkeys(ins.writes, 1) if ins.base == "LDG" else {"LDGSTS": 1})
-        for r in ins.writes | ins.pred_writes:
-            depth[r] = src
-    if current["loads"]:
-        out.trips.append(current)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -307,9 +144,15 @@ class Design:
     split: bool = False
     stages: int = 0
     stage_bytes: float = 0.0
+    #: launched with programmatic dependent launch: the launch gap and the first wave's
+    #: ``programmatic_hidden_trips`` round trips overlap the previous kernel
+    programmatic: bool = False
     #: a built D split: ``((split, fraction of the slab's instructions one of its CTAs issues, round trips, CTAs per
-    #: SM), ...)`` for the splits the kernel has (the cluster's); empty: :data:`ASSUMPTIONS`' fixed fraction
+    #: SM), ...)`` for the splits the kernel has (the cluster's); empty: :data:`ASSUMPTIONS`' fixed fraction. The step
+    #: takes the fastest of no split and each of them whose grid stays within 2 x SMs (a server picks the tile per
+    #: batch bucket); ``fixed_split`` > 0 evaluates one
     split_facts: tuple = ()
+    fixed_split: int = 0
 
 
 def _inputs(overrides: dict) -> dict:
@@ -321,6 +164,8 @@ def _inputs(overrides: dict) -> dict:
 
 def _split_factor(design: Design, slabs: int, sms: int) -> int:
     """CTAs per slab: 1, or for the small-batch path doubled (up to 4) while the grid stays within 2 x SMs."""
+    if design.fixed_split:
+        return design.fixed_split
     split = 1
     while design.split and split < 4 and slabs * split * 2 <= 2 * sms:
         split *= 2
@@ -349,6 +194,10 @@ def step_time(design: Design, batch: int, heads: int, gpu_name: str, copy_bandwi
     gpu, inp = GPUS[gpu_name], _inputs(overrides)
     bw = COPY_BANDWIDTH[gpu_name][0] if copy_bandwidth is None else copy_bandwidth
     slabs = batch * heads
+    if design.split_facts and not design.fixed_split:
+        options = [1] + [f[0] for f in design.split_facts if slabs * f[0] <= 2 * gpu.sms]
+        return min((step_time(dataclasses.replace(design, fixed_split=k), batch, heads, gpu_name, copy_bandwidth,
+                              **overrides) for k in options), key=lambda r: r["seconds"])
     split = _split_factor(design, slabs, gpu.sms)
     ctas = slabs * split if not design.stages else min(slabs, gpu.sms * design.ctas_per_sm)
     active = min(gpu.sms, ctas)
@@ -373,7 +222,10 @@ def step_time(design: Design, batch: int, heads: int, gpu_name: str, copy_bandwi
         rate, cycle = mean_value_analysis(min(resident, per_sm), queues, delay)
         seconds = per_sm / rate
     loaded = inp["idle_latency_s"] + (cycle - delay - queues[0]) / max(trips, 1)
-    return {"seconds": seconds + inp["launch_s"], "ctas": ctas, "per_sm": per_sm, "split": split,
+    if design.programmatic:
+        seconds -= inp["programmatic_hidden_trips"] * inp["idle_latency_s"]
+    return {"seconds": seconds + (0.0 if design.programmatic else inp["launch_s"]), "ctas": ctas, "per_sm": per_sm,
+            "split": split,
             "loaded_latency_s": loaded, "cta_seconds": cycle}
 
 
@@ -397,7 +249,8 @@ def percent_of_copy(design: Design, batch: int, heads: int, gpu_name: str, compu
 def flagship_designs(spec, warp_instructions: float, bytes_per_slab: float, state_read_bytes: float,
                      trips_today: int = FLAGSHIP_TRIPS, ctas_today: int = 3,
                      async_copy: tuple[int, int] | None = None,
-                     slab_pipeline: tuple[int, int] | None = None, split: tuple = ()) -> dict[str, Design]:
+                     slab_pipeline: tuple[int, int] | None = None, split: tuple = (),
+                     programmatic: bool = False) -> dict[str, Design]:
     """Today's kernel and the three candidate designs for one state format: ``"today"`` (``trips_today``
     round trips), ``"one round trip"`` (the index, then every other load), ``"small-batch path"``
     (one round trip, D split over up to 4 CTAs while B x H < 2 x SMs) and ``"pipeline"`` (persistent
@@ -409,7 +262,9 @@ def flagship_designs(spec, warp_instructions: float, bytes_per_slab: float, stat
     each (the slab being updated and the next ones in flight), each a customer of the network with one round trip, after a prologue of
     two (the index, the first slab); with ``split`` (:attr:`Design.split_facts` of the kernel ``update_kv_state`` with
     ``tile_D < headdim`` compiles, a cluster per (lane, head)) ``"D split (cluster)"``: today's kernel from 2 x SMs
-    slabs up, below that the D split the small-batch path's rule picks. The instructions are today's per slab for
+    slabs up, below that the D split the small-batch path's rule picks; with ``programmatic`` today's kernel and that
+    split launched with programmatic dependent launch (``StepSpec.programmatic_launch``: the same CTAs, round trips
+    and instructions, the launch gap and ``programmatic_hidden_trips`` hidden). The instructions are today's per slab for
     every design, and the register designs keep today's ``ctas_today`` resident CTAs (assumptions: the
     same arithmetic, the same registers)."""
     common = dict(warp_instructions=warp_instructions, bytes_per_slab=bytes_per_slab, warps=spec.num_warps)
@@ -428,6 +283,13 @@ def flagship_designs(spec, warp_instructions: float, bytes_per_slab: float, stat
     if split:
         designs["D split (cluster)"] = Design("D split (cluster)", trips_today, split=True, split_facts=tuple(split),
                                               **common)
+    if programmatic:
+        designs["today, programmatic launch"] = Design("today, programmatic launch", trips_today, programmatic=True,
+                                                       **common)
+        if split:
+            designs["D split, programmatic launch"] = dataclasses.replace(designs["D split (cluster)"],
+                                                                          name="D split, programmatic launch",
+                                                                          programmatic=True)
     if slab_pipeline is not None:
         designs["slab pipeline"] = Design("slab pipeline", 1 + slab_pipeline[0], ctas_per_sm=slab_pipeline[1],
                                           stages=pipeline_stages(spec), stage_bytes=bytes_per_slab, **pipeline)

@@ -180,6 +180,26 @@ def test_small_batch_path_splits_d_below_two_waves_of_slabs():
     assert lm.step_time(d, 1, 48, "H200")["ctas"] == 192
 
 
+def test_the_built_d_split_takes_its_fastest_tile_and_programmatic_launch_hides_the_gap_and_a_trip():
+    """The D split over a cluster (split facts invented here: 2 CTAs a slab at 60% of its instructions, 2 trips,
+    4 CTAs per SM): at each batch the fastest of today's kernel and the splits whose grid fits 2 x SMs, so never
+    slower than today, and today's kernel from 2 x SMs slabs up; launched programmatically the same CTAs less the
+    launch gap and one idle round trip, exactly."""
+    spec, inputs = flagship_spec(), dict(idle_latency_s=0.5e-6, launch_s=2e-6)
+    facts = ((2, 0.6, 2, 4), (4, 0.4, 4, 6))
+    for batch in (1, 2, 4, 8, 64):
+        ds = lm.flagship_designs(spec, 6000, 70000, 32768, split=facts, programmatic=True)
+        t = {k: lm.step_time(d, batch, 48, "H200", **inputs) for k, d in ds.items()}
+        assert t["D split (cluster)"]["seconds"] <= t["today"]["seconds"]
+        if batch * 48 * 2 > 2 * GPUS["H200"].sms:
+            assert t["D split (cluster)"]["seconds"] == t["today"]["seconds"] and t["D split (cluster)"]["split"] == 1
+        for base in ("today", "D split"):
+            plain = t["today" if base == "today" else "D split (cluster)"]["seconds"]
+            assert t[f"{base}, programmatic launch"]["seconds"] == pytest.approx(plain - 2e-6 - 0.5e-6)
+    one = lm.step_time(lm.flagship_designs(spec, 6000, 70000, 32768, split=facts)["D split (cluster)"], 1, 48, "H200")
+    assert one["split"] == 2  # 4 trips at 4 CTAs a slab cost more than the smaller grid's
+
+
 def test_designs_rank_as_the_model_says_from_b64():
     """Fewer round trips and more bytes in flight are never slower in the model (fp32 flagship, H200); today's
     kernel is the one-round-trip design, the unpinned kernel's three trips are slower."""
