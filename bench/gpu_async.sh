@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # A kernel that moves the state asynchronously, on a GPU machine, in one prepared run (docs/design/kernel.md):
-# `async` (default) the asynchronous state copy, `pipeline` the slab pipeline (at 2 and 3 persistent CTAs per SM).
+# `async` (default) the asynchronous state copy, `pipeline` the slab pipeline (at 2 and 3 persistent CTAs per SM),
+# `small` the small-batch forms (the D split over a cluster, programmatic launch).
 # Its GPU test, the step suite side by side with the register kernel (fp32 and bf16 states, and upstream's dense
 # step when MAMBA_CHECKOUT names a state-spaces/mamba checkout), compute-sanitizer racecheck and synccheck on it,
 # and Nsight Compute on it and the register kernel at B = 1 and 256 (each when its tool is on PATH).
-# Usage (from the repo root, after installing the package):  bash bench/gpu_async.sh [async|pipeline]
+# Usage (from the repo root, after installing the package):  bash bench/gpu_async.sh [async|pipeline|small]
 # Writes logs under bench/results/<kernel>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,9 +13,10 @@ kernel="${1:-async}"
 case "$kernel" in
   async) test=tests/gpu/test_gpu_async_state.py; variant=(--async-copy) ;;
   pipeline) test=tests/gpu/test_gpu_pipeline.py; variant=(--pipeline-per-sm 2,3) ;;
-  *) echo "usage: bash bench/gpu_async.sh [async|pipeline], got $kernel" >&2; exit 2 ;;
+  small) test=tests/gpu/test_gpu_small_batch.py; variant=(--small-batch); kernel=split4,programmatic,split4_programmatic ;;
+  *) echo "usage: bash bench/gpu_async.sh [async|pipeline|small], got $kernel" >&2; exit 2 ;;
 esac
-out=bench/results/$kernel
+out=bench/results/${1:-async}
 mkdir -p "$out"
 python - <<'PY' || { echo "no CUDA device: nothing to run"; exit 1; }
 import torch, sys

@@ -1,6 +1,7 @@
 """Launch the flagship's pool-mode step through the register kernel, the asynchronous state copy
-(``StepSpec.async_state_copy``) and the slab pipeline (``StepSpec.pipeline_ctas``, two persistent CTAs per SM
-of the device) inside a profiler range, for Nsight Compute and compute-sanitizer.
+(``StepSpec.async_state_copy``), the slab pipeline (``StepSpec.pipeline_ctas``, two persistent CTAs per SM
+of the device) and the small-batch forms (the D split over a cluster of 4, programmatic launch, both) inside a
+profiler range, for Nsight Compute and compute-sanitizer.
 
     ncu --profile-from-start off --set full python bench/gpu_async_probe.py [--batch 256] [--state-dtype bfloat16]
     compute-sanitizer --tool racecheck python bench/gpu_async_probe.py --batch 4 --kernels async
@@ -30,7 +31,9 @@ from mamba3_step.tensors import StepTensors, kernel_arguments  # noqa: E402
 from mamba3_step.testing import bits_equal  # noqa: E402
 
 #: a kernel -> the StepSpec fields that select it (``pipeline_ctas``: per SM of the device, times its SMs)
-KERNELS = {"registers": {}, "async": {"async_state_copy": True}, "pipeline": {"pipeline_ctas": 2}}
+KERNELS = {"registers": {}, "async": {"async_state_copy": True}, "pipeline": {"pipeline_ctas": 2},
+           "split4": {"tile_D": 16}, "programmatic": {"programmatic_launch": True},
+           "split4_programmatic": {"tile_D": 16, "programmatic_launch": True}}
 
 
 def launcher(spec, batch: int, heads: int, fields: dict, seed: int = 3):

@@ -26,6 +26,8 @@ through the register kernel with its loads in the compiler's order (``StepSpec.u
 round trip more), ``--late-epilogue`` through it with the epilogue's operands also loaded after the
 update (``StepSpec.late_epilogue``), each checked likewise; ``--pipeline-per-sm 2,3`` adds pool mode
 through the slab pipeline (``StepSpec.pipeline_ctas``) with 2 and 3 persistent CTAs per SM of the device,
+checked likewise; ``--small-batch`` adds pool mode through the register kernel's small-batch forms (the D
+split over a cluster of 2 and 4 CTAs, programmatic dependent launch alone and with each: step_checks.SMALL_BATCH_FORMS),
 checked likewise. ``--upstream
 PATH`` adds the peer: upstream's own CuteDSL dense step from the state-spaces/mamba checkout at PATH,
 with the gather and scatter a server needs around it (:mod:`.upstream`), checked first.
@@ -49,7 +51,7 @@ from mamba3_step.spec import flagship_spec
 
 from .common import Run, int_list
 from .upstream import upstream_step
-from .step_checks import (ASYNC_MODE, LATE_MODE, LAYOUTS, PIPELINE_MODE, UNPINNED_MODE, check_batch, dense_step, gather_scatter_step, kernel_variants, make_lanes,
+from .step_checks import (ASYNC_MODE, LATE_MODE, LAYOUTS, PIPELINE_MODE, SMALL_BATCH_FORMS, UNPINNED_MODE, check_batch, dense_step, gather_scatter_step, kernel_variants, make_lanes,
                           make_pool, make_shared, padded_copy, pool_step)
 from .timing import GraphUnavailable, Timer, capture, copy_bandwidth, n_sets, time_round
 
@@ -75,6 +77,8 @@ def mode_label(mode: str) -> str:
     (``--pipeline-per-sm``) its CTAs."""
     if mode.startswith(PIPELINE_MODE):
         return f"pool, slab pipeline, {mode[len(PIPELINE_MODE):]} CTAs"
+    if mode.startswith("pool_") and mode[5:] in SMALL_BATCH_FORMS:
+        return "pool, " + SMALL_BATCH_FORMS[mode[5:]][0]
     base, _, bound = mode.partition("_bound")
     return MODE_LABELS[base] + (f", launch bound {bound}" if bound else "")
 TIME_GUARD_S = 270.0
@@ -116,6 +120,10 @@ def add_arguments(parser) -> None:
     group.add_argument("--pipeline-per-sm", default="", metavar="K[,K...]",
                        help="also time pool mode through the slab pipeline (StepSpec.pipeline_ctas) with K persistent "
                             "CTAs per SM of the device, for each K")
+    group.add_argument("--small-batch", action="store_true",
+                       help="also time pool mode through the register kernel's small-batch forms: the D split over a "
+                            "cluster of 2 and 4 CTAs (tile_D 32, 16) and programmatic dependent launch "
+                            "(StepSpec.programmatic_launch), alone and with each split")
     group.add_argument("--unpinned-loads", action="store_true",
                        help="also time pool mode through the register kernel with its loads in the compiler's order "
                             "(StepSpec.unpinned_loads: the kernel without the barrier that pins them)")
@@ -127,10 +135,12 @@ def configure(args, run: Run, step_fn=None, reference_fn=None) -> Options:
         from .upstream import load_upstream_step
         upstream_fn = load_upstream_step(args.upstream)
     bounds = int_list(args.min_ctas, "--min-ctas", allow_empty=True)
-    layouts = tuple(layout for layout in LAYOUTS if getattr(args, layout))
+    layouts = tuple(layout for layout in LAYOUTS if getattr(args, layout)) + (
+        tuple(SMALL_BATCH_FORMS) if args.small_batch else ())
     per_sm = int_list(args.pipeline_per_sm, "--pipeline-per-sm", allow_empty=True)
     if not run.cuda and (args.async_copy or bounds or layouts or per_sm) and step_fn is None:
-        raise ValueError("--async-copy, --min-ctas, --pipeline-per-sm, --unpinned-loads and --late-epilogue time "
+        raise ValueError("--async-copy, --min-ctas, --pipeline-per-sm, --small-batch, --unpinned-loads and "
+                         "--late-epilogue time "
                          "kernels beside pool "
                          "mode's, bit for bit; with --device cpu pool mode runs the PyTorch path, which they cannot "
                          "match: run them on a CUDA device")

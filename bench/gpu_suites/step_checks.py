@@ -67,15 +67,15 @@ def variant_step_fn(async_copy: bool = False, min_ctas: int = 0, layout: str = "
     """``mamba3_step_fn`` (its validation included) launched through a kernel variant that is not a
     public option, as ``mamba3_step_fn`` launches its kernel: the asynchronous state copy
     (``StepSpec.async_state_copy``), a launch bound of ``min_ctas`` CTAs per SM
-    (``StepSpec.min_ctas_per_sm``), a previous load layout of the register kernel (``layout``, one of
-    :data:`LAYOUTS`: its StepSpec fields), the slab pipeline with ``pipeline_ctas`` persistent CTAs
+    (``StepSpec.min_ctas_per_sm``), a previous load layout or a small-batch form of the register kernel
+    (``layout``, one of :data:`LAYOUTS` or :data:`SMALL_BATCH_FORMS`: its StepSpec fields), the slab pipeline with ``pipeline_ctas`` persistent CTAs
     (``StepSpec.pipeline_ctas``). On CPU tensors its PTX, executed (mamba3_step.tools.ptx_tier)."""
 
     def step(*args, **kwargs) -> torch.Tensor:
         tensors, options = split_call(_bind_step(*args, **kwargs))
         spec, tensors, out = prepare_step(tensors, **options._asdict())
         spec = spec.replace(async_state_copy=async_copy, min_ctas_per_sm=min_ctas, pipeline_ctas=pipeline_ctas,
-                            **(LAYOUTS[layout][1] if layout else {}))
+                            **({**LAYOUTS, **SMALL_BATCH_FORMS}[layout][1] if layout else {}))
         if tensors.batch > 0 and tensors.x.is_cuda:
             kernel_for(spec, tensors.x)(*kernel_arguments(tensors))
         elif tensors.batch > 0:
@@ -96,6 +96,17 @@ ASYNC_MODE = "pool_async_copy"
 #: loaded after the update (4)
 LAYOUTS = {"unpinned_loads": ("the loads unpinned", PREVIOUS_LOAD_LAYOUTS["unpinned"]),
            "late_epilogue": ("the late epilogue", PREVIOUS_LOAD_LAYOUTS["late-epilogue"])}
+#: the small-batch forms of the register kernel -> (what it is, the StepSpec fields that select it): the D split over a
+#: cluster of 2 and 4 CTAs a (lane, head) (tile_D, a public option, with update_kv_state), and programmatic dependent
+#: launch (StepSpec.programmatic_launch, not a public option) alone and with each split; a round's input sets use
+#: disjoint rows, so consecutive steps meet its guarantee (docs/contract.md)
+SMALL_BATCH_FORMS = {"split2": ("the D split over 2 CTAs", {"tile_D": 32}),
+                     "split4": ("the D split over 4 CTAs", {"tile_D": 16}),
+                     "programmatic": ("programmatic launch", {"programmatic_launch": True}),
+                     "split2_programmatic": ("the D split over 2 CTAs, programmatic launch",
+                                             {"tile_D": 32, "programmatic_launch": True}),
+                     "split4_programmatic": ("the D split over 4 CTAs, programmatic launch",
+                                             {"tile_D": 16, "programmatic_launch": True})}
 #: the step suite's mode of pool mode through the register kernel with its epilogue's operands loaded after the update
 LATE_MODE = "pool_late_epilogue"
 #: the step suite's modes of pool mode through the slab pipeline (the mode's suffix: its persistent CTAs)
@@ -115,7 +126,7 @@ def kernel_variants(async_copy: bool, bounds: tuple[int, ...] = (), layouts: tup
     for ctas in pipelines:
         variants[f"{PIPELINE_MODE}{ctas}"] = (f"the slab pipeline, {ctas} CTAs", variant_step_fn(pipeline_ctas=ctas))
     for layout in layouts:
-        variants[f"pool_{layout}"] = (LAYOUTS[layout][0], variant_step_fn(layout=layout))
+        variants[f"pool_{layout}"] = ({**LAYOUTS, **SMALL_BATCH_FORMS}[layout][0], variant_step_fn(layout=layout))
     for n in bounds:
         variants[f"pool_bound{n}"] = (f"the register kernel at a launch bound of {n} CTAs", variant_step_fn(False, n))
         if async_copy:

@@ -238,10 +238,11 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
 
     def after_prologue(self):
         """``programmatic_launch``: the CTA has read the indices and issued its state loads, all it may read
-        while the previous kernel runs: the next kernel may start (``launch_dependents``), and this one waits
-        for the previous one's completion and writes (``griddepcontrol.wait``) before any other access."""
-        cute.arch.griddepcontrol_launch_dependents()
+        while the previous kernel runs; it waits for that kernel's completion and writes (``griddepcontrol.wait``)
+        before any other access, then lets the next kernel start (``launch_dependents``): no earlier, so that when
+        the next one starts every kernel before this one has completed."""
         cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def live_cta(self, m: KernelArgs, b: Int32, h: Int32, dtile: Int32, tidx: Int32, src: Int32, dst: Int32,

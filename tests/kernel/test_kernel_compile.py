@@ -907,7 +907,7 @@ def test_the_d_split_latency_facts_are_the_sass(arch, form, split):
 def test_programmatic_launch_issues_every_state_load_before_its_wait(changes, arch):
     """StepSpec.programmatic_launch: clean compiler facts and the default kernel's round trips and CTAs per SM;
     in the SASS every 16-byte state load precedes the wait (ACQBULK, griddepcontrol.wait) of the live path,
-    after launch_dependents (PREEXIT), and every store follows it."""
+    launch_dependents (PREEXIT) and every store follow it."""
     spec = flagship_spec(programmatic_launch=True, **changes)
     check_compiler_facts(spec, arch)
     f, plain = facts_for(spec, arch), facts_for(spec.replace(programmatic_launch=False), arch)
@@ -917,5 +917,5 @@ def test_programmatic_launch_issues_every_state_load_before_its_wait(changes, ar
     wait = next(i for i, line in enumerate(ops) if "ACQBULK" in line)
     loads = [i for i, line in enumerate(ops) if "LDG.E.128" in line]
     stores = [i for i, line in enumerate(ops) if "STG." in line]
-    assert any("PREEXIT" in line for line in ops[:wait]), "launch_dependents before the wait"
+    assert not any("PREEXIT" in line for line in ops[:wait]), "launch_dependents after the wait"
     assert loads and max(loads) < wait < min(stores), (loads, wait, stores[:2])

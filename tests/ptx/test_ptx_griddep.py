@@ -23,7 +23,7 @@ _ADDRS = TID_ADDR + """  add.s64 %rd3, %rd41, %rd0;
 """
 _READ_IDX = "  ld.global.b32 %r1, [%rd1];\n"
 _READ_X = "  ld.global.b32 %r2, [%rd3];\n"
-_WAIT = "  griddepcontrol.launch_dependents;\n  griddepcontrol.wait;\n"
+_WAIT = "  griddepcontrol.wait;\n  griddepcontrol.launch_dependents;\n"
 _WRITE = "  add.u32 %r3, %r1, %r2;\n  st.global.b32 [%rd4], %r3;\n  ret;\n"
 
 

@@ -1037,8 +1037,30 @@ def test_gpu_bench_slab_pipeline_is_checked_against_pool_mode(monkeypatch):
     assert 4 in launched and 0 in launched
 
 
+def test_gpu_bench_small_batch_forms_are_checked_against_pool_mode(monkeypatch):
+    """--small-batch: pool mode through the D split over a cluster (tile_D 32, 16) and programmatic launch, alone
+    and with each split, checked bit for bit against pool mode (PTX executed on CPU tensors) and labelled."""
+    from gpu_suites import step as step_suite
+    from mamba3_step.tools import ptx_tier
+    from mamba3_step.tools.ptx_tier import ptx_step_fn
+
+    forms = tuple(step_checks.SMALL_BATCH_FORMS)
+    assert list(step_checks.kernel_variants(False, (), forms)) == [f"pool_{f}" for f in forms]
+    assert step_suite.mode_label("pool_split4_programmatic") == "pool, the D split over 4 CTAs, programmatic launch"
+    launched = []
+    real_run = ptx_tier.run_step_ptx
+
+    def record(spec, *a, **kw):
+        launched.append((spec.tile_D, spec.programmatic_launch))
+        return real_run(spec, *a, **kw)
+
+    monkeypatch.setattr(ptx_tier, "run_step_ptx", record)
+    assert step_checks.check_batch(flagship_spec(), 2, 2, torch.device("cpu"), ptx_step_fn, layouts=forms) == []
+    assert {(32, False), (16, False), (64, True), (32, True), (16, True)} <= set(launched)
+
+
 @pytest.mark.parametrize("flag", [["--async-copy"], ["--min-ctas", "4"], ["--unpinned-loads"], ["--late-epilogue"],
-                                  ["--pipeline-per-sm", "2"]])
+                                  ["--pipeline-per-sm", "2"], ["--small-batch"]])
 def test_gpu_bench_refuses_kernel_variants_on_the_cpu_path(flag, capsys):
     """A kernel variant is checked bit for bit against pool mode; on --device cpu pool mode runs the PyTorch path,
     which no kernel matches bit for bit: refused by name before anything runs, not reported as a failed check."""
