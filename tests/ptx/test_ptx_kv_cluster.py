@@ -56,7 +56,12 @@ def _execute(inputs, indices, tile_D, **run):
     return spec, t, run_step_ptx(spec, tensors, **run)
 
 
-@pytest.mark.parametrize("form", list(FORMS))
+#: the forms of the default run (the rest with --full-matrix)
+DEFAULT_FORMS = ("flagship-tileD16", "N32-D64-R4-T2-spec-tileD32")
+
+
+@pytest.mark.parametrize("form", [f if f in DEFAULT_FORMS else pytest.param(f, marks=pytest.mark.full_matrix)
+                                  for f in FORMS])
 def test_the_cluster_split_stores_the_whole_heads_bits_and_nothing_races(form):
     tile = FORMS[form][5]
     inputs, indices = _call(form, seed=sum(map(ord, form)))
