@@ -31,10 +31,13 @@ def case_spec(name: str):
 
 def pipeline_spec(spec, ctas: int):
     """``spec`` on the slab pipeline with ``ctas`` CTAs, its tile_D halved while the stages would not fit in shared
-    memory (``out`` and the stored bytes are independent of the tiling: docs/contract.md)."""
+    memory, or the whole head for update_kv_state's D split, which the pipeline does not take (``out`` and the
+    stored bytes are independent of the tiling: docs/contract.md)."""
     from mamba3_step.slab_pipeline import pipeline_problem
 
     piped = spec.replace(pipeline_ctas=ctas)
+    if spec.update_kv_state and spec.tile_D < spec.headdim:
+        piped = piped.replace(tile_D=spec.headdim)
     while pipeline_problem(piped) and "shared memory" in pipeline_problem(piped):
         piped = piped.replace(tile_D=piped.tile_D // 2)
     assert pipeline_problem(piped) is None, pipeline_problem(piped)

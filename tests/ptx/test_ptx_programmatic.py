@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from async_state_cases import ASYNC_DEFAULT, assert_same_writes, case_spec, prepared_call, run_each
 from helpers import assert_bits_equal, clone_inputs
 
 from mamba3_step.api import prepare_step
@@ -69,3 +70,17 @@ def test_programmatic_launch_reads_only_indices_and_rows_before_its_wait_and_kee
     assert all(v["written"] == 0 for v in before.values()), before
     assert before["state"]["read"] > 0 and before["state_batch_indices"]["read"] > 0, before
     assert res.extra["griddepcontrol"]["waited"].all(), "every thread waits (padding lanes too)"
+
+
+@pytest.mark.full_matrix
+@pytest.mark.parametrize("name", [n for n in ASYNC_DEFAULT if n not in FORMS])
+def test_programmatic_launch_of_every_covering_and_feature_form(name):
+    """The covering set and one form of each feature set (the asynchronous copy's cases), programmatically
+    launched: the default kernel's writes, bit for bit, and before the wait only the allowed reads."""
+    spec = case_spec(name)
+    tensors, _ = prepared_call(spec, 5, seed=len(name))
+    plain, early = run_each(tensors, spec, spec.replace(programmatic_launch=True))
+    assert assert_same_writes(plain, early, f"{name}: programmatic launch") >= 2
+    res = run_step_ptx(spec.replace(programmatic_launch=True), prepared_call(spec, 5, seed=len(name))[0])
+    before = analysis.pre_wait_accesses(res, res.extra["memory"])
+    assert set(before) <= PRE_WAIT_READS and all(v["written"] == 0 for v in before.values()), (name, before)
