@@ -13,7 +13,8 @@ kernel="${1:-async}"
 case "$kernel" in
   async) test=tests/gpu/test_gpu_async_state.py; variant=(--async-copy) ;;
   pipeline) test=tests/gpu/test_gpu_pipeline.py; variant=(--pipeline-per-sm 2,3) ;;
-  small) test=tests/gpu/test_gpu_small_batch.py; variant=(--small-batch); kernel=split4,programmatic,split4_programmatic ;;
+  small) test=tests/gpu/test_gpu_small_batch.py; variant=(--small-batch --pipeline-per-sm 3)
+         kernel=split4,programmatic,split4_programmatic ;;
   *) echo "usage: bash bench/gpu_async.sh [async|pipeline|small], got $kernel" >&2; exit 2 ;;
 esac
 out=bench/results/${1:-async}

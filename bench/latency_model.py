@@ -127,20 +127,22 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
                       if (form, "split", k) in facts)
         names = (("today", "one round trip", "small-batch path") + (("D split (cluster)",) if split else ())
                  + (() if K else ("today, programmatic launch",)) + (("D split, programmatic launch",) if split else ())
-                 + ("pipeline",) + (("asynchronous state copy",) if copied else ()) + (("slab pipeline",) if piped else ()))
+                 + ("pipeline",) + (("asynchronous state copy",) if copied else ())
+                 + (("slab pipeline", "slab pipeline, programmatic launch") if piped else ()))
         for name in names:
+            kernel = name.split(", programmatic launch")[0]  # launched programmatically: the same kernel's facts
             row = {"state": form, "design": name,
                    "SASS path trips": {"asynchronous state copy": copied and copied[0],
-                                       "slab pipeline": piped and piped[0]}.get(name, path_trips),
+                                       "slab pipeline": piped and piped[0]}.get(kernel, path_trips),
                    "trips": {"today": trips, "asynchronous state copy": copied and copied[0],
-                             "slab pipeline": piped and piped[0]}.get(name, 2),
+                             "slab pipeline": piped and piped[0]}.get(kernel, 2),
                    "CTAs/SM": {"pipeline": int(lm.assumption("pipeline_ctas_per_sm")),
                                "asynchronous state copy": copied and copied[1],
-                               "slab pipeline": piped and piped[1]}.get(name, ctas)}
+                               "slab pipeline": piped and piped[1]}.get(kernel, ctas)}
             for batch in BATCHES:
                 total = _bytes(spec, K, batch)
                 instr = {"asynchronous state copy": STATE_FORMS_EXECUTED.get(form, (0, 0))[1],
-                         "slab pipeline": PIPELINE_EXECUTED.get(form)}.get(name) or warp_instr
+                         "slab pipeline": PIPELINE_EXECUTED.get(form)}.get(kernel) or warp_instr
                 d = lm.flagship_designs(spec, instr, total / (batch * HEADS), state_read, trips, ctas,
                                         async_copy=copied, slab_pipeline=piped, split=split, programmatic=not K)[name]
                 r = lm.percent_of_copy(d, batch, HEADS, gpu, total, copy_bw, **overrides)

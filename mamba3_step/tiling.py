@@ -432,9 +432,8 @@ def tiling_problem(spec) -> str | None:
             f"as one cluster, at most {MAX_CLUSTER_CTAS} (the portable cluster size): use tile_D >= "
             f"{spec.headdim // MAX_CLUSTER_CTAS}, got tile_D={spec.tile_D} (headdim={spec.headdim})"
         )
-    if spec.programmatic_launch and (spec.pipeline_ctas or spec.async_state_copy or spec.replay_ring):
-        return ("programmatic_launch is the register kernel's: not with pipeline_ctas, async_state_copy or "
-                "replay_ring")
+    if spec.programmatic_launch and (spec.async_state_copy or spec.replay_ring):
+        return "programmatic_launch is the register kernel's and the slab pipeline's: not with async_state_copy or replay_ring"
     return pipeline_problem(spec)
 
 

@@ -76,7 +76,8 @@ def mode_label(mode: str) -> str:
     """A mode's label in the table; a launch-bound variant (``--min-ctas``) names its bound, a slab pipeline
     (``--pipeline-per-sm``) its CTAs."""
     if mode.startswith(PIPELINE_MODE):
-        return f"pool, slab pipeline, {mode[len(PIPELINE_MODE):]} CTAs"
+        ctas, _, programmatic = mode[len(PIPELINE_MODE):].partition("_")
+        return f"pool, slab pipeline, {ctas} CTAs" + (", programmatic launch" if programmatic else "")
     if mode.startswith("pool_") and mode[5:] in SMALL_BATCH_FORMS:
         return "pool, " + SMALL_BATCH_FORMS[mode[5:]][0]
     base, _, bound = mode.partition("_bound")
@@ -123,7 +124,8 @@ def add_arguments(parser) -> None:
     group.add_argument("--small-batch", action="store_true",
                        help="also time pool mode through the register kernel's small-batch forms: the D split over a "
                             "cluster of 2 and 4 CTAs (tile_D 32, 16) and programmatic dependent launch "
-                            "(StepSpec.programmatic_launch), alone and with each split")
+                            "(StepSpec.programmatic_launch), alone and with each split (with --pipeline-per-sm, the slab "
+                            "pipeline launched programmatically too)")
     group.add_argument("--unpinned-loads", action="store_true",
                        help="also time pool mode through the register kernel with its loads in the compiler's order "
                             "(StepSpec.unpinned_loads: the kernel without the barrier that pins them)")

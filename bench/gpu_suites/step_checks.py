@@ -120,11 +120,15 @@ def kernel_variants(async_copy: bool, bounds: tuple[int, ...] = (), layouts: tup
     """The step suite's kernel variants of pool mode: mode -> (what it is, its step function): the
     asynchronous state copy with ``async_copy``, the register kernel in each previous load layout of
     ``layouts`` (:data:`LAYOUTS`, mode ``pool_<layout>``), the slab pipeline with each CTA count ``c`` of
-    ``pipelines`` (``pool_pipeline{c}``), and for each launch bound ``n`` of ``bounds`` the register kernel
+    ``pipelines`` (``pool_pipeline{c}``; with the small-batch forms also launched programmatically,
+    ``pool_pipeline{c}_programmatic``), and for each launch bound ``n`` of ``bounds`` the register kernel
     (``pool_bound{n}``) and, with ``async_copy``, the copy (``pool_async_copy_bound{n}``) under it."""
     variants = {ASYNC_MODE: ("the asynchronous state copy", async_copy_step_fn)} if async_copy else {}
     for ctas in pipelines:
         variants[f"{PIPELINE_MODE}{ctas}"] = (f"the slab pipeline, {ctas} CTAs", variant_step_fn(pipeline_ctas=ctas))
+        if "programmatic" in layouts:  # with the small-batch forms: the pipeline launched programmatically too
+            variants[f"{PIPELINE_MODE}{ctas}_programmatic"] = (f"the slab pipeline, {ctas} CTAs, programmatic launch",
+                                                                variant_step_fn(pipeline_ctas=ctas, layout="programmatic"))
     for layout in layouts:
         variants[f"pool_{layout}"] = ({**LAYOUTS, **SMALL_BATCH_FORMS}[layout][0], variant_step_fn(layout=layout))
     for n in bounds:

@@ -201,6 +201,8 @@ class SlabPipeline:
         # the mbarriers initialised and the first headers written before any thread waits or reads; every later
         # header is written a slab ahead, before the barrier that ends the slab before its own
         cute.arch.barrier()
+        if const_expr(self.programmatic_launch):  # the indices and the first slabs' rows were all it read
+            self.after_prologue()
         for k in cutlass.range(count, unroll=1):
             slab = cta_id + k * grid
             stage = k % stages

@@ -250,7 +250,9 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
         """The :class:`Cta` of a live slab ``(b, h, dtile)`` for thread ``tidx``, reading row ``src`` and writing
         ``dst`` (stochastic rounding: with the lane's random-bit source)."""
         lane = tidx % self.layout.TPR
-        seed = self.rng_source(m, b) if const_expr(self.stochastic and not self.programmatic_launch) else None
+        # programmatic launch: one slab's CTA reads the seed after its wait (one_slab); the pipeline's are past it
+        seed = self.rng_source(m, b) if const_expr(self.stochastic and (not self.programmatic_launch or
+                                                                       self.pipeline_ctas)) else None
         return Cta(b, h, dtile, tidx, lane, self.lane_permutation(lane), src, dst, src_live, dst_live, seed)
 
     @cute.jit

@@ -170,20 +170,20 @@ def replay_issue_model(flush_length: int, from_checkpoint: bool, gpu: GPU, batch
 #: execution tier (``python bench/issue_model.py --replay-states`` prints them;
 #: tests/tools/test_issue_model.py re-executes them with --full-matrix).
 REPLAY_STATES_EXECUTED = {
-    "rotary": ({"rotary": True}, 4, 6559, (6898, 10207, 13591, 17006)),
-    "bf16 state, stochastic rounding": ({"state_dtype": "bfloat16", "stochastic_rounding": True}, 4, 11508,
+    "rotary": ({"rotary": True}, 4, 6599, (6898, 10207, 13591, 17006)),
+    "bf16 state, stochastic rounding": ({"state_dtype": "bfloat16", "stochastic_rounding": True}, 4, 11300,
                                         (11493, 19917, 28405, 36877)),
-    "int8 state": ({"state_dtype": "int8", "stochastic_rounding": True}, 2, 14704, (15339, 27529)),
-    "int8 state, F = 4": ({"state_dtype": "int8", "stochastic_rounding": True}, 4, 14704,
+    "int8 state": ({"state_dtype": "int8", "stochastic_rounding": True}, 2, 14676, (15339, 27529)),
+    "int8 state, F = 4": ({"state_dtype": "int8", "stochastic_rounding": True}, 4, 14676,
                           (15845, 27561, 39285, 51409)),
-    "rotary, from the checkpoint": ({"rotary": True, "from_checkpoint": True}, 4, 6559, (5469, 6696, 7911, 17306)),
+    "rotary, from the checkpoint": ({"rotary": True, "from_checkpoint": True}, 4, 6599, (5469, 6696, 7911, 17306)),
     "bf16 state, stochastic rounding, from the checkpoint": (
-        {"state_dtype": "bfloat16", "stochastic_rounding": True, "from_checkpoint": True}, 4, 11508,
+        {"state_dtype": "bfloat16", "stochastic_rounding": True, "from_checkpoint": True}, 4, 11300,
         (4870, 5564, 6247, 36885)),
     "int8 state, from the checkpoint": ({"state_dtype": "int8", "stochastic_rounding": True, "from_checkpoint": True},
-                                        2, 14704, (5393, 27801)),
+                                        2, 14676, (5393, 27801)),
     "int8 state, F = 4, from the checkpoint": (
-        {"state_dtype": "int8", "stochastic_rounding": True, "from_checkpoint": True}, 4, 14704,
+        {"state_dtype": "int8", "stochastic_rounding": True, "from_checkpoint": True}, 4, 14676,
         (5542, 6236, 6919, 51701)),
 }
 

@@ -264,7 +264,8 @@ def flagship_designs(spec, warp_instructions: float, bytes_per_slab: float, stat
     ``tile_D < headdim`` compiles, a cluster per (lane, head)) ``"D split (cluster)"``: today's kernel from 2 x SMs
     slabs up, below that the D split the small-batch path's rule picks; with ``programmatic`` today's kernel and that
     split launched with programmatic dependent launch (``StepSpec.programmatic_launch``: the same CTAs, round trips
-    and instructions, the launch gap and ``programmatic_hidden_trips`` hidden). The instructions are today's per slab for
+    and instructions, the launch gap and ``programmatic_hidden_trips`` hidden), and so the slab pipeline. The
+    instructions are today's per slab for
     every design, and the register designs keep today's ``ctas_today`` resident CTAs (assumptions: the
     same arithmetic, the same registers)."""
     common = dict(warp_instructions=warp_instructions, bytes_per_slab=bytes_per_slab, warps=spec.num_warps)
@@ -293,4 +294,7 @@ def flagship_designs(spec, warp_instructions: float, bytes_per_slab: float, stat
     if slab_pipeline is not None:
         designs["slab pipeline"] = Design("slab pipeline", 1 + slab_pipeline[0], ctas_per_sm=slab_pipeline[1],
                                           stages=pipeline_stages(spec), stage_bytes=bytes_per_slab, **pipeline)
+        if programmatic:
+            designs["slab pipeline, programmatic launch"] = dataclasses.replace(
+                designs["slab pipeline"], name="slab pipeline, programmatic launch", programmatic=True)
     return designs

@@ -53,3 +53,18 @@ def test_the_flagship_waits_on_one_round_trip_a_slab(arch, form):
     name = {"fp32": "flagship-pool-kv", "bf16, stochastic rounding": "flagship-bf16state-sr"}.get(form, "")
     assert (f.spill_bytes, f.stack_bytes) == KNOWN_SPILLS.get((name, arch), (0, 0))
     assert f.occupancy()["ctas_per_sm"] == ctas, f"{arch} {form}: {f.occupancy()}"
+
+
+@pytest.mark.parametrize("arch", [ARCHS[0], pytest.param(ARCHS[1], marks=pytest.mark.full_matrix)])
+@pytest.mark.parametrize("form", list(STATE_FORMS))
+def test_the_pipeline_launched_programmatically_compiles_like_the_pipeline(form, arch):
+    """StepSpec.programmatic_launch on the slab pipeline: no spill, the pipeline's registers within 8 and its CTAs
+    per SM, one wait (ACQBULK) before the slab loop's first mbarrier wait and launch_dependents (PREEXIT) after it."""
+    spec = flagship_spec(pipeline_ctas=PIPELINE_DEFAULT_CTAS, **STATE_FORMS[form])
+    early, plain = compile_facts(spec.replace(programmatic_launch=True), arch), compile_facts(spec, arch)
+    assert (early.spill_bytes, early.stack_bytes) == (0, 0)
+    assert abs(early.registers - plain.registers) <= 8 and early.occupancy(arch) == plain.occupancy(arch)
+    ops = early.sass_text.splitlines()
+    wait = [i for i, line in enumerate(ops) if "ACQBULK" in line]
+    assert len(wait) == 1 and any("PREEXIT" in line for line in ops[wait[0]:])
+    assert wait[0] < next(i for i, line in enumerate(ops) if "SYNCS" in line and "TRYWAIT" in line), "before the loop"

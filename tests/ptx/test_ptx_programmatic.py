@@ -45,13 +45,13 @@ def _tensors(spec, seed):
     return inputs, dict(state_batch_indices=src, dst_state_batch_indices=dst, null_slot_id=NULL)
 
 
-def _execute(spec, inputs, indices, programmatic):
+def _execute(spec, inputs, indices, programmatic, **kernel):
     t = clone_inputs(inputs)
     x = t["x"]
     t["out"] = torch.full((*x.shape[:-1], x.shape[-1]), float("nan"), dtype=x.dtype)
     prepared, tensors, _ = prepare_step(StepTensors(**t, **indices), update_kv_state=spec.update_kv_state,
                                         tile_D=spec.tile_D or None, stochastic_rounding=spec.stochastic_rounding)
-    res = run_step_ptx(prepared.replace(programmatic_launch=programmatic), tensors)
+    res = run_step_ptx(prepared.replace(programmatic_launch=programmatic, **kernel), tensors)
     return t, res
 
 
@@ -70,6 +70,21 @@ def test_programmatic_launch_reads_only_indices_and_rows_before_its_wait_and_kee
     assert all(v["written"] == 0 for v in before.values()), before
     assert before["state"]["read"] > 0 and before["state_batch_indices"]["read"] > 0, before
     assert res.extra["griddepcontrol"]["waited"].all(), "every thread waits (padding lanes too)"
+
+
+@pytest.mark.parametrize("name", ["flagship", pytest.param("flagship-bf16state-sr", marks=pytest.mark.full_matrix)])
+def test_the_slab_pipeline_launched_programmatically_reads_only_indices_and_rows_before_its_wait(name):
+    """The slab pipeline (3 persistent CTAs: each walks several slabs) waits once, after its prologue (the first
+    slabs' indices and their bulk copies of the state rows): the register kernel's bits, nothing else before."""
+    spec = FORMS[name]
+    inputs, indices = _tensors(spec, seed=7)
+    plain, _ = _execute(spec, inputs, indices, False)
+    early, res = _execute(spec, inputs, indices, True, pipeline_ctas=3)
+    for key in ("out", "state", "Bstate", "Xstate"):
+        assert_bits_equal(early[key], plain[key], f"{name}, slab pipeline: {key}")
+    before = analysis.pre_wait_accesses(res, res.extra["memory"])
+    assert set(before) <= PRE_WAIT_READS and all(v["written"] == 0 for v in before.values()), before
+    assert before["state_batch_indices"]["read"] > 0, before
 
 
 @pytest.mark.full_matrix

@@ -1046,7 +1046,10 @@ def test_gpu_bench_small_batch_forms_are_checked_against_pool_mode(monkeypatch):
 
     forms = tuple(step_checks.SMALL_BATCH_FORMS)
     assert list(step_checks.kernel_variants(False, (), forms)) == [f"pool_{f}" for f in forms]
+    assert list(step_checks.kernel_variants(False, (), forms, (396,)))[:2] == ["pool_pipeline396",
+                                                                             "pool_pipeline396_programmatic"]
     assert step_suite.mode_label("pool_split4_programmatic") == "pool, the D split over 4 CTAs, programmatic launch"
+    assert step_suite.mode_label("pool_pipeline396_programmatic") == "pool, slab pipeline, 396 CTAs, programmatic launch"
     launched = []
     real_run = ptx_tier.run_step_ptx
 

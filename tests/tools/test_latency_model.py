@@ -198,6 +198,11 @@ def test_the_built_d_split_takes_its_fastest_tile_and_programmatic_launch_hides_
             assert t[f"{base}, programmatic launch"]["seconds"] == pytest.approx(plain - 2e-6 - 0.5e-6)
     one = lm.step_time(lm.flagship_designs(spec, 6000, 70000, 32768, split=facts)["D split (cluster)"], 1, 48, "H200")
     assert one["split"] == 2  # 4 trips at 4 CTAs a slab cost more than the smaller grid's
+    piped = lm.flagship_designs(spec, 6000, 70000, 32768, slab_pipeline=(1, 3), programmatic=True)
+    for batch in (1, 64):
+        t = [lm.step_time(piped[k], batch, 48, "H200", **inputs)["seconds"]
+             for k in ("slab pipeline", "slab pipeline, programmatic launch")]
+        assert t[1] == pytest.approx(t[0] - 2e-6 - 0.5e-6)
 
 
 def test_designs_rank_as_the_model_says_from_b64():
