@@ -123,7 +123,7 @@ REPLAY_EXECUTED = {
 #: the steady state visits when every draft is accepted by the next step (F = 2 and 4: 4 every step,
 #: a flush; F = 8: 4, then 8 with a flush). Measured by the PTX execution tier
 #: (``mamba3_step.tools.verify.verify_instructions``; tests/tools/test_issue_model.py re-executes F = 2, 4 and today's).
-VERIFY_EXECUTED = {"today": 25362, 2: {4: 33053}, 4: {4: 33069}, 8: {4: 32947, 8: 44901}}
+VERIFY_EXECUTED = {"today": 25668, 2: {4: 33053}, 4: {4: 33069}, 8: {4: 32947, 8: 44901}}
 #: the same with ``replay_from_checkpoint``: no draft stepped, their outputs by the algebra from the checkpoint
 #: (a flush's, the committed tokens replayed; else the row's, the committed tokens in the sums; 2026-11-28)
 VERIFY_FROM_STATE_EXECUTED = {2: {4: 25697}, 4: {4: 25830}, 8: {4: 16382, 8: 38361}}

@@ -111,9 +111,9 @@ def test_replay_verify_issue_model_by_hand():
     assert m["ratio"] == pytest.approx(replay["ratio"]) and m["today_ratio"] == pytest.approx(base["ratio"])
     assert m["time"] == pytest.approx(max(replay["issue_us"], replay["memory_us"]) / max(base["issue_us"],
                                                                                         base["memory_us"]))
-    assert (round(m["ratio"], 2), round(m["time"], 2), round(m["instructions"], 2)) == (1.79, 0.69, 1.53)
+    assert (round(m["ratio"], 2), round(m["time"], 2), round(m["instructions"], 2)) == (1.79, 0.69, 1.52)
     k4 = replay_verify_issue_model(4, gpu)
-    assert (round(k4["ratio"], 2), round(k4["time"], 2), round(k4["today_ratio"], 2)) == (1.26, 0.59, 0.45)
+    assert (round(k4["ratio"], 2), round(k4["time"], 2), round(k4["today_ratio"], 2)) == (1.26, 0.59, 0.46)
     # the drafts' outputs from the checkpoint: the issue's T = 4 targets (at most 0.45x today's bytes and
     # 0.5x its modelled H100 time) both met at K = 8, the time at K = 4 too
     fc8 = replay_verify_issue_model(8, gpu, from_checkpoint=True)
@@ -121,7 +121,7 @@ def test_replay_verify_issue_model_by_hand():
     replay = issue_model((counts[4] + counts[8]) / 2, replay_bytes(today, 8, 256, 48)["total"] / (256 * 48), gpu)
     assert fc8["time"] == pytest.approx(max(replay["issue_us"], replay["memory_us"]) / max(base["issue_us"],
                                                                                           base["memory_us"]))
-    assert (round(fc8["ratio"], 2), round(fc8["time"], 3), round(fc8["instructions"], 2)) == (1.26, 0.488, 1.08)
+    assert (round(fc8["ratio"], 2), round(fc8["time"], 3), round(fc8["instructions"], 2)) == (1.26, 0.488, 1.07)
     assert round(replay_verify_issue_model(4, gpu, from_checkpoint=True)["time"], 3) == 0.468
 
 
