@@ -19,6 +19,8 @@ thread ahead of a barrier its CTA has not passed.
   :class:`~ptx_executor.errors.BarrierError` names the CTA and the threads that never arrived,
   or the mbarrier (address, phase, counts) and the threads waiting on it: a deadlock (a hang on
   a GPU is an error here).
+* ``barrier.cluster.wait`` parks a group until every live thread of its cluster has arrived
+  (:mod:`ptx_executor.isa_cluster`); a launch with a cluster runs chunks of whole clusters.
 * Everything else is an instruction closure from :mod:`ptx_executor.isa`.
 
 The grid runs in chunks of consecutive CTAs (bounded register-file memory); chunks run

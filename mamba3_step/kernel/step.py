@@ -178,15 +178,15 @@ class Mamba3StepKernel(TokenSteps, Replay, CheckpointOutputs, DraftOutputs, Stag
         bound = dict(min_blocks_per_mp=bound, preferred_smem_carveout=-1) if bound else {}
         grid = (pipeline_grid(m.x.shape[0], m.xproj.shape[1], self.D, self.tile_D, self.pipeline_ctas, cutlass.min)
                 if const_expr(self.pipeline_ctas) else launch_grid(m.x.shape[0], m.xproj.shape[1], self.D, self.tile_D))
-        cluster = dict(cluster=self.cluster) if const_expr(self.cluster is not None) else {}
+        options = dict(cluster=self.cluster) if const_expr(self.cluster is not None) else {}
         if const_expr(self.programmatic_launch):
-            cluster["use_pdl"] = True
+            options["use_pdl"] = True
         self.kernel(m).launch(
             grid=grid,
             block=(self.num_threads, 1, 1),
             stream=stream,
             **bound,
-            **cluster,
+            **options,
         )
 
     @cute.kernel
