@@ -42,13 +42,15 @@ __all__ = ["CONFIG_HELP", "add_spec_arguments", "arch_from_args", "parse_spec_ar
 CONFIG_HELP = "flagship | all | N,D,R[,state_dtype[,kv_dtype[,x_dtype[,proj_dtype]]]] (repeatable)"
 #: ``--kernel``: which kernels a command compiles, each as the StepSpec fields that select it (none of them public
 #: options): the register kernel (the default), its previous load layouts (the loads unpinned; with that, the
-#: epilogue's operands loaded late), the asynchronous state copy, the slab pipeline; "both" the register kernel
-#: and the copy, "layouts" the register kernel in its three load layouts, "pipelined" the register kernel and the
-#: slab pipeline
+#: epilogue's operands loaded late), the asynchronous state copy, the slab pipeline, the register kernel launched
+#: programmatically; "both" the register kernel and the copy, "layouts" the register kernel in its three load
+#: layouts, "pipelined" the register kernel and the slab pipeline, "programmatic-pair" the register kernel with and
+#: without programmatic launch
 _KERNEL_FIELDS = {"registers": {}, **PREVIOUS_LOAD_LAYOUTS, "async-copy": {"async_state_copy": True},
-                  "pipeline": {"pipeline_ctas": PIPELINE_DEFAULT_CTAS}}
+                  "pipeline": {"pipeline_ctas": PIPELINE_DEFAULT_CTAS}, "programmatic": {"programmatic_launch": True}}
 KERNEL_CHOICES = {**{name: (name,) for name in _KERNEL_FIELDS}, "both": ("registers", "async-copy"),
-                  "layouts": ("registers", "unpinned", "late-epilogue"), "pipelined": ("registers", "pipeline")}
+                  "layouts": ("registers", "unpinned", "late-epilogue"), "pipelined": ("registers", "pipeline"),
+                  "programmatic-pair": ("registers", "programmatic")}
 KERNELS = tuple(KERNEL_CHOICES)
 _DTYPE_FIELDS = (("state_dtype", STATE_DTYPES), ("kv_dtype", KV_DTYPES), ("x_dtype", X_DTYPES),
                  ("proj_dtype", PROJ_DTYPES))
@@ -114,7 +116,8 @@ def spec_label(spec: StepSpec) -> str:
                              (f"{spec.min_ctas_per_sm}ctas", spec.min_ctas_per_sm > 0),
                              ("asyncState", spec.async_state_copy), ("unpinned", spec.unpinned_loads),
                              ("lateEpilogue", spec.late_epilogue),
-                             (f"pipeline{spec.pipeline_ctas}", spec.pipeline_ctas > 0)) if on]
+                             (f"pipeline{spec.pipeline_ctas}", spec.pipeline_ctas > 0),
+                             ("programmatic", spec.programmatic_launch)) if on]
     tokens = f"T{spec.tokens} " if spec.tokens > 1 else ""
     return (f"N{spec.dstate} D{spec.headdim} R{spec.mimo} {spec.state_dtype}/{spec.kv_dtype}/"
             f"{spec.x_dtype}/{spec.proj_dtype} tD{spec.tile_D} w{spec.num_warps} {tokens}"
@@ -143,9 +146,10 @@ def add_spec_arguments(parser: argparse.ArgumentParser, *, modes: bool = True, a
                         "without the barrier that pins its loads) or with that its epilogue loaded late (StepSpec.late_epilogue); "
                         "the asynchronous state copy (StepSpec.async_state_copy: not the default, slower on the "
                         "H200); the slab pipeline (StepSpec.pipeline_ctas: persistent CTAs, the next slab's state "
-                        "in flight by a bulk copy; not the default, unmeasured on a GPU); both (the register kernel "
-                        "and the copy), layouts (the register kernel's three) or pipelined (the register kernel and "
-                        "the pipeline), each specialisation once per kernel")
+                        "in flight by a bulk copy; not the default, unmeasured on a GPU); programmatic (the register "
+                        "kernel with programmatic dependent launch, StepSpec.programmatic_launch; unmeasured on a GPU); "
+                        "both (the register kernel and the copy), layouts (the register kernel's three), pipelined "
+                        "(the register kernel and the pipeline) or programmatic-pair, each specialisation once per kernel")
     if modes:
         g.add_argument("--mode", choices=("pool", "dense"), default="pool",
                        help="pool mode (state_batch_indices given; default) or dense mode")

@@ -466,3 +466,12 @@ def test_report_of_a_flush_form_says_its_bytes_are_not_a_steps():
     report, facts = I.inspect_spec(flush_specs(flagship_spec(), 3)[0], "sm_90a", batch=8, heads=2)
     assert report["bytes_per_step"] is None and facts.spill_bytes == 0
     assert "not modelled: materialize's flush form" in I.format_report(report)
+
+
+def test_inspect_names_the_cluster_and_programmatic_launch(capsys):
+    """--tile-d 16 with update_kv_state: the D-tiles of a (lane, head) as a cluster of 4; --kernel
+    programmatic-pair: the register kernel with and without programmatic launch, each report saying which."""
+    assert cli.main(["inspect", "--tile-d", "16", "--kernel", "programmatic-pair"]) == 0
+    headers = [line for line in capsys.readouterr().out.splitlines() if line.startswith("mamba3_step kernel")]
+    assert len(headers) == 2 and all("cluster=4" in h for h in headers)
+    assert ["programmatic_launch" in h for h in headers] == [False, True]

@@ -106,10 +106,13 @@ def format_report(report: dict) -> str:
     mode = "pool" if s["pool"] else "dense"
     flags = [k for k in ("has_dst", "dst_per_token", "num_accepted", "update_kv_state", "has_z", "has_outproj",
                          "has_state_out", "shared_bc", "stochastic_rounding", "replay_from_checkpoint",
-                         "async_state_copy", "unpinned_loads", "late_epilogue") if s.get(k)]
-    for key in ("tokens", "rope_angles", "replay_ring", "replay_draft", "min_ctas_per_sm"):  # counts not at the default
+                         "async_state_copy", "unpinned_loads", "late_epilogue", "programmatic_launch") if s.get(k)]
+    for key in ("tokens", "rope_angles", "replay_ring", "replay_draft", "min_ctas_per_sm",
+                "pipeline_ctas"):  # counts not at the default
         if s.get(key, 0) > (key == "tokens"):
             flags.insert(0, f"{key}={s[key]}")
+    if s.get("update_kv_state") and not s.get("pipeline_ctas") and s["tile_D"] < s["headdim"]:
+        flags.append(f"cluster={s['headdim'] // s['tile_D']}")  # tiling.launch_cluster: the D-tiles of a (lane, head)
     lines = [
         f"mamba3_step kernel for {report['arch']}: N={s['dstate']} D={s['headdim']} R={s['mimo']} "
         f"state={s['state_dtype']} kv={s['kv_dtype']} x={s['x_dtype']} proj={s['proj_dtype']} "
