@@ -202,8 +202,8 @@ class Machine:
                 else grid[0] * grid[1] * cluster[2])
         chunk = max(1, chunk // unit) * unit
         clustered = cluster != (1, 1, 1)
-        relaxed, arrived = (np.zeros(n_cta * nt, np.int64) for _ in range(2))
-        waited = np.zeros(n_cta * nt, bool)
+        relaxed, arrived = (np.zeros(n_cta * nt if clustered else 0, np.int64) for _ in range(2))
+        waited = np.zeros(n_cta * nt if self.program.uses_griddep else 0, bool)
         issued = np.zeros(len(self.program.ops), np.int64)
         log = AccessLog() if self.record else None
         shared_log = AccessLog() if self.record_shared else None

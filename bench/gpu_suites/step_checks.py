@@ -75,7 +75,7 @@ def variant_step_fn(async_copy: bool = False, min_ctas: int = 0, layout: str = "
         tensors, options = split_call(_bind_step(*args, **kwargs))
         spec, tensors, out = prepare_step(tensors, **options._asdict())
         spec = spec.replace(async_state_copy=async_copy, min_ctas_per_sm=min_ctas, pipeline_ctas=pipeline_ctas,
-                            **({**LAYOUTS, **SMALL_BATCH_FORMS}[layout][1] if layout else {}))
+                            **(KERNEL_FORMS[layout][1] if layout else {}))
         if tensors.batch > 0 and tensors.x.is_cuda:
             kernel_for(spec, tensors.x)(*kernel_arguments(tensors))
         elif tensors.batch > 0:
@@ -107,6 +107,8 @@ SMALL_BATCH_FORMS = {"split2": ("the D split over 2 CTAs", {"tile_D": 32}),
                                              {"tile_D": 32, "programmatic_launch": True}),
                      "split4_programmatic": ("the D split over 4 CTAs, programmatic launch",
                                              {"tile_D": 16, "programmatic_launch": True})}
+#: every register-kernel form a variant names (``layout``): the previous load layouts and the small-batch forms
+KERNEL_FORMS = {**LAYOUTS, **SMALL_BATCH_FORMS}
 #: the step suite's mode of pool mode through the register kernel with its epilogue's operands loaded after the update
 LATE_MODE = "pool_late_epilogue"
 #: the step suite's modes of pool mode through the slab pipeline (the mode's suffix: its persistent CTAs)
@@ -130,7 +132,7 @@ def kernel_variants(async_copy: bool, bounds: tuple[int, ...] = (), layouts: tup
             variants[f"{PIPELINE_MODE}{ctas}_programmatic"] = (f"the slab pipeline, {ctas} CTAs, programmatic launch",
                                                                 variant_step_fn(pipeline_ctas=ctas, layout="programmatic"))
     for layout in layouts:
-        variants[f"pool_{layout}"] = ({**LAYOUTS, **SMALL_BATCH_FORMS}[layout][0], variant_step_fn(layout=layout))
+        variants[f"pool_{layout}"] = (KERNEL_FORMS[layout][0], variant_step_fn(layout=layout))
     for n in bounds:
         variants[f"pool_bound{n}"] = (f"the register kernel at a launch bound of {n} CTAs", variant_step_fn(False, n))
         if async_copy:
