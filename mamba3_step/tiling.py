@@ -157,14 +157,17 @@ def launch_grid(batch, heads, headdim: int, tile_D: int) -> tuple:
     return (batch, heads, headdim // tile_D)
 
 
-#: the most CTAs of one cluster (the portable cluster size of sm_90 and sm_100)
-MAX_CLUSTER_CTAS = 8
+MAX_CLUSTER_CTAS = 8  #: the most CTAs of one cluster (the portable cluster size of sm_90 and sm_100)
+
+
+def kv_split_fits(headdim: int, tile_D: int) -> bool:
+    """Whether update_kv_state takes ``tile_D``: its ``headdim / tile_D`` D-tiles fit a cluster."""
+    return headdim // tile_D <= MAX_CLUSTER_CTAS
 
 
 def launch_cluster(spec) -> tuple | None:
-    """The cluster of the register kernel's launch (and the PTX tier's), or None: with ``update_kv_state`` and
-    ``tile_D < headdim`` the ``D / tile_D`` CTAs of a (lane, head) are one cluster ``(1, 1, D / tile_D)``, whose
-    barrier orders the Bstate row's store after every read of it (``Staging.store_kv_state``)."""
+    """The register kernel's (and the PTX tier's) launch cluster, or None: with ``update_kv_state`` and ``tile_D <
+    headdim`` the ``D / tile_D`` CTAs of a (lane, head), ``(1, 1, D / tile_D)`` (``Staging.store_kv_state``)."""
     tiles = spec.headdim // spec.tile_D
     if not spec.update_kv_state or tiles == 1 or spec.pipeline_ctas:
         return None
@@ -426,12 +429,10 @@ def tiling_problem(spec) -> str | None:
             f"(N={spec.dstate}, R={spec.mimo}, {spec.state_dtype} state, {lay.state_words_per_thread} "
             f"state registers per thread): use a smaller tile_D (without update_kv_state) or a 16-bit state"
         )
-    if spec.update_kv_state and spec.headdim // spec.tile_D > MAX_CLUSTER_CTAS:
-        return (
-            f"update_kv_state with tile_D < headdim launches the {spec.headdim // spec.tile_D} CTAs of a (lane, head) "
-            f"as one cluster, at most {MAX_CLUSTER_CTAS} (the portable cluster size): use tile_D >= "
-            f"{spec.headdim // MAX_CLUSTER_CTAS}, got tile_D={spec.tile_D} (headdim={spec.headdim})"
-        )
+    if spec.update_kv_state and not kv_split_fits(spec.headdim, spec.tile_D):
+        return (f"update_kv_state with tile_D < headdim launches the {spec.headdim // spec.tile_D} CTAs of a (lane, head) "
+                f"as one cluster, at most {MAX_CLUSTER_CTAS} (the portable cluster size): use tile_D >= "
+                f"{spec.headdim // MAX_CLUSTER_CTAS}, got tile_D={spec.tile_D} (headdim={spec.headdim})")
     if spec.programmatic_launch and (spec.async_state_copy or spec.replay_ring):
         return "programmatic_launch is the register kernel's and the slab pipeline's: not with async_state_copy or replay_ring"
     return pipeline_problem(spec)

@@ -15,7 +15,7 @@ from ..contract import dtype_name, lane_is_live, source_rows
 from ..replay_validation import check_replay_inputs
 from ..signature import StepOptions, View, make_binder, view_fields, view_signature
 from ..tensors import StepTensors
-from ..tiling import MAX_CLUSTER_CTAS, default_tiling, thread_layout
+from ..tiling import default_tiling, kv_split_fits, thread_layout
 from ..validation import check_options
 from ..validation.checks import check_write_target
 from .pool import StatePool
@@ -26,7 +26,7 @@ __all__ = ["check_pool_step", "decode_step", "kv_update_in_kernel"]
 def kv_update_in_kernel(headdim: int, dstate: int, mimo: int, state_dtype, tile_D: int | None,
                         tokens: int = 1) -> bool:
     """Whether ``update_kv_state``'s precondition holds: ``tile_D >= headdim``, or at most
-    ``tiling.MAX_CLUSTER_CTAS`` D-tiles a (lane, head), launched as one cluster.
+    ``tiling.MAX_CLUSTER_CTAS`` D-tiles a (lane, head), launched as one cluster (``tiling.kv_split_fits``).
 
     ``tile_D=None`` means the per-configuration default (:func:`tiling.default_tiling`); with
     ``tokens`` > 1 the whole-head default must also keep the state in registers across the
@@ -38,7 +38,7 @@ def kv_update_in_kernel(headdim: int, dstate: int, mimo: int, state_dtype, tile_
         tile_D, num_warps = default_tiling(dstate, headdim, mimo, name, tokens, whole_head=True)
         if tokens > 1 and not thread_layout(dstate, tile_D, num_warps, name, mimo, tokens).preload:
             return False
-    return headdim // tile_D <= MAX_CLUSTER_CTAS
+    return kv_split_fits(headdim, tile_D)
 
 
 #: what the pool supplies: its layer's rows (the angle's and an 8-bit state's scales too), its null

@@ -19,7 +19,7 @@ import torch
 from ..contract import INT32_MAX, INT32_MIN, MAX_GRID_X, MAX_GRID_Y, ROUNDED_STATE_DTYPES, SCALED_STATE_DTYPES
 from ..spec import MAX_TOKENS, StepSpec
 from ..tensors import StepTensors
-from ..tiling import MAX_CLUSTER_CTAS, shape_problem, tiling_problem
+from ..tiling import MAX_CLUSTER_CTAS, kv_split_fits, shape_problem, tiling_problem
 from . import checks
 from .table import LETTER_SOURCES, RULE_BY_NAME, RULES, Layout, is_written, shape_letters
 
@@ -329,7 +329,7 @@ def check_tiling_options(tile_D, num_warps) -> tuple:
 def _check_tiling(spec: StepSpec, tile_D, num_warps) -> StepSpec:
     check_tiling_options(tile_D, num_warps)
     spec = spec.with_default_tiling()
-    if spec.update_kv_state and spec.headdim // spec.tile_D > MAX_CLUSTER_CTAS:
+    if spec.update_kv_state and not kv_split_fits(spec.headdim, spec.tile_D):
         raise ValueError(
             f"tile_D: update_kv_state=True with tile_D < headdim runs the headdim / tile_D CTAs of a (lane, head) "
             f"as one cluster, at most {MAX_CLUSTER_CTAS}: expected tile_D >= {spec.headdim // MAX_CLUSTER_CTAS} "
