@@ -31,8 +31,8 @@ import _util  # noqa: E402  (also puts the repository on sys.path)
 
 from mamba3_step.tools import latency_model as lm  # noqa: E402
 from mamba3_step.tools.bytes_model import bytes_per_step, replay_bytes  # noqa: E402
-from mamba3_step.tools.issue_model import (GPUS, PIPELINE_EXECUTED, REPLAY_EXECUTED, SPLIT_EXECUTED,  # noqa: E402
-                                           STATE_FORMS_EXECUTED, issue_model)
+from mamba3_step.tools.issue_model import (GPUS, ISSUED_SASS, REPLAY_EXECUTED, STATE_FORMS_EXECUTED,  # noqa: E402
+                                           issue_model)
 from mamba3_step.spec import flagship_spec  # noqa: E402
 from mamba3_step.slab_pipeline import PIPELINE_DEFAULT_CTAS  # noqa: E402
 
@@ -70,15 +70,17 @@ def sass_rows(overrides: dict) -> list[dict]:
 
 
 def state_forms() -> dict:
-    """name -> (spec, warp-instructions per slab (the issue model's executed counts), replay K or None,
-    the spec whose kernel today's design is)."""
+    """name -> (spec, SASS warp-instructions a slab issues (``ISSUED_SASS``; a replay form: its executed PTX counts
+    averaged over the ring positions, x the fp32 register kernel's SASS / PTX ratio, since its SASS has a branch
+    per position), replay K or None, the spec whose kernel today's design is)."""
     fp32, bf16 = flagship_spec(), flagship_spec(state_dtype="bfloat16")
     sr = flagship_spec(state_dtype="bfloat16", stochastic_rounding=True)
-    forms = {form: (spec, STATE_FORMS_EXECUTED[form][0], None, spec)
+    forms = {form: (spec, ISSUED_SASS[form]["registers"], None, spec)
              for form, spec in (("fp32", fp32), ("bf16, round to nearest", bf16), ("bf16, stochastic rounding", sr))}
     for K in (2, 4):
         counts = REPLAY_EXECUTED[(K, False)][1]
-        forms[f"fp32 replay F = {K}"] = (fp32, sum(counts) / K, K, flagship_spec(replay_ring=K))
+        fused = ISSUED_SASS["fp32"]["registers"] / STATE_FORMS_EXECUTED["fp32"][0]
+        forms[f"fp32 replay F = {K}"] = (fp32, sum(counts) / K * fused, K, flagship_spec(replay_ring=K))
     return forms
 
 
@@ -123,7 +125,7 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
         trips = lm.LATE_EPILOGUE_LATENCY_FACTS["sm_90a"]["fp32"][0] if K else path_trips
         copied, piped = facts.get((form, "async")), facts.get((form, "pipeline"))
         # the built D split: (split, one CTA's share of the slab's instructions, its round trips, CTAs per SM)
-        split = tuple((k, SPLIT_EXECUTED[form][k] / warp_instr, *facts[(form, "split", k)]) for k in (2, 4)
+        split = tuple((k, ISSUED_SASS[form][k] / warp_instr, *facts[(form, "split", k)]) for k in (2, 4)
                       if (form, "split", k) in facts)
         names = (("today", "one round trip", "small-batch path") + (("D split (cluster)",) if split else ())
                  + (() if K else ("today, programmatic launch",)) + (("D split, programmatic launch",) if split else ())
@@ -141,8 +143,8 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
                                "slab pipeline": piped and piped[1]}.get(kernel, ctas)}
             for batch in BATCHES:
                 total = _bytes(spec, K, batch)
-                instr = {"asynchronous state copy": STATE_FORMS_EXECUTED.get(form, (0, 0))[1],
-                         "slab pipeline": PIPELINE_EXECUTED.get(form)}.get(kernel) or warp_instr
+                instr = {"asynchronous state copy": ISSUED_SASS.get(form, {}).get("async"),
+                         "slab pipeline": ISSUED_SASS.get(form, {}).get("pipeline")}.get(kernel) or warp_instr
                 d = lm.flagship_designs(spec, instr, total / (batch * HEADS), state_read, trips, ctas,
                                         async_copy=copied, slab_pipeline=piped, split=split, programmatic=not K)[name]
                 r = lm.percent_of_copy(d, batch, HEADS, gpu, total, copy_bw, **overrides)
@@ -151,6 +153,7 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
             bw = lm.COPY_BANDWIDTH[gpu][0] if copy_bw is None else copy_bw
             issue = issue_model(instr, _bytes(spec, K, 256) / (256 * HEADS), GPUS[gpu])
             row["issue/memory"] = issue["ratio"] * bw / GPUS[gpu].hbm_bytes_per_s  # memory time at copy speed
+            row["SASS/slab"] = instr
             rows.append(row)
     return rows
 
@@ -210,7 +213,8 @@ def measured_rows(path: str, facts: dict, overrides: dict) -> tuple[list[dict], 
         if entry["mode"] == "pool":
             kernel = pool
         batch, total = int(entry["batch"]), bytes_per_step(spec, int(entry["batch"]), HEADS)["total"]
-        executed = PIPELINE_EXECUTED[form] if kernel == "pipeline" else STATE_FORMS_EXECUTED[form][1 if kernel == "async" else 0]
+        # the unpinned and late layouts issue the pinned kernel's arithmetic in another order: its count
+        executed = ISSUED_SASS[form]["pipeline" if kernel == "pipeline" else "async" if kernel == "async" else "registers"]
         trips_k, ctas_k = REGISTER_FACTS[kernel][form] if kernel in REGISTER_FACTS else (trips, ctas)
         d = lm.flagship_designs(spec, executed, total / (batch * HEADS), state_read, trips_k, ctas_k,
                                 async_copy=facts.get((form, "async")), slab_pipeline=facts.get((form, "pipeline")))[design]
@@ -229,7 +233,7 @@ def measured_rows(path: str, facts: dict, overrides: dict) -> tuple[list[dict], 
 
 
 def _cols(keys, fmt=">.1f"):
-    formats = {"state": "<", "design": "<", "kernel": "<", "B": ">d", "trips": ">d", "SASS path trips": ">d", "CTAs/SM": ">d"}
+    formats = {"state": "<", "design": "<", "kernel": "<", "B": ">d", "trips": ">d", "SASS path trips": ">d", "CTAs/SM": ">d", "SASS/slab": ">,.0f"}
     return [(k, k, formats.get(k, fmt)) for k in keys]
 
 
@@ -269,9 +273,9 @@ def report(args, overrides: dict) -> dict:
     designs = design_rows(args.gpu, facts, design_bw, overrides)
     print(f"\n4. the candidate designs on the {args.gpu}, modelled % of the copy bandwidth "
           f"({(design_bw or lm.COPY_BANDWIDTH[args.gpu][0]) / 1e9:,.0f} GB/s); us at B = 1; issue / memory time at "
-          "B = 256 (the issue model's executed counts)")
+          "B = 256 (the SASS warp-instructions a slab issues, issue_model.ISSUED_SASS)")
     keys = ["state", "design", "SASS path trips", "trips", "CTAs/SM"] + [f"B{b}" for b in BATCHES] + [
-        "us_B1", "issue/memory"]
+        "us_B1", "SASS/slab", "issue/memory"]
     print(_util.format_table(designs, _cols(keys)))
     print("\nassumed inputs: " + "; ".join(f"{k} = {overrides.get(k, v[0]):g}" for k, v in lm.ASSUMPTIONS.items()))
     return {"what": "modelled (no GPU); the 'measured' columns are read from --measured", "little": little,

@@ -29,7 +29,7 @@ from .bytes_model import bytes_per_step, replay_bytes
 from ..spec import StepSpec, flagship_rotary_spec, flagship_spec
 
 __all__ = ["GPUS", "GPU", "ISSUE_PER_CLOCK", "PIPELINE_EXECUTED", "REPLAY_EXECUTED", "REPLAY_STATES_EXECUTED", "SPLIT_EXECUTED",
-           "STATE_FORMS_EXECUTED",
+           "ISSUED_SASS", "STATE_FORMS_EXECUTED",
            "UPSTREAM", "VERIFY_EXECUTED", "VERIFY_FROM_STATE_EXECUTED", "VERIFY_TOKENS", "issue_model", "replay_issue_model",
            "replay_states_issue_model", "replay_states_replay_spec", "replay_states_spec", "replay_verify_issue_model",
            "slab_bytes"]
@@ -102,6 +102,17 @@ PIPELINE_EXECUTED = {"fp32": 6860, "bf16, round to nearest": 7590, "bf16, stocha
 #: slab's (its index, staging and scalars are not divided)
 SPLIT_EXECUTED = {"fp32": {2: 3684, 4: 2368}, "bf16, round to nearest": {2: 3952, 4: 2579},
                   "bf16, stochastic rounding": {2: 6308, 4: 3746}}
+#: SASS warp-instructions each kernel issues for one live (lane, head) slab of the flagship (pool mode,
+#: update_kv_state), read from its sm_90a cubin (``mamba3_step.tools.sass_trips.issued_path`` x warps; sm_100a is
+#: within 0.4%): ``form -> {"registers": the register kernel, "async": StepSpec.async_state_copy, "pipeline": the
+#: slab pipeline's slab loop, split: one CTA of the D split over split CTAs}``. What the SM's issue slots serve,
+#: and so what the latency model's issue side counts; the executed PTX counts above over-state it where ptxas
+#: fuses instructions (Philox's multiply pairs and XOR chains: 0.69x for a stochastically rounded bf16 state).
+#: The pipeline's walk falls through the producer's branches, so it counts their few instructions in every
+#: warp: an upper bound. tests/kernel/test_issued_sass.py compiles them.
+ISSUED_SASS = {"fp32": {"registers": 5860, "async": 6032, "pipeline": 7196, 2: 3572, 4: 2500},
+               "bf16, round to nearest": {"registers": 5984, "async": 6292, "pipeline": 6840, 2: 3616, 4: 2568},
+               "bf16, stochastic rounding": {"registers": 7796, "async": 8236, "pipeline": 8940, 2: 4688, 4: 3196}}
 #: executed PTX warp-instructions per state slab of the flagship (pool mode, update_kv_state; one live
 #: (lane, head)), stepwise and with replay: ``(F, from_checkpoint) -> (num_warps, counts at ring positions
 #: 0..F-1)`` at the default tiling. Measured by the PTX execution tier (``python bench/issue_model.py``

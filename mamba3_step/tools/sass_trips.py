@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-__all__ = ["GLOBAL_LOADS", "Instr", "LoadTrips", "global_round_trips", "live_path", "sass_instructions"]
+__all__ = ["GLOBAL_LOADS", "Instr", "LoadTrips", "global_round_trips", "issued_path", "live_path", "sass_instructions"]
 
 _INSTR = re.compile(r"^\s*/\*[0-9a-fA-F]+\*/\s+(?P<guard>@!?U?P[0-9T]+\s+)?(?P<op>[A-Z][A-Z0-9_.]*)\s*"
                     r"(?P<args>[^;]*);")
@@ -108,6 +108,52 @@ def live_path(sass_text: str) -> list[Instr]:
         if ins.base == "EXIT" and not _conditional(ins):
             break
     return path
+
+
+_LABEL = re.compile(r"^\s*\.(L_x_\d+):")
+_TARGET = re.compile(r"\.(L_x_\d+)")
+
+
+def _branch_targets(sass_text: str, instrs: list[Instr]) -> dict[int, int]:
+    """Index in ``instrs`` of a ``BRA``'s target label's first instruction, for each ``BRA`` to a label."""
+    label_line = {m.group(1): i for i, line in enumerate(sass_text.splitlines()) if (m := _LABEL.match(line))}
+    first_after = {}
+    for name, line in label_line.items():
+        first_after[name] = next((k for k, ins in enumerate(instrs) if ins.line > line), len(instrs))
+    return {k: first_after[m.group(1)] for k, ins in enumerate(instrs)
+            if ins.base == "BRA" and (m := _TARGET.search(ins.text)) and m.group(1) in first_after}
+
+
+def issued_path(sass_text: str) -> list[Instr]:
+    """The instructions each warp of a live CTA issues for one (lane, head) slab, ``NOP`` aside.
+
+    A kernel without a backward branch (one slab a CTA) issues :func:`live_path`. A persistent kernel
+    (the slab pipeline) issues its slab loop once a slab: the backward branch whose body holds the most
+    ``FFMA``, walked from its head to that branch with conditional branches falling through (a
+    forward one skips a padding lane's or another warp's work; a backward one retries a wait that
+    succeeds at once) and unconditional forward ones followed. Its prologue is not counted: a
+    persistent CTA walks many slabs."""
+    instrs = sass_instructions(sass_text)
+    targets = _branch_targets(sass_text, instrs)
+    loops = [(sum(ins.base == "FFMA" for ins in instrs[t:k]), t, k) for k, t in targets.items() if t <= k]
+    loops = [loop for loop in loops if loop[0]]  # the self-branch after the last EXIT holds none
+    if not loops:
+        return [ins for ins in live_path(sass_text) if ins.base != "NOP"]
+    _, k, back = max(loops)
+    path = []
+    while k != back:
+        ins = instrs[k]
+        path.append(ins)
+        if k in targets and not _conditional(ins):
+            if targets[k] <= k:
+                raise ValueError(f"an unconditional backward branch inside the slab loop: {ins.text}")
+            k = targets[k]
+            continue
+        if ins.base == "EXIT" and not _conditional(ins):
+            raise ValueError(f"an unconditional EXIT inside the slab loop: {ins.text}")
+        k += 1
+    path.append(instrs[back])
+    return [ins for ins in path if ins.base != "NOP"]
 
 
 @dataclass
