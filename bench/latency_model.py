@@ -14,7 +14,8 @@ Prints (``mamba3_step.tools.latency_model``; every figure *modelled* unless its 
 4. the candidate designs (today, one round trip, small-batch path, the D split over a cluster the kernel
    compiles, pipeline, the asynchronous state copy, the slab pipeline) for the fp32 flagship, a bf16 state
    rounded to nearest and stochastically, and replay F = 2 and 4: modelled % of the copy bandwidth at
-   B = 1 .. 512 on the H200.
+   B = 1 .. 512 on the H200, issuing the SASS warp-instructions a slab issues
+   (``mamba3_step.tools.issue_model.ISSUED_SASS``, read from the cubins).
 
 Writes ``latency_model.json`` to the output folder (default ``bench/results``); ``--json`` prints it.
 """
