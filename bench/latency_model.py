@@ -215,9 +215,9 @@ def measured_rows(path: str, facts: dict, overrides: dict) -> tuple[list[dict], 
             kernel = pool
         batch, total = int(entry["batch"]), bytes_per_step(spec, int(entry["batch"]), HEADS)["total"]
         # the unpinned and late layouts issue the pinned kernel's arithmetic in another order: its count
-        executed = ISSUED_SASS[form]["pipeline" if kernel == "pipeline" else "async" if kernel == "async" else "registers"]
+        issued = ISSUED_SASS[form]["pipeline" if kernel == "pipeline" else "async" if kernel == "async" else "registers"]
         trips_k, ctas_k = REGISTER_FACTS[kernel][form] if kernel in REGISTER_FACTS else (trips, ctas)
-        d = lm.flagship_designs(spec, executed, total / (batch * HEADS), state_read, trips_k, ctas_k,
+        d = lm.flagship_designs(spec, issued, total / (batch * HEADS), state_read, trips_k, ctas_k,
                                 async_copy=facts.get((form, "async")), slab_pipeline=facts.get((form, "pipeline")))[design]
         m = lm.percent_of_copy(d, batch, HEADS, "H200", total, copy_bw, **overrides)
         row = {"state": form, "kernel": kernel, "B": batch, "modelled us": m["seconds"] * 1e6,

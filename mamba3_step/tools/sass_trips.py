@@ -8,6 +8,7 @@ trip* is the set of loads issued between two such waits (:func:`global_round_tri
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass, field
 
@@ -116,10 +117,9 @@ _TARGET = re.compile(r"\.(L_x_\d+)")
 
 def _branch_targets(sass_text: str, instrs: list[Instr]) -> dict[int, int]:
     """Index in ``instrs`` of a ``BRA``'s target label's first instruction, for each ``BRA`` to a label."""
-    label_line = {m.group(1): i for i, line in enumerate(sass_text.splitlines()) if (m := _LABEL.match(line))}
-    first_after = {}
-    for name, line in label_line.items():
-        first_after[name] = next((k for k, ins in enumerate(instrs) if ins.line > line), len(instrs))
+    lines = [ins.line for ins in instrs]
+    first_after = {m.group(1): bisect.bisect_right(lines, i) for i, line in enumerate(sass_text.splitlines())
+                   if (m := _LABEL.match(line))}
     return {k: first_after[m.group(1)] for k, ins in enumerate(instrs)
             if ins.base == "BRA" and (m := _TARGET.search(ins.text)) and m.group(1) in first_after}
 
