@@ -9,7 +9,11 @@ latency facts its design promises, read from the SASS.
   path (mamba3_step.tools.latency_model.global_round_trips: conditional branches fall through, so it runs the
   prologue and one pass of the slab loop) makes the prologue's two trips (the first ``S - 1`` slabs' indices
   together, then the next one's, which the loop's first refill uses) and then the loop's: the token's staging
-  loads, with the index ``S`` slabs ahead, never waited on in the same pass.
+  loads, with the index ``S`` slabs ahead, never waited on in the same pass;
+* the flagship's forms keep the bytes Little's law asks in flight: a CTA issues the bulk copies of ``S`` slabs
+  before its first wait (the prologue's ``S - 1`` and the first refill), so at least ``S - 1`` tiles stay
+  outstanding at every wait, and the resident CTAs' tiles cover ``latency_model.bytes_in_flight_needed`` per SM on
+  the target's GPUs (sm_90a: H100, H200; sm_100a: B200).
 """
 
 from __future__ import annotations
@@ -19,14 +23,19 @@ from async_state_cases import ASYNC_DEFAULT, ASYNC_FULL, STATE_FORMS, compile_fa
 from test_kernel_compile import ARCHS
 
 from mamba3_step.spec import flagship_spec
-from mamba3_step.slab_pipeline import PIPELINE_DEFAULT_CTAS, pipeline_stages
+from mamba3_step.slab_pipeline import PIPELINE_DEFAULT_CTAS, pipeline_stages, stage_tile_bytes
 from mamba3_step.tiling import thread_layout
-from mamba3_step.tools.latency_model import PIPELINE_LATENCY_FACTS, global_round_trips
+from mamba3_step.tools.latency_model import PIPELINE_LATENCY_FACTS, bytes_in_flight_needed, global_round_trips
 
 #: (name, arch) -> (spill, stack) bytes of the forms that are not clean, exactly
 KNOWN_SPILLS = {}
 #: the prologue's dependent round trips on the live path (the first slabs' indices; the next slab's)
 PROLOGUE_TRIPS = 2
+#: the GPUs of each target, whose Little's-law need the pipeline's bytes in flight are held against
+GPUS_OF = {"sm_90a": ("H100", "H200"), "sm_100a": ("B200",)}
+#: the flagship's forms on each target, one xdist group each: the tests reading their SASS share one compile
+FLAGSHIP_FORMS = [pytest.param(arch, form, marks=pytest.mark.xdist_group(f"pipeline-flagship-{form}@{arch}"))
+                  for arch, forms in PIPELINE_LATENCY_FACTS.items() for form in forms]
 
 
 @pytest.mark.parametrize("name, arch", compile_params(ARCHS))
@@ -42,7 +51,7 @@ def test_the_pipeline_compiles_clean(name, arch):
     assert f.count("STG", 128) == lay.rows_per_thread * lay.CPT * writes, (where, f.sass)
 
 
-@pytest.mark.parametrize("arch, form", [(arch, form) for arch, forms in PIPELINE_LATENCY_FACTS.items() for form in forms])
+@pytest.mark.parametrize("arch, form", FLAGSHIP_FORMS)
 def test_the_flagship_waits_on_one_round_trip_a_slab(arch, form):
     spec = flagship_spec(pipeline_ctas=PIPELINE_DEFAULT_CTAS, **STATE_FORMS[form])
     f = compile_facts(spec, arch)
@@ -53,6 +62,20 @@ def test_the_flagship_waits_on_one_round_trip_a_slab(arch, form):
     name = {"fp32": "flagship-pool-kv", "bf16, stochastic rounding": "flagship-bf16state-sr"}.get(form, "")
     assert (f.spill_bytes, f.stack_bytes) == KNOWN_SPILLS.get((name, arch), (0, 0))
     assert f.occupancy()["ctas_per_sm"] == ctas, f"{arch} {form}: {f.occupancy()}"
+
+
+@pytest.mark.parametrize("arch, form", FLAGSHIP_FORMS)
+def test_the_flagship_keeps_the_bytes_littles_law_asks_in_flight(arch, form):
+    spec = flagship_spec(pipeline_ctas=PIPELINE_DEFAULT_CTAS, **STATE_FORMS[form])
+    f = compile_facts(spec, arch)
+    ops = f.sass_text.splitlines()
+    first_wait = next(i for i, line in enumerate(ops) if "SYNCS" in line and "TRYWAIT" in line)
+    copies = sum("UBLKCP" in line for line in ops[:first_wait])
+    assert copies == pipeline_stages(spec), f"{arch} {form}: {copies} bulk copies before the first wait"
+    per_sm = f.occupancy(arch)["ctas_per_sm"] * (copies - 1) * stage_tile_bytes(spec)
+    for gpu in GPUS_OF[arch]:
+        need = bytes_in_flight_needed(gpu)["bytes_per_sm"]
+        assert per_sm >= need, f"{arch} {form}: {per_sm} bytes in flight per SM, {gpu} needs {need:.0f}"
 
 
 @pytest.mark.parametrize("arch", [ARCHS[0], pytest.param(ARCHS[1], marks=pytest.mark.full_matrix)])
