@@ -13,7 +13,8 @@ Prints (``mamba3_step.tools.latency_model``; every figure *modelled* unless its 
    CUDA-graph replay) on the H200, side by side;
 4. the candidate designs (today, one round trip, small-batch path, the D split over a cluster the kernel
    compiles, pipeline, the asynchronous state copy, the slab pipeline) for the fp32 flagship, a bf16 state
-   rounded to nearest and stochastically, and replay F = 2 and 4: modelled % of the copy bandwidth at
+   rounded to nearest and stochastically, replay F = 2 and 4, and the T = 4 verify step (on the register kernel
+   and the slab pipeline) and replay's verify step at F = 2 and 4: modelled % of the copy bandwidth at
    B = 1 .. 512 on the H200, issuing the SASS warp-instructions a slab issues
    (``mamba3_step.tools.issue_model.ISSUED_SASS``, read from the cubins).
 
@@ -33,12 +34,14 @@ import _util  # noqa: E402  (also puts the repository on sys.path)
 from mamba3_step.tools import latency_model as lm  # noqa: E402
 from mamba3_step.tools.bytes_model import bytes_per_step, replay_bytes  # noqa: E402
 from mamba3_step.tools.issue_model import (GPUS, ISSUED_SASS, REPLAY_EXECUTED, STATE_FORMS_EXECUTED,  # noqa: E402
-                                           issue_model)
+                                           VERIFY_EXECUTED, VERIFY_TOKENS, issue_model, verify_spec)
 from mamba3_step.spec import flagship_spec  # noqa: E402
 from mamba3_step.slab_pipeline import PIPELINE_DEFAULT_CTAS  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 64, 256, 512)
 HEADS = 48
+#: the stepwise verify step's form (issue_model.verify_spec)
+VERIFY_FORM = f"fp32 verify T = {VERIFY_TOKENS}"
 
 
 def sass_rows(overrides: dict) -> list[dict]:
@@ -70,18 +73,32 @@ def sass_rows(overrides: dict) -> list[dict]:
     return rows
 
 
+#: the stepwise forms whose built variants (asynchronous state copy, slab pipeline, D split) the table models; the
+#: verify step's: the slab pipeline
+BUILT_VARIANTS = {"fp32": ("async", "pipeline", "split"), "bf16, round to nearest": ("async", "pipeline", "split"),
+                  "bf16, stochastic rounding": ("async", "pipeline", "split"), VERIFY_FORM: ("pipeline",)}
+
+
 def state_forms() -> dict:
     """name -> (spec, SASS warp-instructions a slab issues (``ISSUED_SASS``; a replay form: its executed PTX counts
-    averaged over the ring positions, x the fp32 register kernel's SASS / PTX ratio, since its SASS has a branch
-    per position), replay K or None, the spec whose kernel today's design is)."""
+    averaged over the ring positions, a replay verify step's in the steady state of every draft accepted, x the fp32
+    register kernel's SASS / PTX ratio, since its SASS has a branch per position), replay K or None, the spec whose
+    kernel today's design is). A verify form's spec is the T = 4 verify step (``issue_model.verify_spec``)."""
     fp32, bf16 = flagship_spec(), flagship_spec(state_dtype="bfloat16")
     sr = flagship_spec(state_dtype="bfloat16", stochastic_rounding=True)
     forms = {form: (spec, ISSUED_SASS[form]["registers"], None, spec)
              for form, spec in (("fp32", fp32), ("bf16, round to nearest", bf16), ("bf16, stochastic rounding", sr))}
+    fused = ISSUED_SASS["fp32"]["registers"] / STATE_FORMS_EXECUTED["fp32"][0]
     for K in (2, 4):
         counts = REPLAY_EXECUTED[(K, False)][1]
-        fused = ISSUED_SASS["fp32"]["registers"] / STATE_FORMS_EXECUTED["fp32"][0]
         forms[f"fp32 replay F = {K}"] = (fp32, sum(counts) / K * fused, K, flagship_spec(replay_ring=K))
+    verify = verify_spec()
+    forms[VERIFY_FORM] = (verify, ISSUED_SASS[VERIFY_FORM]["registers"], None, verify)
+    for K in (2, 4):
+        counts = VERIFY_EXECUTED[K]
+        forms[f"fp32 replay verify F = {K}, T = {VERIFY_TOKENS}"] = (
+            verify, sum(counts.values()) / len(counts) * fused, K,
+            flagship_spec(replay_ring=K, tokens=VERIFY_TOKENS, num_accepted=True))
     return forms
 
 
@@ -92,22 +109,24 @@ def kernel_latency_facts(compile_kernels: bool) -> dict:
     if not compile_kernels:
         return {**lm.KERNEL_LATENCY_FACTS, **{(form, "async"): v for form, v in lm.ASYNC_LATENCY_FACTS["sm_90a"].items()},
                 **{(form, "pipeline"): v for form, v in lm.PIPELINE_LATENCY_FACTS["sm_90a"].items()},
+                (VERIFY_FORM, "pipeline"): lm.VERIFY_PIPELINE_LATENCY_FACTS["sm_90a"],
                 **{(form, "split", k): v for form, by in lm.SPLIT_LATENCY_FACTS["sm_90a"].items() for k, v in by.items()}}
     from mamba3_step.tools.inspection import kernel_facts
     from mamba3_step.kernel import compile_step_kernel
     facts = {}
     for form, (_, _, K, kernel_spec) in state_forms().items():
-        variants = ((form, kernel_spec), ((form, "async"), None if K else kernel_spec.replace(async_state_copy=True)),
-                    ((form, "pipeline"), None if K else kernel_spec.replace(pipeline_ctas=PIPELINE_DEFAULT_CTAS)),
-                    *(((form, "split", k), None if K else kernel_spec.replace(tile_D=kernel_spec.headdim // k))
-                      for k in (2, 4)))
+        built = BUILT_VARIANTS.get(form, ())
+        variants = [((form, kernel_spec))]
+        variants += [((form, "async"), kernel_spec.replace(async_state_copy=True))] if "async" in built else []
+        variants += [((form, "pipeline"), kernel_spec.replace(pipeline_ctas=PIPELINE_DEFAULT_CTAS))] if "pipeline" in built else []
+        variants += [((form, "split", k), kernel_spec.replace(tile_D=kernel_spec.headdim // k))
+                     for k in (2, 4) if "split" in built]
         for key, spec in variants:
-            if spec is not None:
-                f = kernel_facts(compile_step_kernel(spec, "sm_90a"))
-                # the slab pipeline's loop: one round trip a slab by design (its compile test reads it from the SASS)
-                trips = lm.PIPELINE_LATENCY_FACTS["sm_90a"][form][0] if key[1:] == ("pipeline",) else \
-                    lm.global_round_trips(f.sass_text).round_trips
-                facts[key] = (trips, f.occupancy()["ctas_per_sm"])
+            f = kernel_facts(compile_step_kernel(spec, "sm_90a"))
+            trips = lm.global_round_trips(f.sass_text).round_trips
+            # the slab pipeline: the trips a slab waits on are the live path's after its prologue's
+            facts[key] = (trips - lm.PIPELINE_PROLOGUE_TRIPS if key[1:] == ("pipeline",) else trips,
+                          f.occupancy()["ctas_per_sm"])
     return facts
 
 
@@ -123,15 +142,18 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
         # a replay kernel's live path falls through every ring position's branches: an upper bound; one
         # position's path is modelled with the round trips of the stepwise kernel that loads as it does (loads
         # unpinned, the epilogue late) and the replay kernel's CTAs
-        trips = lm.LATE_EPILOGUE_LATENCY_FACTS["sm_90a"]["fp32"][0] if K else path_trips
+        trips = (facts[VERIFY_FORM][0] if spec.tokens > 1 else lm.LATE_EPILOGUE_LATENCY_FACTS["sm_90a"]["fp32"][0]) \
+            if K else path_trips
         copied, piped = facts.get((form, "async")), facts.get((form, "pipeline"))
         # the built D split: (split, one CTA's share of the slab's instructions, its round trips, CTAs per SM)
         split = tuple((k, ISSUED_SASS[form][k] / warp_instr, *facts[(form, "split", k)]) for k in (2, 4)
                       if (form, "split", k) in facts)
+        programmatic = not K and spec.tokens == 1  # programmatic launch: modelled for the one-token step
         names = (("today", "one round trip", "small-batch path") + (("D split (cluster)",) if split else ())
-                 + (() if K else ("today, programmatic launch",)) + (("D split, programmatic launch",) if split else ())
+                 + (("today, programmatic launch",) if programmatic else ())
+                 + (("D split, programmatic launch",) if split else ())
                  + ("pipeline",) + (("asynchronous state copy",) if copied else ())
-                 + (("slab pipeline", "slab pipeline, programmatic launch") if piped else ()))
+                 + (("slab pipeline",) if piped else ()) + (("slab pipeline, programmatic launch",) if piped and programmatic else ()))
         for name in names:
             kernel = name.split(", programmatic launch")[0]  # launched programmatically: the same kernel's facts
             row = {"state": form, "design": name,
@@ -147,7 +169,7 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
                 instr = {"asynchronous state copy": ISSUED_SASS.get(form, {}).get("async"),
                          "slab pipeline": ISSUED_SASS.get(form, {}).get("pipeline")}.get(kernel) or warp_instr
                 d = lm.flagship_designs(spec, instr, total / (batch * HEADS), state_read, trips, ctas,
-                                        async_copy=copied, slab_pipeline=piped, split=split, programmatic=not K)[name]
+                                        async_copy=copied, slab_pipeline=piped, split=split, programmatic=programmatic)[name]
                 r = lm.percent_of_copy(d, batch, HEADS, gpu, total, copy_bw, **overrides)
                 row[f"B{batch}"] = r["percent"]
                 row[f"us_B{batch}"] = r["seconds"] * 1e6

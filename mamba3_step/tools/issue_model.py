@@ -32,7 +32,7 @@ __all__ = ["GPUS", "GPU", "ISSUE_PER_CLOCK", "PIPELINE_EXECUTED", "REPLAY_EXECUT
            "ISSUED_SASS", "STATE_FORMS_EXECUTED",
            "UPSTREAM", "VERIFY_EXECUTED", "VERIFY_FROM_STATE_EXECUTED", "VERIFY_TOKENS", "issue_model", "replay_issue_model",
            "replay_states_issue_model", "replay_states_replay_spec", "replay_states_spec", "replay_verify_issue_model",
-           "slab_bytes"]
+           "slab_bytes", "verify_spec"]
 
 #: warp-instructions an SM can issue per clock (four schedulers, one each)
 ISSUE_PER_CLOCK = 4
@@ -112,7 +112,9 @@ SPLIT_EXECUTED = {"fp32": {2: 3684, 4: 2368}, "bf16, round to nearest": {2: 3952
 #: warp: an upper bound. tests/kernel/test_issued_sass.py compiles them.
 ISSUED_SASS = {"fp32": {"registers": 5860, "async": 6032, "pipeline": 7196, 2: 3572, 4: 2500},
                "bf16, round to nearest": {"registers": 5984, "async": 6292, "pipeline": 6840, 2: 3616, 4: 2568},
-               "bf16, stochastic rounding": {"registers": 7796, "async": 8236, "pipeline": 8940, 2: 4688, 4: 3196}}
+               "bf16, stochastic rounding": {"registers": 7796, "async": 8236, "pipeline": 8940, 2: 4688, 4: 3196},
+               # the fp32 flagship's T = 4 verify step (verify_spec: 8 warps), on each kernel
+               "fp32 verify T = 4": {"registers": 24672, "pipeline": 23656}}
 #: executed PTX warp-instructions per state slab of the flagship (pool mode, update_kv_state; one live
 #: (lane, head)), stepwise and with replay: ``(F, from_checkpoint) -> (num_warps, counts at ring positions
 #: 0..F-1)`` at the default tiling. Measured by the PTX execution tier (``python bench/issue_model.py``
@@ -141,6 +143,12 @@ VERIFY_FROM_STATE_EXECUTED = {2: {4: 25697}, 4: {4: 25830}, 8: {4: 16382, 8: 383
 VERIFY_TOKENS = 4
 
 
+def verify_spec(**changes) -> StepSpec:
+    """The flagship's stepwise verify step of :data:`VERIFY_TOKENS` drafts: (B, T) sources picked by
+    ``num_accepted_tokens``, a destination row per token (``changes``: other fields, e.g. ``pipeline_ctas``)."""
+    return flagship_spec(tokens=VERIFY_TOKENS, has_dst=True, dst_per_token=True, num_accepted=True, **changes)
+
+
 def replay_verify_issue_model(flush_length: int, gpu: GPU, batch: int = 256, heads: int = 48,
                               from_checkpoint: bool = False) -> dict:
     """The flagship's T = 4 replay verify step against today's verify step on ``gpu``, every draft
@@ -148,7 +156,7 @@ def replay_verify_issue_model(flush_length: int, gpu: GPU, batch: int = 256, hea
     larger of the two, relative to today's), ``instructions`` (relative to today's) and
     ``today_ratio``, from :data:`VERIFY_EXECUTED` (with ``from_checkpoint``
     :data:`VERIFY_FROM_STATE_EXECUTED`) and :func:`mamba3_step.tools.bytes_model.replay_bytes`."""
-    today = flagship_spec(tokens=VERIFY_TOKENS, has_dst=True, dst_per_token=True, num_accepted=True)
+    today = verify_spec()
     base = issue_model(VERIFY_EXECUTED["today"], slab_bytes(today, batch, heads), gpu)
     counts = (VERIFY_FROM_STATE_EXECUTED if from_checkpoint else VERIFY_EXECUTED)[flush_length]
     per_step = sum(counts.values()) / len(counts)

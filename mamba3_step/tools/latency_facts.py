@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 
 __all__ = ["ASYNC_LATENCY_FACTS", "FLAGSHIP_TRIPS", "KERNEL_LATENCY_FACTS", "LATE_EPILOGUE_LATENCY_FACTS",
-           "MEASURED_OWN_STALLS", "NOT_OWN_STALLS", "PIPELINE_LATENCY_FACTS", "SPLIT_LATENCY_FACTS",
-           "UNPINNED_LATENCY_FACTS", "own_stalls"]
+           "MEASURED_OWN_STALLS", "NOT_OWN_STALLS", "PIPELINE_LATENCY_FACTS", "PIPELINE_PROLOGUE_TRIPS",
+           "SPLIT_LATENCY_FACTS", "UNPINNED_LATENCY_FACTS", "VERIFY_PIPELINE_LATENCY_FACTS", "own_stalls"]
 
 #: dependent global round trips of the flagship's CTA today, as :func:`~mamba3_step.tools.latency_model.global_round_trips` reads them from
 #: its SASS on sm_90a and sm_100a (the index; then the 16 state loads, the staging loads and the epilogue's
@@ -23,7 +23,11 @@ FLAGSHIP_TRIPS = 2
 #: branches, so its count is an upper bound (bench/latency_model.py models one position's path with the
 #: stepwise kernel's round trips); the bench re-reads them and says when they differ
 KERNEL_LATENCY_FACTS = {"fp32": (2, 3), "bf16, round to nearest": (2, 3), "bf16, stochastic rounding": (2, 2),
-                        "fp32 replay F = 2": (10, 3), "fp32 replay F = 4": (12, 2)}
+                        "fp32 replay F = 2": (10, 3), "fp32 replay F = 4": (12, 2),
+                        # the T = 4 verify step (issue_model.verify_spec, 8 warps: one CTA of 168 registers an SM;
+                        # token 0's loads pinned, each later token's staging a trip) and replay's verify kernel
+                        "fp32 verify T = 4": (10, 1), "fp32 replay verify F = 2, T = 4": (29, 2),
+                        "fp32 replay verify F = 4, T = 4": (31, 2)}
 
 
 #: ``(round trips, CTAs per SM)`` of the asynchronous state copy (``StepSpec.async_state_copy``), read from the
@@ -43,6 +47,13 @@ ASYNC_LATENCY_FACTS = {"sm_90a": {"fp32": (3, 4), "bf16, round to nearest": (3, 
 #: four 16-bit ones, and the registers fit slab_pipeline.PIPELINE_LAUNCH_BOUND), which that test holds equal
 PIPELINE_LATENCY_FACTS = {arch: {"fp32": (1, 3), "bf16, round to nearest": (1, 3), "bf16, stochastic rounding": (1, 3)}
                           for arch in ("sm_90a", "sm_100a")}
+#: the slab pipeline's prologue on the live path: two dependent round trips (the first ``S - 1`` slabs' indices
+#: together, then the next one's); the live path's other trips are the slab loop's
+PIPELINE_PROLOGUE_TRIPS = 2
+#: ``(round trips a slab waits on, CTAs per SM)`` of the slab pipeline running the fp32 flagship's T = 4 verify step
+#: (issue_model.verify_spec; sm_90a): each token's staging loads a trip of their own, as in the register kernel, and
+#: one CTA of 232 registers (multi-token steps take no launch bound). tests/kernel/test_pipeline_compile.py holds it
+VERIFY_PIPELINE_LATENCY_FACTS = {"sm_90a": (10, 1)}
 
 
 #: ``split -> (round trips, CTAs per SM)`` of the register kernel with the flagship's D split over ``split`` CTAs,

@@ -38,12 +38,13 @@ from ..slab_pipeline import pipeline_stages
 from .issue_model import GPUS, ISSUE_PER_CLOCK, GPU
 from .sass_trips import LoadTrips, global_round_trips, live_path, sass_instructions  # re-exported: part 2
 from .latency_facts import (ASYNC_LATENCY_FACTS, FLAGSHIP_TRIPS, KERNEL_LATENCY_FACTS, LATE_EPILOGUE_LATENCY_FACTS,
-                            MEASURED_OWN_STALLS, NOT_OWN_STALLS, PIPELINE_LATENCY_FACTS, SPLIT_LATENCY_FACTS,
-                            UNPINNED_LATENCY_FACTS, own_stalls)
+                            MEASURED_OWN_STALLS, NOT_OWN_STALLS, PIPELINE_LATENCY_FACTS, PIPELINE_PROLOGUE_TRIPS,
+                            SPLIT_LATENCY_FACTS, UNPINNED_LATENCY_FACTS, VERIFY_PIPELINE_LATENCY_FACTS, own_stalls)
 
 __all__ = ["ASSUMPTIONS", "ASYNC_LATENCY_FACTS", "COPY_BANDWIDTH", "FLAGSHIP_TRIPS", "KERNEL_LATENCY_FACTS",
            "LATE_EPILOGUE_LATENCY_FACTS", "MEASURED_OWN_STALLS", "NOT_OWN_STALLS", "PIPELINE_LATENCY_FACTS",
-           "SPLIT_LATENCY_FACTS", "UNPINNED_LATENCY_FACTS", "own_stalls",
+           "PIPELINE_PROLOGUE_TRIPS", "SPLIT_LATENCY_FACTS", "UNPINNED_LATENCY_FACTS", "VERIFY_PIPELINE_LATENCY_FACTS",
+           "own_stalls",
            "Design",
            "LoadTrips",
            "average_bytes_in_flight", "bytes_in_flight_needed", "flagship_designs", "global_round_trips", "live_path",

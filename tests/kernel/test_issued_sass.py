@@ -1,7 +1,8 @@
 """The SASS warp-instructions a live slab issues (``mamba3_step.tools.sass_trips.issued_path``), which the latency
 model's issue side counts: the walk on a synthetic persistent loop whose answer is known, and
 ``mamba3_step.tools.issue_model.ISSUED_SASS`` held equal to the sm_90a cubins (the register kernel, the
-asynchronous state copy, the slab pipeline's loop and the D split's CTA; the figures the model's bf16
+asynchronous state copy, the slab pipeline's loop and the D split's CTA, and the T = 4 verify step on the
+register kernel and the slab pipeline; the figures the model's bf16
 stochastic-rounding rows rest on run by default, the rest with ``--full-matrix``)."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from async_state_cases import compile_facts
 
 from mamba3_step.slab_pipeline import PIPELINE_DEFAULT_CTAS
 from mamba3_step.spec import flagship_spec
-from mamba3_step.tools.issue_model import ISSUED_SASS, STATE_FORMS_EXECUTED
+from mamba3_step.tools.issue_model import ISSUED_SASS, STATE_FORMS_EXECUTED, verify_spec
 from mamba3_step.tools.sass_trips import issued_path
 
 # A persistent CTA: a prologue, then the slab loop (head .L_x_1): a spin wait retried by a backward branch
@@ -64,13 +65,15 @@ def test_an_unconditional_branch_back_inside_the_loop_is_refused():
         issued_path(bad)
 
 
-FORMS = {"fp32": {}, "bf16, round to nearest": dict(state_dtype="bfloat16"),
-         "bf16, stochastic rounding": dict(state_dtype="bfloat16", stochastic_rounding=True)}
+#: each form's specialisation: the flagship's state forms, and its T = 4 verify step
+FORMS = {"fp32": flagship_spec(), "bf16, round to nearest": flagship_spec(state_dtype="bfloat16"),
+         "bf16, stochastic rounding": flagship_spec(state_dtype="bfloat16", stochastic_rounding=True),
+         "fp32 verify T = 4": verify_spec()}
 DEFAULT = {("bf16, stochastic rounding", "registers"), ("bf16, stochastic rounding", "pipeline"), ("fp32", "registers")}
 
 
 def _kernel_spec(form: str, kernel):
-    spec = flagship_spec(**FORMS[form])
+    spec = FORMS[form]
     return {"registers": spec, "async": spec.replace(async_state_copy=True),
             "pipeline": spec.replace(pipeline_ctas=PIPELINE_DEFAULT_CTAS)}.get(kernel) or spec.replace(
         tile_D=spec.headdim // kernel)
@@ -86,5 +89,5 @@ def test_issued_sass_is_what_the_cubin_issues(form, kernel):
 
 def test_ptxas_issues_fewer_instructions_than_the_ptx_executes_where_it_fuses_them():
     """Stochastic rounding's Philox rounds fuse (multiply pairs, XOR chains): its SASS is 0.69x its PTX, fp32's 0.95x."""
-    ratio = {form: ISSUED_SASS[form]["registers"] / STATE_FORMS_EXECUTED[form][0] for form in ISSUED_SASS}
+    ratio = {form: ISSUED_SASS[form]["registers"] / STATE_FORMS_EXECUTED[form][0] for form in STATE_FORMS_EXECUTED}
     assert 0.68 < ratio["bf16, stochastic rounding"] < 0.70 and 0.94 < ratio["fp32"] < 0.96

@@ -22,13 +22,13 @@ import re
 import pytest
 
 from mamba3_step.tools.inspection import kernel_facts
-from mamba3_step.tools.issue_model import GPUS, issue_model, slab_bytes
+from mamba3_step.tools.issue_model import GPUS, issue_model, slab_bytes, verify_spec
 from mamba3_step.kernel import compile_step_kernel
 from mamba3_step.tools.ptx_tier import ptx_kernel
 from mamba3_step.contract import (DTYPE_BYTES, KV_DTYPES, SCALED_STATE_DTYPES, STATE_DTYPES, SUPPORTED_D, SUPPORTED_N,
                                   SUPPORTED_R)
 from mamba3_step.spec import StepSpec, flagship_rotary_spec, flagship_spec, flush_specs
-from mamba3_step.tools.latency_model import SPLIT_LATENCY_FACTS, global_round_trips
+from mamba3_step.tools.latency_model import KERNEL_LATENCY_FACTS, SPLIT_LATENCY_FACTS, global_round_trips
 from mamba3_step.tiling import (CHECKPOINT_STATES_WARPS, CHECKPOINT_VERIFY_WARPS, VERIFY_WARPS, default_tiling,
                                 thread_layout, tiling_problem)
 
@@ -899,6 +899,24 @@ def test_the_d_split_latency_facts_are_the_sass(arch, form, split):
     f = facts_for(spec, arch)
     trips = global_round_trips(f.sass_text).round_trips
     assert (trips, f.occupancy(arch)["ctas_per_sm"]) == SPLIT_LATENCY_FACTS[arch][form][split]
+
+
+#: the verify forms the latency model tabulates -> their specialisation (the replay verify kernel at F = 4 is the
+#: one REPLAY_VERIFY compiles by default; F = 2 compiles with --full-matrix)
+VERIFY_FORMS = {"fp32 verify T = 4": verify_spec(),
+                "fp32 replay verify F = 2, T = 4": flagship_spec(replay_ring=2, tokens=4, num_accepted=True),
+                "fp32 replay verify F = 4, T = 4": flagship_spec(replay_ring=4, tokens=4, num_accepted=True)}
+
+
+@pytest.mark.parametrize("spec, form", [
+    pytest.param(spec, form, id=form, marks=[pytest.mark.full_matrix] if "F = 2" in form else [])
+    for form, spec in VERIFY_FORMS.items()])
+def test_the_verify_forms_latency_facts_are_the_sass(spec, form):
+    """KERNEL_LATENCY_FACTS of the verify forms, the latency model's inputs: the round trips of the live path
+    (for replay an upper bound: it falls through every ring position's branches) and the CTAs per SM, sm_90a."""
+    check_compiler_facts(spec, "sm_90a")
+    f = facts_for(spec, "sm_90a")
+    assert (global_round_trips(f.sass_text).round_trips, f.occupancy()["ctas_per_sm"]) == KERNEL_LATENCY_FACTS[form]
 
 
 @pytest.mark.parametrize("arch", [ARCHS[0], pytest.param(ARCHS[1], marks=pytest.mark.full_matrix)])

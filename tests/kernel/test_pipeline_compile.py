@@ -13,7 +13,9 @@ latency facts its design promises, read from the SASS.
 * the flagship's forms keep the bytes Little's law asks in flight: a CTA issues the bulk copies of ``S`` slabs
   before its first wait (the prologue's ``S - 1`` and the first refill), so at least ``S - 1`` tiles stay
   outstanding at every wait, and the resident CTAs' tiles cover ``latency_model.bytes_in_flight_needed`` per SM on
-  the target's GPUs (sm_90a: H100, H200; sm_100a: B200).
+  the target's GPUs (sm_90a: H100, H200; sm_100a: B200);
+* the flagship's T = 4 verify step on the pipeline: the round trips a slab waits on and the CTAs per SM that
+  ``VERIFY_PIPELINE_LATENCY_FACTS`` gives the latency model.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ from test_kernel_compile import ARCHS
 from mamba3_step.spec import flagship_spec
 from mamba3_step.slab_pipeline import PIPELINE_DEFAULT_CTAS, pipeline_stages, stage_tile_bytes
 from mamba3_step.tiling import thread_layout
-from mamba3_step.tools.latency_model import PIPELINE_LATENCY_FACTS, bytes_in_flight_needed, global_round_trips
+from mamba3_step.tools.issue_model import verify_spec
+from mamba3_step.tools.latency_model import (PIPELINE_LATENCY_FACTS, PIPELINE_PROLOGUE_TRIPS, VERIFY_PIPELINE_LATENCY_FACTS,
+                                             bytes_in_flight_needed, global_round_trips)
 
 #: (name, arch) -> (spill, stack) bytes of the forms that are not clean, exactly
 KNOWN_SPILLS = {}
-#: the prologue's dependent round trips on the live path (the first slabs' indices; the next slab's)
-PROLOGUE_TRIPS = 2
 #: the GPUs of each target, whose Little's-law need the pipeline's bytes in flight are held against
 GPUS_OF = {"sm_90a": ("H100", "H200"), "sm_100a": ("B200",)}
 #: the flagship's forms on each target, one xdist group each: the tests reading their SASS share one compile
@@ -58,7 +60,7 @@ def test_the_flagship_waits_on_one_round_trip_a_slab(arch, form):
     trips = global_round_trips(f.sass_text)
     per_slab, ctas = PIPELINE_LATENCY_FACTS[arch][form]
     assert trips.trips[0]["loads"] == pipeline_stages(spec) - 1, "the first slabs' indices alone in the first round trip"
-    assert trips.round_trips == PROLOGUE_TRIPS + per_slab, f"{arch} {form}: {trips.round_trips} round trips"
+    assert trips.round_trips == PIPELINE_PROLOGUE_TRIPS + per_slab, f"{arch} {form}: {trips.round_trips} round trips"
     name = {"fp32": "flagship-pool-kv", "bf16, stochastic rounding": "flagship-bf16state-sr"}.get(form, "")
     assert (f.spill_bytes, f.stack_bytes) == KNOWN_SPILLS.get((name, arch), (0, 0))
     assert f.occupancy()["ctas_per_sm"] == ctas, f"{arch} {form}: {f.occupancy()}"
@@ -91,3 +93,10 @@ def test_the_pipeline_launched_programmatically_compiles_like_the_pipeline(form,
     wait = [i for i, line in enumerate(ops) if "ACQBULK" in line]
     assert len(wait) == 1 and any("PREEXIT" in line for line in ops[wait[0]:])
     assert wait[0] < next(i for i, line in enumerate(ops) if "SYNCS" in line and "TRYWAIT" in line), "before the loop"
+
+
+def test_the_verify_step_on_the_pipeline_has_the_models_latency_facts():
+    f = compile_facts(verify_spec(pipeline_ctas=PIPELINE_DEFAULT_CTAS), "sm_90a")
+    trips = global_round_trips(f.sass_text).round_trips - PIPELINE_PROLOGUE_TRIPS
+    assert (f.spill_bytes, f.stack_bytes) == (0, 0)
+    assert (trips, f.occupancy()["ctas_per_sm"]) == VERIFY_PIPELINE_LATENCY_FACTS["sm_90a"]

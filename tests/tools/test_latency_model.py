@@ -361,3 +361,19 @@ def test_the_model_predicts_the_goals_for_the_built_kernels():
     as_ptx = lm.flagship_designs(spec, PIPELINE_EXECUTED["bf16, stochastic rounding"], total / (64 * 48), 16384, slab_pipeline=(1, 3),
                                  programmatic=True)["slab pipeline, programmatic launch"]
     assert lm.percent_of_copy(as_ptx, 64, 48, "H200", total)["percent"] < 85
+
+
+def test_the_verify_forms_are_re_costed_on_the_built_kernels():
+    """The T = 4 verify step and replay's verify step at F = 2 and 4 have the model's rows (stated facts, H200): the
+    verify step on the slab pipeline is modelled faster than on the register kernel from B = 64 (one CTA an SM
+    either way, its state in flight a slab ahead), and replay's verify kernel is issue-bound on every design."""
+    bench = _bench()
+    rows = {(r["state"], r["design"]): r for r in bench.design_rows("H200", bench.kernel_latency_facts(False), None, {})}
+    verify = {d: r for (form, d), r in rows.items() if form == bench.VERIFY_FORM}
+    assert set(verify) == {"today", "one round trip", "small-batch path", "pipeline", "slab pipeline"}
+    assert verify["today"]["trips"] == 10 and verify["slab pipeline"]["CTAs/SM"] == 1
+    for b in (64, 256, 512):
+        assert verify["slab pipeline"][f"us_B{b}"] < verify["today"][f"us_B{b}"], b
+    for K in (2, 4):
+        replayed = [r for (form, _), r in rows.items() if form == f"fp32 replay verify F = {K}, T = 4"]
+        assert len(replayed) == 4 and all(r["issue/memory"] > 1 for r in replayed), K
