@@ -116,9 +116,10 @@ def kernel_latency_facts(compile_kernels: bool) -> dict:
     facts = {}
     for form, (_, _, K, kernel_spec) in state_forms().items():
         built = BUILT_VARIANTS.get(form, ())
-        variants = [((form, kernel_spec))]
+        variants = [(form, kernel_spec)]
         variants += [((form, "async"), kernel_spec.replace(async_state_copy=True))] if "async" in built else []
-        variants += [((form, "pipeline"), kernel_spec.replace(pipeline_ctas=PIPELINE_DEFAULT_CTAS))] if "pipeline" in built else []
+        variants += ([((form, "pipeline"), kernel_spec.replace(pipeline_ctas=PIPELINE_DEFAULT_CTAS))]
+                     if "pipeline" in built else [])
         variants += [((form, "split", k), kernel_spec.replace(tile_D=kernel_spec.headdim // k))
                      for k in (2, 4) if "split" in built]
         for key, spec in variants:
@@ -141,7 +142,7 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
         path_trips, ctas = facts[form]
         # a replay kernel's live path falls through every ring position's branches: an upper bound; one
         # position's path is modelled with the round trips of the stepwise kernel that loads as it does (loads
-        # unpinned, the epilogue late) and the replay kernel's CTAs
+        # unpinned, the epilogue late; for a verify step, the stepwise verify step's) and the replay kernel's CTAs
         trips = (facts[VERIFY_FORM][0] if spec.tokens > 1 else lm.LATE_EPILOGUE_LATENCY_FACTS["sm_90a"]["fp32"][0]) \
             if K else path_trips
         copied, piped = facts.get((form, "async")), facts.get((form, "pipeline"))
@@ -153,7 +154,8 @@ def design_rows(gpu: str, facts: dict, copy_bw: float | None, overrides: dict) -
                  + (("today, programmatic launch",) if programmatic else ())
                  + (("D split, programmatic launch",) if split else ())
                  + ("pipeline",) + (("asynchronous state copy",) if copied else ())
-                 + (("slab pipeline",) if piped else ()) + (("slab pipeline, programmatic launch",) if piped and programmatic else ()))
+                 + (("slab pipeline",) if piped else ())
+                 + (("slab pipeline, programmatic launch",) if piped and programmatic else ()))
         for name in names:
             kernel = name.split(", programmatic launch")[0]  # launched programmatically: the same kernel's facts
             row = {"state": form, "design": name,
